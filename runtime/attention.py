@@ -1,0 +1,57 @@
+"""Attention metadata for one step, and the backends that run paged attention with it."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from triton_kernels import reference
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32 context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    plan: object = None  # backend-specific, built once per step
+
+
+class AttentionBackend:
+    name = "base"
+    ops: types.ModuleType  # rms_norm, rotary_embedding, silu_and_mul, apply_token_bitmask
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by all layers."""
+
+    def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """The pure-torch reference kernels; the CPU path."""
+    name = "torch"
+    ops = reference
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.plan = reference.plan_paged_attention(
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size)
+
+    def attention(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        reference.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return reference.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                         meta.query_start_loc, meta.seq_lens, scale, meta.plan)
+
+
+def make_backend(name: str, block_size: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchBackend(block_size)
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,115 @@
+"""Frozen, validated configs: one per component, built once from the engine args."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str  # a Hugging Face style directory (GGUF files are converted into one first)
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    max_model_len: int
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's own limit "
+                f"(max_position_embeddings = {self.max_position_embeddings})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"the KV cache has no room for a single block (num_blocks={self.num_blocks})")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    device: torch.device
+    attention_backend: str  # "torch" or "triton"
+    num_threads: int
+
+    def __post_init__(self):
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    seed: int
+    debug_checks: bool  # check pool integrity after every step (tests)
+
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

