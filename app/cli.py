@@ -1,0 +1,79 @@
+"""`pageserve generate` and `pageserve bench offline`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_generate(sub) -> None:
+    from runtime.engine_args import EngineArgs
+
+    p = sub.add_parser("generate", help="generate text offline and print it")
+    p.add_argument("prompts", nargs="+", help="one or more prompts")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--ignore-eos", action="store_true")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_generate)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from runtime import LLM, SamplingParams
+    from runtime.engine_args import EngineArgs
+
+    args = EngineArgs.from_cli_args(ns)
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos)
+    llm = LLM(**vars(args))
+    if ns.chat:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in ns.prompts]
+    else:
+        prompts = ns.prompts
+    outs = llm.generate(prompts, params)
+    for i, out in enumerate(outs):
+        if len(outs) > 1:
+            print(f"--- [{i}] finish_reason={out.outputs[0].finish_reason}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from loadtest import bench_offline
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    off = bench_sub.add_parser("offline", help="offline throughput against HF generate")
+    bench_offline.add_args(off)
+    off.set_defaults(func=lambda ns: (bench_offline.main(ns), 0)[1])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pageserve", description="LLM inference with a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    from runtime.models.loader import ModelLoadError
+
+    try:
+        return ns.func(ns)
+    except (ModelLoadError, ValueError) as e:
+        # one clear line for the user, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

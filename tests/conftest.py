@@ -1,0 +1,33 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# the default model's GGUF is converted once into the repo's own cache, not the user's
+os.environ.setdefault("PAGESERVE_CACHE", str(ROOT / ".cache" / "pageserve"))
+
+from tests.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    from runtime import LLM
+
+    return LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+               max_num_batched_tokens=64, debug_checks=True)
+
+
+def assert_pool_clean(engine) -> None:
+    """Every block back in the pool, nothing left running, counts add up."""
+    assert not engine.requests, f"requests left behind: {list(engine.requests)}"
+    assert not engine.scheduler.has_unfinished()
+    assert not engine.kv.req_blocks
+    engine.kv.check_integrity()
+    free, cached, in_use = engine.kv.pool.counts()
+    assert in_use == 0 and free + cached == engine.kv.pool.num_blocks

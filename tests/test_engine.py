@@ -1,0 +1,125 @@
+"""Engine behaviour on the tiny model: bad input, continuous batching, stops, memory."""
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.engine_args import EngineArgs
+from runtime.engine import LLMEngine
+from tests.conftest import assert_pool_clean
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([1] * 2000, GREEDY, r"maximum context length is 1024 tokens\. However, your request has 2000"),
+    ([1] * 1024, GREEDY, r"maximum context length is 1024 tokens\. However, your request has 1024"),
+    ("", GREEDY, "empty"),
+    ([], GREEDY, "empty"),
+    ([5, 99999], GREEDY, r"token id 99999 is outside the vocabulary \(valid ids are 0 to 383\)"),
+    ([5, -1], GREEDY, "token id -1"),
+])
+def test_bad_prompt_is_refused_before_the_engine(tiny_llm, prompt, params, match):
+    engine = tiny_llm.engine
+    good = engine.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="prompt 1: "):
+        tiny_llm.generate([[8, 9], prompt], params, use_tqdm=False)
+    # the good request is unaffected and the engine keeps serving
+    done = []
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert [o.request_id for o in done] == [good] and len(done[0].outputs[0].token_ids) == 8
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_tokens", 0, r"max_tokens must be >= 1, got 0"),
+    ("temperature", -0.5, r"temperature must be >= 0, got -0.5"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+    ("top_k", -3, r"top_k must be -1"),
+])
+def test_bad_sampling_params(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_requests_join_and_leave_at_any_step(tiny_llm):
+    engine = tiny_llm.engine
+    long_id = engine.add_request(list(range(3, 200)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    short_id = engine.add_request([10, 11, 12], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    finished_at = {}
+    step = 1
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            finished_at[out.request_id] = step
+            assert engine.kv.block_ids(out.request_id) == []  # its blocks are freed at once
+    # the short request joined the long one mid-prefill and left long before it
+    assert finished_at[short_id] < finished_at[long_id]
+    assert_pool_clean(engine)
+
+
+def test_batched_output_equals_alone(tiny_llm):
+    prompts = [list(range(3, 3 + n)) for n in (4, 70, 130, 9)]
+    together = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    alone = [tiny_llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert_pool_clean(tiny_llm.engine)
+
+
+def test_stop_token_ids_and_eos(tiny_llm):
+    free_run = tiny_llm.generate([5, 6, 7], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_at = free_run.token_ids[3]
+    first = free_run.token_ids.index(stop_at)
+    out = tiny_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                      stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    eos = tiny_llm.engine.config.model.eos_token_ids[0]
+    runs = tiny_llm.generate([[t, t + 1] for t in range(3, 60)],
+                             SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    for r in runs:
+        o = r.outputs[0]
+        assert (o.finish_reason == "stop") == (eos in o.token_ids)
+        assert eos not in o.token_ids[:-1]
+    assert_pool_clean(tiny_llm.engine)
+
+
+def test_seeded_sampling_is_reproducible(tiny_model_dir):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, ignore_eos=True)
+    a = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, seed=3)
+    b = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, seed=3)
+    prompts = [[5, 6, 7], [8, 9]]
+    outs_a = [o.outputs[0].token_ids for o in a.generate(prompts, params, use_tqdm=False)]
+    outs_b = [o.outputs[0].token_ids for o in b.generate(prompts, params, use_tqdm=False)]
+    assert outs_a == outs_b
+    greedy = [o.outputs[0].token_ids for o in a.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outs_a != [g + g[:4] for g in greedy]  # sampling is not greedy in disguise
+    assert len(set(tuple(o) for o in outs_a)) == 2
+
+
+def test_chat_applies_template(tiny_llm):
+    msgs = [{"role": "user", "content": "hello"}]
+    ids = tiny_llm.apply_chat_template(msgs)
+    assert tiny_llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    out = tiny_llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and len(out.outputs[0].token_ids) == 8
+
+
+def test_kv_pool_follows_memory_budget(tiny_model_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory=0.001, block_size=8))
+    cfg = engine.config.model
+    block_bytes = 2 * cfg.num_layers * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert engine.config.cache.num_blocks == (1 << 30) // 1000 // block_bytes
+    storage = engine.runner._kv_storage
+    assert storage.numel() * storage.element_size() <= 0.001 * (1 << 30)
+
+
+def test_max_model_len_is_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"max_model_len \(4096\) is larger than the model's own limit \(1024\)"):
+        LLM(str(tiny_model_dir), max_model_len=4096)
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(str(tiny_model_dir), kv_cache_memory=1e-5)

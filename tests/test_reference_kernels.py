@@ -1,0 +1,114 @@
+"""The vectorized torch kernels (the CPU path) against plain per-request loops."""
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_kernels import reference
+
+
+def naive_attention(q, k_cache, v_cache, block_tables, q_lens, ctx_lens, scale):
+    bs = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out, start = [], 0
+    for b, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
+        slots = [block_tables[b][p // bs] * bs + p % bs for p in range(cl)]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots].repeat_interleave(group, 1)  # [L, H, D]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots].repeat_interleave(group, 1)
+        qb = q[start:start + ql]
+        scores = torch.einsum("qhd,khd->hqk", qb.float(), k.float()) * scale
+        q_pos = torch.arange(cl - ql, cl)[:, None]
+        scores = scores.masked_fill(torch.arange(cl)[None, :] > q_pos, -math.inf)
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()))
+        start += ql
+    return torch.cat(out).to(q.dtype)
+
+
+def make_batch(rng, n_req, block_size, num_blocks, kv_heads, group, head_dim, dtype):
+    q_lens = [rng.choice([1, 1, rng.randrange(1, 38)]) for _ in range(n_req)]
+    ctx = [ql + rng.randrange(0, 264) for ql in q_lens]
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # non-contiguous block tables
+    tables, used = [], 0
+    for c in ctx:
+        n = -(-c // block_size)
+        tables.append(ids[used:used + n])
+        used += n
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    return q, k_cache, v_cache, bt, tables, q_lens, ctx, qsl
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_loop(group, block_size, dtype):
+    rng = random.Random(group * 100 + block_size)
+    torch.manual_seed(0)
+    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 9, block_size, 200, 2, group, 64, dtype)
+    scale = 64 ** -0.5
+    got = reference.paged_attention(q, kc, vc, bt, qsl, torch.tensor(ctx, dtype=torch.int32), scale)
+    want = naive_attention(q, kc, vc, tables, q_lens, ctx, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_reshape_and_cache_writes_slots():
+    kc = torch.zeros(4, 8, 2, 4)
+    vc = torch.zeros(4, 8, 2, 4)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    slots = torch.tensor([17, 3, 30])
+    reference.reshape_and_cache(k, v, kc, vc, slots)
+    torch.testing.assert_close(kc[2, 1], k[0])
+    torch.testing.assert_close(vc[0, 3], v[1])
+    torch.testing.assert_close(kc[3, 6], k[2])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_rms_norm_with_residual():
+    x, res, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
+    normed, new_res = reference.rms_norm(x, w, 1e-6, res)
+    s = x + res
+    torch.testing.assert_close(new_res, s)
+    torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_rotary_matches_rotate_half_formula():
+    d, positions = 16, torch.tensor([0, 5, 99])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(128).float()[:, None] * inv
+    cache = torch.cat([freqs.cos(), freqs.sin()], -1)
+    q, k = torch.randn(3, 4, d), torch.randn(3, 2, d)
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[positions][:, None]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1)[positions][:, None]
+
+    def rotate_half(x):
+        return torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+
+    want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    reference.rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(reference.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_apply_token_bitmask():
+    logits = torch.zeros(2, 40)
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[0, 0] = 1 << 3
+    mask[0, 1] = 1 << 5  # token 37
+    mask[1, 0] = -1  # all 32 bits: tokens 0..31
+    reference.apply_token_bitmask(logits, mask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 37]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(32))

@@ -1,0 +1,117 @@
+"""Scheduler scenarios on the CPU with a fake model: the runner's output is made up."""
+
+import random
+
+from runtime.config import SchedulerConfig
+from runtime.kv_cache_manager import KVCacheManager
+from runtime.request import Request, RequestStatus
+from runtime.scheduler import Scheduler
+from sampling.params import SamplingParams
+
+
+def make(rid, n_prompt, max_tokens=4):
+    return Request(rid, list(range(1000, 1000 + n_prompt)), SamplingParams(max_tokens=max_tokens),
+                   max_tokens, (0,))
+
+
+def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, prefix=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
+                          enable_chunked_prefill=True)
+    return Scheduler(cfg, kv)
+
+
+def fake_step(sched: Scheduler, next_token=7):
+    """One step with a fake runner: sampled requests get `next_token`, finished ones leave."""
+    out = sched.schedule()
+    assert out.num_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.requests) <= sched.config.max_num_seqs
+    assert len(out.slot_mapping) == out.num_tokens
+    assert len(set(out.slot_mapping)) == out.num_tokens, "two tokens written to one slot"
+    reqs = sched.update_after_step()
+    for sr, req in zip(out.requests, reqs):
+        if sr.sample:
+            req.token_ids.append(next_token)
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    sched.kv.check_integrity()
+    return out
+
+
+def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
+    sched = make_scheduler(budget=64)
+    short = make("short", 10, max_tokens=10)
+    sched.add_request(short)
+    out = fake_step(sched)
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("short", 10)]
+    long = make("long", 150)
+    sched.add_request(long)  # joins at any step
+    out = fake_step(sched)
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
+        ("short", 1, True), ("long", 63, False)]
+    out = fake_step(sched)
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("short", 1), ("long", 63)]
+    out = fake_step(sched)
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
+        ("short", 1, True), ("long", 24, True)]
+    assert out.requests[1].start_pos == 126
+
+
+def test_slot_mapping_follows_block_table():
+    sched = make_scheduler(block_size=16)
+    sched.add_request(make("a", 40))
+    out = sched.schedule()
+    r = out.requests[0]
+    assert out.slot_mapping == [r.block_ids[p // 16] * 16 + p % 16 for p in range(40)]
+
+
+def test_first_come_first_served_and_max_num_seqs():
+    sched = make_scheduler(budget=1000, max_seqs=3)
+    for i in range(5):
+        sched.add_request(make(f"r{i}", 5))
+    out = fake_step(sched)
+    assert [r.request_id for r in out.requests] == ["r0", "r1", "r2"]
+    assert [r.request_id for r in sched.waiting] == ["r3", "r4"]
+
+
+def test_finished_request_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=8)
+    req = make("a", 30, max_tokens=1)
+    sched.add_request(req)
+    fake_step(sched)
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert sched.kv.pool.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_preemption_under_pressure_finishes_everything():
+    """A pool for about two requests, twenty submitted: requests get preempted and
+    recomputed, and all of them finish with their full output."""
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=12, block_size=8, budget=48, max_seqs=8)
+    reqs = [make(f"r{i}", rng.randrange(5, 40), max_tokens=rng.randrange(1, 20)) for i in range(20)]
+    for r in reqs:
+        sched.add_request(r)
+    preempted = 0
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            break
+        out = fake_step(sched)
+        preempted += len(out.preempted)
+    assert not sched.has_unfinished()
+    assert preempted > 0 and sched.num_preemptions == preempted
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+               for r in reqs)
+    assert sched.kv.pool.num_free_blocks == 12
+
+
+def test_preempted_request_restarts_from_scratch():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=100, max_seqs=4)
+    a, b = make("a", 7, max_tokens=20), make("b", 7, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    fake_step(sched)  # both prefilled: 2 blocks each
+    fake_step(sched)  # position 7 still fits
+    out = fake_step(sched)  # position 8 needs a third block for each: b (newest) is preempted
+    assert out.preempted == ["b"] and [r.request_id for r in out.requests] == ["a"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert sched.waiting[0] is b and b.num_tokens == 9  # keeps the tokens it generated

@@ -1,0 +1,60 @@
+"""Builds small random-weight models in Hugging Face format, with a real BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "Continuous batching lets a request join at any step and leave as soon as it is done.",
+    "def add(a, b):\n    return a + b\n",
+    "你好，世界！ Unicode text and emoji 🙂 must survive the tokenizer.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(path: Path, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A 2-layer model with GQA; weights drawn wide enough that greedy choices are not ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, initializer_range=0.15, eos_token_id=tok.eos_token_id,
+                  bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                  tie_word_embeddings=False)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
