@@ -115,6 +115,10 @@ def run_hf(args, path: str, device: torch.device, work) -> dict:
 def main(args: argparse.Namespace) -> dict:
     from runtime import LLM
 
+    for what in ("prompt", "output"):
+        lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
+        if not 1 <= lo <= hi:
+            raise SystemExit(f"need 1 <= --min-{what}-len ({lo}) <= --max-{what}-len ({hi})")
     if args.dtype == "auto":
         raise SystemExit("--dtype auto is not supported here: HF must load the same dtype as the engine")
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,

@@ -25,8 +25,10 @@ class AttentionBackend:
     name = "base"
     ops: types.ModuleType  # rms_norm, rotary_embedding, silu_and_mul, apply_token_bitmask
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         self.block_size = block_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers."""
@@ -40,18 +42,24 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     ops = reference
 
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
+        super().__init__(block_size, num_heads, num_kv_heads)
+        self.workspace = reference.Workspace()
+
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.plan = reference.plan_paged_attention(
-            meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size)
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
+            self.num_heads, self.num_kv_heads)
 
     def attention(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache
         reference.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return reference.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                         meta.query_start_loc, meta.seq_lens, scale, meta.plan)
+                                         meta.query_start_loc, meta.seq_lens, scale, meta.plan,
+                                         self.workspace)
 
 
-def make_backend(name: str, block_size: int) -> AttentionBackend:
+def make_backend(name: str, block_size: int, num_heads: int, num_kv_heads: int) -> AttentionBackend:
     if name == "torch":
-        return TorchBackend(block_size)
+        return TorchBackend(block_size, num_heads, num_kv_heads)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.config import EngineConfig
+from runtime.cpu_env import keep_freed_memory
 from runtime.engine_args import GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model_runner import ModelRunner, kv_block_bytes
@@ -51,6 +52,7 @@ class LLMEngine:
         device = args.resolve_device()
         if device.device.type == "cpu":
             torch.set_num_threads(device.num_threads)
+            keep_freed_memory()
         path = resolve_model(args.model)
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)

@@ -28,7 +28,8 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = device_cfg.device
         self.block_size = block_size
-        self.backend = make_backend(device_cfg.attention_backend, block_size)
+        self.backend = make_backend(device_cfg.attention_backend, block_size, model_cfg.num_heads,
+                                    model_cfg.num_kv_heads)
         self.model = self._load_model(Path(model_cfg.path))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, cache: CacheConfig) -> None:
         cfg = self.model_cfg
-        shape = (cfg.num_layers, 2, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, cache.num_blocks, cfg.num_kv_heads, cache.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
         self._kv_storage = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self._kv_storage.fill_(0)

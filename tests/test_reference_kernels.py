@@ -11,13 +11,15 @@ from triton_kernels import reference
 
 
 def naive_attention(q, k_cache, v_cache, block_tables, q_lens, ctx_lens, scale):
-    bs = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
+    """Cache layout [num_blocks, Hkv, block_size, D]; one request at a time."""
+    bs = k_cache.shape[2]
+    group = q.shape[1] // k_cache.shape[1]
     out, start = [], 0
     for b, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
-        slots = [block_tables[b][p // bs] * bs + p % bs for p in range(cl)]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].repeat_interleave(group, 1)  # [L, H, D]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].repeat_interleave(group, 1)
+        blocks = torch.tensor([block_tables[b][p // bs] for p in range(cl)])
+        offsets = torch.tensor([p % bs for p in range(cl)])
+        k = k_cache[blocks, :, offsets].repeat_interleave(group, 1)  # [L, H, D]
+        v = v_cache[blocks, :, offsets].repeat_interleave(group, 1)
         qb = q[start:start + ql]
         scores = torch.einsum("qhd,khd->hqk", qb.float(), k.float()) * scale
         q_pos = torch.arange(cl - ql, cl)[:, None]
@@ -39,8 +41,8 @@ def make_batch(rng, n_req, block_size, num_blocks, kv_heads, group, head_dim, dt
         used += n
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     return q, k_cache, v_cache, bt, tables, q_lens, ctx, qsl
@@ -52,7 +54,7 @@ def make_batch(rng, n_req, block_size, num_blocks, kv_heads, group, head_dim, dt
 def test_paged_attention_matches_loop(group, block_size, dtype):
     rng = random.Random(group * 100 + block_size)
     torch.manual_seed(0)
-    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 9, block_size, 200, 2, group, 64, dtype)
+    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 40, block_size, 800, 2, group, 64, dtype)
     scale = 64 ** -0.5
     got = reference.paged_attention(q, kc, vc, bt, qsl, torch.tensor(ctx, dtype=torch.int32), scale)
     want = naive_attention(q, kc, vc, tables, q_lens, ctx, scale)
@@ -61,15 +63,15 @@ def test_paged_attention_matches_loop(group, block_size, dtype):
 
 
 def test_reshape_and_cache_writes_slots():
-    kc = torch.zeros(4, 8, 2, 4)
-    vc = torch.zeros(4, 8, 2, 4)
+    kc = torch.zeros(4, 2, 8, 4)  # [blocks, kv heads, block size, head dim]
+    vc = torch.zeros(4, 2, 8, 4)
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
     slots = torch.tensor([17, 3, 30])
     reference.reshape_and_cache(k, v, kc, vc, slots)
-    torch.testing.assert_close(kc[2, 1], k[0])
-    torch.testing.assert_close(vc[0, 3], v[1])
-    torch.testing.assert_close(kc[3, 6], k[2])
-    assert int((kc != 0).any(-1).any(-1).sum()) == 3
+    torch.testing.assert_close(kc[2, :, 1], k[0])
+    torch.testing.assert_close(vc[0, :, 3], v[1])
+    torch.testing.assert_close(kc[3, :, 6], k[2])
+    assert int((kc != 0).any(-1).sum()) == 6  # three tokens, two heads each
 
 
 def test_rms_norm_with_residual():

@@ -2,8 +2,10 @@
 against them.
 
 Paged KV cache layout, per layer: k_cache and v_cache of shape
-[num_blocks, block_size, num_kv_heads, head_dim]; token slot s lives in block s // block_size
-at offset s % block_size."""
+[num_blocks, num_kv_heads, block_size, head_dim]; token slot s lives in block s // block_size
+at offset s % block_size. Keeping a block's rows for one head contiguous lets the CPU path
+gather whole (block, head) tiles with one index_select, already in the order a batched
+matmul wants."""
 
 from __future__ import annotations
 
@@ -12,95 +14,132 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# decodes sorted by context length are split into at most this many padded groups
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write the step's new K and V ([T, Hkv, D]) into the cache at their slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = key
+    v_cache[blocks, :, offsets] = value
 
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Requests padded to one query length and one context length."""
-    q_index: torch.Tensor  # [B, Q] rows of the flat query tensor (padding repeats a valid row)
-    kv_slots: torch.Tensor  # [B, L] cache slots of each request's context (padding -> slot 0)
-    mask: torch.Tensor  # [B, 1, Q, L] True where a query may attend
+    """Requests padded to one query length Q and one context of `num_blocks` blocks."""
+    q_rows: torch.Tensor  # [b * Q] rows of the flat query tensor (padding repeats a valid row)
+    tiles: torch.Tensor  # [Hkv * b * num_blocks] rows of the cache viewed as [N * Hkv, bs, D]
+    allowed: torch.Tensor  # [1, b, Q * G, L] True where a query row may attend
     out_rows: torch.Tensor  # [n] flat token rows that this group produces
-    out_select: torch.Tensor  # [n] positions of those rows in the padded [B * Q] output
+    out_select: torch.Tensor | None  # [n] their positions in the padded [b * Q] output
+    num_seqs: int
+    q_len: int
+    num_blocks: int
 
 
 def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                seq_lens: torch.Tensor, block_size: int) -> AttentionGroup:
-    q_start = query_start_loc[:-1][sel]
-    q_lens = query_start_loc[1:][sel] - q_start
-    ctx = seq_lens[sel]
-    bt = block_tables[sel].long()
+                seq_lens: torch.Tensor, block_size: int, num_kv_heads: int,
+                group_size: int) -> AttentionGroup:
+    q_start = query_start_loc[:-1][sel].long()
+    q_lens = query_start_loc[1:][sel].long() - q_start
+    ctx = seq_lens[sel].long()
+    b = sel.numel()
     max_q, max_l = int(q_lens.max()), int(ctx.max())
-    qi = torch.arange(max_q)
-    valid_q = qi[None, :] < q_lens[:, None]  # [B, Q]
-    q_index = q_start[:, None] + torch.minimum(qi[None, :], (q_lens - 1)[:, None])
-    pos = torch.arange(max_l)
-    blk = bt[:, torch.clamp(pos // block_size, max=bt.shape[1] - 1)]
-    kv_slots = torch.where(pos[None, :] < ctx[:, None], blk * block_size + pos % block_size, 0)
+    num_blocks = -(-max_l // block_size)
+    bt = block_tables[sel, :num_blocks].long()
+    heads = torch.arange(num_kv_heads)[:, None, None]
+    tiles = (bt[None] * num_kv_heads + heads).reshape(-1)  # [Hkv, b, nb] order
+    qi = torch.minimum(torch.arange(max_q)[None, :], (q_lens - 1)[:, None])  # [b, Q]
+    q_rows = (q_start[:, None] + qi).reshape(-1)
     # query i of a request sits at position ctx - q_len + i and sees every position up to it
-    q_pos = (ctx - q_lens)[:, None] + torch.minimum(qi[None, :], (q_lens - 1)[:, None])
-    mask = pos[None, None, :] <= q_pos[:, :, None]
-    flat_valid = valid_q.reshape(-1)
-    return AttentionGroup(
-        q_index=q_index,
-        kv_slots=kv_slots,
-        mask=mask[:, None],
-        out_rows=q_index.reshape(-1)[flat_valid],
-        out_select=flat_valid.nonzero().squeeze(1),
-    )
+    q_pos = (ctx - q_lens)[:, None] + qi
+    pos = torch.arange(num_blocks * block_size)
+    allowed = pos[None, None, :] <= q_pos[:, :, None]  # [b, Q, L]
+    if group_size > 1:
+        allowed = allowed[:, :, None, :].expand(b, max_q, group_size, pos.numel())
+    allowed = allowed.reshape(1, b, max_q * group_size, pos.numel())
+    if max_q == 1:
+        out_rows, out_select = q_rows, None
+    else:
+        valid = (torch.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1)
+        out_rows, out_select = q_rows[valid], valid.nonzero().squeeze(1)
+    return AttentionGroup(q_rows, tiles, allowed, out_rows, out_select, b, max_q, num_blocks)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                         seq_lens: torch.Tensor, block_size: int) -> list[AttentionGroup]:
+                         seq_lens: torch.Tensor, block_size: int, num_heads: int,
+                         num_kv_heads: int) -> list[AttentionGroup]:
     """Index tensors for one step, built once and shared by every layer. Decodes (one query
-    token) and prefill chunks form separate groups, so a decode is not padded to a chunk."""
+    token) are sorted by context length and padded in a few groups; prefill chunks form their
+    own group, so a decode is never padded to a chunk's length."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    args = (block_tables, query_start_loc, seq_lens, block_size, num_kv_heads, num_heads // num_kv_heads)
     groups = []
-    for sel in (q_lens == 1, q_lens > 1):
-        if bool(sel.any()):
-            groups.append(_plan_group(sel.nonzero().squeeze(1), block_tables, query_start_loc,
-                                      seq_lens, block_size))
+    decodes = (q_lens == 1).nonzero().squeeze(1)
+    if decodes.numel():
+        decodes = decodes[seq_lens[decodes].argsort()]
+        n = max(1, min(MAX_DECODE_GROUPS, decodes.numel() // MIN_DECODE_GROUP))
+        groups += [_plan_group(part, *args) for part in decodes.tensor_split(n)]
+    prefills = (q_lens > 1).nonzero().squeeze(1)
+    if prefills.numel():
+        groups.append(_plan_group(prefills, *args))
     return groups
+
+
+class Workspace:
+    """Reusable buffers for gathered K/V, so that no step allocates (and page-faults) them."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def get(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.k.numel() < numel or self.k.dtype != like.dtype:
+            self.k = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.v = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self.k[:numel], self.v[:numel]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
-                    plan: list[AttentionGroup] | None = None) -> torch.Tensor:
+                    plan: list[AttentionGroup] | None = None,
+                    workspace: Workspace | None = None) -> torch.Tensor:
     """Varlen attention for a mixed step. q: [T, H, D], the step's query tokens, request by
     request (query_start_loc[b]:query_start_loc[b+1]); seq_lens[b]: the request's context
     length including this step's tokens, whose K/V are already in the cache. Queries are
     causal inside their chunk and see the whole cached context before it."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     if plan is None:
-        plan = plan_paged_attention(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        plan = plan_paged_attention(block_tables, query_start_loc, seq_lens, block_size,
+                                    num_heads, num_kv_heads)
+    workspace = workspace or Workspace()
+    k_tiles = k_cache.view(-1, block_size, head_dim)
+    v_tiles = v_cache.view(-1, block_size, head_dim)
     out = torch.empty_like(q)
     for g in plan:
-        b, max_q = g.q_index.shape
-        max_l = g.kv_slots.shape[1]
-        # query heads that share a KV head become extra query rows: no K/V repeat needed
-        qg = q[g.q_index.reshape(-1)].view(b, max_q, num_kv_heads, group_size, head_dim)
-        qg = qg.permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, max_q * group_size, head_dim)
-        kg = k_flat[g.kv_slots.reshape(-1)].view(b, max_l, num_kv_heads, head_dim).transpose(1, 2)
-        vg = v_flat[g.kv_slots.reshape(-1)].view(b, max_l, num_kv_heads, head_dim).transpose(1, 2)
-        mask = g.mask
-        if group_size > 1:
-            mask = mask[:, :, :, None, :].expand(b, 1, max_q, group_size, max_l)
-            mask = mask.reshape(b, 1, max_q * group_size, max_l)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-        og = og.view(b, num_kv_heads, max_q, group_size, head_dim).permute(0, 2, 1, 3, 4)
-        out[g.out_rows] = og.reshape(b * max_q, num_heads, head_dim)[g.out_select]
+        b, max_q, length = g.num_seqs, g.q_len, g.num_blocks * block_size
+        # query heads sharing a KV head become extra query rows: K/V are never repeated
+        qg = q.index_select(0, g.q_rows).view(b, max_q, num_kv_heads, group_size, head_dim)
+        qg = qg.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, b, max_q * group_size, head_dim)
+        kbuf, vbuf = workspace.get(g.tiles.numel() * block_size * head_dim, q)
+        shape = (g.tiles.numel(), block_size, head_dim)
+        kg = torch.index_select(k_tiles, 0, g.tiles, out=kbuf.view(shape))
+        vg = torch.index_select(v_tiles, 0, g.tiles, out=vbuf.view(shape))
+        kg = kg.view(num_kv_heads, b, length, head_dim)
+        vg = vg.view(num_kv_heads, b, length, head_dim)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.allowed, scale=scale)
+        og = og.view(num_kv_heads, b, max_q, group_size, head_dim).permute(1, 2, 0, 3, 4)
+        og = og.reshape(b * max_q, num_heads, head_dim)
+        if g.out_select is None:
+            out[g.out_rows] = og
+        else:
+            out[g.out_rows] = og[g.out_select]
     return out
 
 

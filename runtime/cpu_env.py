@@ -1,0 +1,27 @@
+"""Process settings for the CPU path."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_memory() -> None:
+    """Stop glibc from handing large freed buffers back to the kernel. Every step allocates
+    and frees activations of a few MB; with the default thresholds each one is a fresh mmap
+    whose pages fault in again (measured: 13 ms -> 3 ms for one attention-sized op)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        logger.debug("mallopt unavailable; leaving the allocator as it is")

