@@ -70,7 +70,24 @@ class LLMEngine:
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB)", model_cfg.architecture,
                     model_cfg.dtype, num_blocks, args.block_size,
                     num_blocks * kv_block_bytes(model_cfg, args.block_size) / GiB)
-        return cls(config, tokenizer, runner)
+        engine = cls(config, tokenizer, runner)
+        engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """Run the largest step the scheduler can build (a full token budget spread over the
+        most sequences, each sampling), so first-use allocations and activation peaks happen
+        before serving, then leave no trace in the cache or the counters."""
+        sched = self.config.scheduler
+        n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        ids = [self.add_request([0] * length, params, request_id=f"warmup-{i}") for i in range(n)]
+        while self.has_unfinished_requests():
+            self.step()
+        assert not any(rid in self.requests for rid in ids)
+        self.kv.pool.reset_prefix_cache()
+        self.stats = EngineStats()
 
     # ---- requests in ----
 

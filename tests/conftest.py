@@ -31,3 +31,11 @@ def assert_pool_clean(engine) -> None:
     engine.kv.check_integrity()
     free, cached, in_use = engine.kv.pool.counts()
     assert in_use == 0 and free + cached == engine.kv.pool.num_blocks
+
+
+@pytest.fixture(autouse=True)
+def _pool_intact_after_engine_tests(request):
+    """After every test that used the shared engine, its pool must be whole again."""
+    yield
+    if "tiny_llm" in request.fixturenames:
+        assert_pool_clean(request.getfixturevalue("tiny_llm").engine)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 # decodes sorted by context length are split into at most this many padded groups
-MAX_DECODE_GROUPS = 4
+MAX_DECODE_GROUPS = 16
 MIN_DECODE_GROUP = 8
 
 
@@ -34,6 +34,7 @@ class AttentionGroup:
     q_rows: torch.Tensor  # [b * Q] rows of the flat query tensor (padding repeats a valid row)
     tiles: torch.Tensor  # [Hkv * b * num_blocks] rows of the cache viewed as [N * Hkv, bs, D]
     allowed: torch.Tensor  # [1, b, Q * G, L] True where a query row may attend
+    blocked: torch.Tensor  # its negation
     out_rows: torch.Tensor  # [n] flat token rows that this group produces
     out_select: torch.Tensor | None  # [n] their positions in the padded [b * Q] output
     num_seqs: int
@@ -67,7 +68,7 @@ def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: 
     else:
         valid = (torch.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1)
         out_rows, out_select = q_rows[valid], valid.nonzero().squeeze(1)
-    return AttentionGroup(q_rows, tiles, allowed, out_rows, out_select, b, max_q, num_blocks)
+    return AttentionGroup(q_rows, tiles, allowed, ~allowed, out_rows, out_select, b, max_q, num_blocks)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
@@ -133,7 +134,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         vg = torch.index_select(v_tiles, 0, g.tiles, out=vbuf.view(shape))
         kg = kg.view(num_kv_heads, b, length, head_dim)
         vg = vg.view(num_kv_heads, b, length, head_dim)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.allowed, scale=scale)
+        if max_q == 1:
+            # decode: a handful of query rows per KV head, where SDPA's tiling is mostly
+            # overhead; scores in the model dtype, softmax in float32 (as HF's eager path)
+            scores = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)
+            scores.masked_fill_(g.blocked, float("-inf"))
+            og = torch.matmul(scores.softmax(-1).to(q.dtype), vg)
+        else:
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.allowed, scale=scale)
         og = og.view(num_kv_heads, b, max_q, group_size, head_dim).permute(1, 2, 0, 3, 4)
         og = og.reshape(b * max_q, num_heads, head_dim)
         if g.out_select is None:
