@@ -50,8 +50,14 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    num_swap_blocks: int = 0
+    preemption_mode: str = "swap"
 
     def __post_init__(self):
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}")
+        if self.num_swap_blocks < 0:
+            raise ValueError(f"the swap space cannot be negative ({self.num_swap_blocks} blocks)")
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if self.num_blocks < 1:

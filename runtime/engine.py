@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,10 @@ from runtime.engine_args import GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.models.loader import load_tokenizer, read_config, resolve_model
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
+from runtime.swap_space import SwapSpace
 from sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ class LLMEngine:
         self.runner = runner
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
+                                   config.cache.preemption_mode)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -63,7 +66,10 @@ class LLMEngine:
                                                    sched_cfg.max_num_batched_tokens)
         else:
             num_blocks = int(args.kv_cache_memory * GiB // kv_block_bytes(model_cfg, args.block_size))
-        cache_cfg = args.cache_config(num_blocks, model_cfg.max_model_len)
+        if args.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
+        num_swap = int(args.swap_space * GiB // kv_block_bytes(model_cfg, args.block_size))
+        cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
         runner.allocate_kv_cache(cache_cfg)
         config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                      seed=args.seed, debug_checks=args.debug_checks)
@@ -116,13 +122,15 @@ class LLMEngine:
         return token_ids, max_tokens
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         token_ids, max_tokens = self.validate(prompt, params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
-                      prompt if isinstance(prompt, str) else None)
+                      prompt if isinstance(prompt, str) else None, cache_salt)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
@@ -140,9 +148,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
         sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched)  # also runs the step's swap copies
         if sched.is_empty:
             return []
-        sampled = self.runner.execute(sched)
         scheduled = self.scheduler.update_after_step()
         finished: list[RequestOutput] = []
         samples = iter(sampled)
@@ -153,16 +161,25 @@ class LLMEngine:
                 continue
             token = next(samples)
             req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
             status = self._check_stop(req, token)
             if status is not None:
+                req.finished_time = time.monotonic()
                 self.scheduler.finish(req, status)
                 del self.requests[req.request_id]
                 finished.append(self._make_output(req))
         self.stats.generation_tokens += len(sampled)
         self._record_kv_waste()
         if self.config.debug_checks:
-            self.kv.check_integrity()
+            self.check_integrity()
         return finished
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        swap = self.scheduler.swap
+        swap.check_integrity()
+        assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -181,7 +198,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[CompletionOutput(0, text, ids, req.finish_reason, req.stop_reason)],
-            finished=True)
+            finished=True,
+            metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time))
 
     def _record_kv_waste(self) -> None:
         pool = self.kv.pool

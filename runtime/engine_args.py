@@ -27,6 +27,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of CPU memory for preempted requests' KV blocks
+    preemption_mode: str = "swap"
     attention_backend: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -51,6 +53,11 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--swap-space", type=float, default=4.0,
+                       help="GiB of CPU memory where preempted requests' KV blocks are kept")
+        g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
+                       help="swap: copy a preempted request's blocks to the swap space (recompute "
+                            "when it is full); recompute: free them and recompute later")
         g = parser.add_argument_group("scheduler")
         g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -127,9 +134,10 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
 
-    def cache_config(self, num_blocks: int, max_model_len: int) -> CacheConfig:
+    def cache_config(self, num_blocks: int, num_swap_blocks: int, max_model_len: int) -> CacheConfig:
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            num_swap_blocks=num_swap_blocks, preemption_mode=self.preemption_mode)
         if num_blocks * self.block_size < max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "

@@ -34,7 +34,8 @@ class KVCacheManager:
         tokens = request.token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # the first block chains from the salt, so salted requests never share blocks
+            parent = hashes[-1] if hashes else (None if request.cache_salt is None else ("salt", request.cache_salt))
             hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
         return hashes
 
@@ -53,9 +54,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        """Counted once per admitted request, not per look-up attempt."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] = ()) -> bool:

@@ -9,7 +9,8 @@ from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
 from sampling.params import SamplingParams
 
-Prompt = str | list[int]
+# a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt"}
+Prompt = str | list[int] | dict
 
 
 class LLM:
@@ -31,12 +32,16 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         # every prompt is checked before any enters the engine, so a bad one leaves no debris
+        parsed = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             try:
-                self.engine.validate(p, sp)
+                prompt, salt = _unpack(p)
+                self.engine.validate(prompt, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+            parsed.append((prompt, salt))
+        ids = [self.engine.add_request(p, sp, cache_salt=salt)
+               for (p, salt), sp in zip(parsed, sampling_params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -76,3 +81,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' "
+                         f"(and optionally 'cache_salt'); got keys {sorted(prompt)}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")

@@ -35,6 +35,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
+        self._swap_storage: torch.Tensor | None = None
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         cfg = self.model_cfg
@@ -77,6 +78,23 @@ class ModelRunner:
         self._kv_storage = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self._kv_storage.fill_(0)
         self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
+        if cache.num_swap_blocks:
+            swap_shape = shape[:2] + (cache.num_swap_blocks,) + shape[3:]
+            # left untouched on purpose: swap pages cost memory only once something is swapped
+            self._swap_storage = torch.empty(swap_shape, dtype=cfg.dtype,
+                                             pin_memory=self.device.type == "cuda")
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """The step's swap-outs, then its swap-ins: one gather and one scatter over the whole
+        cache (all layers, K and V) per direction."""
+        if out.swap_out:
+            src = torch.tensor([d for d, _ in out.swap_out], device=self.device)
+            dst = torch.tensor([s for _, s in out.swap_out])
+            self._swap_storage[:, :, dst] = self._kv_storage[:, :, src].to("cpu")
+        if out.swap_in:
+            src = torch.tensor([s for s, _ in out.swap_in])
+            dst = torch.tensor([d for _, d in out.swap_in], device=self.device)
+            self._kv_storage[:, :, dst] = self._swap_storage[:, :, src].to(self.device, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
@@ -112,6 +130,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run one step; returns one sampled token per request whose `sample` is set, in order."""
+        self.swap_blocks(out)
+        if not out.requests:
+            return []
         ids, pos, meta, logits_rows = self._prepare(out)
         hidden = self.model(ids, pos, meta, self.kv_caches)
         if not logits_rows:

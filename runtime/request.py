@@ -11,11 +11,12 @@ from sampling.params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
+    SWAPPED = 2  # preempted, its KV blocks in the CPU swap space
+    PREEMPTED = 3  # preempted, its KV blocks freed: recomputed when it runs again
     # everything after PREEMPTED is finished
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -33,11 +34,12 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
-        "eos_token_ids", "prompt",
+        "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, eos_token_ids: tuple[int, ...], prompt: str | None = None):
+                 max_tokens: int, eos_token_ids: tuple[int, ...], prompt: str | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -50,6 +52,9 @@ class Request:
         self.num_computed_tokens = 0
         self.arrival_time = time.monotonic()
         self.stop_reason: int | str | None = None
+        self.cache_salt = cache_salt  # keeps one tenant's prefix cache from serving another
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

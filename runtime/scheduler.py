@@ -1,9 +1,11 @@
 """Continuous batching under a per-step token budget, with no prefill/decode phases.
 
 Each step every running request gets the tokens it still lacks (one for a decode, a chunk
-for a prompt), then waiting requests are admitted first come, first served while the budget,
-the sequence limit and the KV pool allow. When a running request cannot get a block, the
-newest running request is preempted (its blocks freed, recomputed later)."""
+for a prompt); then swapped-out requests come back; then, once none is left swapped out,
+waiting requests are admitted first come, first served while the budget, the sequence limit
+and the KV pool allow. When a running request cannot get a block, the newest running request
+is preempted: its blocks go to the CPU swap space when there is room (mode "swap"), else they
+are freed and the request is recomputed from its tokens later."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from runtime.config import SchedulerConfig
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
+from runtime.swap_space import SwapSpace
 from sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,9 @@ class SchedulerOutput:
     slot_mapping: list[int] = field(default_factory=list)  # cache slot of every scheduled token
     num_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    # copied before the step's forward, swap-outs first: (device block, swap block) pairs
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
 
     @property
     def is_empty(self) -> bool:
@@ -42,13 +48,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, swap: SwapSpace | None = None,
+                 preemption_mode: str = "swap"):
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be swap or recompute, got {preemption_mode!r}")
         self.config = config
         self.kv = kv
+        self.swap = swap or SwapSpace(0)
+        self.preemption_mode = preemption_mode
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_recomputed = 0  # preemptions that freed the blocks
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         self._warned_preemption = False
         self._last_scheduled: list[tuple[Request, int]] = []
 
@@ -56,7 +71,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -73,8 +88,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # newest running request
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                self._preempt(victim, out)
                 preempted_any = True
                 if victim is req:
                     break
@@ -84,12 +98,32 @@ class Scheduler:
                 i += 1
 
         if not preempted_any:
-            self._admit_waiting(budget, scheduled)
+            budget = self._swap_in(budget, scheduled, out)
+            if not self.swapped:
+                self._admit_waiting(budget, scheduled)
 
         for req, num_new in scheduled:
             self._emit(out, req, num_new)
         self._last_scheduled = scheduled
         return out
+
+    def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # room for the swapped blocks and this step's tokens, all at once
+            if not self.kv.allocate_slots(req, num_new):
+                break
+            self.swapped.popleft()
+            swap_ids = self.swap.free(req.request_id)
+            valid = -(-req.num_computed_tokens // self.block_size)  # blocks holding tokens
+            out.swap_in.extend(zip(swap_ids[:valid], self.kv.block_ids(req.request_id)[:valid]))
+            self.num_swapped_in_blocks += valid
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+        return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -101,6 +135,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
                 break
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -123,18 +158,31 @@ class Scheduler:
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        block_ids = self.kv.block_ids(req.request_id)
+        valid = -(-req.num_computed_tokens // self.block_size)
+        if self.preemption_mode == "swap" and self.swap.can_hold(valid):
+            swap_ids = self.swap.allocate(req.request_id, valid)
+            out.swap_out.extend(zip(block_ids[:valid], swap_ids))
+            self.num_swapped_out_blocks += valid
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+        else:  # recompute: nothing kept but the tokens
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+            self.num_recomputed += 1
+        # the freed blocks are rewritten only by this step's forward, after the swap-out copy
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
         self.num_preemptions += 1
         if not self._warned_preemption:
             self._warned_preemption = True
             logger.warning(
-                "Request %s was preempted: the KV cache is too small for the running batch. "
+                "Request %s was preempted (%s): the KV cache is too small for the running batch. "
                 "Raise --kv-cache-memory / --gpu-memory-utilization or lower --max-num-seqs / "
-                "--max-num-batched-tokens to avoid it.", req.request_id)
+                "--max-num-batched-tokens to avoid it.", req.request_id,
+                "swapped out" if req.status == RequestStatus.SWAPPED else "recompute")
 
     def update_after_step(self) -> list[Request]:
         """The last step's tokens are now in the KV cache. Returns the scheduled requests."""
@@ -147,9 +195,12 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and free its blocks at once."""
-        req.status = status
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.swap.free(req.request_id)
         elif req in self.waiting:
             self.waiting.remove(req)
+        req.status = status
         self.kv.free(req)
