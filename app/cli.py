@@ -43,13 +43,16 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import bench_offline
+    from loadtest import bench_cache, bench_offline
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
-    off = bench_sub.add_parser("offline", help="offline throughput against HF generate")
-    bench_offline.add_args(off)
-    off.set_defaults(func=lambda ns: (bench_offline.main(ns), 0)[1])
+    for name, module, help_text in (
+            ("offline", bench_offline, "offline throughput against HF generate"),
+            ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput")):
+        b = bench_sub.add_parser(name, help=help_text)
+        module.add_args(b)
+        b.set_defaults(func=lambda ns, m=module: (m.main(ns), 0)[1])
 
 
 def build_parser() -> argparse.ArgumentParser:
