@@ -63,10 +63,11 @@ class KVCacheManager:
             self.prefix_hits += num_hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = ()) -> bool:
+                       new_computed_blocks: list[KVBlock] = (), keep_free: int = 0) -> bool:
         """Give the request room for `num_new_tokens` more tokens after its computed ones (and
-        after `new_computed_blocks`, prefix-cache hits of a request being admitted). Returns
-        False, changing nothing, when the pool is too short."""
+        after `new_computed_blocks`, prefix-cache hits of a request being admitted), leaving at
+        least `keep_free` blocks free. Returns False, changing nothing, when the pool is too
+        short."""
         rid = request.request_id
         blocks = self.req_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -74,7 +75,7 @@ class KVCacheManager:
         num_needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # hits sitting in the free queue stop being free once we reference them
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_needed + num_evictable_hits > self.pool.num_free_blocks:
+        if num_needed + num_evictable_hits + keep_free > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[rid]
             return False

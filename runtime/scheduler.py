@@ -133,7 +133,9 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            # keep a block per running request free: admitting a request only to preempt it at
+            # the next block boundary of the others would thrash (recompute mode above all)
+            if not self.kv.allocate_slots(req, num_new, hits, keep_free=len(self.running)):
                 break
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.popleft()

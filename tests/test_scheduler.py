@@ -105,13 +105,23 @@ def test_preemption_under_pressure_finishes_everything():
 
 
 def test_preempted_request_restarts_from_scratch():
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=100, max_seqs=4)
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=100, max_seqs=4)
     a, b = make("a", 7, max_tokens=20), make("b", 7, max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)
-    fake_step(sched)  # both prefilled: 2 blocks each
+    fake_step(sched)  # both prefilled: 2 blocks each, one kept free for growth
     fake_step(sched)  # position 7 still fits
-    out = fake_step(sched)  # position 8 needs a third block for each: b (newest) is preempted
+    out = fake_step(sched)  # position 8: a takes the last block, b (newest) is preempted
     assert out.preempted == ["b"] and [r.request_id for r in out.requests] == ["a"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert sched.waiting[0] is b and b.num_tokens == 9  # keeps the tokens it generated
+
+
+def test_admission_keeps_a_block_per_running_request():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=100, max_seqs=8)
+    for rid in ("a", "b", "c"):
+        sched.add_request(make(rid, 7, max_tokens=20))
+    out = fake_step(sched)
+    # a and b take 2 blocks each; c would leave 0 free for a's and b's next block
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert sched.kv.pool.num_free_blocks == 2
