@@ -9,7 +9,7 @@ class KVBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set once the block is full and cached
+        self.block_hash: bytes | None = None  # chained digest, set once the block is full and cached
         self.token_ids: tuple[int, ...] | None = None  # what the hash stands for, to confirm hits
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
@@ -59,7 +59,7 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.hash_to_block: dict[int, KVBlock] = {}
+        self.hash_to_block: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +89,7 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self.hash_to_block.get(block_hash)
         if block is not None and block.token_ids == token_ids:
             return block
@@ -102,7 +102,7 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:

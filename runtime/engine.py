@@ -66,8 +66,6 @@ class LLMEngine:
                                                    sched_cfg.max_num_batched_tokens)
         else:
             num_blocks = int(args.kv_cache_memory * GiB // kv_block_bytes(model_cfg, args.block_size))
-        if args.swap_space < 0:
-            raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
         num_swap = int(args.swap_space * GiB // kv_block_bytes(model_cfg, args.block_size))
         cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
         runner.allocate_kv_cache(cache_cfg)
@@ -93,6 +91,9 @@ class LLMEngine:
             self.step()
         assert not any(rid in self.requests for rid in ids)
         self.kv.pool.reset_prefix_cache()
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.scheduler.swap,
+                                   self.config.cache.preemption_mode)  # fresh counters
         self.stats = EngineStats()
 
     # ---- requests in ----
@@ -104,8 +105,10 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("the prompt is empty")
             token_ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.config.model.vocab_size

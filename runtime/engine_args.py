@@ -35,6 +35,25 @@ class EngineArgs:
     num_threads: int | None = None
     debug_checks: bool = False
 
+    def __post_init__(self):
+        """Checks that need no model, so that a bad value fails before anything loads."""
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        positive = {"kv_cache_memory": self.kv_cache_memory, "max_num_seqs": self.max_num_seqs,
+                    "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "num_threads": self.num_threads}
+        for name, value in positive.items():
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}")
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         g = parser.add_argument_group("model")
@@ -93,7 +112,7 @@ class EngineArgs:
         model_max = hf.get("max_position_embeddings", 2048)
         if hf.get("sliding_window") and hf.get("use_sliding_window", True):
             model_max = min(model_max, hf["sliding_window"])  # no sliding-window attention yet
-        max_len = self.max_model_len or model_max
+        max_len = model_max if self.max_model_len is None else self.max_model_len
         if max_len > model_max:
             raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")
         theta, scaling = rope_settings(hf)

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import array
+import hashlib
+import os
+
 from runtime.block_pool import BlockPool, KVBlock
 from runtime.request import Request
+
+# a per-process key: nobody can search offline for token blocks whose digests collide
+_DIGEST_KEY = os.urandom(16)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained digest of a full block: the parent's digest (or the salt) and the block's tokens."""
+    h = hashlib.blake2b(parent, key=_DIGEST_KEY, digest_size=16)
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class KVCacheManager:
@@ -16,7 +30,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self.req_hashes: dict[str, list[bytes]] = {}  # chained digests of the request's full blocks
         self.req_num_cached: dict[str, int] = {}  # how many of its blocks are in the cache map
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
@@ -28,15 +42,17 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         tokens = request.token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            # the first block chains from the salt, so salted requests never share blocks
-            parent = hashes[-1] if hashes else (None if request.cache_salt is None else ("salt", request.cache_salt))
-            hashes.append(hash((parent, tuple(tokens[i * bs:(i + 1) * bs]))))
+            if hashes:
+                parent = b"p" + hashes[-1]
+            else:  # the first block chains from the salt, so salted requests never share blocks
+                parent = b"s" + request.cache_salt.encode() if request.cache_salt else b"-"
+            hashes.append(block_digest(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -21,8 +21,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if _is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -81,6 +80,12 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
 
 
 def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:

@@ -33,6 +33,7 @@ class ModelRunner:
         self.model = self._load_model(Path(model_cfg.path))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
         self._swap_storage: torch.Tensor | None = None
@@ -130,6 +131,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run one step; returns one sampled token per request whose `sample` is set, in order."""
+        for rid in out.finished_ids:
+            self.seeded.pop(rid, None)
         self.swap_blocks(out)
         if not out.requests:
             return []
@@ -138,6 +141,17 @@ class ModelRunner:
         if not logits_rows:
             return []
         logits = self.model.compute_logits(hidden[logits_rows])
-        params = [r.sampling_params for r in out.requests if r.sample]
-        sampled = sample(logits, SamplingMetadata(params, self.device), self.generator)
-        return sampled.tolist()
+        sampling = [r for r in out.requests if r.sample]
+        own = {i: self._request_generator(r.request_id, r.sampling_params.seed)
+               for i, r in enumerate(sampling)
+               if r.sampling_params.seed is not None and not r.sampling_params.greedy}
+        meta = SamplingMetadata([r.sampling_params for r in sampling], self.device,
+                                self.model_cfg.vocab_size, own)
+        return sample(logits, meta, self.generator).tolist()
+
+    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
+        gen = self.seeded.get(request_id)
+        if gen is None:
+            gen = self.seeded[request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen

@@ -41,6 +41,7 @@ class SchedulerOutput:
     # copied before the step's forward, swap-outs first: (device block, swap block) pairs
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
 
     @property
     def is_empty(self) -> bool:
@@ -66,6 +67,7 @@ class Scheduler:
         self.num_swapped_in_blocks = 0
         self._warned_preemption = False
         self._last_scheduled: list[tuple[Request, int]] = []
+        self._finished_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -74,7 +76,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted_any = False
@@ -111,8 +114,9 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            # room for the swapped blocks and this step's tokens, all at once
-            if not self.kv.allocate_slots(req, num_new):
+            # room for the swapped blocks and this step's tokens, all at once, keeping a block
+            # per running request free so that it is not swapped straight back out
+            if not self.kv.allocate_slots(req, num_new, keep_free=len(self.running)):
                 break
             self.swapped.popleft()
             swap_ids = self.swap.free(req.request_id)
@@ -206,3 +210,4 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        self._finished_ids.append(req.request_id)

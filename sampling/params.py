@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -17,10 +20,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("n", "top_k"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.n != 1:
             raise ValueError(f"n must be 1 for now, got {self.n}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= 1e4:
+            raise ValueError(f"temperature must be in [0, 10000], got {self.temperature}")
+        if self.temperature < _GREEDY_BELOW:
+            self.temperature = 0.0  # a tiny temperature is greedy (and would overflow the logits)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0:

@@ -10,17 +10,19 @@ from sampling.params import SamplingParams
 class SamplingMetadata:
     """Per-step tensors describing the batch's sampling parameters, built once per step."""
 
-    __slots__ = ("all_greedy", "greedy", "temperature", "top_k", "top_p", "need_sort")
+    __slots__ = ("all_greedy", "greedy", "temperature", "top_k", "top_p", "need_sort", "generators")
 
-    def __init__(self, params: list[SamplingParams], device: torch.device):
+    def __init__(self, params: list[SamplingParams], device: torch.device, vocab_size: int,
+                 generators: dict[int, torch.Generator] | None = None):
         self.all_greedy = all(p.greedy for p in params)
+        self.generators = generators or {}  # row -> the request's own seeded generator
         if self.all_greedy:
             return
         self.greedy = torch.tensor([p.greedy for p in params], device=device)
         # greedy rows keep temperature 1 so the division stays finite; their argmax is used
         self.temperature = torch.tensor([p.temperature or 1.0 for p in params],
                                         dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
 
@@ -50,5 +52,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Genera
     probs = logits.softmax(dim=-1)
     # Gumbel-style race: argmax of p / E with E ~ Exp(1) draws from p
     noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, own in meta.generators.items():
+        # a seeded request draws only from its own generator: its text does not depend on
+        # what else is in the batch
+        noise[row].exponential_(generator=own)
     random_ids = (probs / noise).argmax(dim=-1)
     return torch.where(meta.greedy, greedy_ids, random_ids)

@@ -29,13 +29,13 @@ def test_free_queue_order_and_middle_removal():
 def test_lazy_eviction_keeps_hash_until_reuse():
     pool = BlockPool(2)
     (b,) = pool.get_new_blocks(1)
-    pool.cache_block(b, 123, (1, 2))
+    pool.cache_block(b, b"h1", (1, 2))
     pool.free_blocks([b])
     assert pool.counts() == (1, 1, 0)  # free, cached, in use
-    assert pool.lookup(123, (1, 2)) is b
-    assert pool.lookup(123, (9, 9)) is None  # a hash hit is confirmed by the tokens
+    assert pool.lookup(b"h1", (1, 2)) is b
+    assert pool.lookup(b"h1", (9, 9)) is None  # a hash hit is confirmed by the tokens
     pool.get_new_blocks(2)  # reuse evicts it
-    assert pool.lookup(123, (1, 2)) is None
+    assert pool.lookup(b"h1", (1, 2)) is None
     assert pool.counts() == (0, 0, 2)
     pool.check_integrity()
 

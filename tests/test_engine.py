@@ -35,7 +35,10 @@ def test_bad_prompt_is_refused_before_the_engine(tiny_llm, prompt, params, match
 
 @pytest.mark.parametrize("field,value,match", [
     ("max_tokens", 0, r"max_tokens must be >= 1, got 0"),
-    ("temperature", -0.5, r"temperature must be >= 0, got -0.5"),
+    ("max_tokens", 2.5, r"max_tokens must be an integer, got 2.5"),
+    ("temperature", -0.5, r"temperature must be in \[0, 10000\], got -0.5"),
+    ("temperature", "hot", r"temperature must be a number"),
+    ("seed", -1, r"seed must be an integer"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
     ("top_k", -3, r"top_k must be -1"),
 ])
@@ -94,10 +97,23 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir):
     prompts = [[5, 6, 7], [8, 9]]
     outs_a = [o.outputs[0].token_ids for o in a.generate(prompts, params, use_tqdm=False)]
     outs_b = [o.outputs[0].token_ids for o in b.generate(prompts, params, use_tqdm=False)]
-    assert outs_a == outs_b
-    greedy = [o.outputs[0].token_ids for o in a.generate(prompts, GREEDY, use_tqdm=False)]
-    assert outs_a != [g + g[:4] for g in greedy]  # sampling is not greedy in disguise
-    assert len(set(tuple(o) for o in outs_a)) == 2
+    assert outs_a == outs_b  # same engine seed, same batch: same draws
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy_outs = [o.outputs[0].token_ids for o in a.generate(prompts, greedy, use_tqdm=False)]
+    assert outs_a != greedy_outs  # sampling is not greedy in disguise
+
+
+def test_request_seed_ignores_the_rest_of_the_batch(tiny_llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1234)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = tiny_llm.generate([5, 6, 7], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = tiny_llm.generate([[9, 9], [5, 6, 7], [10, 11, 12]], [other, seeded, other],
+                              use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == crowd
+    reseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=99)
+    assert tiny_llm.generate([5, 6, 7], reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+    tiny_llm.engine.step()  # the next step tells the runner which requests finished
+    assert not tiny_llm.engine.runner.seeded  # their generators are dropped
 
 
 def test_chat_applies_template(tiny_llm):
@@ -116,6 +132,35 @@ def test_kv_pool_follows_memory_budget(tiny_model_dir):
     assert engine.config.cache.num_blocks == (1 << 30) // 1000 // block_bytes
     storage = engine.runner._kv_storage
     assert storage.numel() * storage.element_size() <= 0.001 * (1 << 30)
+
+
+def test_huge_top_k_and_tiny_temperature_are_safe(tiny_llm):
+    huge = SamplingParams(temperature=0.8, top_k=2 ** 62, max_tokens=4, ignore_eos=True)
+    assert len(tiny_llm.generate([5, 6], huge, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    tiny_t = SamplingParams(temperature=1e-30, max_tokens=6, ignore_eos=True)
+    assert tiny_t.greedy
+    assert (tiny_llm.generate([5, 6], tiny_t, use_tqdm=False)[0].outputs[0].token_ids
+            == tiny_llm.generate([5, 6], GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:6])
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"block_size": 0}, "block_size must be 8, 16 or 32"),
+    ({"num_threads": -1}, "num_threads must be > 0"),
+    ({"max_model_len": 0}, "max_model_len must be >= 2"),
+    ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
+    ({"swap_space": -1}, "swap_space must be >= 0"),
+])
+def test_bad_engine_args_fail_before_loading(args, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model="/nonexistent", **args)
+
+
+def test_single_dict_and_tuple_prompts(tiny_llm):
+    one = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt_token_ids == [5, 6, 7]
+    assert len(tiny_llm.generate((5, 6, 7), GREEDY, use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="not int"):
+        tiny_llm.generate([[5], 3], GREEDY, use_tqdm=False)
 
 
 def test_max_model_len_is_checked(tiny_model_dir):

@@ -6,6 +6,7 @@ from runtime.config import SchedulerConfig
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
+from runtime.swap_space import SwapSpace
 from sampling.params import SamplingParams
 
 
@@ -14,11 +15,11 @@ def make(rid, n_prompt, max_tokens=4):
                    max_tokens, (0,))
 
 
-def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, prefix=False):
+def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, prefix=False, swap_blocks=0):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
                           enable_chunked_prefill=True)
-    return Scheduler(cfg, kv)
+    return Scheduler(cfg, kv, SwapSpace(swap_blocks), "swap" if swap_blocks else "recompute")
 
 
 def fake_step(sched: Scheduler, next_token=7):
@@ -35,6 +36,7 @@ def fake_step(sched: Scheduler, next_token=7):
             if req.num_output_tokens >= req.max_tokens:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
     sched.kv.check_integrity()
+    sched.swap.check_integrity()
     return out
 
 
@@ -58,11 +60,15 @@ def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
 
 
 def test_slot_mapping_follows_block_table():
-    sched = make_scheduler(block_size=16)
+    sched = make_scheduler(num_blocks=4, block_size=16, prefix=False)
+    first, second = make("x", 32), make("y", 16)
+    sched.kv.allocate_slots(first, 32)  # blocks 0, 1
+    sched.kv.allocate_slots(second, 16)  # block 2
+    sched.kv.free(first)  # free queue now: 3, 1, 0
     sched.add_request(make("a", 40))
     out = sched.schedule()
-    r = out.requests[0]
-    assert out.slot_mapping == [r.block_ids[p // 16] * 16 + p % 16 for p in range(40)]
+    assert out.requests[0].block_ids == [3, 1, 0]
+    assert out.slot_mapping == list(range(48, 64)) + list(range(16, 32)) + list(range(0, 8))
 
 
 def test_first_come_first_served_and_max_num_seqs():
@@ -125,3 +131,30 @@ def test_admission_keeps_a_block_per_running_request():
     # a and b take 2 blocks each; c would leave 0 free for a's and b's next block
     assert [r.request_id for r in out.requests] == ["a", "b"]
     assert sched.kv.pool.num_free_blocks == 2
+
+
+def test_swap_out_and_back_in_moves_the_computed_blocks():
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=100, max_seqs=4, swap_blocks=8)
+    a, b = make("a", 7, max_tokens=6), make("b", 6, max_tokens=20)  # a alone fits in the pool
+    sched.add_request(a)
+    sched.add_request(b)
+    fake_step(sched)  # a: blocks for 7 tokens, b: for 6
+    b_blocks = sched.kv.block_ids("b")
+    fake_step(sched)  # a computes position 7, b position 6
+    fake_step(sched)  # a takes the last free block for position 8; b computes position 7
+    out = fake_step(sched)  # b needs a block for position 8: none left, b is swapped out
+    assert out.preempted == ["b"] and b.status == RequestStatus.SWAPPED
+    # b had computed 8 tokens: both of its blocks hold tokens and go to the swap space
+    assert [d for d, _ in out.swap_out] == b_blocks
+    swap_ids = [s for _, s in out.swap_out]
+    assert sched.swap.req_blocks["b"] == swap_ids and b.num_computed_tokens == 8
+    late = make("late", 3)
+    sched.add_request(late)
+    for _ in range(40):  # b comes back before the later request is admitted
+        out = fake_step(sched)
+        if out.swap_in:
+            break
+        assert late.status == RequestStatus.WAITING
+    assert [s for s, _ in out.swap_in] == swap_ids
+    assert [d for _, d in out.swap_in] == sched.kv.block_ids("b")[:2]
+    assert b.status == RequestStatus.RUNNING and not sched.swap.req_blocks
