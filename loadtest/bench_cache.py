@@ -121,8 +121,11 @@ def main(args: argparse.Namespace) -> dict:
             print(f"{mode:9s}: {m['tokens_per_s']:.1f} tok/s ({m['elapsed_s']:.1f} s), "
                   f"{m['preemptions']} preemptions ({m['recomputed']} recomputed, "
                   f"{m['swapped_out_blocks']} blocks swapped out)")
+        note = "" if r["same_outputs"] or args.dtype == "float32" else (
+            " (recomputed KV is rounded differently from the original in reduced precision, so "
+            "greedy paths may part; the float32 tests assert identical outputs)")
         print(f"swap / recompute throughput: {r['swap_over_recompute']:.2f}x; "
-              f"identical outputs: {r['same_outputs']}")
+              f"identical outputs: {r['same_outputs']}{note}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
