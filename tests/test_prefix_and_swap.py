@@ -147,3 +147,16 @@ def test_bad_cache_salt(tiny_llm):
         tiny_llm.engine.add_request([5, 6], SamplingParams(), cache_salt="")
     with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
         tiny_llm.generate([{"prompt": "hi", "prompt_token_ids": [1]}], use_tqdm=False)
+
+
+def test_same_seeded_output_under_pressure(tiny_model_dir):
+    prompts, _ = workload(16, seed=3)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=32, ignore_eos=True, seed=100 + i)
+              for i in range(16)]
+    roomy = tiny(tiny_model_dir, blocks=2000, enable_prefix_caching=False)
+    expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
+    for mode, swap_blocks in (("swap", 14), ("recompute", 0)):
+        tight = tiny(tiny_model_dir, blocks=40, swap_blocks=swap_blocks, preemption_mode=mode)
+        assert token_ids(tight.generate(prompts, params, use_tqdm=False)) == expected
+        assert tight.engine.scheduler.num_preemptions > 0
+        assert_all_free(tight)
