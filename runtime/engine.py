@@ -70,7 +70,7 @@ class LLMEngine:
         cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
         runner.allocate_kv_cache(cache_cfg)
         config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                     seed=args.seed, debug_checks=args.debug_checks)
+                              seed=args.seed, debug_checks=args.debug_checks)
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB)", model_cfg.architecture,
                     model_cfg.dtype, num_blocks, args.block_size,
                     num_blocks * kv_block_bytes(model_cfg, args.block_size) / GiB)
