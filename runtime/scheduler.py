@@ -51,8 +51,6 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, swap: SwapSpace | None = None,
                  preemption_mode: str = "swap"):
-        if preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be swap or recompute, got {preemption_mode!r}")
         self.config = config
         self.kv = kv
         self.swap = swap or SwapSpace(0)

@@ -95,7 +95,7 @@ def test_rotary_matches_rotate_half_formula():
         return torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
 
     want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    reference.rotary_embedding(positions, q, k, cache)
+    reference.rotary_embedding(q, k, *reference.rope_cos_sin(positions, cache, q.dtype))
     torch.testing.assert_close(q, want_q)
     torch.testing.assert_close(k, want_k)
 

@@ -162,14 +162,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * h.to(x.dtype), x
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> None:
-    """Neox-style RoPE in place on q [T, H, D] and k [T, Hkv, D]; cos_sin_cache is
-    [max_pos, D] holding cos of the D/2 frequencies then their sin, in float32."""
+def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's cos and sin ([T, 1, D/2], in the model dtype), looked up once and shared by
+    every layer; cos_sin_cache is [max_pos, D] holding cos of the D/2 frequencies then their
+    sin, in float32."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions].to(dtype)
+    return cs[:, None, :half], cs[:, None, half:]
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox-style RoPE in place on q [T, H, D] and k [T, Hkv, D]."""
     half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions]
-    cos = cs[:, None, :half].to(q.dtype)
-    sin = cs[:, None, half:].to(q.dtype)
     for x in (q, k):
         x1, x2 = x[..., :half], x[..., half:]
         r1 = x1 * cos - x2 * sin

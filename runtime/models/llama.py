@@ -62,9 +62,9 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         x, residual = self.ops.rms_norm(x, self.input_layernorm, cfg.rms_norm_eps, residual)
         qkv = self.qkv_proj(x)
@@ -73,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        self.ops.rotary_embedding(q, k, *rope)
         attn = self.backend.attention(q, k, v, kv_cache, meta, self.scale)
         x = self.o_proj(attn.reshape(t, self.q_size))
         x, residual = self.ops.rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps, residual)
@@ -99,9 +99,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Final hidden states (after the last norm) of every token of the step."""
         x = self.embed_tokens(input_ids)
+        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # once per step
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv_cache, self.cos_sin_cache)
+            x, residual = layer(x, residual, meta, kv_cache, rope)
         x, _ = self.ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps, residual)
         return x
 
