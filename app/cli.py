@@ -1,4 +1,4 @@
-"""`pageserve generate` and `pageserve bench offline`."""
+"""`pageserve serve`, `pageserve generate` and `pageserve bench`."""
 
 from __future__ import annotations
 
@@ -55,9 +55,19 @@ def _add_bench(sub) -> None:
         b.set_defaults(func=lambda ns, m=module: (m.main(ns), 0)[1])
 
 
+def _add_serve(sub) -> None:
+    from app import serve
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                       description="Serve MODEL (default: SmolLM2-135M-Instruct) over the OpenAI API.")
+    serve.add_args(p)
+    p.set_defaults(func=serve.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pageserve", description="LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
     return parser

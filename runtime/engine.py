@@ -11,6 +11,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.cpu_env import keep_freed_memory
+from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from runtime.engine_args import GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.model_runner import ModelRunner, kv_block_bytes
@@ -19,9 +20,11 @@ from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
 from runtime.swap_space import SwapSpace
-from sampling.params import SamplingParams
+from sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # unused: nothing is sampled
 
 
 @dataclass(slots=True)
@@ -41,6 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, runner: ModelRunner):
         self.config = config
         self.tokenizer = tokenizer
+        self._tokenizer = backend_tokenizer(tokenizer)
         self.runner = runner
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
@@ -85,7 +89,8 @@ class LLMEngine:
         sched = self.config.scheduler
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         ids = [self.add_request([0] * length, params, request_id=f"warmup-{i}") for i in range(n)]
         while self.has_unfinished_requests():
             self.step()
@@ -98,13 +103,15 @@ class LLMEngine:
 
     # ---- requests in ----
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], int]:
-        """Tokenize and check a prompt before it enters the engine. Returns (token ids,
-        max_tokens resolved against the context length)."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Thread-safe: the Rust tokenizer is only read."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
         else:
@@ -115,11 +122,20 @@ class LLMEngine:
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary (valid ids are 0 to {vocab - 1})")
+        return token_ids
+
+    def _too_long(self, num_tokens: int) -> ValueError:
+        return ValueError(
+            f"This model's maximum context length is {self.config.model.max_model_len} tokens. However, "
+            f"your request has {num_tokens} input tokens. Please reduce the length of the input.")
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], int]:
+        """Tokenize and check a prompt before it enters the engine. Returns (token ids,
+        max_tokens resolved against the context length)."""
+        token_ids = self._prompt_token_ids(prompt)
         max_len = self.config.model.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{len(token_ids)} input tokens, which leaves no room for output.")
+        if len(token_ids) >= max_len:  # at least one output token must fit
+            raise self._too_long(len(token_ids))
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return token_ids, max_tokens
@@ -127,16 +143,38 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         token_ids, max_tokens = self.validate(prompt, params)
+        req = self._new_request(request_id, token_ids, params, max_tokens, prompt, cache_salt)
+        req.detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params.stop,
+                                                 params.include_stop_str_in_output,
+                                                 params.skip_special_tokens)
+        self.scheduler.add_request(req)
+        return req.request_id
+
+    def validate_embedding(self, prompt: str | list[int]) -> list[int]:
+        token_ids = self._prompt_token_ids(prompt)
+        if len(token_ids) > self.config.model.max_model_len:
+            raise self._too_long(len(token_ids))
+        return token_ids
+
+    def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None) -> str:
+        """A prefill-only request whose output is the mean of its tokens' last hidden states,
+        L2-normalized."""
+        token_ids = self.validate_embedding(prompt)
+        req = self._new_request(request_id, token_ids, _POOLING_PARAMS, 0, prompt, None, pooling=True)
+        self.scheduler.add_request(req)
+        return req.request_id
+
+    def _new_request(self, request_id, token_ids, params, max_tokens, prompt, cache_salt,
+                     pooling: bool = False) -> Request:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
-                      prompt if isinstance(prompt, str) else None, cache_salt)
+                      prompt if isinstance(prompt, str) else None, cache_salt, pooling)
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
-        return request_id
+        return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -149,17 +187,25 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step. Returns an output for each request that has something to report,
+        as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched)  # also runs the step's swap copies
+        sampled, pooled = self.runner.execute(sched)  # also runs the step's swap copies
         if sched.is_empty:
             return []
         scheduled = self.scheduler.update_after_step()
-        finished: list[RequestOutput] = []
-        samples = iter(sampled)
+        outputs: list[RequestOutput] = []
+        samples, pools = iter(sampled), iter(pooled)
         for sr, req in zip(sched.requests, scheduled):
             end = sr.start_pos + len(sr.token_ids)
             self.stats.prompt_tokens += max(0, min(end, req.num_prompt_tokens) - sr.start_pos)
+            if sr.pool:
+                part = next(pools)
+                req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
+                if req.num_computed_tokens == req.num_tokens:
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)
+                    outputs.append(self._embedding_output(req))
+                continue
             if not sr.sample:
                 continue
             token = next(samples)
@@ -168,15 +214,20 @@ class LLMEngine:
                 req.first_token_time = time.monotonic()
             status = self._check_stop(req, token)
             if status is not None:
-                req.finished_time = time.monotonic()
-                self.scheduler.finish(req, status)
-                del self.requests[req.request_id]
-                finished.append(self._make_output(req))
+                self._finish(req, status)
+            out = self._make_output(req, status is not None)
+            if out is not None:
+                outputs.append(out)
         self.stats.generation_tokens += len(sampled)
         self._record_kv_waste()
         if self.config.debug_checks:
             self.check_integrity()
-        return finished
+        return outputs
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+        del self.requests[req.request_id]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
@@ -185,23 +236,49 @@ class LLMEngine:
         assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Stop tokens first (their text is left out unless asked for), then stop strings in
+        the decoded text, then the length limit."""
         params = req.sampling_params
+        status = None
         if not params.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
             req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.model.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            status = RequestStatus.FINISHED_STOPPED
+        if status is None or params.include_stop_str_in_output:
+            stop_str = req.detokenizer.add_token(token)
+            if status is None and stop_str is not None:
+                req.stop_reason = stop_str
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (req.num_output_tokens >= req.max_tokens
+                               or req.num_tokens >= self.config.model.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        return status
 
-    def _make_output(self, req: Request) -> RequestOutput:
-        ids = req.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _make_output(self, req: Request, finished: bool) -> RequestOutput | None:
+        kind = req.sampling_params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        detok = req.detokenizer
+        delta = detok.take_delta(finished)
+        if kind == RequestOutputKind.DELTA:
+            text = delta
+            ids = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
+            req.num_sent_tokens = req.num_output_tokens
+        else:
+            text, ids = detok.text[:detok.sent], req.output_token_ids
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[CompletionOutput(0, text, ids, req.finish_reason, req.stop_reason)],
-            finished=True,
+            finished=finished, metrics=metrics)
+
+    def _embedding_output(self, req: Request) -> RequestOutput:
+        mean = req.pooled_sum / req.num_tokens
+        embedding = (mean / mean.norm().clamp_min(1e-12)).tolist()
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            finished=True, embedding=embedding,
             metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time))
 
     def _record_kv_waste(self) -> None:

@@ -58,7 +58,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks; at least one token is always left to compute
         so that the step produces logits for the request."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.pooling:  # pooling needs every token's state
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from runtime.engine import LLMEngine
 from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
-from sampling.params import SamplingParams
+from sampling.params import RequestOutputKind, SamplingParams
 
 # a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt"}
 Prompt = str | list[int] | dict
@@ -30,6 +31,7 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        sampling_params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in sampling_params]
         # every prompt is checked before any enters the engine, so a bad one leaves no debris
         parsed = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
@@ -68,7 +70,7 @@ class LLM:
         try:
             while len(results) < len(ids):
                 for out in self.engine.step():
-                    if out.request_id in wanted:
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

@@ -129,17 +129,19 @@ class ModelRunner:
         return ids, pos, meta, logits_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run one step; returns one sampled token per request whose `sample` is set, in order."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[torch.Tensor]]:
+        """Run one step. Returns one sampled token per request whose `sample` is set, and the
+        float32 sum of the step's last hidden states per request whose `pool` is set, in order."""
         for rid in out.finished_ids:
             self.seeded.pop(rid, None)
         self.swap_blocks(out)
         if not out.requests:
-            return []
+            return [], []
         ids, pos, meta, logits_rows = self._prepare(out)
         hidden = self.model(ids, pos, meta, self.kv_caches)
+        pooled = self._pool(out, hidden, meta) if any(r.pool for r in out.requests) else []
         if not logits_rows:
-            return []
+            return [], pooled
         logits = self.model.compute_logits(hidden[logits_rows])
         sampling = [r for r in out.requests if r.sample]
         own = {i: self._request_generator(r.request_id, r.sampling_params.seed)
@@ -147,7 +149,13 @@ class ModelRunner:
                if r.sampling_params.seed is not None and not r.sampling_params.greedy}
         meta = SamplingMetadata([r.sampling_params for r in sampling], self.device,
                                 self.model_cfg.vocab_size, own)
-        return sample(logits, meta, self.generator).tolist()
+        return sample(logits, meta, self.generator).tolist(), pooled
+
+    @staticmethod
+    def _pool(out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
+        starts = meta.query_start_loc.tolist()
+        return [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
+                for i, r in enumerate(out.requests) if r.pool]
 
     def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.seeded.get(request_id)

@@ -33,3 +33,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # embedding requests: the pooled, normalized vector

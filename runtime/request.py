@@ -35,11 +35,12 @@ class Request:
         "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
+        "detokenizer", "num_sent_tokens", "pooling", "pooled_sum",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_ids: tuple[int, ...], prompt: str | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, pooling: bool = False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -55,6 +56,11 @@ class Request:
         self.cache_salt = cache_salt  # keeps one tenant's prefix cache from serving another
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.detokenizer = None  # IncrementalDetokenizer, set by the engine
+        self.num_sent_tokens = 0  # output tokens already handed out (streaming)
+        # embedding requests: prefill only, summing the last hidden states of every token
+        self.pooling = pooling
+        self.pooled_sum = None
 
     @property
     def num_tokens(self) -> int:

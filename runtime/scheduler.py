@@ -30,6 +30,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool  # this chunk reaches the end of the request's tokens, so a token is sampled
     sampling_params: SamplingParams
+    pool: bool = False  # an embedding request: sum its tokens' last hidden states
 
 
 @dataclass(slots=True)
@@ -156,8 +157,9 @@ class Scheduler:
             token_ids=req.token_ids[start:start + num_new],
             start_pos=start,
             block_ids=block_ids,
-            sample=start + num_new == req.num_tokens,
+            sample=start + num_new == req.num_tokens and not req.pooling,
             sampling_params=req.sampling_params,
+            pool=req.pooling,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new

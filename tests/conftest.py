@@ -39,3 +39,18 @@ def _pool_intact_after_engine_tests(request):
     yield
     if "tiny_llm" in request.fixturenames:
         assert_pool_clean(request.getfixturevalue("tiny_llm").engine)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The real server on the default model, in this process (so tests can look inside the
+    engine). float32: unlike bfloat16, its greedy output does not depend on what else is in the
+    batch, so streamed, concurrent and alone results can be compared token for token."""
+    from runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    srv = InProcessServer(EngineArgs(dtype="float32", kv_cache_memory=0.25, swap_space=0.05,
+                                     max_model_len=2048, max_num_seqs=32),
+                          served_model_names=("SmolLM2-135M-Instruct", "default"))
+    yield srv
+    srv.stop()

@@ -1,0 +1,110 @@
+"""POST /v1/chat/completions: messages through the model's chat template, answered whole or
+streamed as chat.completion.chunk events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.errors import bad_request
+from app.generation import (check_length, collect, request_id, sampling_params, sse_response, start,
+                            usage)
+from app.http import api_route, json_response, read_json, until_disconnected
+from app.protocol import ChatCompletionRequest, ChatMessage
+from app.state import LONG_TEXT, ServerState
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    d = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_calls:
+        d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "messages")
+    try:
+        return tokenizer.apply_chat_template(
+            [_message_dict(m) for m in messages], tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+    except Exception as e:  # the template's own raise_exception, or a jinja error
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+
+
+async def chat_prompt_ids(state: ServerState, body) -> list[int]:
+    args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
+    if sum(len(m.text()) for m in body.messages) > LONG_TEXT:  # off the loop: streams go on
+        text = await asyncio.to_thread(render_chat, *args)
+    else:
+        text = render_chat(*args)
+    return await state.tokenize(text, add_special_tokens=False)  # the template wrote them
+
+
+@api_route
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, ChatCompletionRequest, state.settings.max_request_body_bytes)
+    model = state.check_model(body.model)
+    if body.logprobs or body.top_logprobs:
+        raise bad_request("logprobs are not supported yet", "logprobs")
+    prompt_ids = await chat_prompt_ids(state, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    check_length(state, len(prompt_ids), max_tokens)
+    params = sampling_params(body, max_tokens)
+    rid = request_id("chatcmpl")
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt)
+    created = int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse_response(_chunks(stream, rid, created, model, len(prompt_ids), include_usage), stream)
+    try:
+        outs = await until_disconnected(request, collect(stream))
+    finally:
+        stream.abort()
+    out = outs[rid]
+    choice = out.outputs[0]
+    return json_response({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": choice.text,
+                                             "tool_calls": []},
+                     "logprobs": None, "finish_reason": choice.finish_reason,
+                     "stop_reason": choice.stop_reason}],
+        "usage": usage(len(prompt_ids), len(choice.token_ids)),
+    })
+
+
+async def _chunks(stream, rid: str, created: int, model: str, num_prompt: int, include_usage: bool):
+    def chunk(delta: dict, finish_reason=None, stop_reason=None) -> dict:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                          "finish_reason": finish_reason}]}
+        if finish_reason is not None:
+            c["choices"][0]["stop_reason"] = stop_reason
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    yield chunk({"role": "assistant", "content": ""})
+    num_generated = 0
+    async for out in stream:
+        choice = out.outputs[0]
+        num_generated += len(choice.token_ids)
+        if choice.text:
+            yield chunk({"content": choice.text})
+        if out.finished:
+            yield chunk({}, choice.finish_reason, choice.stop_reason)
+    if include_usage:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [], "usage": usage(num_prompt, num_generated)}

@@ -1,0 +1,53 @@
+"""POST /v1/embeddings: mean-pooled, L2-normalized last hidden states of the served model,
+computed as prefill-only requests through the same engine as generation."""
+
+from __future__ import annotations
+
+import base64
+from array import array
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.completions import prompt_token_ids, split_prompts
+from app.errors import bad_request
+from app.generation import collect, request_id
+from app.http import api_route, json_response, read_json, until_disconnected
+from app.protocol import EmbeddingRequest
+from app.state import ServerState
+
+
+@api_route
+async def embeddings(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, EmbeddingRequest, state.settings.max_request_body_bytes)
+    model = state.check_model(body.model)
+    if body.dimensions is not None:
+        raise bad_request("dimensions is not supported: the model has one embedding size", "dimensions")
+    inputs = await prompt_token_ids(state, split_prompts(body.input), "input")
+    for ids in inputs:
+        if len(ids) > state.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {state.max_model_len} tokens. However, your "
+                f"request has {len(ids)} input tokens. Please reduce the length of the input.", "input")
+    engine = state.engine
+    base = request_id("embd")
+    stream = engine.new_stream()
+    try:
+        index = {}
+        for i, ids in enumerate(inputs):
+            rid = f"{base}-{i}"
+            engine.add_embedding_request(stream, rid, ids)
+            index[rid] = i
+        outs = await until_disconnected(request, collect(stream))
+    finally:
+        stream.abort()
+    data = []
+    for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
+        vector = outs[rid].embedding
+        if body.encoding_format == "base64":
+            vector = base64.b64encode(array("f", vector).tobytes()).decode()  # little-endian float32
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    num_tokens = sum(len(ids) for ids in inputs)
+    return json_response({"object": "list", "data": data, "model": model,
+                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})

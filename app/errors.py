@@ -1,0 +1,63 @@
+"""The OpenAI error envelope, and the mapping of every failure to a status code: 4xx for what
+the client got wrong, 503 when the server cannot take the request now."""
+
+from __future__ import annotations
+
+import orjson
+from pydantic import ValidationError
+from starlette.responses import Response
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error",
+          503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def envelope(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return Response(orjson.dumps(self.envelope()), status_code=self.status,
+                        media_type="application/json", headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """The first problem pydantic found, with its location as `param` (`messages.0.role`)."""
+    errors = err.errors(include_url=False)
+    # our own checks say more than "not a string" from another member of the same union
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    loc = [str(p) for p in first["loc"]
+           # pydantic names the member of a union it tried (`str`, `list[...]`), not a field
+           if not (isinstance(p, str) and (p in ("str", "int", "bool", "float") or "[" in p
+                                           or p.startswith("function-")))]
+    param = ".".join(loc) or None
+    msg = first["msg"]
+    if first["type"] == "missing":
+        message = f"'{param}' is a required field"
+    elif first["type"] == "value_error":
+        message = msg.removeprefix("Value error, ")
+        message = f"{param}: {message}" if param else message
+    else:
+        message = f"{param}: {msg}" if param else msg
+        if "input" in first and first["type"] not in ("model_type", "dict_type"):
+            message += f" (got {_short(first['input'])})"
+    return APIError(400, message, param)
+
+
+def _short(value) -> str:
+    text = orjson.dumps(value, default=str).decode() if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

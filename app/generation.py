@@ -1,0 +1,114 @@
+"""What chat and completions share: request fields -> SamplingParams, the context-length
+checks with vLLM's wording, adding prompts to the engine, and the SSE response."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+from sse_starlette import EventSourceResponse
+
+from app.errors import APIError, bad_request
+from app.protocol import _SamplingFields
+from app.state import ServerState
+from runtime.async_engine import RequestStream
+from runtime.outputs import RequestOutput
+from sampling.params import RequestOutputKind, SamplingParams
+
+# fields of the full sampling surface that this engine does not apply yet: refused, not ignored
+_NOT_YET = {
+    "presence_penalty": lambda v: v != 0.0,
+    "frequency_penalty": lambda v: v != 0.0,
+    "repetition_penalty": lambda v: v not in (None, 1.0),
+    "logit_bias": lambda v: bool(v),
+    "min_p": lambda v: v not in (None, 0.0),
+    "min_tokens": lambda v: v != 0,
+}
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int | None) -> SamplingParams:
+    if body.n != 1:
+        raise bad_request("n > 1 is not supported yet", "n")
+    for name, used in _NOT_YET.items():
+        if used(getattr(body, name)):
+            raise bad_request(f"{name} is not supported yet", name)
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            max_tokens=max_tokens,
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            seed=body.seed,
+            output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    limit = state.max_model_len
+    if num_prompt_tokens >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", "messages")
+    if max_tokens is not None and max_tokens > limit - num_prompt_tokens:
+        raise bad_request(
+            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {limit} "
+            f"tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
+            f"{num_prompt_tokens}).", "max_tokens")
+
+
+def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
+          cache_salt: str | None) -> tuple[RequestStream, dict[str, int]]:
+    """Hand every prompt to the engine; returns the stream and engine request id -> choice
+    index. Nothing is left running if one of them is refused."""
+    engine = state.engine
+    stream = engine.new_stream()
+    index: dict[str, int] = {}
+    try:
+        for i, ids in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            engine.add_request(stream, rid, ids, params, cache_salt)
+            index[rid] = i
+    except BaseException:
+        stream.abort()
+        raise
+    return stream, index
+
+
+async def collect(stream: RequestStream) -> dict[str, RequestOutput]:
+    """The final output of each request (the stream asks for final outputs only)."""
+    return {out.request_id: out async for out in stream}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSourceResponse:
+    """Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]`. An error after
+    the 200 becomes an error event. A client that goes away aborts the engine requests."""
+    async def frames():
+        try:
+            async for event in events:
+                yield orjson.dumps(event).decode()
+        except APIError as e:
+            yield orjson.dumps(e.envelope()).decode()
+        except Exception as e:  # the engine died or refused mid-stream: tell the client
+            yield orjson.dumps(APIError(503 if isinstance(e, RuntimeError) else 400,
+                                        str(e)).envelope()).decode()
+        finally:
+            stream.abort()
+        yield "[DONE]"
+    return EventSourceResponse(frames(), sep="\n", ping=15)

@@ -1,0 +1,104 @@
+"""Request plumbing shared by the routes: bounded body reading, JSON in and out with orjson,
+validation into the protocol models, error mapping, and noticing a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from app.errors import APIError, bad_request, from_validation_error
+from runtime.async_engine import EngineDeadError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def json_response(content, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit of {max_bytes} bytes "
+                         f"(--max-request-body-mb)", code="request_too_large")
+
+
+async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body:
+    raw = await read_body(request, max_bytes)
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the body must be a JSON object, not {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def api_route(handler: Callable[[Request], Awaitable[Response]]):
+    """Turns every failure a client can cause into its 4xx envelope, and the server's own
+    overload or death into a 503."""
+    @functools.wraps(handler)
+    async def route(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except ValueError as e:  # the engine's own checks (prompt length, token ids, ...)
+            return bad_request(str(e)).response()
+        except QueueFullError as e:
+            return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}).response()
+        except EngineDeadError as e:
+            return APIError(503, str(e), code="engine_dead").response()
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)  # nobody is listening
+    return route
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable):
+    """Await `work`, unless the client disconnects first: then cancel it and raise ClientGone.
+    The body must have been read already."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

@@ -1,0 +1,101 @@
+"""`pageserve serve [MODEL]`: load the model, then serve the OpenAI API with uvicorn (uvloop,
+httptools)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+import orjson
+
+from app.state import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from runtime.engine_args import EngineArgs
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model directory or .gguf file (same as --model)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model names the API answers to; the first is reported (default: the model's)")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1/*; repeatable; also "
+                        "$PAGESERVE_API_KEY")
+    g.add_argument("--allowed-origins", action="append", default=None,
+                   help="CORS origins allowed (a JSON list, comma-separated, or repeated); none by default")
+    g.add_argument("--max-request-body-mb", type=float, default=32.0,
+                   help="larger request bodies get a 413")
+    g.add_argument("--max-num-queued-reqs", type=int, default=1024,
+                   help="past this many requests waiting for the engine, new ones get a 503 with "
+                        "Retry-After")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    EngineArgs.add_cli_args(parser)
+
+
+def _origins(values: list[str] | None) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in values or []:
+        v = v.strip()
+        if v.startswith("["):
+            try:
+                items = orjson.loads(v)
+            except orjson.JSONDecodeError:
+                raise ValueError(f"--allowed-origins: {v!r} is not a JSON list") from None
+            out.extend(str(i) for i in items)
+        else:
+            out.extend(o.strip() for o in v.split(",") if o.strip())
+    return tuple(out)
+
+
+def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
+    keys = list(ns.api_key or [])
+    if os.environ.get("PAGESERVE_API_KEY"):
+        keys.append(os.environ["PAGESERVE_API_KEY"])
+    if any(not k for k in keys):
+        raise ValueError("--api-key must not be empty")
+    names = tuple(ns.served_model_name or [model])
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}")
+    return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
+                          allowed_origins=_origins(ns.allowed_origins),
+                          max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
+                          max_num_queued_reqs=ns.max_num_queued_reqs)
+
+
+def run(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server import build_app
+    from app.state import ServerState
+    from runtime.async_engine import AsyncEngine
+    from runtime.engine import LLMEngine
+    from runtime.engine_args import EngineArgs
+    from runtime.models.loader import DEFAULT_GGUF_FILE
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    args = EngineArgs.from_cli_args(ns)
+    # checked before the model loads, so that a bad flag fails in a second
+    settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
+    engine = LLMEngine.from_engine_args(args)
+    state = ServerState(AsyncEngine(engine, settings.max_num_queued_reqs), engine.tokenizer, settings,
+                        engine.config.model.max_model_len)
+    app = build_app(state)
+    logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,
+                ns.port, " (API key required)" if settings.api_keys else "")
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http="httptools",
+                            log_level=ns.uvicorn_log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
+    # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.Server(config).run()
+    return 0

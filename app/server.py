@@ -1,0 +1,147 @@
+"""The Starlette application: routes, API-key check, CORS, error envelopes, and the engine
+task started and stopped with the app."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.chat import chat_completions, chat_prompt_ids
+from app.completions import completions
+from app.embeddings import embeddings
+from app.errors import APIError, bad_request
+from app.http import api_route, json_response, read_json
+from app.openapi import openapi_document, package_version
+from app.protocol import DetokenizeRequest, TokenizeRequest
+from app.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/*, compared in constant time against every key."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]):
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] == "http" and scope["path"].startswith("/v1/")
+                and scope["method"] != "OPTIONS" and not self._authorized(scope)):
+            err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+        given = header[7:] if header[:7].lower() == b"bearer " else b""
+        ok = False
+        for key in self.keys:  # no early exit: the time does not tell which key came close
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.engine.is_running:
+        return Response(status_code=200)
+    return APIError(503, "the engine has stopped", code="engine_dead").response()
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": package_version()})
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "pageserve",
+         "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
+        for name in state.settings.served_model_names]})
+
+
+@api_route
+async def tokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
+    state.check_model(body.model)
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages is empty", "messages")
+        ids = await chat_prompt_ids(state, body)
+    else:
+        ids = await state.tokenize(body.prompt, body.add_special_tokens)
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+
+@api_route
+async def detokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
+    state.check_model(body.model)
+    vocab = state.engine.engine.config.model.vocab_size
+    if body.tokens and max(body.tokens) >= vocab:
+        raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary (0 to {vocab - 1})",
+                          "tokens")
+    return json_response({"prompt": state.detokenize(body.tokens)})
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(request.app.state.openapi)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return APIError(exc.status_code, exc.detail or "error", headers=exc.headers).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s", request.url.path)
+    return APIError(500, "internal server error").response()
+
+
+def build_app(state: ServerState) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    middleware = []
+    if state.settings.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
+                                     allow_methods=["*"], allow_headers=["*"]))
+    if state.settings.api_keys:
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=state.settings.api_keys))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await state.engine.stop()
+
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.server = state
+    app.state.openapi = openapi_document()
+    return app

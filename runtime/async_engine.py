@@ -1,0 +1,201 @@
+"""The engine inside an asyncio server: one task runs one engine step per tick.
+
+The model forward runs in a worker thread, so the event loop keeps accepting connections and
+writing streams meanwhile. New requests and aborts are handed to the engine only between
+steps, on the loop thread, so the engine is never touched by two threads at once. Each request
+owns an asyncio queue that receives its outputs; a handler reads only its own queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from runtime.engine import LLMEngine
+from runtime.outputs import RequestOutput
+from sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-num-queued-reqs allows."""
+
+
+@dataclass(slots=True)
+class _PendingRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | None  # None: an embedding request
+    cache_salt: str | None
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (one per prompt or choice) through one
+    queue. Iteration ends once all of them have finished; `abort()` (safe at any time) cancels
+    those still running."""
+
+    __slots__ = ("_queue", "_engine", "_open")
+
+    def __init__(self, engine: "AsyncEngine"):
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._engine = engine
+        self._open: set[str] = set()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._open:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.abort()
+            raise item
+        if item.finished:
+            self._open.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        for rid in self._open:
+            self._engine.abort(rid)
+        self._open.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_num_queued_reqs: int = 1024):
+        self.engine = engine
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[str, _PendingRequest] = {}
+        self._aborts: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self.error is None and self._task is not None and not self._task.done()
+
+    # ---- requests in ----
+
+    @property
+    def num_queued(self) -> int:
+        """Requests not yet running: handed in but not admitted by the scheduler."""
+        return len(self._pending) + len(self.engine.scheduler.waiting)
+
+    def _check_accepting(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        if self.num_queued >= self.max_num_queued_reqs:
+            raise QueueFullError(f"the server has {self.num_queued} requests waiting, its limit "
+                                 f"(--max-num-queued-reqs); retry later")
+
+    def new_stream(self) -> RequestStream:
+        self._check_accepting()
+        return RequestStream(self)
+
+    def add_request(self, stream: RequestStream, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, cache_salt: str | None = None) -> None:
+        """Check the request now (ValueError for a bad one) and queue it for the next step;
+        its outputs go to `stream`."""
+        self.engine.validate(prompt_token_ids, params)
+        self._enqueue(stream, _PendingRequest(request_id, prompt_token_ids, params, cache_salt))
+
+    def add_embedding_request(self, stream: RequestStream, request_id: str,
+                              prompt_token_ids: list[int]) -> None:
+        self.engine.validate_embedding(prompt_token_ids)
+        self._enqueue(stream, _PendingRequest(request_id, prompt_token_ids, None, None))
+
+    def _enqueue(self, stream: RequestStream, pending: _PendingRequest) -> None:
+        rid = pending.request_id
+        if rid in self._streams or rid in self.engine.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._streams[rid] = stream
+        stream._open.add(rid)
+        self._pending[rid] = pending
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect before the next step: the request's blocks are free after it."""
+        self._streams.pop(request_id, None)
+        if self._pending.pop(request_id, None) is None:
+            self._aborts.add(request_id)
+            self._wake.set()
+
+    # ---- the loop ----
+
+    def _hand_over(self) -> None:
+        """Between steps, on the loop thread: apply aborts, then add new requests."""
+        engine = self.engine
+        for rid in self._aborts:
+            engine.abort_request(rid)
+        self._aborts.clear()
+        pending, self._pending = self._pending, {}
+        for rid, p in pending.items():
+            try:
+                if p.params is None:
+                    engine.add_embedding_request(p.prompt_token_ids, request_id=rid)
+                else:
+                    engine.add_request(p.prompt_token_ids, p.params, request_id=rid,
+                                       cache_salt=p.cache_salt)
+            except ValueError as e:  # checked on the way in; only a race could bring us here
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.put(e)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._hand_over()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    if not self._pending and not self._aborts:
+                        await self._wake.wait()
+                    continue
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue  # aborted while the step ran
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+        except asyncio.CancelledError:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+            raise
+        except BaseException as e:
+            logger.exception("the engine loop stopped on an error")
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine has stopped: {e!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in set(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+        self._pending.clear()

@@ -1,0 +1,118 @@
+"""Real servers for the end-to-end tests, bound to a free loopback port.
+
+`InProcessServer` runs uvicorn in a thread of the test process, so tests can look inside the
+engine (pool, requests) after talking to it over HTTP. `SubprocessServer` runs the
+`pageserve serve` command itself."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout} s")
+
+
+class InProcessServer:
+    def __init__(self, engine_args, **settings):
+        import uvicorn
+
+        from app.server import build_app
+        from app.state import ServerSettings, ServerState
+        from runtime.async_engine import AsyncEngine
+        from runtime.engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        settings.setdefault("served_model_names", ("test-model",))
+        settings.setdefault("model_path", str(engine_args.model))
+        self.settings = ServerSettings(**settings)
+        self.state = ServerState(AsyncEngine(self.engine, self.settings.max_num_queued_reqs),
+                                 self.engine.tokenizer, self.settings, self.engine.config.model.max_model_len)
+        self.sock = free_socket()
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.state), loop="asyncio", http="httptools",
+                                log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, 60)
+
+    @property
+    def model(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine holds no request and every KV block is back in the pool."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.engine.requests and not self.state.engine._streams and not self.engine.kv.req_blocks:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"still busy after {timeout} s: requests {list(self.engine.requests)}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+class SubprocessServer:
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        sock = free_socket()
+        port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = ROOT / ".cache" / f"server-{port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        try:
+            wait_healthy(self.url, 120, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,169 @@
+"""Bad requests get a 4xx with the error envelope and leave the server serving; auth, CORS,
+body size and backpressure on a `pageserve serve` subprocess."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.live_server import SubprocessServer
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT, COMP, EMB = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+
+# (route, body (a dict is sent as JSON, bytes as they are), status, param, words in the message)
+BAD = [
+    (CHAT, b"{not json", 400, None, "not valid JSON"),
+    (CHAT, b"[1, 2, 3]", 400, None, "must be a JSON object"),
+    (CHAT, b"", 400, None, "not valid JSON"),
+    (CHAT, {}, 400, "messages", "required"),
+    (CHAT, {"messages": []}, 400, "messages", "at least 1"),
+    (CHAT, {"messages": "hello"}, 400, "messages", "valid list"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "'user'"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages.0.role", "required"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", "valid"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content.0", "not supported"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature", "valid number"),
+    (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature", "greater than or equal"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p", "less than or equal"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    (CHAT, {"messages": MSG, "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
+    (CHAT, {"messages": MSG, "max_tokens": 5000}, 400, "max_tokens",
+     "'max_tokens' is too large: 5000. This model's maximum context length is 2048 tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 2100}]}, 400, "messages",
+     "maximum context length is 2048 tokens. However, your request has 2"),
+    (CHAT, {"messages": MSG, "model": "gpt-4o"}, 404, "model", "does not exist"),
+    (CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream", "valid boolean"),
+    (CHAT, {"messages": MSG, "stop": [1, 2]}, 400, "stop", "valid"),
+    (CHAT, {"messages": MSG, "seed": -3}, 400, "seed", "greater than or equal"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n", "greater than or equal"),
+    (CHAT, {"messages": MSG, "stream_options": {"include_usage": 3}}, 400,
+     "stream_options.include_usage", "valid boolean"),
+    (CHAT, {"messages": MSG, "top_k": -5}, 400, "top_k", "greater than or equal"),
+    (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop", "non-empty"),
+    (COMP, {"prompt": ""}, 400, "prompt", "empty"),
+    (COMP, {"prompt": []}, 400, "prompt", None),
+    (COMP, {"prompt": [1, 99999999]}, 400, "prompt", "outside the vocabulary"),
+    (COMP, {"prompt": [1, -2]}, 400, "prompt", None),
+    (COMP, {"prompt": {"text": "hi"}}, 400, "prompt", None),
+    (COMP, {"prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_tokens", "too large"),
+    (COMP, {"prompt": "hi", "suffix": "bye"}, 400, "suffix", "not supported"),
+    (COMP, {"model": "nope", "prompt": "hi"}, 404, "model", "does not exist"),
+    (EMB, {}, 400, "input", "required"),
+    (EMB, {"input": "hi", "encoding_format": "hex"}, 400, "encoding_format", "'float' or 'base64'"),
+    ("/tokenize", {"prompt": "a", "messages": MSG}, 400, None, "exactly one"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens", "outside the vocabulary"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "valid list"),
+]
+
+
+def _post(url: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(url, json=body, timeout=60)
+
+
+def _assert_envelope(r: httpx.Response, status: int, param=None, words=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == {401: "authentication_error", 404: "not_found_error",
+                           503: "server_error"}.get(status, "invalid_request_error")
+    if param is not None:
+        assert err["param"] == param, err
+    if words is not None:
+        assert words in err["message"], err["message"]
+    assert "Traceback" not in err["message"]
+    return err
+
+
+@pytest.mark.parametrize("route,body,status,param,words", BAD,
+                         ids=[f"{i}-{b[0].strip('/')}" for i, b in enumerate(BAD)])
+def test_bad_request_then_a_good_one(server, route, body, status, param, words):
+    _assert_envelope(_post(server.url + route, body), status, param, words)
+    ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                    json={"model": server.model, "messages": MSG, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+    server.wait_idle()
+
+
+def test_unknown_fields_are_ignored_and_unknown_routes_enveloped(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "hi", "extra": 1}],
+        "max_tokens": 2, "some_future_field": {"x": 1}})
+    assert r.status_code == 200
+    _assert_envelope(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+    assert httpx.get(f"{server.url}/v1/chat/completions").status_code == 405
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir):
+    srv = SubprocessServer(str(tiny_model_dir), "--dtype", "float32", "--kv-cache-memory", "0.01",
+                           "--api-key", "key-one", "--allowed-origins", "http://good.example",
+                           "--max-request-body-mb", "0.01", "--max-num-seqs", "1",
+                           "--max-num-queued-reqs", "2", "--served-model-name", "tiny",
+                           env={"PAGESERVE_API_KEY": "key-two"})
+    yield srv
+    assert srv.stop() == 0
+    assert "key-one" not in srv.output() and "key-two" not in srv.output()
+
+
+def _auth(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_keys(guarded):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, _auth("wrong"), {"Authorization": "key-one"}, _auth("key-one-and-more")):
+        r = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=headers)
+        err = _assert_envelope(r, 401)
+        assert err["code"] == "invalid_api_key"
+    for key in ("key-one", "key-two"):  # the flag's and the environment's
+        assert httpx.post(f"{guarded.url}/v1/completions", json=body, headers=_auth(key)).status_code == 200
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # not under /v1
+    assert httpx.get(f"{guarded.url}/v1/models").status_code == 401
+
+
+def test_cors_only_for_allowed_origins(guarded):
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(f"{guarded.url}/v1/completions", headers={"Origin": "http://good.example", **pre})
+    assert ok.headers.get("access-control-allow-origin") == "http://good.example"
+    bad = httpx.options(f"{guarded.url}/v1/completions", headers={"Origin": "http://evil.example", **pre})
+    assert "access-control-allow-origin" not in bad.headers
+
+
+def test_body_too_large_is_413(guarded):
+    big = {"model": "tiny", "prompt": "x" * 20_000, "max_tokens": 1}
+    err = _assert_envelope(httpx.post(f"{guarded.url}/v1/completions", json=big, headers=_auth("key-one")), 413)
+    assert err["code"] == "request_too_large"
+    # chunked, with no Content-Length: counted while it is read
+    chunks = (json.dumps(big)[i:i + 1000].encode() for i in range(0, 20_100, 1000))
+    r = httpx.post(f"{guarded.url}/v1/completions", content=chunks,
+                   headers={**_auth("key-one"), "content-type": "application/json"})
+    _assert_envelope(r, 413)
+
+
+def test_queue_full_is_503_with_retry_after(guarded):
+    """One running request (--max-num-seqs 1), two waiting (--max-num-queued-reqs 2): the next
+    is refused with 503 and Retry-After; the others all finish."""
+    long = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+    results = []
+
+    def send():
+        results.append(httpx.post(f"{guarded.url}/v1/completions", json=long, headers=_auth("key-one"),
+                                  timeout=120).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+        t.join(timeout=0.3)
+    refused = httpx.post(f"{guarded.url}/v1/completions", json=long, headers=_auth("key-one"))
+    err = _assert_envelope(refused, 503)
+    assert refused.headers["retry-after"] == "1" and err["code"] == "server_overloaded"
+    for t in threads:
+        t.join(timeout=120)
+    assert results == [200, 200, 200]
