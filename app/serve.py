@@ -76,7 +76,6 @@ def run(ns: argparse.Namespace) -> int:
     from app.server import build_app
     from app.state import ServerState
     from runtime.async_engine import AsyncEngine
-    from runtime.engine import LLMEngine
     from runtime.engine_args import EngineArgs
     from runtime.models.loader import DEFAULT_GGUF_FILE
 
@@ -85,9 +84,8 @@ def run(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
-    engine = LLMEngine.from_engine_args(args)
-    state = ServerState(AsyncEngine(engine, settings.max_num_queued_reqs), engine.tokenizer, settings,
-                        engine.config.model.max_model_len)
+    engine = AsyncEngine.build(args, settings.max_num_queued_reqs)
+    state = ServerState(engine, engine.engine.tokenizer, settings, engine.engine.config.model.max_model_len)
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,
                 ns.port, " (API key required)" if settings.api_keys else "")

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from runtime.engine import LLMEngine
+from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
 from sampling.params import SamplingParams
 
@@ -71,16 +72,31 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_num_queued_reqs: int = 1024):
+    def __init__(self, engine: LLMEngine, max_num_queued_reqs: int = 1024,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.max_num_queued_reqs = max_num_queued_reqs
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, _PendingRequest] = {}
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None
+
+    @classmethod
+    def build(cls, engine_args: EngineArgs, max_num_queued_reqs: int = 1024) -> "AsyncEngine":
+        """Load the model and run every later step on one and the same thread. On CPU this
+        matters: each thread that runs torch ops gets its own OpenMP team, and once the process
+        has more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions
+        (measured: 395 -> 200 tok/s at 32 streams when the model was loaded on another thread)."""
+        executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        try:
+            engine = executor.submit(LLMEngine.from_engine_args, engine_args).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, max_num_queued_reqs, executor)
 
     # ---- lifecycle ----
 

@@ -49,14 +49,14 @@ class InProcessServer:
         from app.server import build_app
         from app.state import ServerSettings, ServerState
         from runtime.async_engine import AsyncEngine
-        from runtime.engine import LLMEngine
 
-        self.engine = LLMEngine.from_engine_args(engine_args)
         settings.setdefault("served_model_names", ("test-model",))
         settings.setdefault("model_path", str(engine_args.model))
         self.settings = ServerSettings(**settings)
-        self.state = ServerState(AsyncEngine(self.engine, self.settings.max_num_queued_reqs),
-                                 self.engine.tokenizer, self.settings, self.engine.config.model.max_model_len)
+        async_engine = AsyncEngine.build(engine_args, self.settings.max_num_queued_reqs)
+        self.engine = async_engine.engine
+        self.state = ServerState(async_engine, self.engine.tokenizer, self.settings,
+                                 self.engine.config.model.max_model_len)
         self.sock = free_socket()
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.state), loop="asyncio", http="httptools",
