@@ -167,3 +167,25 @@ def test_queue_full_is_503_with_retry_after(guarded):
     for t in threads:
         t.join(timeout=120)
     assert results == [200, 200, 200]
+
+
+def test_engine_death_turns_health_503_and_requests_get_errors(tiny_model_dir):
+    from runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))
+    try:
+        body = {"model": srv.model, "prompt": [5, 6, 7], "max_tokens": 4}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+        srv.engine.step = broken_step
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
+        _assert_envelope(httpx.get(f"{srv.url}/health"), 503)
+        _assert_envelope(httpx.post(f"{srv.url}/v1/completions", json=body), 503)
+    finally:
+        srv.stop()

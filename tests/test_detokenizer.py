@@ -1,0 +1,125 @@
+"""Incremental detokenization: whole characters only, stop strings caught across token
+boundaries and never handed out early; the engine's streamed deltas join to its final text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from sampling.params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from runtime.models.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(None))
+
+
+def _stream(tok, ids, stop=(), include=False, prompt=(1,)):
+    detok = IncrementalDetokenizer(backend_tokenizer(tok), list(prompt), list(stop), include, True)
+    pieces, found = [], None
+    for t in ids:
+        found = detok.add_token(t)
+        pieces.append(detok.take_delta(finished=found is not None))
+        if found:
+            break
+    else:
+        pieces.append(detok.take_delta(finished=True))
+    return pieces, found, detok
+
+
+@pytest.mark.parametrize("text", ["你好，世界！今天天气很好。", "emoji 🙂🚀👨‍👩‍👧 done", "naïve café — ünïcödé",
+                                  "Plain ASCII, with  two spaces and\nnew lines."])
+def test_token_by_token_joins_to_the_whole_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces, _, _ = _stream(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert len(ids) > len(text.encode()) / 4  # several tokens, some splitting characters
+
+
+def test_stop_string_across_tokens_is_cut_and_never_leaked(tokenizer):
+    text = "The answer is forty-two. END OF STORY and more text after it"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # the stop string spans several tokens
+    assert len(tokenizer.encode(" END OF STORY", add_special_tokens=False)) >= 3
+    pieces, found, _ = _stream(tokenizer, ids, stop=["END OF STORY"])
+    assert found == "END OF STORY"
+    assert "".join(pieces) == "The answer is forty-two. "
+    for i in range(len(pieces)):  # no prefix handed out ever contains the start of the stop
+        assert "END" not in "".join(pieces[:i + 1])
+    pieces, found, _ = _stream(tokenizer, ids, stop=["END OF STORY"], include=True)
+    assert "".join(pieces) == "The answer is forty-two. END OF STORY"
+
+
+def test_held_back_text_is_released_when_the_stop_does_not_come(tokenizer):
+    ids = tokenizer.encode("a b c ab abc", add_special_tokens=False)
+    pieces, found, _ = _stream(tokenizer, ids, stop=["abcd"])
+    assert found is None and "".join(pieces) == "a b c ab abc"
+    # 'abc' might have been the start of 'abcd': held back until the end
+    assert not "".join(pieces[:-1]).endswith("abc")
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    _, found, detok = _stream(tokenizer, ids, stop=["four", "two"])
+    assert found == "two" and detok.text == "one "
+
+
+def test_first_output_token_keeps_its_leading_space(tokenizer):
+    prompt = tokenizer.encode("Hello", add_special_tokens=False)
+    ids = tokenizer.encode(" world", add_special_tokens=False)
+    pieces, _, _ = _stream(tokenizer, ids, prompt=prompt)
+    assert "".join(pieces) == " world"
+
+
+def test_engine_deltas_join_to_the_final_text(tiny_llm):
+    engine = tiny_llm.engine
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    finals = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)
+    delta = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    ids = [engine.add_request(p, delta) for p in prompts]
+    texts, tokens = {i: "" for i in ids}, {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id] += out.outputs[0].text
+            tokens[out.request_id] += out.outputs[0].token_ids
+    for rid, final in zip(ids, finals):
+        assert texts[rid] == final.outputs[0].text
+        assert tokens[rid] == final.outputs[0].token_ids
+
+
+def test_engine_stop_string_sets_stop_reason(tiny_llm):
+    free = tiny_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    stop = free.text[10:13]
+    assert len(stop) == 3 and stop not in free.text[:10]
+    out = tiny_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == free.text[:10]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(free.token_ids)
+
+
+def test_embeddings_match_hf_mean_pooled_hidden_states(tiny_llm, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = tiny_llm.engine
+    prompts = [[5, 6, 7, 8], list(range(3, 150))]  # the second spans chunked-prefill steps
+    ids = [engine.add_embedding_request(p) for p in prompts]
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    for rid, p in zip(ids, prompts):
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([p])).last_hidden_state[0]
+        ref = torch.nn.functional.normalize(hidden.mean(0), dim=0)
+        ours = torch.tensor(outs[rid].embedding)
+        assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
