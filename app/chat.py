@@ -13,6 +13,7 @@ from app.errors import bad_request
 from app.generation import (check_length, collect, request_id, sampling_params, sse_response, start,
                             usage)
 from app.http import api_route, json_response, read_json, until_disconnected
+from app.logprobs import chat_logprobs
 from app.protocol import ChatCompletionRequest, ChatMessage
 from app.state import LONG_TEXT, ServerState
 
@@ -57,54 +58,56 @@ async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, ChatCompletionRequest, state.settings.max_request_body_bytes)
     model = state.check_model(body.model)
-    if body.logprobs or body.top_logprobs:
-        raise bad_request("logprobs are not supported yet", "logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_length(state, len(prompt_ids), max_tokens)
-    params = sampling_params(body, max_tokens)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     rid = request_id("chatcmpl")
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt)
     created = int(time.time())
+    head = {"id": rid, "created": created, "model": model}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_chunks(stream, rid, created, model, len(prompt_ids), include_usage), stream)
+        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), include_usage), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()
-    out = outs[rid]
-    choice = out.outputs[0]
+    choices = []
+    for c in outs[rid].outputs:
+        choices.append({
+            "index": c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+            "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return json_response({
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": choice.text,
-                                             "tool_calls": []},
-                     "logprobs": None, "finish_reason": choice.finish_reason,
-                     "stop_reason": choice.stop_reason}],
-        "usage": usage(len(prompt_ids), len(choice.token_ids)),
+        "object": "chat.completion", **head, "choices": choices,
+        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in outs[rid].outputs)),
     })
 
 
-async def _chunks(stream, rid: str, created: int, model: str, num_prompt: int, include_usage: bool):
-    def chunk(delta: dict, finish_reason=None, stop_reason=None) -> dict:
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                          "finish_reason": finish_reason}]}
+async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int, include_usage: bool):
+    def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
-            c["choices"][0]["stop_reason"] = stop_reason
+            choice["stop_reason"] = stop_reason
+        c = {"object": "chat.completion.chunk", **head, "choices": [choice]}
         if include_usage:
             c["usage"] = None
         return c
 
-    yield chunk({"role": "assistant", "content": ""})
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
     num_generated = 0
     async for out in stream:
-        choice = out.outputs[0]
-        num_generated += len(choice.token_ids)
-        if choice.text:
-            yield chunk({"content": choice.text})
-        if out.finished:
-            yield chunk({}, choice.finish_reason, choice.stop_reason)
+        for c in out.outputs:
+            num_generated += len(c.token_ids)
+            logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
+            if c.text or logprobs:
+                yield chunk(c.index, {"content": c.text}, logprobs=logprobs)
+            if c.finish_reason is not None:
+                yield chunk(c.index, {}, c.finish_reason, c.stop_reason)
     if include_usage:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [], "usage": usage(num_prompt, num_generated)}
+        yield {"object": "chat.completion.chunk", **head, "choices": [],
+               "usage": usage(num_prompt, num_generated)}

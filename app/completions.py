@@ -11,6 +11,7 @@ from app.errors import bad_request
 from app.generation import (check_length, collect, request_id, sampling_params, sse_response, start,
                             usage)
 from app.http import api_route, json_response, read_json, until_disconnected
+from app.logprobs import completion_logprobs
 from app.protocol import CompletionRequest
 from app.state import ServerState
 
@@ -42,60 +43,78 @@ async def completions(request: Request) -> Response:
     model = state.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if body.logprobs is not None:
-        raise bad_request("logprobs are not supported yet", "logprobs")
     prompts = split_prompts(body.prompt)
     ids = await prompt_token_ids(state, prompts, "prompt")
     for p in ids:
         check_length(state, len(p), body.max_tokens)
-    params = sampling_params(body, body.max_tokens)
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
     echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     rid = request_id("cmpl")
     stream, index = start(state, rid, ids, params, body.cache_salt)
     created = int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     num_prompt = sum(len(p) for p in ids)
+    job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_chunks(stream, index, rid, created, model, num_prompt, echo, include_usage),
-                            stream)
+        return sse_response(_chunks(job, stream, head, num_prompt, include_usage), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()
-    choices = []
-    for r, i in sorted(index.items(), key=lambda kv: kv[1]):
-        c = outs[r].outputs[0]
-        choices.append({"index": i, "text": (echo[i] if echo else "") + c.text, "logprobs": None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return json_response({
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": choices,
-        "usage": usage(num_prompt, sum(len(outs[r].outputs[0].token_ids) for r in index)),
-    })
+    choices, num_generated = [], 0
+    for r in index:
+        for c in outs[r].outputs:
+            num_generated += len(c.token_ids)
+            choices.append(job.choice(outs[r], c, first=True, final=True))
+    choices.sort(key=lambda c: c["index"])
+    return json_response({**head, "choices": choices, "usage": usage(num_prompt, num_generated)})
 
 
-async def _chunks(stream, index: dict[str, int], rid: str, created: int, model: str, num_prompt: int,
-                  echo: list[str] | None, include_usage: bool):
-    def chunk(i: int, text: str, finish_reason=None, stop_reason=None) -> dict:
-        choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
-        c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [choice]}
+class _Job:
+    """One completions request's prompts and how its choices are numbered and echoed."""
+
+    def __init__(self, state: ServerState, index: dict[str, int], prompt_ids: list[list[int]], n: int,
+                 echo: list[str] | None, echo_logprobs: bool):
+        self.state, self.index, self.prompt_ids, self.n = state, index, prompt_ids, n
+        self.echo, self.echo_logprobs = echo, echo_logprobs
+        self.offsets: dict[int, int] = {}  # choice -> characters streamed so far (text_offset)
+
+    def choice(self, out, c, first: bool, final: bool) -> dict:
+        """`first`: this choice's first piece (gets the echo); `final`: a whole answer."""
+        p = self.index[out.request_id]
+        i = p * self.n + c.index
+        echo = self.echo[p] if self.echo and first else ""
+        logprobs = None
+        if c.logprobs is not None:
+            prompt_lps = out.prompt_logprobs if first and self.echo_logprobs else None
+            logprobs = completion_logprobs(c.logprobs, self.state.token_text, prompt_lps,
+                                           self.prompt_ids[p], self.offsets.get(i, 0))
+            if not final:
+                self.offsets[i] = self.offsets.get(i, 0) + len(echo) + len(c.text)
+        return {"index": i, "text": echo + c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+async def _chunks(job: _Job, stream, head: dict, num_prompt: int, include_usage: bool):
+    def chunk(choice: dict) -> dict:
+        if choice["finish_reason"] is None:
+            del choice["stop_reason"]
+        c = {**head, "choices": [choice]}
         if include_usage:
             c["usage"] = None
         return c
 
-    if echo:
-        for i, text in enumerate(echo):
-            yield chunk(i, text)
+    started: set[int] = set()
     num_generated = 0
     async for out in stream:
-        i = index[out.request_id]
-        c = out.outputs[0]
-        num_generated += len(c.token_ids)
-        if c.text or out.finished:
-            yield chunk(i, c.text, c.finish_reason if out.finished else None, c.stop_reason)
+        for c in out.outputs:
+            num_generated += len(c.token_ids)
+            i = job.index[out.request_id] * job.n + c.index
+            choice = job.choice(out, c, first=i not in started, final=False)
+            started.add(i)
+            if choice["text"] or choice["logprobs"] or c.finish_reason is not None:
+                yield chunk(choice)
     if include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [], "usage": usage(num_prompt, num_generated)}
+        yield {**head, "choices": [], "usage": usage(num_prompt, num_generated)}

@@ -10,39 +10,33 @@ import orjson
 from sse_starlette import EventSourceResponse
 
 from app.errors import APIError, bad_request
-from app.protocol import _SamplingFields
+from app.protocol import SamplingFields
 from app.state import ServerState
 from runtime.async_engine import RequestStream
 from runtime.outputs import RequestOutput
 from sampling.params import RequestOutputKind, SamplingParams
 
-# fields of the full sampling surface that this engine does not apply yet: refused, not ignored
-_NOT_YET = {
-    "presence_penalty": lambda v: v != 0.0,
-    "frequency_penalty": lambda v: v != 0.0,
-    "repetition_penalty": lambda v: v not in (None, 1.0),
-    "logit_bias": lambda v: bool(v),
-    "min_p": lambda v: v not in (None, 0.0),
-    "min_tokens": lambda v: v != 0,
-}
-
-
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int | None) -> SamplingParams:
-    if body.n != 1:
-        raise bad_request("n > 1 is not supported yet", "n")
-    for name, used in _NOT_YET.items():
-        if used(getattr(body, name)):
-            raise bad_request(f"{name} is not supported yet", name)
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
+            n=body.n,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k is None else body.top_k,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias or {},
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
             stop=body.stop or [],
             stop_token_ids=body.stop_token_ids or [],
             include_stop_str_in_output=body.include_stop_str_in_output,
@@ -70,8 +64,9 @@ def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | N
 
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
           cache_salt: str | None) -> tuple[RequestStream, dict[str, int]]:
-    """Hand every prompt to the engine; returns the stream and engine request id -> choice
-    index. Nothing is left running if one of them is refused."""
+    """Hand every prompt to the engine; returns the stream and engine request id -> prompt
+    index (an output's choice index is prompt index x n + its own index). Nothing is left
+    running if one of them is refused."""
     engine = state.engine
     stream = engine.new_stream()
     index: dict[str, int] = {}

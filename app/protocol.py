@@ -60,7 +60,7 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     """Sampling fields shared by chat and completions."""
 
     model: str | None = None
@@ -80,13 +80,14 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -96,7 +97,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)

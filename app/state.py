@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import APIError
+from app.logprobs import TokenText
 from runtime.async_engine import AsyncEngine
+from runtime.detokenizer import token_byte_table
 
 # a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
 LONG_TEXT = 4096
@@ -39,6 +41,10 @@ class ServerState:
     settings: ServerSettings
     max_model_len: int
     created: int = field(default_factory=lambda: int(time.time()))
+    token_text: TokenText = field(init=False)
+
+    def __post_init__(self):
+        self.token_text = TokenText(token_byte_table(self.tokenizer))
 
     @property
     def model_name(self) -> str:

@@ -14,9 +14,10 @@ from runtime.cpu_env import keep_freed_memory
 from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from runtime.engine_args import GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
-from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.models.loader import load_tokenizer, read_config, resolve_model
-from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from runtime.model_runner import ModelRunner, child_id, kv_block_bytes
+from runtime.output_processor import OutputProcessor, check_stop
+from runtime.outputs import RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
 from runtime.swap_space import SwapSpace
@@ -51,6 +52,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
                                    config.cache.preemption_mode)
         self.requests: dict[str, Request] = {}
+        self.outputs = OutputProcessor()
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -136,6 +138,11 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         if len(token_ids) >= max_len:  # at least one output token must fit
             raise self._too_long(len(token_ids))
+        vocab = self.config.model.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return token_ids, max_tokens
@@ -144,11 +151,16 @@ class LLMEngine:
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         token_ids, max_tokens = self.validate(prompt, params)
         req = self._new_request(request_id, token_ids, params, max_tokens, prompt, cache_salt)
-        req.detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params.stop,
-                                                 params.include_stop_str_in_output,
-                                                 params.skip_special_tokens)
+        req.detokenizer = self._detokenizer(req)
+        if params.n > 1:
+            self.outputs.add_group([req])
         self.scheduler.add_request(req)
         return req.request_id
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        p = req.sampling_params
+        return IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, p.stop,
+                                      p.include_stop_str_in_output, p.skip_special_tokens)
 
     def validate_embedding(self, prompt: str | list[int]) -> list[int]:
         token_ids = self._prompt_token_ids(prompt)
@@ -177,9 +189,13 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.status.finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        """Abort a request (all its sequences, for n > 1); its blocks are free at once."""
+        members = self.outputs.members(request_id) or [self.requests.get(request_id)]
+        self.outputs.abort_group(request_id)
+        for req in members:
+            if req is not None and self.requests.pop(req.request_id, None) is not None:
+                if not req.status.finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -190,39 +206,70 @@ class LLMEngine:
         """One engine step. Returns an output for each request that has something to report,
         as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
         sched = self.scheduler.schedule()
-        sampled, pooled = self.runner.execute(sched)  # also runs the step's swap copies
+        result = self.runner.execute(sched)  # also runs the step's swaps and copies
         if sched.is_empty:
             return []
         scheduled = self.scheduler.update_after_step()
         outputs: list[RequestOutput] = []
-        samples, pools = iter(sampled), iter(pooled)
+        samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
             end = sr.start_pos + len(sr.token_ids)
             self.stats.prompt_tokens += max(0, min(end, req.num_prompt_tokens) - sr.start_pos)
+            if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
+                first, entries = result.prompt_logprobs[req.request_id]
+                # after a recompute, positions already recorded come again: keep the first
+                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
             if sr.pool:
                 part = next(pools)
                 req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
                 if req.num_computed_tokens == req.num_tokens:
                     self._finish(req, RequestStatus.FINISHED_STOPPED)
-                    outputs.append(self._embedding_output(req))
+                    outputs.append(self.outputs.embedding_output(req))
                 continue
             if not sr.sample:
                 continue
-            token = next(samples)
-            req.token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-            out = self._make_output(req, status is not None)
-            if out is not None:
-                outputs.append(out)
-        self.stats.generation_tokens += len(sampled)
+            tokens = [next(samples) for _ in range(sr.num_samples)]
+            members = [req] + (self._fork(req, tokens[1:]) if sr.num_samples > 1 else [])
+            for member, token in zip(members, tokens):
+                outputs.extend(self._append_token(member, token, result.logprobs))
+        self.stats.generation_tokens += len(result.sampled)
         self._record_kv_waste()
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: dict) -> list[RequestOutput]:
+        req.token_ids.append(token)
+        if req.logprobs is not None:
+            req.logprobs.append(logprobs[req.request_id])
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        status = check_stop(req, token, self.config.model.max_model_len)
+        if status is not None:
+            self._finish(req, status)
+        out = self.outputs.output(req, status is not None)
+        return [out] if out is not None else []
+
+    def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
+        """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
+        sequences start here, sharing the prompt's blocks by reference."""
+        parent.num_samples = 1
+        children = []
+        for i, _ in enumerate(first_tokens, start=1):
+            child = Request(child_id(parent.request_id, i), parent.prompt_token_ids,
+                            parent.sampling_params, parent.max_tokens, parent.eos_token_ids,
+                            parent.prompt, parent.cache_salt)
+            child.output_id, child.index, child.num_samples = parent.output_id, i, 1
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.arrival_time = parent.arrival_time
+            if parent.prompt_logprobs is not None:
+                child.prompt_logprobs = parent.prompt_logprobs
+            child.detokenizer = self._detokenizer(child)
+            self.requests[child.request_id] = child
+            children.append(child)
+        self.outputs.groups[parent.output_id].extend(children)
+        self.scheduler.fork(parent, children)
+        return children
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finished_time = time.monotonic()
@@ -234,52 +281,6 @@ class LLMEngine:
         swap = self.scheduler.swap
         swap.check_integrity()
         assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """Stop tokens first (their text is left out unless asked for), then stop strings in
-        the decoded text, then the length limit."""
-        params = req.sampling_params
-        status = None
-        if not params.ignore_eos and token in req.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids:
-            req.stop_reason = token
-            status = RequestStatus.FINISHED_STOPPED
-        if status is None or params.include_stop_str_in_output:
-            stop_str = req.detokenizer.add_token(token)
-            if status is None and stop_str is not None:
-                req.stop_reason = stop_str
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (req.num_output_tokens >= req.max_tokens
-                               or req.num_tokens >= self.config.model.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        return status
-
-    def _make_output(self, req: Request, finished: bool) -> RequestOutput | None:
-        kind = req.sampling_params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        detok = req.detokenizer
-        delta = detok.take_delta(finished)
-        if kind == RequestOutputKind.DELTA:
-            text = delta
-            ids = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
-            req.num_sent_tokens = req.num_output_tokens
-        else:
-            text, ids = detok.text[:detok.sent], req.output_token_ids
-        metrics = RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, ids, req.finish_reason, req.stop_reason)],
-            finished=finished, metrics=metrics)
-
-    def _embedding_output(self, req: Request) -> RequestOutput:
-        mean = req.pooled_sum / req.num_tokens
-        embedding = (mean / mean.norm().clamp_min(1e-12)).tolist()
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            finished=True, embedding=embedding,
-            metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time))
 
     def _record_kv_waste(self) -> None:
         pool = self.kv.pool

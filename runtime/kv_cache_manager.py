@@ -58,7 +58,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks; at least one token is always left to compute
         so that the step produces logits for the request."""
-        if not self.enable_prefix_caching or request.pooling:  # pooling needs every token's state
+        if not self.enable_prefix_caching or request.needs_every_position:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
@@ -117,6 +117,28 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self.req_num_cached[rid] = num_full
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give `child` the parent's blocks by reference. The partly filled last block is the
+        one both will write into, so the child gets its own copy of it: returns the (source,
+        destination) block pair to copy, or None when there is no partial block. When no block
+        is free for the copy, the child shares the full blocks only and recomputes the rest
+        (its num_computed_tokens is lowered to match)."""
+        blocks = self.req_blocks[parent.request_id]
+        num_full = parent.num_computed_tokens // self.block_size
+        shared = blocks[:num_full]
+        self.pool.touch(shared)
+        mine = self.req_blocks[child.request_id] = list(shared)
+        self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
+        self.req_num_cached[child.request_id] = min(self.req_num_cached.get(parent.request_id, 0), num_full)
+        if parent.num_computed_tokens % self.block_size == 0:
+            return None
+        if self.pool.num_free_blocks == 0:
+            child.num_computed_tokens = num_full * self.block_size
+            return None
+        copy = self.pool.get_new_blocks(1)[0]
+        mine.append(copy)
+        return blocks[num_full].block_id, copy.block_id
 
     def free(self, request: Request) -> None:
         rid = request.request_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,9 +13,23 @@ from runtime.config import CacheConfig, DeviceConfig, ModelConfig
 from runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
 from runtime.models.loader import ModelLoadError, iter_safetensors
 from runtime.scheduler import SchedulerOutput
-from sampling.sampler import SamplingMetadata, sample
+from sampling.penalties import TokenCounts
+from sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+def child_id(request_id: str, index: int) -> str:
+    """The engine request id of the index-th sequence of an n > 1 request."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[int] = field(default_factory=list)  # in order; num_samples per sampling request
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by (child) request id
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    pooled: list[torch.Tensor] = field(default_factory=list)  # per pooling request, in order
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
@@ -34,6 +49,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
+        self.counts = TokenCounts(model_cfg.vocab_size, self.device)  # for penalties
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
         self._swap_storage: torch.Tensor | None = None
@@ -85,6 +101,12 @@ class ModelRunner:
             self._swap_storage = torch.empty(swap_shape, dtype=cfg.dtype,
                                              pin_memory=self.device.type == "cuda")
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked requests' partial blocks, all layers at once."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self._kv_storage[:, :, dst] = self._kv_storage[:, :, src]
+
     def swap_blocks(self, out: SchedulerOutput) -> None:
         """The step's swap-outs, then its swap-ins: one gather and one scatter over the whole
         cache (all layers, K and V) per direction."""
@@ -129,33 +151,71 @@ class ModelRunner:
         return ids, pos, meta, logits_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[torch.Tensor]]:
-        """Run one step. Returns one sampled token per request whose `sample` is set, and the
-        float32 sum of the step's last hidden states per request whose `pool` is set, in order."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: swaps and copies, the forward, then sampling (`num_samples` tokens per
+        request whose `sample` is set), prompt logprobs and pooling."""
         for rid in out.finished_ids:
             self.seeded.pop(rid, None)
+            self.counts.release(rid)
         self.swap_blocks(out)
+        if out.copy_blocks:
+            self.copy_blocks(out.copy_blocks)
+        result = StepResult()
         if not out.requests:
-            return [], []
+            return result
         ids, pos, meta, logits_rows = self._prepare(out)
         hidden = self.model(ids, pos, meta, self.kv_caches)
-        pooled = self._pool(out, hidden, meta) if any(r.pool for r in out.requests) else []
-        if not logits_rows:
-            return [], pooled
-        logits = self.model.compute_logits(hidden[logits_rows])
-        sampling = [r for r in out.requests if r.sample]
-        own = {i: self._request_generator(r.request_id, r.sampling_params.seed)
-               for i, r in enumerate(sampling)
-               if r.sampling_params.seed is not None and not r.sampling_params.greedy}
-        meta = SamplingMetadata([r.sampling_params for r in sampling], self.device,
-                                self.model_cfg.vocab_size, own)
-        return sample(logits, meta, self.generator).tolist(), pooled
-
-    @staticmethod
-    def _pool(out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
         starts = meta.query_start_loc.tolist()
-        return [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
-                for i, r in enumerate(out.requests) if r.pool]
+        if any(r.pool for r in out.requests):
+            result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
+                             for i, r in enumerate(out.requests) if r.pool]
+        if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
+            result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
+        if not logits_rows:
+            return result
+        rows, sample_rows, own = [], [], {}
+        for r, row in zip((r for r in out.requests if r.sample), logits_rows):
+            for i in range(r.num_samples):
+                rid = r.request_id if r.num_samples == 1 else child_id(r.request_id, i)
+                p = r.sampling_params
+                if p.seed is not None and not p.greedy:
+                    own[len(rows)] = self._request_generator(rid, p.seed + i)
+                rows.append(row)
+                sample_rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
+        logits = self.model.compute_logits(hidden[logits_rows])
+        if len(rows) > len(logits_rows):  # n > 1 forks draw several tokens from one row
+            logits = logits.repeat_interleave(torch.tensor(
+                [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
+        smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
+        token_ids, logprobs = sample(logits, smeta, self.generator)
+        result.sampled = token_ids.tolist()
+        if smeta.logprob_rows:
+            result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         starts: list[int]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For each prompt position of the step whose next token is also in the prompt: that
+        token's log-probability and the top k. Keyed by request: (position of the first
+        target token, entries)."""
+        rows, targets, ks, spans = [], [], [], {}
+        for i, r in enumerate(out.requests):
+            k = r.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            first = r.start_pos + 1
+            last = min(r.start_pos + len(r.token_ids), r.num_prompt_tokens - 1)  # last target pos
+            if last < first:
+                continue
+            spans[r.request_id] = (first, len(rows), last - first + 1)
+            rows.extend(range(starts[i], starts[i] + last - first + 1))
+            targets.extend(r.request_tokens[first:last + 1])
+            ks.extend([k] * (last - first + 1))
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        entries = topk_logprobs(logits, torch.tensor(targets, device=self.device), ks, max(ks))
+        return {rid: (first, entries[at:at + n]) for rid, (first, at, n) in spans.items()}
 
     def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.seeded.get(request_id)

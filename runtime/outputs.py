@@ -11,7 +11,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
-    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
+    logprobs: list | None = None  # TokenLogprobs per output token, when asked for
 
 
 @dataclass(slots=True)
@@ -34,3 +35,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None  # embedding requests: the pooled, normalized vector
+    prompt_logprobs: list | None = None  # None for the first token, then TokenLogprobs

@@ -35,7 +35,8 @@ class Request:
         "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
-        "detokenizer", "num_sent_tokens", "pooling", "pooled_sum",
+        "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
+        "num_samples", "logprobs", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -61,6 +62,13 @@ class Request:
         # embedding requests: prefill only, summing the last hidden states of every token
         self.pooling = pooling
         self.pooled_sum = None
+        # n > 1: the parent samples n first tokens, then forks into n sequences that share the
+        # prompt's blocks; all report under output_id with their own index
+        self.output_id = request_id
+        self.index = 0
+        self.num_samples = sampling_params.n  # tokens drawn at the next sample: n until forked
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +81,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Prefix-cache hits would skip positions whose hidden states this request needs."""
+        return self.pooling or self.prompt_logprobs is not None
 
     @property
     def finish_reason(self) -> str | None:

@@ -31,6 +31,10 @@ class ScheduledRequest:
     sample: bool  # this chunk reaches the end of the request's tokens, so a token is sampled
     sampling_params: SamplingParams
     pool: bool = False  # an embedding request: sum its tokens' last hidden states
+    num_samples: int = 1  # tokens drawn from this request's logits (n before an n > 1 fork)
+    num_prompt_tokens: int = 0
+    request_tokens: list[int] = field(default_factory=list)  # all its tokens (read only)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -42,6 +46,7 @@ class SchedulerOutput:
     # copied before the step's forward, swap-outs first: (device block, swap block) pairs
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (source, dest): n > 1 forks
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
 
     @property
@@ -67,6 +72,7 @@ class Scheduler:
         self._warned_preemption = False
         self._last_scheduled: list[tuple[Request, int]] = []
         self._finished_ids: list[str] = []
+        self._copies: list[tuple[int, int]] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,8 +81,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_ids=self._finished_ids, copy_blocks=self._copies)
+        self._finished_ids, self._copies = [], []
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted_any = False
@@ -160,6 +166,10 @@ class Scheduler:
             sample=start + num_new == req.num_tokens and not req.pooling,
             sampling_params=req.sampling_params,
             pool=req.pooling,
+            num_samples=req.num_samples,
+            num_prompt_tokens=req.num_prompt_tokens,
+            request_tokens=req.token_ids,
+            eos_token_ids=req.eos_token_ids,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new
@@ -198,6 +208,16 @@ class Scheduler:
             reqs.append(req)
         self._last_scheduled = []
         return reqs
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """n > 1: after the parent's first sample, its siblings run beside it, sharing its
+        blocks; the copies of the partial block happen before the next forward."""
+        for child in children:
+            copy = self.kv.fork(parent, child)
+            if copy is not None:
+                self._copies.append(copy)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and free its blocks at once."""

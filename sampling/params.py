@@ -1,12 +1,15 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction: every bad value is a
+ValueError that starts with the field's name."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
-
 _GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
+MAX_N = 128
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -15,34 +18,53 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # once, when the request finishes
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) keeps the whole vocabulary
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of seen tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     max_tokens: int | None = 16  # None: as many as the context leaves
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many are generated
     stop: list[str] = field(default_factory=list)  # strings that end the output
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    logprobs: int | None = None  # top log-probabilities per output token (plus the sampled one)
+    prompt_logprobs: int | None = None  # the same for every prompt token
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
-        for name in ("n", "top_k"):
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p"):
-            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not 0.0 <= self.temperature <= 1e4:
             raise ValueError(f"temperature must be in [0, 10000], got {self.temperature}")
         if self.temperature < _GREEDY_BELOW:
@@ -53,17 +75,53 @@ class SamplingParams:
             self.top_k = -1
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        self.logit_bias = self._check_logit_bias(self.logit_bias)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+
+    @staticmethod
+    def _check_logit_bias(bias) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+        out = {}
+        for k, v in bias.items():
+            try:
+                token = int(k)  # OpenAI sends the ids as JSON object keys (strings)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if token < 0 or isinstance(k, bool):
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
+            if not _is_number(v) or not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k}")
+            out[token] = float(v)
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

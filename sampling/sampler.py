@@ -1,30 +1,94 @@
-"""Batched sampling: greedy, temperature, top-k and top-p in a few whole-batch tensor ops."""
+"""Batched sampling: every logits processor works on the whole batch in a few tensor ops.
+
+Order, as vLLM applies them: logit bias, the min_tokens mask, penalties (all of which also
+change greedy picks), then temperature, min-p, top-k and top-p, then one draw for the batch.
+Log-probabilities are those of the model's own distribution (before any processor)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from sampling.penalties import TokenCounts, apply_penalties
 from sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs of one request that samples this step."""
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt then output so far (for penalties and min_tokens); read only
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and rank, and the top-k alternatives."""
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
 
 
 class SamplingMetadata:
     """Per-step tensors describing the batch's sampling parameters, built once per step."""
 
-    __slots__ = ("all_greedy", "greedy", "temperature", "top_k", "top_p", "need_sort", "generators")
-
-    def __init__(self, params: list[SamplingParams], device: torch.device, vocab_size: int,
-                 generators: dict[int, torch.Generator] | None = None):
+    def __init__(self, rows: list[SampleRow], device: torch.device, vocab_size: int,
+                 generators: dict[int, torch.Generator] | None = None,
+                 counts: TokenCounts | None = None):
+        params = [r.params for r in rows]
         self.all_greedy = all(p.greedy for p in params)
         self.generators = generators or {}  # row -> the request's own seeded generator
-        if self.all_greedy:
-            return
         self.greedy = torch.tensor([p.greedy for p in params], device=device)
         # greedy rows keep temperature 1 so the division stays finite; their argmax is used
         self.temperature = torch.tensor([p.temperature or 1.0 for p in params],
                                         dtype=torch.float32, device=device)
         self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)
+        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        sampled = [p for p in params if not p.greedy]
+        self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+        self.need_min_p = any(p.min_p > 0 for p in sampled)
+
+        # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        banned = [(i, t) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
+                  for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else r.eos_token_ids))]
+        self.bias = _index(bias, device) if bias else None
+        self.banned = _index(banned, device) if banned else None
+
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        self.penalty_rows = None
+        if pen:
+            assert counts is not None
+            self.counts = counts
+            self.penalty_rows = torch.tensor(pen, device=device)
+            self.count_rows = torch.tensor([counts.row(rows[i].request_id, rows[i].token_ids,
+                                                       rows[i].num_prompt_tokens) for i in pen],
+                                           device=device)
+            self.presence = torch.tensor([params[i].presence_penalty for i in pen], device=device)
+            self.frequency = torch.tensor([params[i].frequency_penalty for i in pen], device=device)
+            self.repetition = torch.tensor([params[i].repetition_penalty for i in pen], device=device)
+
+        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        self.logprob_rows = [i for i, _ in want]
+        self.max_logprobs = max((k for _, k in want), default=0)
+        self.num_logprobs = [k for _, k in want]
+
+
+def _index(items: list[tuple], device) -> tuple[torch.Tensor, ...]:
+    cols = list(zip(*items))
+    out = [torch.tensor(cols[0], device=device), torch.tensor(cols[1], device=device)]
+    if len(cols) > 2:
+        out.append(torch.tensor(cols[2], dtype=torch.float32, device=device))
+    return tuple(out)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,20 +105,70 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [B, V] float32. Returns [B] token ids."""
-    greedy_ids = logits.argmax(dim=-1)
-    if meta.all_greedy:
-        return greedy_ids
-    logits = logits / meta.temperature[:, None]
-    if meta.need_sort:
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the row's highest probability."""
     probs = logits.softmax(dim=-1)
-    # Gumbel-style race: argmax of p / E with E ~ Exp(1) draws from p
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, own in meta.generators.items():
-        # a seeded request draws only from its own generator: its text does not depend on
-        # what else is in the batch
-        noise[row].exponential_(generator=own)
-    random_ids = (probs / noise).argmax(dim=-1)
-    return torch.where(meta.greedy, greedy_ids, random_ids)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Bias, min_tokens mask and penalties: [B, V] float32 in, the same shape out."""
+    if meta.bias is not None:
+        logits = logits.index_put(meta.bias[:2], meta.bias[2], accumulate=True)
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+    if meta.penalty_rows is not None:  # out of place: the raw logits serve the logprobs
+        rows = meta.penalty_rows
+        logits = logits.index_put((rows,), apply_penalties(
+            logits[rows], meta.counts.counts[meta.count_rows], meta.counts.in_prompt[meta.count_rows],
+            meta.presence, meta.frequency, meta.repetition))
+    return logits
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+    """logits: [B, V] float32 from the model. Returns [B] token ids and, for the rows that
+    asked for them, their log-probabilities."""
+    raw = logits
+    logits = process_logits(logits, meta)
+    ids = logits.argmax(dim=-1)
+    if not meta.all_greedy:
+        logits = logits / meta.temperature[:, None]
+        if meta.need_min_p:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.need_sort:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)
+        # race: argmax of p / E with E ~ Exp(1) draws from p
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for row, own in meta.generators.items():
+            # a seeded request draws only from its own generator: its text does not depend on
+            # what else is in the batch
+            noise[row].exponential_(generator=own)
+        ids = torch.where(meta.greedy, ids, (probs / noise).argmax(dim=-1))
+    if meta.penalty_rows is not None:
+        meta.counts.add(meta.count_rows, ids[meta.penalty_rows])
+    logprobs = token_logprobs(raw, meta, ids) if meta.logprob_rows else []
+    return ids, logprobs
+
+
+def token_logprobs(raw: torch.Tensor, meta: SamplingMetadata, ids: torch.Tensor) -> list[TokenLogprobs]:
+    rows = meta.logprob_rows
+    return topk_logprobs(raw[rows], ids[rows], meta.num_logprobs, meta.max_logprobs)
+
+
+def topk_logprobs(logits: torch.Tensor, targets: torch.Tensor, ks: list[int], max_k: int) -> list[TokenLogprobs]:
+    """log_softmax of each row; the target token's log-probability and rank, and the top k."""
+    lp = logits.float().log_softmax(dim=-1)
+    target_lp = lp.gather(1, targets[:, None])
+    ranks = (lp > target_lp).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)
+    target_lp, ranks, targets = target_lp[:, 0].tolist(), ranks.tolist(), targets.tolist()
+    top_lp = top_lp.tolist() if max_k else None
+    top_ids = top_ids.tolist() if max_k else None
+    out = []
+    for i, k in enumerate(ks):
+        top = list(zip(top_ids[i][:k], top_lp[i][:k])) if k else []
+        out.append(TokenLogprobs(targets[i], target_lp[i], ranks[i], top))
+    return out

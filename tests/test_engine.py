@@ -37,7 +37,7 @@ def test_bad_prompt_is_refused_before_the_engine(tiny_llm, prompt, params, match
     ("max_tokens", 0, r"max_tokens must be >= 1, got 0"),
     ("max_tokens", 2.5, r"max_tokens must be an integer, got 2.5"),
     ("temperature", -0.5, r"temperature must be in \[0, 10000\], got -0.5"),
-    ("temperature", "hot", r"temperature must be a number"),
+    ("temperature", "hot", r"temperature must be a finite number"),
     ("seed", -1, r"seed must be an integer"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
     ("top_k", -3, r"top_k must be -1"),

@@ -1,0 +1,50 @@
+"""Log-probabilities in OpenAI's two shapes: chat (`content[]` of token, logprob, bytes and
+top_logprobs) and completions (parallel `tokens`, `token_logprobs`, `top_logprobs` maps and
+`text_offset` lists)."""
+
+from __future__ import annotations
+
+
+class TokenText:
+    """Token id -> its bytes and its text, from the served tokenizer's byte table."""
+
+    def __init__(self, table: list[bytes]):
+        self.table = table
+
+    def bytes(self, token_id: int) -> bytes:
+        return self.table[token_id] if 0 <= token_id < len(self.table) else b""
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries, tt: TokenText) -> dict:
+    def item(token_id, logprob):
+        return {"token": tt.text(token_id), "logprob": logprob, "bytes": list(tt.bytes(token_id))}
+    return {"content": [{**item(e.token_id, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries, tt: TokenText, prompt_entries=None, prompt_ids=(),
+                        offset: int = 0) -> dict:
+    """`prompt_entries` (echo): None for the first prompt token, then one per prompt token.
+    `offset`: where the first token starts in the choice's text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pairs = []
+    if prompt_entries is not None:
+        pairs += [(tid, e) for tid, e in zip(prompt_ids, prompt_entries)]
+    pairs += [(e.token_id, e) for e in entries]
+    for tid, e in pairs:
+        text = tt.text(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if e is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(e.logprob)
+        top = {tt.text(t): lp for t, lp in e.top}
+        top.setdefault(text, e.logprob)  # OpenAI's map always holds the chosen token
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,93 @@
+"""From sampled tokens to what the caller sees: stop checks, incremental text, log-probs, and
+one RequestOutput per request (or per sequence of an n > 1 request) as its output kind asks."""
+
+from __future__ import annotations
+
+from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from runtime.request import Request, RequestStatus
+from sampling.params import RequestOutputKind
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Stop tokens first (their text is left out unless asked for), then stop strings in the
+    decoded text, then the length limit. EOS and stop tokens cannot come before min_tokens
+    (the sampler masks them), so they need no check here."""
+    params = req.sampling_params
+    status = None
+    if not params.ignore_eos and token in req.eos_token_ids:
+        status = RequestStatus.FINISHED_STOPPED
+    elif token in params.stop_token_ids:
+        req.stop_reason = token
+        status = RequestStatus.FINISHED_STOPPED
+    if status is None or params.include_stop_str_in_output:
+        stop_str = req.detokenizer.add_token(token, req.num_output_tokens >= params.min_tokens)
+        if status is None and stop_str is not None:
+            req.stop_reason = stop_str
+            status = RequestStatus.FINISHED_STOPPED
+    if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len):
+        status = RequestStatus.FINISHED_LENGTH
+    return status
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    return RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time)
+
+
+class OutputProcessor:
+    def __init__(self):
+        # n > 1 requests: output id -> its sequences, in index order
+        self.groups: dict[str, list[Request]] = {}
+
+    def add_group(self, members: list[Request]) -> None:
+        self.groups[members[0].output_id] = members
+
+    def members(self, output_id: str) -> list[Request]:
+        return self.groups.get(output_id, [])
+
+    def output(self, req: Request, finished: bool) -> RequestOutput | None:
+        """What `req` reports after a step in which it got a token (`finished`: it is done)."""
+        kind = req.sampling_params.output_kind
+        group = self.groups.get(req.output_id)
+        all_done = finished and (group is None or all(m.status.finished for m in group))
+        if kind == RequestOutputKind.FINAL_ONLY:
+            if not all_done:
+                return None
+            members = group or [req]
+            self.groups.pop(req.output_id, None)
+            return RequestOutput(
+                request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                outputs=[self._completion(m, m.status.finished, False) for m in members],
+                finished=True, metrics=_metrics(req), prompt_logprobs=members[0].prompt_logprobs)
+        first = req.num_sent_tokens == 0
+        completion = self._completion(req, finished, kind == RequestOutputKind.DELTA)
+        if all_done:
+            self.groups.pop(req.output_id, None)
+        return RequestOutput(
+            request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion], finished=all_done, metrics=_metrics(req),
+            prompt_logprobs=req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None)
+
+    @staticmethod
+    def _completion(req: Request, finished: bool, delta: bool) -> CompletionOutput:
+        detok = req.detokenizer
+        new_text = detok.take_delta(finished)
+        start = req.num_sent_tokens
+        req.num_sent_tokens = req.num_output_tokens
+        if delta:
+            text, ids = new_text, req.token_ids[req.num_prompt_tokens + start:]
+            logprobs = req.logprobs[start:] if req.logprobs is not None else None
+        else:
+            text, ids, logprobs = detok.text[:detok.sent], req.output_token_ids, req.logprobs
+        return CompletionOutput(req.index, text, ids, req.finish_reason if finished else None,
+                                req.stop_reason, logprobs)
+
+    def abort_group(self, output_id: str) -> None:
+        self.groups.pop(output_id, None)
+
+    @staticmethod
+    def embedding_output(req: Request) -> RequestOutput:
+        mean = req.pooled_sum / req.num_tokens
+        embedding = (mean / mean.norm().clamp_min(1e-12)).tolist()
+        return RequestOutput(
+            request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            finished=True, embedding=embedding, metrics=_metrics(req))

@@ -1,0 +1,226 @@
+"""The sampling surface: exact distributions, penalties and bias against a plain reference,
+seeds that do not depend on the batch, min_tokens, n > 1 sharing blocks, and logprobs against
+HF on the real model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sampling.params import RequestOutputKind, SamplingParams
+from sampling.penalties import TokenCounts
+from sampling.sampler import SampleRow, SamplingMetadata, process_logits, sample
+from tests.conftest import assert_pool_clean
+
+# the chi-square distribution's 0.999 quantile by degrees of freedom (1 to 12)
+CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91]
+
+
+def _rows(params: list[SamplingParams], histories=None, prompts=None) -> list[SampleRow]:
+    out = []
+    for i, p in enumerate(params):
+        prompt = prompts[i] if prompts else [0]
+        out.append(SampleRow(f"r{i}", p, prompt + (histories[i] if histories else []), len(prompt), (1,)))
+    return out
+
+
+def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution by the definitions, one step after another, in float64."""
+    x = logits.double() / p.temperature
+    probs = x.softmax(-1)
+    keep = probs >= p.min_p * probs.max()
+    if p.top_k > 0:
+        keep &= torch.zeros_like(keep).scatter(0, probs.topk(p.top_k).indices, True)
+    x = x.masked_fill(~keep, -math.inf)
+    probs = x.softmax(-1)
+    order = probs.argsort(descending=True)
+    covered = 0.0
+    for t in order.tolist():  # keep tokens until the ones above cover top_p
+        if covered > p.top_p:
+            x[t] = -math.inf
+        covered += probs[t].item()
+    return x.softmax(-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=6),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.08),
+    SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02),
+], ids=["plain", "top_k", "top_p", "min_p", "all"])
+def test_empirical_frequencies_match_exact_probabilities(params):
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.randn(12, generator=gen) * 0.8
+    n = 20_000
+    meta = SamplingMetadata(_rows([params] * n), torch.device("cpu"), 12)
+    ids, _ = sample(logits.repeat(n, 1), meta, torch.Generator().manual_seed(7))
+    counts = torch.bincount(ids, minlength=12).double()
+    p = _expected(logits, params)
+    assert counts[p == 0].sum() == 0  # masked tokens are never drawn
+    support = p > 0
+    expected = p[support] * n
+    stat = ((counts[support] - expected) ** 2 / expected).sum().item()
+    df = int(support.sum()) - 1
+    assert df >= 2 and stat < CHI2_999[df - 1], (stat, df)
+
+
+def _reference_process(logits, params, prompts, histories):
+    """Straightforward per-row, per-token loops."""
+    out = logits.clone()
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias.items():
+            out[i, t] += b
+        if len(histories[i]) < p.min_tokens:
+            for t in (1, *p.stop_token_ids):  # 1 is the EOS in _rows
+                out[i, t] = -math.inf
+        seen = set(prompts[i]) | set(histories[i])
+        for t in range(out.shape[1]):
+            count = histories[i].count(t)
+            if t in seen:
+                v = out[i, t]
+                out[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+            out[i, t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return out
+
+
+def test_penalties_and_logit_bias_match_a_plain_reference():
+    rng = random.Random(0)
+    vocab, batch = 50, 12
+    params, prompts, histories = [], [], []
+    for i in range(batch):
+        params.append(SamplingParams(
+            presence_penalty=rng.uniform(-2, 2) if i % 3 else 0.0,
+            frequency_penalty=rng.uniform(-2, 2) if i % 4 else 0.0,
+            repetition_penalty=rng.uniform(0.5, 2.0) if i % 2 else 1.0,
+            logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randint(0, 4))},
+            min_tokens=rng.choice([0, 3, 10]), stop_token_ids=[rng.randrange(2, vocab)], max_tokens=20))
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 10))])
+        histories.append([rng.randrange(vocab) for _ in range(rng.randint(0, 15))])
+    logits = torch.randn(batch, vocab)
+    counts = TokenCounts(vocab, torch.device("cpu"), capacity=2)  # grows on the way
+    rows = [SampleRow(f"r{i}", p, prompts[i] + histories[i], len(prompts[i]), (1,))
+            for i, p in enumerate(params)]
+    meta = SamplingMetadata(rows, torch.device("cpu"), vocab, counts=counts)
+    ours = process_logits(logits.clone(), meta)
+    ref = _reference_process(logits, params, prompts, histories)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    finite = ~torch.isinf(ref)
+    assert torch.allclose(ours[finite], ref[finite], atol=1e-4)
+    # counts are kept up to date in place: after a sample, a second step sees the new token
+    ids, _ = sample(logits.clone(), meta, torch.Generator().manual_seed(0))
+    for i, p in enumerate(params):
+        if p.has_penalties:
+            histories[i].append(ids[i].item())
+    rows = [SampleRow(f"r{i}", p, prompts[i] + histories[i], len(prompts[i]), (1,))
+            for i, p in enumerate(params)]
+    meta = SamplingMetadata(rows, torch.device("cpu"), vocab, counts=counts)
+    again = process_logits(logits.clone(), meta)
+    ref = _reference_process(logits, params, prompts, histories)
+    finite = ~torch.isinf(ref)
+    assert torch.allclose(again[finite], ref[finite], atol=1e-4)
+
+
+def test_same_seed_same_text_alone_and_in_a_mixed_batch_of_16(tiny_llm):
+    target = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=4242,
+                            presence_penalty=0.5)
+    prompt = [5, 9, 13, 17, 21]
+    alone = tiny_llm.generate(prompt, target, use_tqdm=False)[0].outputs[0].token_ids
+    rng = random.Random(1)
+    prompts, params = [], []
+    for i in range(15):
+        prompts.append([rng.randrange(3, 380) for _ in range(rng.randint(2, 60))])
+        params.append(SamplingParams(temperature=rng.uniform(0.5, 1.5), max_tokens=rng.randint(5, 30),
+                                     seed=rng.randrange(10 ** 6) if i % 2 else None, ignore_eos=True))
+    outs = tiny_llm.generate(prompts[:7] + [prompt] + prompts[7:], params[:7] + [target] + params[7:],
+                             use_tqdm=False)
+    assert outs[7].outputs[0].token_ids == alone
+    # an unseeded request does vary
+    free = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    assert len({tuple(o.outputs[0].token_ids) for o in tiny_llm.generate([prompt] * 4, free, use_tqdm=False)}) > 1
+
+
+def test_min_tokens_holds_back_eos_and_logit_bias_pushes_it(tiny_llm):
+    eos = tiny_llm.engine.config.model.eos_token_ids[0]
+    push = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0})
+    out = tiny_llm.generate([5, 6, 7], push, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    held = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0}, min_tokens=5)
+    out = tiny_llm.generate([5, 6, 7], held, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and eos not in out.token_ids[:5]
+    banned = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: -100.0}, min_tokens=1)
+    out = tiny_llm.generate([5, 6, 7], banned, use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids and out.finish_reason == "length"
+
+
+def _peak_blocks(engine, prompts, params) -> int:
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    peak = 0
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+        free, cached, in_use = engine.kv.pool.counts()
+        peak = max(peak, in_use)
+    return peak, outs
+
+
+def test_n_sequences_share_the_prompt_blocks(tiny_model_dir):
+    from runtime import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, enable_prefix_caching=False,
+              debug_checks=True)
+    prompt = list(range(3, 3 + 101))  # 6 full blocks and a partial one
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=7,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    forked, outs = _peak_blocks(llm.engine, [prompt], [SamplingParams(**{**_fields(params), "n": 4})])
+    assert len(outs) == 1 and [c.index for c in outs[0].outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 10 for c in outs[0].outputs)
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    separate, _ = _peak_blocks(llm.engine, [prompt] * 4, [params] * 4)
+    assert forked < separate, (forked, separate)
+    assert forked == 6 + 4  # the full blocks once, a copied partial block each
+    assert_pool_clean(llm.engine)
+    # greedy n=2: both sequences equal the n=1 answer (the forked copy holds the right KV)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    two = llm.generate(prompt, SamplingParams(**{**_fields(greedy), "n": 2}), use_tqdm=False)[0]
+    assert [c.token_ids for c in two.outputs] == [one, one]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in p.__slots__}
+
+
+def test_logprobs_match_hf_log_softmax_on_the_default_model():
+    """Tolerance: 2e-3 in log-probability, both sides in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import LLM
+    from runtime.models.loader import resolve_model
+
+    path = resolve_model(None)
+    llm = LLM(dtype="float32", kv_cache_memory=0.1, max_model_len=512)
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    ids = prompt + out.outputs[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        e = out.prompt_logprobs[pos]
+        assert e.token_id == prompt[pos]
+        assert abs(e.logprob - ref[pos - 1, prompt[pos]].item()) < 2e-3
+        assert [t for t, _ in e.top] == ref[pos - 1].topk(3).indices.tolist()
+    for j, e in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + j]
+        assert e.token_id == ids[len(prompt) + j] and e.rank == 1  # greedy: the top token
+        assert abs(e.logprob - row[e.token_id].item()) < 2e-3
+        top = row.topk(5)
+        assert [t for t, _ in e.top] == top.indices.tolist()
+        assert max(abs(lp - r) for (_, lp), r in zip(e.top, top.values.tolist())) < 2e-3
