@@ -46,7 +46,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 
 async def chat_prompt_ids(state: ServerState, body) -> list[int]:
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
-    if sum(len(m.text()) for m in body.messages) > LONG_TEXT:  # off the loop: streams go on
+    # a big conversation renders off the loop, so that streams go on meanwhile
+    if len(body.messages) > 64 or sum(len(m.text()) for m in body.messages) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
     else:
         text = render_chat(*args)

@@ -46,7 +46,7 @@ async def completions(request: Request) -> Response:
     prompts = split_prompts(body.prompt)
     ids = await prompt_token_ids(state, prompts, "prompt")
     for p in ids:
-        check_length(state, len(p), body.max_tokens)
+        check_length(state, len(p), body.max_tokens, "prompt")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
     echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None

@@ -32,7 +32,7 @@ async def embeddings(request: Request) -> Response:
                 f"request has {len(ids)} input tokens. Please reduce the length of the input.", "input")
     engine = state.engine
     base = request_id("embd")
-    stream = engine.new_stream()
+    stream = engine.new_stream(len(inputs))
     try:
         index = {}
         for i, ids in enumerate(inputs):

@@ -35,16 +35,25 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def _rank(error: dict) -> int:
+    """Of the errors pydantic gives for the members of a union, the telling one: our own
+    checks first, then broken limits (too long, too large), then wrong types."""
+    if error["type"] == "value_error":
+        return 0
+    return 2 if error["type"].endswith("_type") or error["type"] == "literal_error" else 1
+
+
+def _param(loc: tuple) -> str | None:
+    # pydantic also names the union member it tried (`str`, `list[int]`, `constrained-str`)
+    parts = [str(p) for p in loc
+             if isinstance(p, int) or (p.isidentifier() and p not in ("str", "int", "float", "bool"))]
+    return ".".join(parts) or None
+
+
 def from_validation_error(err: ValidationError) -> APIError:
-    """The first problem pydantic found, with its location as `param` (`messages.0.role`)."""
-    errors = err.errors(include_url=False)
-    # our own checks say more than "not a string" from another member of the same union
-    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
-    loc = [str(p) for p in first["loc"]
-           # pydantic names the member of a union it tried (`str`, `list[...]`), not a field
-           if not (isinstance(p, str) and (p in ("str", "int", "bool", "float") or "[" in p
-                                           or p.startswith("function-")))]
-    param = ".".join(loc) or None
+    """The most telling problem pydantic found, with its location as `param` (`messages.0.role`)."""
+    first = min(err.errors(include_url=False), key=_rank)
+    param = _param(first["loc"])
     msg = first["msg"]
     if first["type"] == "missing":
         message = f"'{param}' is a required field"
@@ -59,5 +68,8 @@ def from_validation_error(err: ValidationError) -> APIError:
 
 
 def _short(value) -> str:
-    text = orjson.dumps(value, default=str).decode() if not isinstance(value, str) else repr(value)
+    try:
+        text = orjson.dumps(value, default=str).decode() if not isinstance(value, str) else repr(value)
+    except (TypeError, orjson.JSONEncodeError):  # nested deeper than orjson writes
+        return f"a {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."

@@ -49,12 +49,13 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
 
-def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None) -> None:
+def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
+                 param: str = "messages") -> None:
     limit = state.max_model_len
     if num_prompt_tokens >= limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", "messages")
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", param)
     if max_tokens is not None and max_tokens > limit - num_prompt_tokens:
         raise bad_request(
             f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {limit} "
@@ -68,7 +69,7 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     index (an output's choice index is prompt index x n + its own index). Nothing is left
     running if one of them is refused."""
     engine = state.engine
-    stream = engine.new_stream()
+    stream = engine.new_stream(len(prompts))
     index: dict[str, int] = {}
     try:
         for i, ids in enumerate(prompts):
@@ -106,4 +107,19 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSou
         finally:
             stream.abort()
         yield "[DONE]"
-    return EventSourceResponse(frames(), sep="\n", ping=15)
+    return _AbortingEventSource(stream, frames(), sep="\n", ping=15)
+
+
+class _AbortingEventSource(EventSourceResponse):
+    """Aborts the engine requests however the response ends, even when it is cancelled
+    before its body generator has started."""
+
+    def __init__(self, stream: RequestStream, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()

@@ -4,6 +4,7 @@ validation into the protocol models, error mapping, and noticing a client that w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -95,10 +96,14 @@ async def until_disconnected(request: Request, work: Awaitable):
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
+    if not task.done():  # the client went first
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         raise ClientGone()
     return task.result()

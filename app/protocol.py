@@ -10,10 +10,21 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+MAX_PROMPTS = 2048  # prompts (or inputs) in one request, as OpenAI's embeddings allow
+MAX_STOP = 64  # stop strings, each at most MAX_STOP_LEN characters
+MAX_STOP_LEN = 256
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI clients send `null` for a field they leave unset: it takes the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Body):
@@ -70,8 +81,9 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_LEN)] | Annotated[
+        list[Annotated[str, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=256)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -79,7 +91,7 @@ class SamplingFields(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -88,7 +100,7 @@ class SamplingFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -98,8 +110,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -108,8 +120,8 @@ class CompletionRequest(SamplingFields):
 
 class EmbeddingRequest(_Body):
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)]
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -118,7 +130,7 @@ class EmbeddingRequest(_Body):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

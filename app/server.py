@@ -27,15 +27,20 @@ from app.state import ServerState
 logger = logging.getLogger(__name__)
 
 
+# open without a key: what a load balancer or a fuzzer needs to see
+_OPEN_PATHS = ("/health", "/version", "/openapi.json", "/metrics")
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/*, compared in constant time against every key."""
+    """`Authorization: Bearer <key>` on every route but _OPEN_PATHS (/v1/*, /tokenize,
+    /detokenize), compared in constant time against every key."""
 
     def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
         self.keys = [k.encode() for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if (scope["type"] == "http" and scope["path"] not in _OPEN_PATHS
                 and scope["method"] != "OPTIONS" and not self._authorized(scope)):
             err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -80,8 +85,6 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
     if body.messages is not None:
-        if not body.messages:
-            raise bad_request("messages is empty", "messages")
         ids = await chat_prompt_ids(state, body)
     else:
         ids = await state.tokenize(body.prompt, body.add_special_tokens)

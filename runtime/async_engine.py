@@ -82,6 +82,7 @@ class AsyncEngine:
         self._wake: asyncio.Event | None = None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
+        self._closed = False
         self.error: BaseException | None = None
 
     @classmethod
@@ -105,6 +106,7 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -124,15 +126,19 @@ class AsyncEngine:
         """Requests not yet running: handed in but not admitted by the scheduler."""
         return len(self._pending) + len(self.engine.scheduler.waiting)
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, num_requests: int) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        if self.num_queued >= self.max_num_queued_reqs:
-            raise QueueFullError(f"the server has {self.num_queued} requests waiting, its limit "
-                                 f"(--max-num-queued-reqs); retry later")
+        if self._closed:
+            raise EngineDeadError("the server is shutting down")
+        if self.num_queued + num_requests > self.max_num_queued_reqs:
+            raise QueueFullError(f"the server has {self.num_queued} requests waiting and its limit "
+                                 f"is {self.max_num_queued_reqs} (--max-num-queued-reqs); retry later")
 
-    def new_stream(self) -> RequestStream:
-        self._check_accepting()
+    def new_stream(self, num_requests: int = 1) -> RequestStream:
+        """A stream for `num_requests` engine requests, refused when they would not fit in the
+        queue."""
+        self._check_accepting(num_requests)
         return RequestStream(self)
 
     def add_request(self, stream: RequestStream, request_id: str, prompt_token_ids: list[int],

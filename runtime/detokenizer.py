@@ -24,24 +24,48 @@ def backend_tokenizer(tokenizer) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("tokenizer", "stream", "text", "sent", "stop", "include_stop", "max_stop_len")
+    __slots__ = ("tokenizer", "stream", "skip_special", "ids", "text", "sent", "stop", "include_stop",
+                 "max_stop_len", "stop_prefixes")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
                  include_stop: bool, skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=prompt_token_ids[-_CONTEXT_TOKENS:],
-                                   skip_special_tokens=skip_special_tokens)
+        self.skip_special = skip_special_tokens
+        self.stream = self._new_stream(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.ids: list[int] = []  # the output tokens decoded so far
         self.text = ""  # the output text so far (cut at a stop string once one is seen)
         self.sent = 0  # characters of `text` already handed out
         self.stop = stop
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        # every proper prefix of a stop string: text ending in one is held back
+        self.stop_prefixes = {s[:k] for s in stop for k in range(1, len(s))}
+
+    def _new_stream(self, context: list[int]) -> DecodeStream:
+        # context that ends inside a character would leak into the first output text
+        while context and self.tokenizer.decode(context, skip_special_tokens=False).endswith("\ufffd"):
+            context = context[:-1]
+        return DecodeStream(ids=context, skip_special_tokens=self.skip_special)
+
+    def _step(self, token_id: int) -> str | None:
+        self.ids.append(token_id)
+        try:
+            return self.stream.step(self.tokenizer, token_id)
+        except Exception:  # noqa: BLE001 - the stream lost its footing (e.g. stray byte tokens)
+            pass
+        # start over after the last whole character (a stray partial one is dropped), then retry
+        self.stream = self._new_stream(self.ids[:-1][-_CONTEXT_TOKENS:])
+        try:
+            return self.stream.step(self.tokenizer, token_id)
+        except Exception:  # noqa: BLE001 - this token's bytes are lost, never the engine
+            self.stream = self._new_stream(self.ids[-_CONTEXT_TOKENS:])
+            return None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Decode one more token. Returns the stop string it completed, if any; the text is
         then cut there (after the stop string when it is to be included). With `check_stop`
         off (before min_tokens), stop strings are not looked for."""
-        chunk = self.stream.step(self.tokenizer, token_id)
+        chunk = self._step(token_id)
         if not chunk:
             return None
         # a stop string completed by this chunk starts at most max_stop_len - 1 chars before it
@@ -70,8 +94,7 @@ class IncrementalDetokenizer:
     def _held_back(self) -> int:
         text = self.text
         for k in range(min(self.max_stop_len - 1, len(text) - self.sent), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
+            if text[-k:] in self.stop_prefixes:
                 return k
         return 0
 

@@ -186,6 +186,7 @@ class Scheduler:
         else:  # recompute: nothing kept but the tokens
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
+            req.pooled_sum = None  # an embedding request pools its tokens again
             self.waiting.appendleft(req)
             self.num_recomputed += 1
         # the freed blocks are rewritten only by this step's forward, after the swap-out copy

@@ -123,3 +123,38 @@ def test_embeddings_match_hf_mean_pooled_hidden_states(tiny_llm, tiny_model_dir)
         ref = torch.nn.functional.normalize(hidden.mean(0), dim=0)
         ours = torch.tensor(outs[rid].embedding)
         assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def _byte_fallback_tokenizer():
+    """A Llama/Mistral-style tokenizer: BPE with byte fallback tokens <0xNN>."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    vocab = {"a": 0, "b": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def test_stray_byte_tokens_never_raise_or_leak_the_prompt():
+    tok = _byte_fallback_tokenizer()
+    a, e4, b8, ad = 0, 2 + 0xE4, 2 + 0xB8, 2 + 0xAD
+    # a character completed, then a lone lead byte, then a letter: the stream cannot continue
+    pieces, _, detok = _stream(tok, [a, e4, b8, ad, e4, a], prompt=[1])
+    text = "".join(pieces)
+    assert text.startswith("a中") and text.endswith("a")
+    # a prompt that ends inside a character: its bytes must not show up in the output
+    pieces, _, _ = _stream(tok, [e4, a], prompt=[a, 1, e4, b8])
+    assert "b" not in "".join(pieces) and "ab" not in "".join(pieces)
+
+
+def test_many_long_stop_strings_stay_cheap(tokenizer):
+    import time
+
+    stops = [f"never-seen-{i:03d}-" + "x" * 200 for i in range(64)]
+    ids = tokenizer.encode("word " * 400, add_special_tokens=False)
+    start = time.perf_counter()
+    pieces, found, _ = _stream(tokenizer, ids, stop=stops)
+    per_token = (time.perf_counter() - start) / len(ids)
+    assert found is None and "".join(pieces) == "word " * 400
+    assert per_token < 2e-3, per_token  # a budget, not a benchmark: 100x what it takes here

@@ -3,8 +3,8 @@ body size and backpressure on a `pageserve serve` subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 
 import httpx
 import pytest
@@ -48,7 +48,7 @@ BAD = [
     (COMP, {"prompt": ""}, 400, "prompt", "empty"),
     (COMP, {"prompt": []}, 400, "prompt", None),
     (COMP, {"prompt": [1, 99999999]}, 400, "prompt", "outside the vocabulary"),
-    (COMP, {"prompt": [1, -2]}, 400, "prompt", None),
+    (COMP, {"prompt": [1, -2]}, 400, "prompt.1", "greater than or equal to 0"),
     (COMP, {"prompt": {"text": "hi"}}, 400, "prompt", None),
     (COMP, {"prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_tokens", "too large"),
     (COMP, {"prompt": "hi", "suffix": "bye"}, 400, "suffix", "not supported"),
@@ -58,6 +58,23 @@ BAD = [
     ("/tokenize", {"prompt": "a", "messages": MSG}, 400, None, "exactly one"),
     ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens", "outside the vocabulary"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", "valid list"),
+    (CHAT, b'{"messages": ' + b"[" * 300 + b"]" * 300 + b"}", 400, "messages.0", None),
+    (COMP, b'{"prompt": "hi", "model": ' + b"[" * 600 + b"]" * 600 + b"}", 400, "model", None),
+    (CHAT, b'{"messages": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, None, "not valid JSON"),
+    (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(65)]}, 400, "stop", "at most 64"),
+    (CHAT, {"messages": MSG, "stop": "x" * 300}, 400, "stop", "at most 256"),
+    (COMP, {"prompt": [[1]] * 3000}, 400, "prompt", "at most 2048"),
+    (CHAT, {"messages": MSG, "logit_bias": {"99999999": 5}}, 400, None, "outside the vocabulary"),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 500}}, 400, "logit_bias", "[-100, 100]"),
+    (CHAT, {"messages": MSG, "n": 500}, 400, "n", "less than or equal"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
+    (COMP, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    (CHAT, {"messages": MSG, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", None),
+    (CHAT, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty", None),
+    (CHAT, {"messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    (CHAT, {"messages": MSG, "seed": 2 ** 70}, 400, "seed", None),
+    (EMB, {"input": [[1]] * 3000}, 400, "input", "at most 2048"),
 ]
 
 
@@ -91,11 +108,19 @@ def test_bad_request_then_a_good_one(server, route, body, status, param, words):
     server.wait_idle()
 
 
-def test_unknown_fields_are_ignored_and_unknown_routes_enveloped(server):
+def test_unknown_fields_are_ignored_nulls_take_defaults_unknown_routes_enveloped(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": server.model, "messages": [{"role": "user", "content": "hi", "extra": 1}],
         "max_tokens": 2, "some_future_field": {"x": 1}})
     assert r.status_code == 200
+    nulls = {k: None for k in ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "stop",
+                               "min_tokens", "ignore_eos", "temperature", "top_p", "seed", "user")}
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": MSG, "max_tokens": 2, **nulls})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": server.model, "prompt": "hi", "echo": None, "max_tokens": None, **nulls})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16
     _assert_envelope(httpx.get(f"{server.url}/v1/nothing-here"), 404)
     assert httpx.get(f"{server.url}/v1/chat/completions").status_code == 405
 
@@ -149,24 +174,25 @@ def test_body_too_large_is_413(guarded):
 
 def test_queue_full_is_503_with_retry_after(guarded):
     """One running request (--max-num-seqs 1), two waiting (--max-num-queued-reqs 2): the next
-    is refused with 503 and Retry-After; the others all finish."""
-    long = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
-    results = []
-
-    def send():
-        results.append(httpx.post(f"{guarded.url}/v1/completions", json=long, headers=_auth("key-one"),
-                                  timeout=120).status_code)
-
-    threads = [threading.Thread(target=send) for _ in range(3)]
-    for t in threads:
-        t.start()
-        t.join(timeout=0.3)
-    refused = httpx.post(f"{guarded.url}/v1/completions", json=long, headers=_auth("key-one"))
-    err = _assert_envelope(refused, 503)
-    assert refused.headers["retry-after"] == "1" and err["code"] == "server_overloaded"
-    for t in threads:
-        t.join(timeout=120)
-    assert results == [200, 200, 200]
+    is refused with 503 and Retry-After; the others are served."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(headers=_auth("key-one"), timeout=120) as client, contextlib.ExitStack() as stack:
+        streams = []
+        for _ in range(3):  # a streamed answer's headers come once the request is queued
+            r = stack.enter_context(client.stream("POST", f"{guarded.url}/v1/completions", json=body))
+            assert r.status_code == 200
+            streams.append(r)
+        next(l for l in streams[0].iter_lines() if l.startswith("data: {"))  # the first runs
+        refused = client.post(f"{guarded.url}/v1/completions", json={**body, "stream": False})
+        err = _assert_envelope(refused, 503)
+        assert refused.headers["retry-after"] == "1" and err["code"] == "server_overloaded"
+        # the whole batch of prompts counts against the limit too
+        many = client.post(f"{guarded.url}/v1/completions", json={**body, "prompt": [[5]] * 3})
+        _assert_envelope(many, 503)
+    # the streams were closed (their requests aborted): the server serves again
+    ok = httpx.post(f"{guarded.url}/v1/completions", headers=_auth("key-one"), timeout=60,
+                    json={"model": "tiny", "prompt": [5], "max_tokens": 2})
+    assert ok.status_code == 200
 
 
 def test_engine_death_turns_health_503_and_requests_get_errors(tiny_model_dir):

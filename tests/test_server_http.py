@@ -136,7 +136,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     engine.kv.check_integrity()
 
 
-def test_whole_answer_disconnect_aborts(server):
+def test_whole_answer_disconnect_aborts(server, caplog):
     engine = server.engine
     server.wait_idle()
     body = _chat_body(server, "Tell me a long story.", max_tokens=1000, ignore_eos=True)
@@ -144,6 +144,7 @@ def test_whole_answer_disconnect_aborts(server):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     server.wait_idle(timeout=5)
     assert engine.kv.pool.counts()[2] == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
 
 
 def test_embeddings_float_and_base64(server):
