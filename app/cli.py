@@ -43,14 +43,15 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import bench_cache, bench_http, bench_offline
+    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     for name, module, help_text in (
             ("offline", bench_offline, "offline throughput against HF generate"),
             ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput"),
-            ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT")):
+            ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
+            ("sampling", bench_sampling, "what every logits processor costs beside a decode step")):
         b = bench_sub.add_parser(name, help=help_text)
         module.add_args(b)
         b.set_defaults(func=lambda ns, m=module: (m.main(ns), 0)[1])

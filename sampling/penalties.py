@@ -8,14 +8,16 @@ import torch
 
 
 class TokenCounts:
-    """Rows of output-token counts and prompt-token presence, one row per request that has a
-    penalty. Rows are handed out on first use and returned when the request finishes."""
+    """Rows of output-token counts and of the tokens seen in prompt or output, one row per
+    request that has a penalty. Rows are handed out on first use and returned when the
+    request finishes."""
 
     def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8):
         self.vocab_size = vocab_size
         self.device = device
         self.counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=device)
         self.rows: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -35,17 +37,20 @@ class TokenCounts:
         if output_ids:
             ones = torch.ones(len(output_ids), dtype=torch.int32, device=self.device)
             self.counts[row].index_add_(0, torch.tensor(output_ids, device=self.device), ones)
+        torch.logical_or(self.in_prompt[row], self.counts[row] > 0, out=self.seen[row])
         return row
 
     def _grow(self) -> None:
         old = self.counts.shape[0]
         self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
         self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+        self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """One sampled token per row."""
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.seen[rows, tokens] = True
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -53,12 +58,15 @@ class TokenCounts:
             self._free.append(row)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's (and HF's) definitions, on a [B, V] block: a token seen in the prompt or output has
-    its logit divided by `repetition` when positive, multiplied when negative; then
-    `frequency` x its output count and `presence` x (count > 0) are subtracted."""
-    seen = in_prompt | (counts > 0)
-    rep = repetition[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, count_rows: torch.Tensor, counts: TokenCounts,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+    """vLLM's (and HF's) definitions, in place on logits[rows]: a token seen in the prompt or
+    output has its logit divided by `repetition` when positive, multiplied when negative; then
+    `frequency` x its output count and `presence` x (count > 0) are subtracted. Only the seen
+    tokens change, so only they are touched: a few hundred per row, not the vocabulary."""
+    r, t = counts.seen[count_rows].nonzero(as_tuple=True)
+    c = counts.counts[count_rows[r], t].float()
+    x = logits[rows[r], t]
+    rep = repetition[r]
+    x = torch.where(x > 0, x / rep, x * rep) - frequency[r] * c - presence[r] * (c > 0)
+    logits.index_put_((rows[r], t), x)

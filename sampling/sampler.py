@@ -1,8 +1,9 @@
 """Batched sampling: every logits processor works on the whole batch in a few tensor ops.
 
 Order, as vLLM applies them: logit bias, the min_tokens mask, penalties (all of which also
-change greedy picks), then temperature, min-p, top-k and top-p, then one draw for the batch.
-Log-probabilities are those of the model's own distribution (before any processor)."""
+change greedy picks), then temperature, min-p, top-k and top-p, then one draw per row by
+inverse CDF. Log-probabilities are those of the model's own distribution (before any
+processor)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class SamplingMetadata:
                  counts: TokenCounts | None = None):
         params = [r.params for r in rows]
         self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
         self.generators = generators or {}  # row -> the request's own seeded generator
         self.greedy = torch.tensor([p.greedy for p in params], device=device)
         # greedy rows keep temperature 1 so the division stays finite; their argmax is used
@@ -56,6 +58,10 @@ class SamplingMetadata:
         sampled = [p for p in params if not p.greedy]
         self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
         self.need_min_p = any(p.min_p > 0 for p in sampled)
+        truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
+        self.truncated = torch.tensor(truncated, device=device)
+        self.any_truncated = any(truncated)
+        self.max_top_k = max((p.top_k for p in sampled), default=0)
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
@@ -91,6 +97,11 @@ def _index(items: list[tuple], device) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+# candidates looked at first for truncated rows (top-k, top-p, min-p); a row whose kept tokens
+# might reach past them is sampled over the whole vocabulary instead, so results stay exact
+CANDIDATES = 128
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus, in one sort."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -112,17 +123,74 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def _truncate_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor) -> torch.Tensor:
+    """min-p, top-k, then top-p on rows of probabilities sorted in descending order: returns
+    the kept (not renormalized) probabilities, zero elsewhere."""
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    keep = (ranks < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None])
+    keep &= probs >= probs[:, :1] * min_p[:, None]
+    kept = probs * keep
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    above = kept.cumsum(dim=-1) - kept
+    return kept.masked_fill(above > top_p[:, None], 0.0)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalized non-negative weights, with one uniform per row."""
+    cdf = weights.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
+
+
+def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch.Tensor:
+    """Sample each row of temperature-scaled logits after min-p, top-k and top-p.
+
+    A truncated row is sampled among its CANDIDATES most likely tokens when those provably
+    hold every token the filters keep (top-k within them, the min-p threshold above the last
+    one, or their mass past top-p); any other row over the whole vocabulary (sorting it when
+    truncated). Both by inverse CDF, so a row uses one uniform, from its own generator if
+    seeded."""
+    probs = logits.softmax(dim=-1)
+    vocab = probs.shape[-1]
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    full = ~meta.truncated
+    if meta.any_truncated:
+        k = min(vocab, max(CANDIDATES, meta.max_top_k))
+        cand, cand_ids = probs.topk(k, dim=-1)
+        bounded = ((meta.top_k > 0) & (meta.top_k <= k)) | torch.full_like(meta.truncated, k == vocab)
+        bounded |= (meta.min_p > 0) & (cand[:, -1] < cand[:, 0] * meta.min_p)
+        bounded |= (meta.top_p < 1) & (cand.sum(dim=-1) > meta.top_p)
+        exact = meta.truncated & bounded
+        rows = exact.nonzero()[:, 0]
+        if rows.numel():
+            kept = _truncate_sorted(cand[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows])
+            out[rows] = cand_ids[rows].gather(1, inverse_cdf(kept, u[rows])[:, None])[:, 0]
+        full = ~exact
+    rows = full.nonzero()[:, 0]
+    if rows.numel():
+        sub = logits[rows]
+        if meta.need_min_p:
+            sub = apply_min_p(sub, meta.min_p[rows])
+        if meta.need_sort:
+            sub = apply_top_k_top_p(sub, meta.top_k[rows], meta.top_p[rows])
+        out[rows] = inverse_cdf(sub.softmax(dim=-1), u[rows])
+    return out
+
+
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Bias, min_tokens mask and penalties: [B, V] float32 in, the same shape out."""
+    """Bias, min_tokens mask and penalties: [B, V] float32 in, a new tensor out (the raw
+    logits stay as they are, for the logprobs)."""
+    if meta.bias is None and meta.banned is None and meta.penalty_rows is None:
+        return logits
+    logits = logits.clone()
     if meta.bias is not None:
-        logits = logits.index_put(meta.bias[:2], meta.bias[2], accumulate=True)
+        logits.index_put_(meta.bias[:2], meta.bias[2], accumulate=True)
     if meta.banned is not None:
-        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
-    if meta.penalty_rows is not None:  # out of place: the raw logits serve the logprobs
-        rows = meta.penalty_rows
-        logits = logits.index_put((rows,), apply_penalties(
-            logits[rows], meta.counts.counts[meta.count_rows], meta.counts.in_prompt[meta.count_rows],
-            meta.presence, meta.frequency, meta.repetition))
+        logits.index_put_(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+    if meta.penalty_rows is not None:
+        apply_penalties(logits, meta.penalty_rows, meta.count_rows, meta.counts, meta.presence,
+                        meta.frequency, meta.repetition)
     return logits
 
 
@@ -132,21 +200,15 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     asked for them, their log-probabilities."""
     raw = logits
     logits = process_logits(logits, meta)
-    ids = logits.argmax(dim=-1)
+    ids = logits.argmax(dim=-1) if meta.any_greedy else None
     if not meta.all_greedy:
-        logits = logits / meta.temperature[:, None]
-        if meta.need_min_p:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.need_sort:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        # race: argmax of p / E with E ~ Exp(1) draws from p
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        u = torch.rand(logits.shape[0], generator=generator, device=logits.device)
         for row, own in meta.generators.items():
             # a seeded request draws only from its own generator: its text does not depend on
             # what else is in the batch
-            noise[row].exponential_(generator=own)
-        ids = torch.where(meta.greedy, ids, (probs / noise).argmax(dim=-1))
+            u[row] = torch.rand((), generator=own, device=logits.device)
+        drawn = draw(logits / meta.temperature[:, None], meta, u)
+        ids = drawn if ids is None else torch.where(meta.greedy, ids, drawn)
     if meta.penalty_rows is not None:
         meta.counts.add(meta.count_rows, ids[meta.penalty_rows])
     logprobs = token_logprobs(raw, meta, ids) if meta.logprob_rows else []

@@ -45,22 +45,29 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+@pytest.mark.parametrize("vocab", [12, 600], ids=["v12", "v600"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=6),
     SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.3, top_p=0.995),  # at 600: past the candidates, a full sort
     SamplingParams(temperature=0.9, min_p=0.08),
     SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02),
-], ids=["plain", "top_k", "top_p", "min_p", "all"])
-def test_empirical_frequencies_match_exact_probabilities(params):
+], ids=["plain", "top_k", "top_p", "top_p_wide", "min_p", "all"])
+def test_empirical_frequencies_match_exact_probabilities(params, vocab):
     gen = torch.Generator().manual_seed(1234)
-    logits = torch.randn(12, generator=gen) * 0.8
+    logits = torch.randn(vocab, generator=gen) * 0.8
+    if vocab > 12:  # a head of 12 likely tokens and a long flat tail, counted as one bin
+        logits[12:] = torch.randn(vocab - 12, generator=gen) * 0.3 - 1.5
+        logits[:12] += 3
     n = 20_000
-    meta = SamplingMetadata(_rows([params] * n), torch.device("cpu"), 12)
+    meta = SamplingMetadata(_rows([params] * n), torch.device("cpu"), vocab)
     ids, _ = sample(logits.repeat(n, 1), meta, torch.Generator().manual_seed(7))
-    counts = torch.bincount(ids, minlength=12).double()
+    counts = torch.bincount(ids, minlength=vocab).double()
     p = _expected(logits, params)
     assert counts[p == 0].sum() == 0  # masked tokens are never drawn
+    counts = torch.cat([counts[:12], counts[12:].sum().reshape(1)])
+    p = torch.cat([p[:12], p[12:].sum().reshape(1)])
     support = p > 0
     expected = p[support] * n
     stat = ((counts[support] - expected) ** 2 / expected).sum().item()
