@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
+
+from loadtest.common import save_json
 
 GiB = 1 << 30
 
@@ -126,10 +127,7 @@ def main(args: argparse.Namespace) -> dict:
             "greedy paths may part; the float32 tests assert identical outputs)")
         print(f"swap / recompute throughput: {r['swap_over_recompute']:.2f}x; "
               f"identical outputs: {r['same_outputs']}{note}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return save_json(result, args.output_json)
 
 
 if __name__ == "__main__":

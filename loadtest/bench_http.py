@@ -22,6 +22,8 @@ import time
 
 import httpx
 
+from loadtest.common import save_json
+
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
           "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge", "a volcano",
           "chess", "a garden", "the wind", "a violin", "a desert", "honey", "a lighthouse", "paper",
@@ -160,10 +162,7 @@ def main(args) -> dict:
           f"output tok/s (target >= 0.90)")
     print(f"idle-server TTFT: median {result['ttft_median_ms']} ms, p90 {result['ttft_p90_ms']} ms "
           f"(target median < 150 ms)")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return save_json(result, args.output_json)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import time
 
 import torch
+
+from loadtest.common import save_json
 
 GiB = 1 << 30
 
@@ -137,10 +138,7 @@ def main(args: argparse.Namespace) -> dict:
         n = args.hf_num_prompts or len(work)
         result["hf"] = run_hf(args, path, device, work[:n])
     print_summary(result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return save_json(result, args.output_json)
 
 
 def print_summary(r: dict) -> None:

@@ -11,11 +11,12 @@ Two measurements in one run, alternated in rounds (this machine's speed drifts):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from loadtest.common import save_json
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -111,10 +112,7 @@ def main(args) -> dict:
     print(f"batch {args.batch}: every processor adds {result['step_increase'] * 100:.1f}% to a decode "
           f"step; the sampler alone is {result['sampler_share_of_step'] * 100:.1f}% of the step "
           f"(target < 15%)")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return save_json(result, args.output_json)
 
 
 if __name__ == "__main__":

