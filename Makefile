@@ -5,8 +5,10 @@ STAMP := $(VENV)/.installed
 NODE_STAMP := tests/node/node_modules/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
+USERS ?= 16
+TIME ?= 60s
 
-.PHONY: install serve test generate bench clean
+.PHONY: install serve test loadtest generate bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +30,11 @@ serve: $(STAMP)
 
 test: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -q
+
+# against a running server: make loadtest HOST=http://127.0.0.1:8000 USERS=16 TIME=60s
+loadtest: $(STAMP)
+	$(VENV)/bin/locust -f loadtest/locustfile.py --host $(if $(findstring ://,$(HOST)),$(HOST),http://$(HOST):$(PORT)) \
+		--headless -u $(USERS) -r $(USERS) -t $(TIME) --only-summary
 
 generate: $(STAMP)
 	$(VENV)/bin/pageserve generate --chat "What is PagedAttention?"

@@ -65,7 +65,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_length(state, len(prompt_ids), max_tokens)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    rid = request_id("chatcmpl")
+    rid = request_id("chatcmpl", request)
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt)
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}

@@ -43,7 +43,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling
+    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling, bench_serve
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -51,7 +51,8 @@ def _add_bench(sub) -> None:
             ("offline", bench_offline, "offline throughput against HF generate"),
             ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput"),
             ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
-            ("sampling", bench_sampling, "what every logits processor costs beside a decode step")):
+            ("sampling", bench_sampling, "what every logits processor costs beside a decode step"),
+            ("serve", bench_serve, "a serving benchmark against any OpenAI-compatible server")):
         b = bench_sub.add_parser(name, help=help_text)
         module.add_args(b)
         b.set_defaults(func=lambda ns, m=module: (m.main(ns), 0)[1])

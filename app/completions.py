@@ -50,7 +50,7 @@ async def completions(request: Request) -> Response:
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
     echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
-    rid = request_id("cmpl")
+    rid = request_id("cmpl", request)
     stream, index = start(state, rid, ids, params, body.cache_salt)
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}

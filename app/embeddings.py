@@ -31,7 +31,7 @@ async def embeddings(request: Request) -> Response:
                 f"This model's maximum context length is {state.max_model_len} tokens. However, your "
                 f"request has {len(ids)} input tokens. Please reduce the length of the input.", "input")
     engine = state.engine
-    base = request_id("embd")
+    base = request_id("embd", request)
     stream = engine.new_stream(len(inputs))
     try:
         index = {}

@@ -3,11 +3,13 @@ checks with vLLM's wording, adding prompts to the engine, and the SSE response."
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 
 import orjson
 from sse_starlette import EventSourceResponse
+from starlette.requests import Request
 
 from app.errors import APIError, bad_request
 from app.protocol import SamplingFields
@@ -16,8 +18,13 @@ from runtime.async_engine import RequestStream
 from runtime.outputs import RequestOutput
 from sampling.params import RequestOutputKind, SamplingParams
 
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(prefix: str, request: Request) -> str:
+    """The client's X-Request-Id when it sends a sane one (as vLLM does), else a random id."""
+    given = request.headers.get("x-request-id", "")
+    return f"{prefix}-{given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex}"
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,

@@ -31,6 +31,7 @@ ROUTES = {
     "/detokenize": ("post", "Token ids to text", DetokenizeRequest),
     "/health": ("get", "200 while the engine runs, 503 once it has stopped", None),
     "/version": ("get", "The server's version", None),
+    "/metrics": ("get", "Prometheus metrics", None),
     "/openapi.json": ("get", "This document", None),
 }
 

@@ -35,6 +35,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
                    help="past this many requests waiting for the engine, new ones get a 503 with "
                         "Retry-After")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    g.add_argument("--enable-log-prompts", action="store_true",
+                   help="add the prompt text to each request's log line (off: prompts stay private)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine status line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(parser)
@@ -67,7 +73,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
                           allowed_origins=_origins(ns.allowed_origins),
                           max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
-                          max_num_queued_reqs=ns.max_num_queued_reqs)
+                          max_num_queued_reqs=ns.max_num_queued_reqs,
+                          log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts)
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -84,7 +91,8 @@ def run(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
-    engine = AsyncEngine.build(args, settings.max_num_queued_reqs)
+    engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
+                               log_stats_interval=float("inf") if ns.disable_log_stats else 5.0)
     state = ServerState(engine, engine.engine.tokenizer, settings, engine.engine.config.model.max_model_len)
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,

@@ -20,6 +20,7 @@ from app.completions import completions
 from app.embeddings import embeddings
 from app.errors import APIError, bad_request
 from app.http import api_route, json_response, read_json
+from app.metrics import Metrics
 from app.openapi import openapi_document, package_version
 from app.protocol import DetokenizeRequest, TokenizeRequest
 from app.state import ServerState
@@ -58,6 +59,27 @@ class APIKeyMiddleware:
         for key in self.keys:  # no early exit: the time does not tell which key came close
             ok |= hmac.compare_digest(given, key)
         return ok
+
+
+class RequestIdMiddleware:
+    """Echo the client's X-Request-Id on the response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = None
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if given is None or len(given) > 256:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", given)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
 
 
 async def health(request: Request) -> Response:
@@ -128,7 +150,9 @@ def build_app(state: ServerState) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    middleware = []
+    metrics = Metrics(state.engine, state.model_name, state.settings.log_requests, state.settings.log_prompts)
+    routes.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
+    middleware = [Middleware(RequestIdMiddleware)]
     if state.settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
                                      allow_methods=["*"], allow_headers=["*"]))

@@ -24,6 +24,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     max_request_body_bytes: int = 32 << 20
     max_num_queued_reqs: int = 1024
+    log_requests: bool = True
+    log_prompts: bool = False
 
     def __post_init__(self):
         if not self.served_model_names:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -73,8 +75,13 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_num_queued_reqs: int = 1024,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, log_stats_interval: float = 5.0):
         self.engine = engine
+        # called on the loop thread with each request's finished output, and with aborted ids
+        self.on_finished: list[Callable[[RequestOutput], None]] = []
+        self.on_abort: list[Callable[[str], None]] = []
+        self.log_stats_interval = log_stats_interval
+        self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
         self.max_num_queued_reqs = max_num_queued_reqs
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, _PendingRequest] = {}
@@ -86,7 +93,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     @classmethod
-    def build(cls, engine_args: EngineArgs, max_num_queued_reqs: int = 1024) -> "AsyncEngine":
+    def build(cls, engine_args: EngineArgs, max_num_queued_reqs: int = 1024,
+              log_stats_interval: float = 5.0) -> "AsyncEngine":
         """Load the model and run every later step on one and the same thread. On CPU this
         matters: each thread that runs torch ops gets its own OpenMP team, and once the process
         has more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions
@@ -97,7 +105,7 @@ class AsyncEngine:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(engine, max_num_queued_reqs, executor)
+        return cls(engine, max_num_queued_reqs, executor, log_stats_interval)
 
     # ---- lifecycle ----
 
@@ -165,6 +173,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Takes effect before the next step: the request's blocks are free after it."""
         self._streams.pop(request_id, None)
+        for callback in self.on_abort:
+            callback(request_id)
         if self._pending.pop(request_id, None) is None:
             self._aborts.add(request_id)
             self._wake.set()
@@ -208,6 +218,9 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
+                        for callback in self.on_finished:
+                            callback(out)
+                self._log_stats()
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("the server is shutting down"))
             raise
@@ -215,6 +228,24 @@ class AsyncEngine:
             logger.exception("the engine loop stopped on an error")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine has stopped: {e!r}"))
+
+    def _log_stats(self) -> None:
+        """Every few seconds of activity, one line of engine status, as vLLM prints it."""
+        now = time.monotonic()
+        last, last_prompt, last_gen = self._last_log
+        if now - last < self.log_stats_interval:
+            return
+        e = self.engine
+        elapsed = now - last
+        kv = e.kv
+        hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%", (e.stats.prompt_tokens - last_prompt) / elapsed,
+            (e.stats.generation_tokens - last_gen) / elapsed, len(e.scheduler.running),
+            len(e.scheduler.swapped), len(e.scheduler.waiting), kv.usage * 100, hit_rate * 100)
+        self._last_log = (now, e.stats.prompt_tokens, e.stats.generation_tokens)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in set(self._streams.values()):

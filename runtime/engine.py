@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ class EngineStats:
     generation_tokens: int = 0
     kv_waste_sum: float = 0.0  # per step: allocated slots not holding a token / allocated slots
     kv_waste_steps: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # sequences by finish reason
 
     @property
     def kv_waste(self) -> float:
@@ -193,9 +194,8 @@ class LLMEngine:
         members = self.outputs.members(request_id) or [self.requests.get(request_id)]
         self.outputs.abort_group(request_id)
         for req in members:
-            if req is not None and self.requests.pop(req.request_id, None) is not None:
-                if not req.status.finished:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if req is not None and req.request_id in self.requests and not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -275,6 +275,8 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
         del self.requests[req.request_id]
+        reason = req.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -29,8 +29,9 @@ def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | 
     return status
 
 
-def _metrics(req: Request) -> RequestMetrics:
-    return RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time)
+def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetrics:
+    return RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.scheduled_time,
+                          req.num_prompt_tokens, sum(m.num_output_tokens for m in members or [req]))
 
 
 class OutputProcessor:
@@ -57,14 +58,14 @@ class OutputProcessor:
             return RequestOutput(
                 request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                 outputs=[self._completion(m, m.status.finished, False) for m in members],
-                finished=True, metrics=_metrics(req), prompt_logprobs=members[0].prompt_logprobs)
+                finished=True, metrics=_metrics(req, members), prompt_logprobs=members[0].prompt_logprobs)
         first = req.num_sent_tokens == 0
         completion = self._completion(req, finished, kind == RequestOutputKind.DELTA)
         if all_done:
             self.groups.pop(req.output_id, None)
         return RequestOutput(
             request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion], finished=all_done, metrics=_metrics(req),
+            outputs=[completion], finished=all_done, metrics=_metrics(req, group),
             prompt_logprobs=req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None)
 
     @staticmethod

@@ -20,6 +20,24 @@ class RequestMetrics:
     arrival_time: float  # time.monotonic() seconds
     first_token_time: float | None
     finished_time: float | None
+    scheduled_time: float | None = None  # first admitted to a step
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # all sequences of the request, so far
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def e2e_time(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean gap between output tokens after the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
 
     @property
     def time_to_first_token(self) -> float | None:

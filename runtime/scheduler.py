@@ -10,6 +10,7 @@ are freed and the request is recomputed from its tokens later."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -148,6 +149,8 @@ class Scheduler:
                 break
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.popleft()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -1,0 +1,94 @@
+"""GET /metrics in Prometheus text, named like vLLM's metrics with our prefix, and the
+one-line-per-request log.
+
+Gauges and counters are read from the engine when scraped (a custom collector: nothing on
+the hot path); the latency histograms are observed once per finished request."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+
+from runtime.async_engine import AsyncEngine
+from runtime.outputs import RequestOutput
+
+logger = logging.getLogger("pageserve.requests")
+
+_P = "pageserve:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(_P + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def collect(self):
+        e = self.engine.engine
+        sched, kv, stats = e.scheduler, e.kv, e.stats
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "num_requests_running", "Requests in the running batch.", len(sched.running))
+        yield self._family(g, "num_requests_waiting", "Requests waiting to be admitted.", self.engine.num_queued)
+        yield self._family(g, "num_requests_swapped", "Requests swapped out to CPU memory.", len(sched.swapped))
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", kv.usage)
+        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           kv.prefix_queries)
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+        yield self._family(c, "num_preemptions", "Preemptions (swap or recompute).", sched.num_preemptions)
+        yield self._family(c, "prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
+        yield self._family(c, "generation_tokens", "Tokens generated.", stats.generation_tokens)
+        success = CounterMetricFamily(_P + "request_success", "Finished sequences by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            success.add_metric([self.model_name, reason], stats.finished.get(reason, 0))
+        yield success
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine, model_name: str, log_requests: bool = True,
+                 log_prompts: bool = False):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def histogram(name, doc, buckets):
+            return Histogram(_P + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean gap between output tokens.",
+                              _TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.log_requests = log_requests
+        self.log_prompts = log_prompts
+        engine.on_finished.append(self.observe)
+        if log_requests:
+            engine.on_abort.append(lambda rid: logger.info("aborted request %s", rid))
+
+    def observe(self, out: RequestOutput) -> None:
+        m = out.metrics
+        for hist, value in ((self.ttft, m.time_to_first_token), (self.tpot, m.time_per_output_token),
+                            (self.e2e, m.e2e_time), (self.queue, m.queue_time)):
+            if value is not None:
+                hist.observe(value)
+        if self.log_requests:
+            reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "stop"
+            ttft = m.time_to_first_token
+            logger.info("finished request %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, %s%s",
+                        out.request_id, m.num_prompt_tokens, m.num_output_tokens,
+                        "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
+                        f", prompt {out.prompt!r}" if self.log_prompts and out.prompt is not None else "")
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,126 @@
+"""/metrics moves by the right amounts after known traffic; the request log; `pageserve bench
+serve` end to end; and the CI smoke: locust, 8 users, ~15 s, no failed request."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import re
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from tests.live_server import ROOT, InProcessServer
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`name{labels}` -> value, for every pageserve sample."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("pageserve:"):
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r',?model_name="[^"]*"', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+def test_counters_move_by_the_right_amounts(server, caplog):
+    server.wait_idle()
+    before = scrape(server.url)
+    tok = [httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["count"]
+           for p in ("Zebras graze at dawn", "Quantum foam bubbles", "Seven violet kites")]
+    with caplog.at_level(logging.INFO, logger="pageserve.requests"):
+        for p in ("Zebras graze at dawn", "Quantum foam bubbles", "Seven violet kites"):
+            r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": server.model, "prompt": p, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+            assert r.status_code == 200
+        stopped = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": "One, two, three, four,", "max_tokens": 20, "temperature": 0,
+            "stop": [","]})
+        assert stopped.json()["choices"][0]["finish_reason"] == "stop"
+    server.wait_idle()
+    after = scrape(server.url)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert delta("pageserve:generation_tokens_total") == 15 + stopped.json()["usage"]["completion_tokens"]
+    assert delta("pageserve:prompt_tokens_total") <= sum(tok) + stopped.json()["usage"]["prompt_tokens"]
+    assert delta("pageserve:prompt_tokens_total") >= sum(tok)
+    assert delta('pageserve:request_success_total{finished_reason="length"}') == 3
+    assert delta('pageserve:request_success_total{finished_reason="stop"}') == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "time_per_output_token_seconds"):
+        assert delta(f"pageserve:{hist}_count") == 4, hist
+    assert after["pageserve:num_requests_running"] == 0 and after["pageserve:kv_cache_usage_perc"] == 0
+    assert delta("pageserve:prefix_cache_queries_total") >= sum(tok)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pageserve.requests"]
+    assert len([m for m in lines if "finished request cmpl-" in m]) == 4
+    assert any("prompt 5 tokens, output 5 tokens" in m or "output 5 tokens" in m for m in lines)
+    assert not any("Zebras" in m for m in lines)  # no prompt text in the log by default
+
+
+def test_preemptions_are_counted(tiny_model_dir):
+    from runtime.engine_args import EngineArgs
+
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.0006,
+                                     max_model_len=512, swap_space=0.001))
+    try:
+        blocks = srv.engine.config.cache.num_blocks
+        per_request = 100 + 300
+        n = math.ceil(blocks * 16 / per_request) + 2
+        results = []
+
+        def send(i):
+            results.append(httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+                "model": srv.model, "prompt": [5 + i] * 100, "max_tokens": 300, "ignore_eos": True}).status_code)
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [200] * n
+        m = scrape(srv.url)
+        assert m["pageserve:num_preemptions_total"] == srv.engine.scheduler.num_preemptions > 0
+        assert m['pageserve:request_success_total{finished_reason="length"}'] == n
+        assert m["pageserve:generation_tokens_total"] == 300 * n
+    finally:
+        srv.stop()
+
+
+def test_bench_serve_end_to_end(server, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "6",
+         "--input-len", "8:24", "--output-len", "4:12", "--max-concurrency", "3", "--request-rate", "20",
+         "--slo-ttft-ms", "60000", "--output-json", str(out_json), "--output-png", str(out_png),
+         "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out_json.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0
+    for key in ("request_throughput", "output_throughput", "goodput", "duration_s", "throughput_timeline"):
+        assert key in r
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert set(r[name]) == {"mean_ms", "median_ms", "p99_ms"} and r[name]["median_ms"] > 0
+    assert r["goodput"] == r["request_throughput"]  # a generous SLO: every request meets it
+    assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
+    server.wait_idle()
+
+
+@pytest.mark.timeout(180)
+def test_locust_smoke_8_users_no_failures(server, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--host", server.url, "--headless",
+         "-u", "8", "-r", "8", "-t", "15s", "--only-summary", "--csv", str(tmp_path / "l")],
+        cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "l_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) > 20 and int(total["Failure Count"]) == 0
+    for name in ("TTFT", "ITL", "chat (stream)", "completions"):
+        assert int(rows[name]["Request Count"]) > 0, name
+    server.wait_idle()
