@@ -61,6 +61,8 @@ async def chat_completions(request: Request) -> Response:
     model = state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is served by /v1/completions (with echo)", "prompt_logprobs")
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_length(state, len(prompt_ids), max_tokens)

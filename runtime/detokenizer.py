@@ -68,14 +68,14 @@ class IncrementalDetokenizer:
         chunk = self._step(token_id)
         if not chunk:
             return None
-        # a stop string completed by this chunk starts at most max_stop_len - 1 chars before it
-        search_from = max(0, len(self.text) - self.max_stop_len + 1)
+        before = len(self.text)
         self.text += chunk
         if not self.stop or not check_stop:
             return None
         found, where = None, len(self.text)
         for s in self.stop:
-            i = self.text.find(s, search_from)
+            # a match must end inside the new chunk: older ones were seen (or not looked for)
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i != -1 and i < where:
                 found, where = s, i
         if found is not None:

@@ -139,6 +139,9 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         if len(token_ids) >= max_len:  # at least one output token must fit
             raise self._too_long(len(token_ids))
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n ({params.n}) is larger than the server's --max-num-seqs "
+                             f"({self.config.scheduler.max_num_seqs})")
         vocab = self.config.model.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
@@ -182,8 +185,10 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if "#" in request_id:
+            raise ValueError(f"request id {request_id!r}: '#' is kept for the sequences of n > 1")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
                       prompt if isinstance(prompt, str) else None, cache_salt, pooling)
         self.requests[request_id] = req
@@ -268,7 +273,9 @@ class LLMEngine:
             self.requests[child.request_id] = child
             children.append(child)
         self.outputs.groups[parent.output_id].extend(children)
-        self.scheduler.fork(parent, children)
+        copies = self.scheduler.fork(parent, children)
+        if copies:
+            self.runner.copy_blocks(copies)
         return children
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

@@ -19,6 +19,9 @@ from sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample,
 logger = logging.getLogger(__name__)
 
 
+_LOGPROB_ROWS = 256  # prompt positions whose logits are materialized at once
+
+
 def child_id(request_id: str, index: int) -> str:
     """The engine request id of the index-th sequence of an n > 1 request."""
     return request_id if index == 0 else f"{request_id}#{index}"
@@ -101,6 +104,7 @@ class ModelRunner:
             self._swap_storage = torch.empty(swap_shape, dtype=cfg.dtype,
                                              pin_memory=self.device.type == "cuda")
 
+    @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked requests' partial blocks, all layers at once."""
         src = torch.tensor([s for s, _ in pairs], device=self.device)
@@ -152,14 +156,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: swaps and copies, the forward, then sampling (`num_samples` tokens per
+        """Run one step: swaps, the forward, then sampling (`num_samples` tokens per
         request whose `sample` is set), prompt logprobs and pooling."""
         for rid in out.finished_ids:
             self.seeded.pop(rid, None)
             self.counts.release(rid)
         self.swap_blocks(out)
-        if out.copy_blocks:
-            self.copy_blocks(out.copy_blocks)
         result = StepResult()
         if not out.requests:
             return result
@@ -213,8 +215,11 @@ class ModelRunner:
             ks.extend([k] * (last - first + 1))
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[rows])
-        entries = topk_logprobs(logits, torch.tensor(targets, device=self.device), ks, max(ks))
+        entries = []
+        for i in range(0, len(rows), _LOGPROB_ROWS):  # [rows, vocab] logits, a piece at a time
+            logits = self.model.compute_logits(hidden[rows[i:i + _LOGPROB_ROWS]])
+            piece = torch.tensor(targets[i:i + _LOGPROB_ROWS], device=self.device)
+            entries += topk_logprobs(logits, piece, ks[i:i + _LOGPROB_ROWS], max(ks))
         return {rid: (first, entries[at:at + n]) for rid, (first, at, n) in spans.items()}
 
     def _request_generator(self, request_id: str, seed: int) -> torch.Generator:

@@ -47,7 +47,6 @@ class SchedulerOutput:
     # copied before the step's forward, swap-outs first: (device block, swap block) pairs
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (source, dest): n > 1 forks
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
 
     @property
@@ -73,7 +72,6 @@ class Scheduler:
         self._warned_preemption = False
         self._last_scheduled: list[tuple[Request, int]] = []
         self._finished_ids: list[str] = []
-        self._copies: list[tuple[int, int]] = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -82,8 +80,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids, copy_blocks=self._copies)
-        self._finished_ids, self._copies = [], []
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted_any = False
@@ -117,7 +115,7 @@ class Scheduler:
         return out
 
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # room for the swapped blocks and this step's tokens, all at once, keeping a block
@@ -136,8 +134,10 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self.num_running_seqs + req.num_samples > self.config.max_num_seqs:
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -213,15 +213,23 @@ class Scheduler:
         self._last_scheduled = []
         return reqs
 
-    def fork(self, parent: Request, children: list[Request]) -> None:
+    def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
         """n > 1: after the parent's first sample, its siblings run beside it, sharing its
-        blocks; the copies of the partial block happen before the next forward."""
+        blocks. Returns the (source, destination) copies of the partial block, which the caller
+        makes at once: before anything can be preempted, freed or written."""
+        copies = []
         for child in children:
             copy = self.kv.fork(parent, child)
             if copy is not None:
-                self._copies.append(copy)
+                copies.append(copy)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
+        return copies
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequences in the running batch: an n > 1 request not yet forked counts n."""
+        return sum(r.num_samples for r in self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and free its blocks at once."""

@@ -61,7 +61,6 @@ class SamplingMetadata:
         truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
         self.truncated = torch.tensor(truncated, device=device)
         self.any_truncated = any(truncated)
-        self.max_top_k = max((p.top_k for p in sampled), default=0)
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
@@ -123,16 +122,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def _truncate_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor) -> torch.Tensor:
-    """min-p, top-k, then top-p on rows of probabilities sorted in descending order: returns
-    the kept (not renormalized) probabilities, zero elsewhere."""
+def _truncate_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                     norm: torch.Tensor) -> torch.Tensor:
+    """min-p, top-k, then top-p on rows of probabilities sorted in descending order (the head
+    of the vocabulary): returns the kept (not renormalized) probabilities, zero elsewhere.
+    `norm`: the mass of everything min-p and top-k keep over the whole vocabulary, which the
+    top-p nucleus is measured against."""
     ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     keep = (ranks < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None])
     keep &= probs >= probs[:, :1] * min_p[:, None]
     kept = probs * keep
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    above = kept.cumsum(dim=-1) - kept
+    share = kept / norm[:, None]
+    above = share.cumsum(dim=-1) - share
     return kept.masked_fill(above > top_p[:, None], 0.0)
 
 
@@ -148,23 +149,33 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
 
     A truncated row is sampled among its CANDIDATES most likely tokens when those provably
     hold every token the filters keep (top-k within them, the min-p threshold above the last
-    one, or their mass past top-p); any other row over the whole vocabulary (sorting it when
-    truncated). Both by inverse CDF, so a row uses one uniform, from its own generator if
-    seeded."""
+    of them, or their mass past top-p); any other row over the whole vocabulary (sorting it
+    when truncated). Which way a row goes depends on that row alone, so a seeded row draws
+    the same token whatever else is in the batch. Both by inverse CDF: one uniform a row."""
     probs = logits.softmax(dim=-1)
     vocab = probs.shape[-1]
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     full = ~meta.truncated
     if meta.any_truncated:
-        k = min(vocab, max(CANDIDATES, meta.max_top_k))
+        k = min(vocab, CANDIDATES)
         cand, cand_ids = probs.topk(k, dim=-1)
-        bounded = ((meta.top_k > 0) & (meta.top_k <= k)) | torch.full_like(meta.truncated, k == vocab)
-        bounded |= (meta.min_p > 0) & (cand[:, -1] < cand[:, 0] * meta.min_p)
-        bounded |= (meta.top_p < 1) & (cand.sum(dim=-1) > meta.top_p)
-        exact = meta.truncated & bounded
+        threshold = cand[:, 0] * meta.min_p
+        by_top_k = (meta.top_k > 0) & (meta.top_k <= k)
+        by_min_p = (meta.min_p > 0) & (cand[:, -1] < threshold)
+        by_top_p = (meta.top_p < 1) & (cand.sum(dim=-1) > meta.top_p) & (meta.top_k <= k)
+        whole = torch.full_like(meta.truncated, k == vocab)
+        exact = meta.truncated & (by_top_k | by_min_p | by_top_p | whole)
         rows = exact.nonzero()[:, 0]
         if rows.numel():
-            kept = _truncate_sorted(cand[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows])
+            c, t, p, m = cand[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows]
+            # what min-p and top-k keep: inside the candidates when they bound the row, else
+            # (top-p alone bounds it) over the whole vocabulary
+            head = ((torch.arange(k, device=c.device)[None, :] < torch.where(t > 0, t, k)[:, None])
+                    & (c >= threshold[rows, None]))
+            inside = (c * head).sum(dim=-1)
+            everywhere = (probs[rows] * (probs[rows] >= threshold[rows, None])).sum(dim=-1)
+            norm = torch.where((by_top_k | by_min_p | whole)[rows], inside, everywhere)
+            kept = _truncate_sorted(c, t, p, m, norm)
             out[rows] = cand_ids[rows].gather(1, inverse_cdf(kept, u[rows])[:, None])[:, 0]
         full = ~exact
     rows = full.nonzero()[:, 0]

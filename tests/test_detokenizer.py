@@ -158,3 +158,13 @@ def test_many_long_stop_strings_stay_cheap(tokenizer):
     per_token = (time.perf_counter() - start) / len(ids)
     assert found is None and "".join(pieces) == "word " * 400
     assert per_token < 2e-3, per_token  # a budget, not a benchmark: 100x what it takes here
+
+
+def test_stop_strings_seen_before_min_tokens_stay_ignored(tokenizer):
+    detok = IncrementalDetokenizer(backend_tokenizer(tokenizer), [1], ["\n", "END_OF_TEXT"], False, True)
+    first, second = (tokenizer.encode(t, add_special_tokens=False) for t in ("hello\n", " world"))
+    for t in first:
+        assert detok.add_token(t, check_stop=False) is None  # before min_tokens
+    for t in second:
+        assert detok.add_token(t, check_stop=True) is None  # the old "\n" is not matched now
+    assert detok.take_delta(finished=True) == "hello\n world"
