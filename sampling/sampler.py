@@ -172,9 +172,14 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
             # (top-p alone bounds it) over the whole vocabulary
             head = ((torch.arange(k, device=c.device)[None, :] < torch.where(t > 0, t, k)[:, None])
                     & (c >= threshold[rows, None]))
-            inside = (c * head).sum(dim=-1)
-            everywhere = (probs[rows] * (probs[rows] >= threshold[rows, None])).sum(dim=-1)
-            norm = torch.where((by_top_k | by_min_p | whole)[rows], inside, everywhere)
+            norm = (c * head).sum(dim=-1)
+            # rows bounded by top-p alone: min-p keeps tokens past the candidates as well
+            wide = (~(by_top_k | by_min_p | whole))[rows] & (m > 0)
+            if wide.any():
+                w = rows[wide]
+                norm[wide] = (probs[w] * (probs[w] >= threshold[w, None])).sum(dim=-1)
+            norm = torch.where((~(by_top_k | by_min_p | whole))[rows] & (m == 0),
+                               torch.ones_like(norm), norm)
             kept = _truncate_sorted(c, t, p, m, norm)
             out[rows] = cand_ids[rows].gather(1, inverse_cdf(kept, u[rows])[:, None])[:, 0]
         full = ~exact

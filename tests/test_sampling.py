@@ -67,7 +67,8 @@ def _logits(vocab: int, gen: torch.Generator) -> torch.Tensor:
     SamplingParams(temperature=0.9, min_p=0.08),
     SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02),
     SamplingParams(temperature=1.0, top_k=300, min_p=0.001),  # top-k past the candidates
-], ids=["plain", "top_k", "top_p", "top_p_90", "top_p_wide", "min_p", "all", "top_k_300"])
+    SamplingParams(temperature=1.3, top_p=0.9, min_p=0.0005),  # top-p bounds, min-p does not
+], ids=["plain", "top_k", "top_p", "top_p_90", "top_p_wide", "min_p", "all", "top_k_300", "top_p_min_p"])
 def test_empirical_frequencies_match_exact_probabilities(params, vocab):
     gen = torch.Generator().manual_seed(1234)
     logits = _logits(vocab, gen)
