@@ -78,15 +78,16 @@ async def chat_completions(request: Request) -> Response:
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()
+    out = next(iter(outs.values()))
     choices = []
-    for c in outs[rid].outputs:
+    for c in out.outputs:
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
             "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return json_response({
         "object": "chat.completion", **head, "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in outs[rid].outputs)),
+        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
     })
 
 

@@ -4,6 +4,7 @@ computed as prefill-only requests through the same engine as generation."""
 from __future__ import annotations
 
 import base64
+import uuid
 from array import array
 
 from starlette.requests import Request
@@ -32,11 +33,12 @@ async def embeddings(request: Request) -> Response:
                 f"request has {len(ids)} input tokens. Please reduce the length of the input.", "input")
     engine = state.engine
     base = request_id("embd", request)
+    suffix = uuid.uuid4().hex[:8]
     stream = engine.new_stream(len(inputs))
     try:
         index = {}
         for i, ids in enumerate(inputs):
-            rid = f"{base}-{i}"
+            rid = f"{base}-{suffix}-{i}"
             engine.add_embedding_request(stream, rid, ids)
             index[rid] = i
         outs = await until_disconnected(request, collect(stream))

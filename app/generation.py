@@ -73,14 +73,16 @@ def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | N
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
           cache_salt: str | None) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
-    index (an output's choice index is prompt index x n + its own index). Nothing is left
-    running if one of them is refused."""
+    index (an output's choice index is prompt index x n + its own index). Engine ids add a
+    random suffix to the response id, so a client that reuses its X-Request-Id never meets
+    its earlier request. Nothing is left running if one of them is refused."""
     engine = state.engine
     stream = engine.new_stream(len(prompts))
     index: dict[str, int] = {}
+    suffix = uuid.uuid4().hex[:8]
     try:
         for i, ids in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
             engine.add_request(stream, rid, ids, params, cache_salt)
             index[rid] = i
     except BaseException:

@@ -57,7 +57,7 @@ class _EngineCollector(Collector):
 
 class Metrics:
     def __init__(self, engine: AsyncEngine, model_name: str, log_requests: bool = True,
-                 log_prompts: bool = False):
+                 log_prompts: bool = False, detokenize=None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         labels = ["model_name"]
@@ -72,6 +72,7 @@ class Metrics:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.log_requests = log_requests
         self.log_prompts = log_prompts
+        self.detokenize = detokenize
         engine.on_finished.append(self.observe)
         if log_requests:
             engine.on_abort.append(lambda rid: logger.info("aborted request %s", rid))
@@ -83,12 +84,19 @@ class Metrics:
             if value is not None:
                 hist.observe(value)
         if self.log_requests:
-            reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "stop"
+            reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "pooled"
             ttft = m.time_to_first_token
             logger.info("finished request %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, %s%s",
                         out.request_id, m.num_prompt_tokens, m.num_output_tokens,
                         "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
-                        f", prompt {out.prompt!r}" if self.log_prompts and out.prompt is not None else "")
+                        f", prompt {self._prompt(out)!r}" if self.log_prompts else "")
+
+    def _prompt(self, out: RequestOutput) -> str:
+        text = out.prompt
+        if text is None and self.detokenize is not None:
+            text = self.detokenize(out.prompt_token_ids)
+        text = text or ""
+        return text if len(text) <= 1000 else text[:1000] + "..."
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

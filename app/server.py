@@ -150,7 +150,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    metrics = Metrics(state.engine, state.model_name, state.settings.log_requests, state.settings.log_prompts)
+    metrics = Metrics(state.engine, state.model_name, state.settings.log_requests, state.settings.log_prompts,
+                      state.detokenize)
     routes.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
     middleware = [Middleware(RequestIdMiddleware)]
     if state.settings.allowed_origins:

@@ -147,7 +147,8 @@ async def one_request(client: httpx.AsyncClient, args, model: str, prompt: str, 
 async def run(args, dataset) -> tuple[list[Result], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or len(dataset) or 1)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
+    timeout = httpx.Timeout(600, connect=30)  # a stuck request fails instead of hanging the run
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout, limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         gate = asyncio.Semaphore(args.max_concurrency or len(dataset) or 1)
         rng = random.Random(args.seed + 1)
@@ -166,11 +167,12 @@ async def run(args, dataset) -> tuple[list[Result], float]:
 
         start = time.perf_counter()
         tasks = []
-        for prompt, n in dataset:
+        for i, (prompt, n) in enumerate(dataset):
             tasks.append(asyncio.create_task(limited(prompt, n)))
-            if args.request_rate != float("inf"):
+            if args.request_rate != float("inf") and i + 1 < len(dataset):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+        results = [r if isinstance(r, Result) else Result(error=f"{type(r).__name__}: {r}", start=start)
+                   for r in await asyncio.gather(*tasks, return_exceptions=True)]
         duration = time.perf_counter() - start
         if bar is not None:
             bar.close()
@@ -180,10 +182,10 @@ async def run(args, dataset) -> tuple[list[Result], float]:
 def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean_ms": None, "median_ms": None, "p99_ms": None}
-    ordered = sorted(values)
+    p99 = statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
     return {"mean_ms": round(statistics.mean(values) * 1000, 2),
             "median_ms": round(statistics.median(values) * 1000, 2),
-            "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 2)}
+            "p99_ms": round(p99 * 1000, 2)}
 
 
 def summarize(args, results: list[Result], duration: float) -> dict:
@@ -236,7 +238,7 @@ def plot(summary: dict, path: str) -> None:
     cdf.legend(fontsize=8)
     tput.plot(range(len(summary["throughput_timeline"])), summary["throughput_timeline"])
     tput.set_xlabel("seconds since start")
-    tput.set_ylabel("streamed pieces / s")
+    tput.set_ylabel("streamed pieces / s (about tokens / s)")
     tput.set_title(f"output over time ({summary['output_throughput']:.0f} tok/s mean)")
     fig.tight_layout()
     fig.savefig(path)

@@ -49,32 +49,38 @@ class StreamingChatUser(_OpenAIUser):
         body = {"model": self.model, "messages": [{"role": "user", "content": random.choice(QUESTIONS)}],
                 "max_tokens": 48, "temperature": 0.7, "stream": True}
         start = time.perf_counter()
-        last = None
+        gaps = []  # (TTFT or ITL, seconds), reported once the stream is known to be whole
         with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
                               name="chat (stream)") as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}")
                 return
-            done = False
-            for raw in r.iter_lines():
-                line = raw.decode() if isinstance(raw, bytes) else raw
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    r.failure(chunk["error"].get("message", "error event"))
-                    return
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    _fire("TTFT" if last is None else "ITL", now - (start if last is None else last))
-                    last = now
+            done, last = False, None
+            try:
+                for raw in r.iter_lines():
+                    line = raw.decode() if isinstance(raw, bytes) else raw
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        r.failure(chunk["error"].get("message", "error event"))
+                        return
+                    if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                        now = time.perf_counter()
+                        gaps.append(("TTFT" if last is None else "ITL", now - (start if last is None else last)))
+                        last = now
+            except Exception as e:  # noqa: BLE001 - a broken stream is a failed request
+                r.failure(f"{type(e).__name__}: {e}")
+                return
             if not done:
                 r.failure("the stream ended without [DONE]")
-            else:
-                r.success()
+                return
+            r.success()
+        for name, seconds in gaps:
+            _fire(name, seconds)
 
 
 class CompletionsUser(_OpenAIUser):

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.engine import LLMEngine
 from runtime.engine_args import EngineArgs
@@ -36,6 +36,7 @@ class _PendingRequest:
     prompt_token_ids: list[int]
     params: SamplingParams | None  # None: an embedding request
     cache_salt: str | None
+    arrival_time: float = field(default_factory=time.monotonic)
 
 
 class RequestStream:
@@ -69,7 +70,7 @@ class RequestStream:
 
     def abort(self) -> None:
         for rid in self._open:
-            self._engine.abort(rid)
+            self._engine.abort(rid, self)
         self._open.clear()
 
 
@@ -170,8 +171,11 @@ class AsyncEngine:
         self._pending[rid] = pending
         self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        """Takes effect before the next step: the request's blocks are free after it."""
+    def abort(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Takes effect before the next step: the request's blocks are free after it. With
+        `stream`, only if the id still belongs to that stream."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return  # finished already (or the id is another stream's now)
         self._streams.pop(request_id, None)
         for callback in self.on_abort:
             callback(request_id)
@@ -191,10 +195,11 @@ class AsyncEngine:
         for rid, p in pending.items():
             try:
                 if p.params is None:
-                    engine.add_embedding_request(p.prompt_token_ids, request_id=rid)
+                    engine.add_embedding_request(p.prompt_token_ids, request_id=rid,
+                                                 arrival_time=p.arrival_time)
                 else:
                     engine.add_request(p.prompt_token_ids, p.params, request_id=rid,
-                                       cache_salt=p.cache_salt)
+                                       cache_salt=p.cache_salt, arrival_time=p.arrival_time)
             except ValueError as e:  # checked on the way in; only a race could bring us here
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
@@ -219,7 +224,10 @@ class AsyncEngine:
                     if out.finished:
                         del self._streams[out.request_id]
                         for callback in self.on_finished:
-                            callback(out)
+                            try:
+                                callback(out)
+                            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                                logger.exception("an output callback failed")
                 self._log_stats()
         except asyncio.CancelledError:
             self._fail_all(EngineDeadError("the server is shutting down"))

@@ -35,7 +35,10 @@ class EngineStats:
     generation_tokens: int = 0
     kv_waste_sum: float = 0.0  # per step: allocated slots not holding a token / allocated slots
     kv_waste_steps: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # sequences by finish reason
+    finished: dict[str, int] = field(default_factory=dict)  # generation requests by finish reason
+
+    def count_finished(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
 
     @property
     def kv_waste(self) -> float:
@@ -152,9 +155,11 @@ class LLMEngine:
         return token_ids, max_tokens
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> str:
         token_ids, max_tokens = self.validate(prompt, params)
-        req = self._new_request(request_id, token_ids, params, max_tokens, prompt, cache_salt)
+        req = self._new_request(request_id, token_ids, params, max_tokens, prompt, cache_salt,
+                                arrival_time=arrival_time)
         req.detokenizer = self._detokenizer(req)
         if params.n > 1:
             self.outputs.add_group([req])
@@ -172,16 +177,18 @@ class LLMEngine:
             raise self._too_long(len(token_ids))
         return token_ids
 
-    def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None) -> str:
+    def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
+                              arrival_time: float | None = None) -> str:
         """A prefill-only request whose output is the mean of its tokens' last hidden states,
         L2-normalized."""
         token_ids = self.validate_embedding(prompt)
-        req = self._new_request(request_id, token_ids, _POOLING_PARAMS, 0, prompt, None, pooling=True)
+        req = self._new_request(request_id, token_ids, _POOLING_PARAMS, 0, prompt, None, pooling=True,
+                                arrival_time=arrival_time)
         self.scheduler.add_request(req)
         return req.request_id
 
     def _new_request(self, request_id, token_ids, params, max_tokens, prompt, cache_salt,
-                     pooling: bool = False) -> Request:
+                     pooling: bool = False, arrival_time: float | None = None) -> Request:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -191,6 +198,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r}: '#' is kept for the sequences of n > 1")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
                       prompt if isinstance(prompt, str) else None, cache_salt, pooling)
+        if arrival_time is not None:  # when the server took it, not when the engine got it
+            req.arrival_time = arrival_time
         self.requests[request_id] = req
         return req
 
@@ -198,9 +207,13 @@ class LLMEngine:
         """Abort a request (all its sequences, for n > 1); its blocks are free at once."""
         members = self.outputs.members(request_id) or [self.requests.get(request_id)]
         self.outputs.abort_group(request_id)
+        aborted = False
         for req in members:
             if req is not None and req.request_id in self.requests and not req.status.finished:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
+                aborted = True
+        if aborted:
+            self.stats.count_finished("abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -218,8 +231,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
-            end = sr.start_pos + len(sr.token_ids)
-            self.stats.prompt_tokens += max(0, min(end, req.num_prompt_tokens) - sr.start_pos)
+            end = min(sr.start_pos + len(sr.token_ids), req.num_prompt_tokens)
+            if end > req.num_prompt_counted:  # a recompute after preemption is not counted again
+                self.stats.prompt_tokens += end - max(sr.start_pos, req.num_prompt_counted)
+                req.num_prompt_counted = end
             if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
                 first, entries = result.prompt_logprobs[req.request_id]
                 # after a recompute, positions already recorded come again: keep the first
@@ -253,6 +268,8 @@ class LLMEngine:
         if status is not None:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
+        if out is not None and out.finished:  # the whole request (all n sequences) is done
+            self.stats.count_finished(req.finish_reason)
         return [out] if out is not None else []
 
     def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
@@ -266,7 +283,8 @@ class LLMEngine:
                             parent.prompt, parent.cache_salt)
             child.output_id, child.index, child.num_samples = parent.output_id, i, 1
             child.num_computed_tokens = parent.num_computed_tokens
-            child.arrival_time = parent.arrival_time
+            child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
+            child.first_token_time = parent.first_token_time
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = parent.prompt_logprobs
             child.detokenizer = self._detokenizer(child)
@@ -282,8 +300,6 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
         del self.requests[req.request_id]
-        reason = req.finish_reason
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

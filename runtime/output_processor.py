@@ -30,8 +30,11 @@ def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | 
 
 
 def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetrics:
-    return RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.scheduled_time,
-                          req.num_prompt_tokens, sum(m.num_output_tokens for m in members or [req]))
+    members = members or [req]
+    finished = max((m.finished_time for m in members if m.finished_time is not None), default=None)
+    return RequestMetrics(req.arrival_time, req.first_token_time, finished, req.scheduled_time,
+                          req.num_prompt_tokens, sum(m.num_output_tokens for m in members),
+                          max(m.num_output_tokens for m in members))
 
 
 class OutputProcessor:

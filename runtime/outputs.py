@@ -23,6 +23,7 @@ class RequestMetrics:
     scheduled_time: float | None = None  # first admitted to a step
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # all sequences of the request, so far
+    longest_output: int = 0  # tokens of its longest sequence
 
     @property
     def queue_time(self) -> float | None:
@@ -35,9 +36,9 @@ class RequestMetrics:
     @property
     def time_per_output_token(self) -> float | None:
         """Mean gap between output tokens after the first."""
-        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+        if self.finished_time is None or self.first_token_time is None or self.longest_output < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (self.longest_output - 1)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -36,7 +36,7 @@ class Request:
         "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
         "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
-        "num_samples", "logprobs", "prompt_logprobs", "scheduled_time",
+        "num_samples", "logprobs", "prompt_logprobs", "scheduled_time", "num_prompt_counted",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -56,6 +56,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt  # keeps one tenant's prefix cache from serving another
         self.scheduled_time: float | None = None  # first admitted to a step
+        self.num_prompt_counted = 0  # prompt tokens counted in the stats (not again on recompute)
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.detokenizer = None  # IncrementalDetokenizer, set by the engine

@@ -147,9 +147,9 @@ class Scheduler:
             # the next block boundary of the others would thrash (recompute mode above all)
             if not self.kv.allocate_slots(req, num_new, hits, keep_free=len(self.running)):
                 break
-            self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.popleft()
-            if req.scheduled_time is None:
+            if req.scheduled_time is None:  # a recomputed request's own blocks are no news
+                self.kv.record_prefix_query(req.num_tokens, num_hit)
                 req.scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
