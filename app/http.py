@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from app.errors import APIError, bad_request, from_validation_error
-from runtime.async_engine import EngineDeadError, QueueFullError
+from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def api_route(handler: Callable[[Request], Awaitable[Response]]):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}).response()
         except EngineDeadError as e:
             return APIError(503, str(e), code="engine_dead").response()
+        except RequestFailedError as e:  # the server's fault, not the client's
+            return APIError(500, str(e), code="engine_error").response()
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody is listening
     return route

@@ -103,5 +103,11 @@ def run(ns: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
     # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    # an engine that cannot go on takes the process down (non-zero), so a supervisor restarts it
+    engine.on_dead.append(lambda: setattr(server, "should_exit", True))
+    server.run()
+    if engine.error is not None:
+        logger.error("exiting: the engine stopped on %r", engine.error)
+        return 1
     return 0

@@ -14,16 +14,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from runtime.engine import LLMEngine
+from runtime.engine import LLMEngine, StepFailed
 from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
 from sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_MAX_FAILED_STEPS = 3  # failed steps in a row before the engine counts as dead
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step running this request failed; other requests go on."""
 
 
 class QueueFullError(RuntimeError):
@@ -81,6 +87,8 @@ class AsyncEngine:
         # called on the loop thread with each request's finished output, and with aborted ids
         self.on_finished: list[Callable[[RequestOutput], None]] = []
         self.on_abort: list[Callable[[str], None]] = []
+        self.on_dead: list[Callable[[], None]] = []  # called once if the engine loop stops on an error
+        self._failed_steps = 0  # in a row
         self.log_stats_interval = log_stats_interval
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
         self.max_num_queued_reqs = max_num_queued_reqs
@@ -215,7 +223,12 @@ class AsyncEngine:
                     if not self._pending and not self._aborts:
                         await self._wake.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except StepFailed as e:
+                    self._fail_requests(e)
+                    continue
+                self._failed_steps = 0
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
@@ -236,6 +249,22 @@ class AsyncEngine:
             logger.exception("the engine loop stopped on an error")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine has stopped: {e!r}"))
+            for callback in self.on_dead:
+                callback()
+
+    def _fail_requests(self, failure: StepFailed) -> None:
+        """One failed step fails only its own requests; several in a row mean the engine is
+        broken, and the loop stops."""
+        self._failed_steps += 1
+        logger.error("an engine step failed (%r); %d request(s) get an error", failure.cause,
+                     len(failure.request_ids))
+        for rid in failure.request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(RequestFailedError(f"the engine failed while running this request: "
+                                              f"{failure.cause!r}"))
+        if self._failed_steps >= _MAX_FAILED_STEPS:
+            raise failure.cause
 
     def _log_stats(self) -> None:
         """Every few seconds of activity, one line of engine status, as vLLM prints it."""

@@ -45,6 +45,16 @@ class EngineStats:
         return self.kv_waste_sum / max(self.kv_waste_steps, 1)
 
 
+class StepFailed(Exception):
+    """The model step raised. The requests it was running were aborted (their KV may be half
+    written); the engine itself is intact and goes on with the others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine step failed: {cause!r}")
+        self.request_ids = request_ids  # the output ids of the failed requests
+        self.cause = cause
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, runner: ModelRunner):
         self.config = config
@@ -224,7 +234,10 @@ class LLMEngine:
         """One engine step. Returns an output for each request that has something to report,
         as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)  # also runs the step's swaps and copies
+        try:
+            result = self.runner.execute(sched)  # also runs the step's swaps and copies
+        except Exception as e:
+            raise StepFailed(self._fail_step(sched), e) from e
         if sched.is_empty:
             return []
         scheduled = self.scheduler.update_after_step()
@@ -295,6 +308,17 @@ class LLMEngine:
         if copies:
             self.runner.copy_blocks(copies)
         return children
+
+    def _fail_step(self, sched) -> list[str]:
+        """Abort what the failed step touched: its requests, and those it preempted (their swap
+        copy may not have happened). Returns their output ids."""
+        ids = [r.request_id for r in sched.requests] + list(sched.preempted)
+        failed = list(dict.fromkeys(self.requests[i].output_id for i in ids if i in self.requests))
+        self.scheduler.discard_last_step()
+        for output_id in failed:
+            self.abort_request(output_id)
+        self.check_integrity()  # an AssertionError here: the engine is not to be trusted
+        return failed
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finished_time = time.monotonic()

@@ -213,6 +213,10 @@ class Scheduler:
         self._last_scheduled = []
         return reqs
 
+    def discard_last_step(self) -> None:
+        """The last step failed: none of its tokens reached the cache."""
+        self._last_scheduled = []
+
     def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
         """n > 1: after the parent's first sample, its siblings run beside it, sharing its
         blocks. Returns the (source, destination) copies of the partial block, which the caller

@@ -222,3 +222,44 @@ def test_engine_death_turns_health_503_and_requests_get_errors(tiny_model_dir):
         _assert_envelope(httpx.post(f"{srv.url}/v1/completions", json=body), 503)
     finally:
         srv.stop()
+
+
+def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
+    from runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))
+    runner = srv.engine.runner
+    real = runner.execute
+    faults = {"left": 0}
+
+    def faulty(out):
+        if faults["left"] and out.requests:
+            faults["left"] -= 1
+            raise RuntimeError("injected fault")
+        return real(out)
+    runner.execute = faulty
+    dead = []
+    srv.state.engine.on_dead.append(lambda: dead.append(True))
+    try:
+        body = {"model": srv.model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(l for l in lines if l.startswith("data: {"))
+            faults["left"] = 1  # the next step fails
+            events = [l[6:] for l in lines if l.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
+        srv.wait_idle()
+        srv.engine.check_integrity()
+        ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200 and httpx.get(f"{srv.url}/health").status_code == 200
+        faults["left"] = 1  # a whole answer: the server's own error, as a 500 envelope
+        err = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert err.status_code == 500 and err.json()["error"]["code"] == "engine_error"
+        assert not dead
+        faults["left"] = 10 ** 9  # a broken engine: after a few failed steps it is dead
+        for _ in range(3):
+            httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert dead and httpx.get(f"{srv.url}/health").status_code == 503
+    finally:
+        srv.stop()
