@@ -8,7 +8,8 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error",
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+          499: "invalid_request_error",
           503: "server_error"}
 
 

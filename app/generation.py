@@ -14,7 +14,7 @@ from starlette.requests import Request
 from app.errors import APIError, bad_request
 from app.protocol import SamplingFields
 from app.state import ServerState
-from runtime.async_engine import RequestFailedError, RequestStream
+from runtime.async_engine import RequestFailedError, RequestStream, RequestTimeoutError
 from runtime.outputs import RequestOutput
 from sampling.params import RequestOutputKind, SamplingParams
 
@@ -111,7 +111,8 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSou
         except APIError as e:
             yield orjson.dumps(e.envelope()).decode()
         except Exception as e:  # the engine failed, died or refused mid-stream: tell the client
-            status = 500 if isinstance(e, RequestFailedError) else 503 if isinstance(e, RuntimeError) else 400
+            status = (408 if isinstance(e, RequestTimeoutError) else 500 if isinstance(e, RequestFailedError)
+                      else 503 if isinstance(e, RuntimeError) else 400)
             yield orjson.dumps(APIError(status, str(e)).envelope()).decode()
         finally:
             stream.abort()

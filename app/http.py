@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from app.errors import APIError, bad_request, from_validation_error
-from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def api_route(handler: Callable[[Request], Awaitable[Response]]):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}).response()
         except EngineDeadError as e:
             return APIError(503, str(e), code="engine_dead").response()
+        except RequestTimeoutError as e:
+            return APIError(408, str(e), code="request_timeout").response()
         except RequestFailedError as e:  # the server's fault, not the client's
             return APIError(500, str(e), code="engine_error").response()
         except (ClientGone, ClientDisconnect):

@@ -35,6 +35,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
                    help="past this many requests waiting for the engine, new ones get a 503 with "
                         "Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival; past it, it is stopped with a 408 "
+                        "(or an error event) and its blocks are freed (default: no limit)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--enable-log-prompts", action="store_true",
@@ -68,6 +71,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     if any(not k for k in keys):
         raise ValueError("--api-key must not be empty")
     names = tuple(ns.served_model_name or [model])
+    if ns.request_timeout is not None and not ns.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
@@ -92,7 +97,8 @@ def run(ns: argparse.Namespace) -> int:
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
-                               log_stats_interval=float("inf") if ns.disable_log_stats else 5.0)
+                               log_stats_interval=float("inf") if ns.disable_log_stats else 5.0,
+                               request_timeout=ns.request_timeout)
     state = ServerState(engine, engine.engine.tokenizer, settings, engine.engine.config.model.max_model_len)
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,

@@ -32,6 +32,10 @@ class RequestFailedError(RuntimeError):
     """The engine step running this request failed; other requests go on."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past --request-timeout and was aborted."""
+
+
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-num-queued-reqs allows."""
 
@@ -82,8 +86,11 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_num_queued_reqs: int = 1024,
-                 executor: ThreadPoolExecutor | None = None, log_stats_interval: float = 5.0):
+                 executor: ThreadPoolExecutor | None = None, log_stats_interval: float = 5.0,
+                 request_timeout: float | None = None):
         self.engine = engine
+        self.request_timeout = request_timeout
+        self._deadlines: dict[str, float] = {}  # request id -> monotonic time it must end by
         # called on the loop thread with each request's finished output, and with aborted ids
         self.on_finished: list[Callable[[RequestOutput], None]] = []
         self.on_abort: list[Callable[[str], None]] = []
@@ -103,7 +110,7 @@ class AsyncEngine:
 
     @classmethod
     def build(cls, engine_args: EngineArgs, max_num_queued_reqs: int = 1024,
-              log_stats_interval: float = 5.0) -> "AsyncEngine":
+              log_stats_interval: float = 5.0, request_timeout: float | None = None) -> "AsyncEngine":
         """Load the model and run every later step on one and the same thread. On CPU this
         matters: each thread that runs torch ops gets its own OpenMP team, and once the process
         has more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions
@@ -114,7 +121,7 @@ class AsyncEngine:
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        return cls(engine, max_num_queued_reqs, executor, log_stats_interval)
+        return cls(engine, max_num_queued_reqs, executor, log_stats_interval, request_timeout)
 
     # ---- lifecycle ----
 
@@ -177,6 +184,8 @@ class AsyncEngine:
         self._streams[rid] = stream
         stream._open.add(rid)
         self._pending[rid] = pending
+        if self.request_timeout is not None:
+            self._deadlines[rid] = pending.arrival_time + self.request_timeout
         self._wake.set()
 
     def abort(self, request_id: str, stream: RequestStream | None = None) -> None:
@@ -185,6 +194,7 @@ class AsyncEngine:
         if stream is not None and self._streams.get(request_id) is not stream:
             return  # finished already (or the id is another stream's now)
         self._streams.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         for callback in self.on_abort:
             callback(request_id)
         if self._pending.pop(request_id, None) is None:
@@ -196,6 +206,8 @@ class AsyncEngine:
     def _hand_over(self) -> None:
         """Between steps, on the loop thread: apply aborts, then add new requests."""
         engine = self.engine
+        if self._deadlines:
+            self._expire(time.monotonic())
         for rid in self._aborts:
             engine.abort_request(rid)
         self._aborts.clear()
@@ -236,6 +248,7 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         del self._streams[out.request_id]
+                        self._deadlines.pop(out.request_id, None)
                         for callback in self.on_finished:
                             try:
                                 callback(out)
@@ -251,6 +264,16 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"the engine has stopped: {e!r}"))
             for callback in self.on_dead:
                 callback()
+
+    def _expire(self, now: float) -> None:
+        """Abort the requests past their deadline; their streams get a timeout error."""
+        for rid in [r for r, deadline in self._deadlines.items() if deadline <= now]:
+            stream = self._streams.get(rid)
+            self.abort(rid)
+            if stream is not None:
+                stream.put(RequestTimeoutError(
+                    f"the request ran longer than the server's limit of {self.request_timeout:g} s "
+                    f"(--request-timeout) and was stopped"))
 
     def _fail_requests(self, failure: StepFailed) -> None:
         """One failed step fails only its own requests; several in a row mean the engine is
@@ -289,3 +312,4 @@ class AsyncEngine:
             stream.put(error)
         self._streams.clear()
         self._pending.clear()
+        self._deadlines.clear()

@@ -89,7 +89,7 @@ def _assert_envelope(r: httpx.Response, status: int, param=None, words=None) -> 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    assert err["type"] == {401: "authentication_error", 404: "not_found_error",
+    assert err["type"] == {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
                            503: "server_error"}.get(status, "invalid_request_error")
     if param is not None:
         assert err["param"] == param, err
@@ -261,5 +261,34 @@ def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
         for _ in range(3):
             httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
         assert dead and httpx.get(f"{srv.url}/health").status_code == 503
+    finally:
+        srv.stop()
+
+
+def test_request_timeout_stops_long_requests_and_frees_their_blocks(tiny_model_dir):
+    from runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))
+    srv.state.engine.request_timeout = 0.3
+    slow = srv.engine.runner.execute
+
+    def execute(out):  # a slow model: ~20 ms a step
+        time.sleep(0.02)
+        return slow(out)
+    srv.engine.runner.execute = execute
+    try:
+        body = {"model": srv.model, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        err = _assert_envelope(r, 408)
+        assert err["code"] == "request_timeout" and "--request-timeout" in err["message"]
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = [l[6:] for l in s.iter_lines() if l.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "--request-timeout" in json.loads(events[-2])["error"]["message"]
+        srv.wait_idle()
+        srv.engine.check_integrity()
+        assert srv.engine.kv.pool.counts()[2] == 0
+        quick = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+        assert quick.status_code == 200
     finally:
         srv.stop()
