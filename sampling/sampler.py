@@ -48,19 +48,20 @@ class SamplingMetadata:
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
         self.generators = generators or {}  # row -> the request's own seeded generator
-        self.greedy = torch.tensor([p.greedy for p in params], device=device)
-        # greedy rows keep temperature 1 so the division stays finite; their argmax is used
-        self.temperature = torch.tensor([p.temperature or 1.0 for p in params],
-                                        dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        sampled = [p for p in params if not p.greedy]
-        self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
-        self.need_min_p = any(p.min_p > 0 for p in sampled)
-        truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
-        self.truncated = torch.tensor(truncated, device=device)
-        self.any_truncated = any(truncated)
+        if not self.all_greedy:  # the random-sampling tensors: a greedy step needs none
+            self.greedy = torch.tensor([p.greedy for p in params], device=device)
+            # greedy rows keep temperature 1 so the division stays finite; their argmax is used
+            self.temperature = torch.tensor([p.temperature or 1.0 for p in params],
+                                            dtype=torch.float32, device=device)
+            self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
+            self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            sampled = [p for p in params if not p.greedy]
+            self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+            self.need_min_p = any(p.min_p > 0 for p in sampled)
+            truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
+            self.truncated = torch.tensor(truncated, device=device)
+            self.any_truncated = any(truncated)
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
