@@ -3,6 +3,7 @@ checks with vLLM's wording, adding prompts to the engine, and the SSE response."
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -12,11 +13,14 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
 from app.errors import APIError, bad_request
+from app.http import engine_error
 from app.protocol import SamplingFields
 from app.state import ServerState
-from runtime.async_engine import RequestFailedError, RequestStream, RequestTimeoutError
+from runtime.async_engine import RequestFailedError, RequestStream
 from runtime.outputs import RequestOutput
 from sampling.params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -108,12 +112,11 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSou
         try:
             async for event in events:
                 yield orjson.dumps(event).decode()
-        except APIError as e:
-            yield orjson.dumps(e.envelope()).decode()
-        except Exception as e:  # the engine failed, died or refused mid-stream: tell the client
-            status = (408 if isinstance(e, RequestTimeoutError) else 500 if isinstance(e, RequestFailedError)
-                      else 503 if isinstance(e, RuntimeError) else 400)
-            yield orjson.dumps(APIError(status, str(e)).envelope()).decode()
+        except Exception as e:  # the engine failed, died, timed out or is shutting down: tell the client
+            error = engine_error(e) or APIError(500, "internal error", code="internal_error")
+            if error.status == 500 and not isinstance(e, RequestFailedError):
+                logger.exception("a stream failed")
+            yield orjson.dumps(error.envelope()).decode()
         finally:
             stream.abort()
         yield "[DONE]"

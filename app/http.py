@@ -16,11 +16,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from app.errors import APIError, bad_request, from_validation_error
-from runtime.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestTimeoutError
+from runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
+                                  RequestTimeoutError, ShuttingDownError)
 
 logger = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# Deepest nesting of objects and arrays a body may have. A JSON schema in `response_format` or a
+# tool's `parameters` nests two levels per schema level, so this leaves room for 30 of them.
+MAX_JSON_DEPTH = 64
 
 
 class ClientGone(Exception):
@@ -58,10 +63,24 @@ async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body
         raise bad_request(f"the body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise bad_request(f"the body must be a JSON object, not {type(obj).__name__}")
+    if _too_deep(obj, MAX_JSON_DEPTH):
+        raise bad_request(f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _too_deep(obj: dict, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def api_route(handler: Callable[[Request], Awaitable[Response]]):
@@ -73,19 +92,35 @@ def api_route(handler: Callable[[Request], Awaitable[Response]]):
             return await handler(request)
         except APIError as e:
             return e.response()
-        except ValueError as e:  # the engine's own checks (prompt length, token ids, ...)
-            return bad_request(str(e)).response()
-        except QueueFullError as e:
-            return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"}).response()
-        except EngineDeadError as e:
-            return APIError(503, str(e), code="engine_dead").response()
-        except RequestTimeoutError as e:
-            return APIError(408, str(e), code="request_timeout").response()
-        except RequestFailedError as e:  # the server's fault, not the client's
-            return APIError(500, str(e), code="engine_error").response()
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody is listening
+        except Exception as e:
+            error = engine_error(e)
+            if error is None:
+                raise
+            return error.response()
     return route
+
+
+def engine_error(e: Exception) -> APIError | None:
+    """The envelope for what the engine raised: its own checks of a request (400), a timeout
+    (408), a failed step (500, the server's fault), overload, shutdown or death (503). None for
+    anything else, which is a bug."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e), code="server_shutting_down")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), code="request_timeout")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="engine_error")
+    return None
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -4,11 +4,13 @@ httptools)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 
 import orjson
+import uvicorn
 
 from app.state import ServerSettings
 
@@ -38,6 +40,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival; past it, it is stopped with a 408 "
                         "(or an error event) and its blocks are freed (default: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds that requests in flight may take to finish before they "
+                        "are stopped with an error; new requests are refused meanwhile")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--enable-log-prompts", action="store_true",
@@ -73,6 +78,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     names = tuple(ns.served_model_name or [model])
     if ns.request_timeout is not None and not ns.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
+    if not ns.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
@@ -82,9 +89,24 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts)
 
 
-def run(ns: argparse.Namespace) -> int:
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """On shutdown, uvicorn stops listening and closes idle connections; meanwhile the engine
+    refuses new requests and gives those in flight `shutdown_timeout` seconds, then stops the
+    rest with an error (an error event then [DONE] in a stream, a 503 otherwise), so every
+    client hears how its request ended."""
 
+    def __init__(self, config: uvicorn.Config, engine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.ensure_future(self.engine.drain(self.shutdown_timeout))
+        await super().shutdown(sockets)
+        await drain
+
+
+def run(ns: argparse.Namespace) -> int:
     from app.server import build_app
     from app.state import ServerState
     from runtime.async_engine import AsyncEngine
@@ -103,13 +125,14 @@ def run(ns: argparse.Namespace) -> int:
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,
                 ns.port, " (API key required)" if settings.api_keys else "")
+    # uvicorn's own grace period only backs ours up: by then every request has ended
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http="httptools",
                             log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=ns.shutdown_timeout + 5)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
     # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, engine, ns.shutdown_timeout)
     # an engine that cannot go on takes the process down (non-zero), so a supervisor restarts it
     engine.on_dead.append(lambda: setattr(server, "should_exit", True))
     server.run()

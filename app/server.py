@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 
+from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -139,6 +140,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(state: ServerState) -> Starlette:
+    # sse-starlette would cut every stream the moment shutdown starts; the engine's drain
+    # (--shutdown-timeout) ends them instead, each with its last tokens or an error event
+    AppStatus.disable_automatic_graceful_drain()
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -8,6 +8,7 @@ owns an asyncio queue that receives its outputs; a handler reads only its own qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ class RequestFailedError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past --request-timeout and was aborted."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down: no new requests, and those past --shutdown-timeout end."""
 
 
 class QueueFullError(RuntimeError):
@@ -106,6 +111,8 @@ class AsyncEngine:
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._draining = False
+        self._idle: asyncio.Event | None = None  # set whenever no request is in the engine's hands
         self.error: BaseException | None = None
 
     @classmethod
@@ -127,9 +134,14 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
+        if self._draining and self.is_running:  # let the loop free what drain() aborted
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5.0)
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -138,6 +150,29 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+
+    async def drain(self, timeout: float) -> int:
+        """Graceful shutdown: refuse new requests from now on, let those in flight finish for up
+        to `timeout` seconds, then end the rest with a ShuttingDownError. Returns how many were
+        ended that way."""
+        self._draining = True
+        if self._idle is None or self.error is not None:
+            return 0
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return 0
+        except asyncio.TimeoutError:
+            pass
+        streams = dict(self._streams)
+        logger.warning("shutdown: %d request(s) still running after %g s (--shutdown-timeout) are "
+                       "stopped", len(streams), timeout)
+        error = ShuttingDownError(f"the server is shutting down and stopped this request after "
+                                  f"{timeout:g} s (--shutdown-timeout)")
+        for rid in streams:
+            self.abort(rid)
+        for stream in set(streams.values()):
+            stream.put(error)
+        return len(streams)
 
     @property
     def is_running(self) -> bool:
@@ -153,8 +188,8 @@ class AsyncEngine:
     def _check_accepting(self, num_requests: int) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        if self._closed:
-            raise EngineDeadError("the server is shutting down")
+        if self._closed or self._draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
         if self.num_queued + num_requests > self.max_num_queued_reqs:
             raise QueueFullError(f"the server has {self.num_queued} requests waiting and its limit "
                                  f"is {self.max_num_queued_reqs} (--max-num-queued-reqs); retry later")
@@ -184,6 +219,7 @@ class AsyncEngine:
         self._streams[rid] = stream
         stream._open.add(rid)
         self._pending[rid] = pending
+        self._idle.clear()
         if self.request_timeout is not None:
             self._deadlines[rid] = pending.arrival_time + self.request_timeout
         self._wake.set()
@@ -231,6 +267,8 @@ class AsyncEngine:
             while True:
                 self._hand_over()
                 if not self.engine.has_unfinished_requests():
+                    if not self._streams and not self._pending:
+                        self._idle.set()
                     self._wake.clear()
                     if not self._pending and not self._aborts:
                         await self._wake.wait()

@@ -43,9 +43,10 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
 
 
 class InProcessServer:
-    def __init__(self, engine_args, **settings):
+    def __init__(self, engine_args, shutdown_timeout: float = 5.0, **settings):
         import uvicorn
 
+        from app.serve import GracefulServer
         from app.server import build_app
         from app.state import ServerSettings, ServerState
         from runtime.async_engine import AsyncEngine
@@ -61,7 +62,7 @@ class InProcessServer:
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.state), loop="asyncio", http="httptools",
                                 log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, async_engine, shutdown_timeout)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
         self.thread.start()
@@ -79,6 +80,11 @@ class InProcessServer:
                 return
             time.sleep(0.02)
         raise AssertionError(f"still busy after {timeout} s: requests {list(self.engine.requests)}")
+
+    def call(self, coro_fn, timeout: float = 10.0):
+        """Run `coro_fn()` on the server's event loop and return its result."""
+        loop = self.state.engine._task.get_loop()
+        return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result(timeout)
 
     def stop(self) -> None:
         self.server.should_exit = True

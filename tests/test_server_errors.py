@@ -59,8 +59,10 @@ BAD = [
     ("/tokenize", {"prompt": "a", "messages": MSG}, 400, None, "exactly one"),
     ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens", "outside the vocabulary"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", "valid list"),
-    (CHAT, b'{"messages": ' + b"[" * 300 + b"]" * 300 + b"}", 400, "messages.0", None),
-    (COMP, b'{"prompt": "hi", "model": ' + b"[" * 600 + b"]" * 600 + b"}", 400, "model", None),
+    (CHAT, b'{"messages": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None, "deeper than 64 levels"),
+    (COMP, b'{"prompt": "hi", "model": ' + b"[" * 600 + b"]" * 600 + b"}", 400, None, "deeper than 64"),
+    (CHAT, {"messages": MSG, "user_data": json.loads('{"a": ' * 64 + "1" + "}" * 64)}, 400, None,
+     "deeper than 64"),
     (CHAT, b'{"messages": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, None, "not valid JSON"),
     (CHAT, {"messages": MSG, "stop": [f"s{i}" for i in range(65)]}, 400, "stop", "at most 64"),
     (CHAT, {"messages": MSG, "stop": "x" * 300}, 400, "stop", "at most 256"),
@@ -112,7 +114,8 @@ def test_bad_request_then_a_good_one(server, route, body, status, param, words):
 def test_unknown_fields_are_ignored_nulls_take_defaults_unknown_routes_enveloped(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": server.model, "messages": [{"role": "user", "content": "hi", "extra": 1}],
-        "max_tokens": 2, "some_future_field": {"x": 1}})
+        "max_tokens": 2, "some_future_field": {"x": 1},
+        "deep_but_allowed": json.loads('{"a": ' * 63 + "1" + "}" * 63)})  # 64 levels with the body
     assert r.status_code == 200
     nulls = {k: None for k in ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "stop",
                                "min_tokens", "ignore_eos", "temperature", "top_p", "seed", "user")}

@@ -1,0 +1,209 @@
+"""Faults and overload against the real server (tiny model, in process so the engine can be
+inspected): a storm of clients that drop, five times the KV capacity at once, and a graceful
+shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import assert_pool_clean
+from tests.live_server import InProcessServer
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def _tiny_server(tiny_model_dir, kv_gib: float, **settings) -> InProcessServer:
+    from runtime.engine_args import EngineArgs
+
+    return InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=kv_gib,
+                                      swap_space=kv_gib / 2, max_num_seqs=16, max_model_len=1024,
+                                      debug_checks=True), **settings)
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_model_dir):
+    """A small KV pool (64 blocks of 16 tokens) so that load preempts and swaps."""
+    srv = _tiny_server(tiny_model_dir, 0.0005, max_num_queued_reqs=24)
+    assert 48 <= srv.engine.kv.pool.num_blocks <= 80, srv.engine.kv.pool.num_blocks
+    # one stream first: sse-starlette starts one watcher task per event loop, for good
+    with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                      json={"model": srv.model, "prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        r.read()
+    yield srv
+    srv.stop()
+
+
+def _num_tasks(srv: InProcessServer) -> int:
+    async def count():
+        return len(asyncio.all_tasks())
+    return srv.call(count)
+
+
+def _assert_settled(srv: InProcessServer, tasks_before: int) -> None:
+    """No request, stream, pending hand-over or deadline left; every block free; the event
+    loop back to the tasks it had before."""
+    srv.wait_idle(30)
+    engine = srv.state.engine
+    assert not engine._streams and not engine._pending and not engine._aborts and not engine._deadlines
+    assert_pool_clean(srv.engine)
+    deadline = time.monotonic() + 10
+    while _num_tasks(srv) > tasks_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _num_tasks(srv) == tasks_before, "asyncio tasks left behind"
+
+
+def test_disconnect_storm_leaves_nothing_behind(small_server):
+    """100 clients, streaming or not, that go away at random points: before the headers, after
+    some tokens, or read to the end."""
+    srv = small_server
+    tasks_before = _num_tasks(srv)
+    preempted_before = srv.engine.scheduler.num_preemptions
+    rng = random.Random(0)
+    outcomes = {"cancelled": 0, "dropped": 0, "whole": 0}
+
+    async def client(http: httpx.AsyncClient, i: int) -> None:
+        stream = i % 4 != 0
+        body = {"model": srv.model, "prompt": PROMPT, "max_tokens": rng.randint(20, 200),
+                "ignore_eos": True, "stream": stream}
+        if rng.random() < 0.3:  # gone before (or just as) the answer starts
+            try:
+                await asyncio.wait_for(http.post("/v1/completions", json=body), rng.uniform(0, 0.5))
+                outcomes["whole"] += 1
+            except asyncio.TimeoutError:
+                outcomes["cancelled"] += 1
+            return
+        if not stream:
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code in (200, 503), r.text
+            outcomes["whole"] += 1
+            return
+        keep = rng.randint(0, 60)
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code == 503:  # the queue limit: refused, nothing to drop
+                return
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                    if n >= keep:
+                        outcomes["dropped"] += 1
+                        return  # leaving the block closes the connection mid-stream
+        outcomes["whole"] += 1
+
+    async def storm():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as http:
+            await asyncio.gather(*(client(http, i) for i in range(100)))
+
+    srv.state.engine.max_num_queued_reqs = 1000  # all 100 get in
+    try:
+        asyncio.run(storm())
+    finally:
+        srv.state.engine.max_num_queued_reqs = 24
+    assert outcomes["cancelled"] > 5 and outcomes["dropped"] > 20, outcomes
+    _assert_settled(srv, tasks_before)
+    assert srv.engine.scheduler.num_preemptions > preempted_before, "the storm never filled the pool"
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                   json={"model": srv.model, "prompt": PROMPT, "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_five_times_the_kv_capacity_at_once(small_server):
+    """Every request is served in full or refused with 503 + Retry-After (past the queue
+    limit); refused ones that retry after Retry-After are served too; nothing hangs."""
+    srv = small_server
+    tasks_before = _num_tasks(srv)
+    capacity = srv.engine.kv.pool.num_blocks * srv.engine.kv.block_size
+    prompt_ids = srv.engine.tokenizer.encode(PROMPT)
+    max_tokens = 64
+    num = 5 * capacity // (len(prompt_ids) + max_tokens) + 1
+    refused: list[int] = []
+
+    async def client(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": srv.model, "prompt": prompt_ids, "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": i % 2 == 0}
+        while True:
+            if body["stream"]:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code == 200:
+                        events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+                        assert events[-1] == "[DONE]"
+                        chunks = [json.loads(e) for e in events[:-1]]
+                        assert not any("error" in c for c in chunks), chunks[-1]
+                        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                        return
+                    await r.aread()
+            else:
+                r = await http.post("/v1/completions", json=body)
+                if r.status_code == 200:
+                    assert r.json()["usage"]["completion_tokens"] == max_tokens
+                    return
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "server_overloaded"
+            refused.append(i)
+            await asyncio.sleep(float(r.headers["retry-after"]))
+
+    async def flood():
+        limits = httpx.Limits(max_connections=num + 10)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120, limits=limits) as http:
+            await asyncio.wait_for(asyncio.gather(*(client(http, i) for i in range(num))), 300)
+
+    asyncio.run(flood())
+    assert refused, "the queue limit was never reached"
+    _assert_settled(srv, tasks_before)
+
+
+def test_graceful_shutdown(tiny_model_dir):
+    """Once shutdown starts: no new connections; a request that ends within --shutdown-timeout
+    ends normally; the rest get an error (an error event then [DONE], or a 503); every block is
+    back; the server stops."""
+    srv = _tiny_server(tiny_model_dir, 0.01, shutdown_timeout=1.0)
+    slow = srv.engine.runner.execute
+
+    def execute(out):  # a slow model: ~20 ms a step
+        time.sleep(0.02)
+        return slow(out)
+    srv.engine.runner.execute = execute
+    body = {"model": srv.model, "prompt": PROMPT, "ignore_eos": True}
+    whole: dict = {}
+
+    def post_long():
+        whole["r"] = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 900}, timeout=60)
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b:
+            with a.stream("POST", "/v1/completions", json={**body, "max_tokens": 15, "stream": True}) as short, \
+                    b.stream("POST", "/v1/completions", json={**body, "max_tokens": 900, "stream": True}) as long:
+                short_lines, long_lines = short.iter_lines(), long.iter_lines()
+                next(l for l in short_lines if l.startswith("data: {"))
+                next(l for l in long_lines if l.startswith("data: {"))
+                poster = threading.Thread(target=post_long)
+                poster.start()
+                time.sleep(0.2)
+                srv.server.should_exit = True  # what SIGTERM does
+                time.sleep(0.3)
+                with pytest.raises(httpx.ConnectError):
+                    httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=5)
+                short_events = [l[6:] for l in short_lines if l.startswith("data: ")]
+                long_events = [l[6:] for l in long_lines if l.startswith("data: ")]
+        assert short_events[-1] == "[DONE]"
+        assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+        assert long_events[-1] == "[DONE]"
+        error = json.loads(long_events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"]
+        poster.join(30)
+        assert whole["r"].status_code == 503
+        assert whole["r"].json()["error"]["code"] == "server_shutting_down"
+        srv.thread.join(30)
+        assert not srv.thread.is_alive(), "the server did not stop"
+        assert_pool_clean(srv.engine)
+    finally:
+        srv.stop()
