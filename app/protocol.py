@@ -7,9 +7,25 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+
+def _integral(value):
+    """JSON has one number type: 2.0 is the integer 2 (as JSON Schema's `integer` says)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(**bounds):
+    """An int field with bounds. The bounds sit inside the validator, so the JSON schema shows
+    them as minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenIds = list[integer(ge=0)]
+PromptIds = Annotated[TokenIds, Field(min_length=1)]
+PromptText = Annotated[str, Field(min_length=1)]
 MAX_PROMPTS = 2048  # prompts (or inputs) in one request, as OpenAI's embeddings allow
 MAX_STOP = 64  # stop strings, each at most MAX_STOP_LEN characters
 MAX_STOP_LEN = 256
@@ -33,16 +49,15 @@ class StreamOptions(_Body):
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
-    @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported (only 'text')")
-        if self.text is None:
-            raise ValueError("a 'text' content part needs 'text'")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        if isinstance(data, dict) and data.get("type") != "text":
+            raise ValueError(f"content parts of type {data.get('type')!r} are not supported (only 'text')")
+        return data
 
 
 class FunctionCall(_Body):
@@ -75,24 +90,24 @@ class SamplingFields(_Body):
     """Sampling fields shared by chat and completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: integer(ge=1, le=128) = 1
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 63)
+    seed: integer(ge=0, lt=2 ** 63) | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_LEN)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[TokenIds, Field(max_length=256)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: integer(ge=0) = 0
     skip_special_tokens: bool = True
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: integer(ge=0, le=20) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -101,33 +116,37 @@ class SamplingFields(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: integer(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | PromptIds | \
+        Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: integer(ge=1) | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: integer(ge=0, le=20) | None = None
     suffix: str | None = None
 
 
 class EmbeddingRequest(_Body):
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    input: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | PromptIds | \
+        Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: integer(ge=1) | None = None
     user: str | None = None
 
 
 class TokenizeRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None

@@ -46,7 +46,9 @@ BAD = [
      "stream_options.include_usage", "valid boolean"),
     (CHAT, {"messages": MSG, "top_k": -5}, 400, "top_k", "greater than or equal"),
     (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop", "non-empty"),
-    (COMP, {"prompt": ""}, 400, "prompt", "empty"),
+    (COMP, {"prompt": ""}, 400, "prompt", "at least 1 character"),
+    (COMP, {"prompt": [[1, 2], []]}, 400, "prompt.1", "at least 1 item"),
+    (COMP, {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     (COMP, {"prompt": []}, 400, "prompt", None),
     (COMP, {"prompt": [1, 99999999]}, 400, "prompt", "outside the vocabulary"),
     (COMP, {"prompt": [1, -2]}, 400, "prompt.1", "greater than or equal to 0"),
@@ -114,7 +116,7 @@ def test_bad_request_then_a_good_one(server, route, body, status, param, words):
 def test_unknown_fields_are_ignored_nulls_take_defaults_unknown_routes_enveloped(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
         "model": server.model, "messages": [{"role": "user", "content": "hi", "extra": 1}],
-        "max_tokens": 2, "some_future_field": {"x": 1},
+        "max_tokens": 2.0, "some_future_field": {"x": 1},  # an integral float is an integer
         "deep_but_allowed": json.loads('{"a": ' * 63 + "1" + "}" * 63)})  # 64 levels with the body
     assert r.status_code == 200
     nulls = {k: None for k in ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "stop",
