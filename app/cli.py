@@ -43,7 +43,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling, bench_serve
+    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, soak
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -52,7 +52,8 @@ def _add_bench(sub) -> None:
             ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput"),
             ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
             ("sampling", bench_sampling, "what every logits processor costs beside a decode step"),
-            ("serve", bench_serve, "a serving benchmark against any OpenAI-compatible server")):
+            ("serve", bench_serve, "a serving benchmark against any OpenAI-compatible server"),
+            ("soak", soak, "minutes of mixed load, then errors, RSS growth and free KV blocks")):
         b = bench_sub.add_parser(name, help=help_text)
         module.add_args(b)
         b.set_defaults(func=lambda ns, m=module: (m.main(ns), 0)[1])

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 
-from loadtest.common import save_json
+from loadtest.common import save_json, start_server
 
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
           "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge", "a volcano",
@@ -113,28 +110,9 @@ async def measure_ttft(args, url: str, model: str) -> list[float]:
     return samples
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port),
-                             "--uvicorn-log-level", "warning", *engine_flags(args)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start")
-
-
 def main(args) -> dict:
     offline = Offline(args)
-    proc, url = start_server(args)
+    proc, url = start_server(engine_flags(args))
     rounds = []
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
