@@ -4,6 +4,7 @@ ValueError that starts with the field's name."""
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,29 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar: exactly one of a JSON schema (`json`, a dict or its
+    text), a regex, a choice among strings, or any JSON object (`json_object`)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice or "
+                             f"json_object, got {given or 'none'}")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def cache_key(self) -> str:
+        value = self.json if not isinstance(self.json, dict) else _json.dumps(self.json, sort_keys=True)
+        return repr((value, self.regex, self.choice, self.json_object))
 
 
 @dataclass(slots=True)
@@ -48,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None  # top log-probabilities per output token (plus the sampled one)
     prompt_logprobs: int | None = None  # the same for every prompt token
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
 
     def __post_init__(self):
         for name in ("n", "top_k", "min_tokens"):
@@ -96,6 +121,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")

@@ -1,0 +1,218 @@
+"""JSON schema -> regular expression, through outlines-core, with what it leaves out done here.
+
+outlines-core turns a schema into a regex but ignores some keywords: numeric bounds (minimum,
+maximum and the exclusive ones) above all, so "age between 0 and 120" would allow -5. Such a
+subschema is replaced by a placeholder constant before the conversion, and the placeholder in
+the regex by an exact range regex built here. Keywords that neither side can enforce (e.g.
+multipleOf, uniqueItems, not, if/then/else) are refused with an error that names them, rather
+than producing output that would not validate."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+
+from outlines_core.json_schema import build_regex_from_schema
+
+# between JSON tokens: at most one space. Unbounded whitespace lets a small model loop on
+# newlines forever; none at all makes it write unusual text
+WHITESPACE = r"[ ]?"
+
+# keywords enforced by outlines-core or here; annotations that constrain nothing
+_SUPPORTED = {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+    "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "title", "description", "default", "examples", "$schema", "$id", "$comment",
+    "nullable", "strict", "deprecated", "readOnly", "writeOnly",
+}
+_FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_SCHEMA_CHARS = 64_000
+
+
+class UnsupportedSchema(ValueError):
+    pass
+
+
+def schema_to_regex(schema: dict | bool | str) -> str:
+    """The regex of every JSON text that `schema` accepts (a subset, for numeric bounds with
+    fractional ends). ValueError naming the feature for what cannot be enforced."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise UnsupportedSchema(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise UnsupportedSchema(f"the JSON schema is not valid JSON: {e}") from None
+    if schema is True or schema == {}:
+        schema = {"type": "object"}  # "anything": an object, as json_object mode gives
+    if not isinstance(schema, dict):
+        raise UnsupportedSchema("the JSON schema must be an object")
+    ranges: dict[str, str] = {}
+    counter = itertools.count()
+    rewritten = _rewrite(schema, ranges, counter, "#")
+    try:
+        regex = build_regex_from_schema(json.dumps(rewritten), WHITESPACE)
+    except Exception as e:  # noqa: BLE001 - outlines-core raises ValueError / RuntimeError
+        raise UnsupportedSchema(f"the JSON schema cannot be compiled: {str(e).splitlines()[0]}") from None
+    for marker, sub in ranges.items():
+        quoted = f'"{marker}"'
+        if quoted not in regex:
+            raise UnsupportedSchema("the JSON schema's numeric bounds could not be placed")
+        regex = regex.replace(quoted, f"({sub})")
+    return regex
+
+
+def _rewrite(node, ranges: dict[str, str], counter, path: str):
+    """A copy of the schema with bounded numbers swapped for placeholder constants; refuses
+    unsupported keywords."""
+    if isinstance(node, list):
+        return [_rewrite(v, ranges, counter, f"{path}/{i}") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    for key in node:
+        if key not in _SUPPORTED:
+            raise UnsupportedSchema(f"the JSON schema keyword '{key}' (at {path}) is not supported "
+                                    f"for structured output")
+    if "format" in node and node["format"] not in _FORMATS:
+        raise UnsupportedSchema(f"the JSON schema format '{node['format']}' (at {path}) is not supported; "
+                                f"supported: {', '.join(sorted(_FORMATS))}")
+    if "pattern" in node:
+        _check_pattern(node["pattern"], path)
+    kind = node.get("type")
+    if any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
+        marker = f"PSRANGE{next(counter)}X"
+        ranges[marker] = _number_regex(node, integer=kind == "integer", path=path)
+        return {"const": marker}
+    if any(b in node for b in _BOUNDS) and kind is not None:
+        raise UnsupportedSchema(f"numeric bounds (at {path}) are supported on a single 'integer' or "
+                                f"'number' type, not on {kind!r}")
+    out = {}
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {k: _rewrite(v, ranges, counter, f"{path}/{key}/{k}") for k, v in value.items()}
+        elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems"):
+            out[key] = _rewrite(value, ranges, counter, f"{path}/{key}")
+        else:
+            out[key] = value
+    return out
+
+
+_LOOKAROUND = re.compile(r"\(\?(?:[=!]|<[=!])|\\[1-9]|\\[bBAzZ]")
+
+
+def _check_pattern(pattern, path: str) -> None:
+    if not isinstance(pattern, str):
+        raise UnsupportedSchema(f"'pattern' (at {path}) must be a string")
+    if _LOOKAROUND.search(pattern):
+        raise UnsupportedSchema(f"the pattern {pattern!r} (at {path}) uses look-around, back-references "
+                                f"or word boundaries, which structured output cannot enforce")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise UnsupportedSchema(f"the pattern {pattern!r} (at {path}) is not a valid regex: {e}") from None
+
+
+# ---- numeric ranges ----
+
+def _bound(node: dict, path: str) -> tuple[float, bool, float, bool]:
+    lo, lo_excl = -math.inf, False
+    hi, hi_excl = math.inf, False
+    for key in _BOUNDS:
+        v = node.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UnsupportedSchema(f"'{key}' (at {path}) must be a finite number")
+        if key == "minimum" and v >= lo:
+            lo, lo_excl = v, False
+        elif key == "exclusiveMinimum" and v >= lo:
+            lo, lo_excl = v, True
+        elif key == "maximum" and v <= hi:
+            hi, hi_excl = v, False
+        elif key == "exclusiveMaximum" and v <= hi:
+            hi, hi_excl = v, True
+    return lo, lo_excl, hi, hi_excl
+
+
+def _number_regex(node: dict, integer: bool, path: str) -> str:
+    lo, lo_excl, hi, hi_excl = _bound(node, path)
+    parts = []
+    if hi > 0 or (hi == 0 and not hi_excl):  # v >= 0: magnitudes in [max(lo, 0), hi]
+        part = _magnitude(*((lo, lo_excl) if lo >= 0 else (0.0, False)), hi, hi_excl, integer)
+        if part:
+            parts.append(part)
+    if lo < 0:  # v < 0: -m with m in [max(-hi, 0), -lo] ("-0" only where 0 is allowed)
+        low = (-hi, hi_excl) if hi < 0 else (0.0, hi == 0 and hi_excl)
+        part = _magnitude(*low, -lo, lo_excl, integer)
+        if part:
+            parts.append(f"-({part})")
+    if not parts:
+        raise UnsupportedSchema(f"the bounds at {path} leave no {'integer' if integer else 'number'} "
+                                f"that structured output can write")
+    return "|".join(parts)
+
+
+def _magnitude(lo: float, lo_excl: bool, hi: float, hi_excl: bool, integer: bool) -> str:
+    """Digits (and for numbers an optional fraction) of values v with lo <(=) v <(=) hi, where
+    0 <= lo. Empty when there are none. Fractional ends are rounded inwards, so the numbers
+    written are a subset of those allowed, never more."""
+    a = math.floor(lo) + 1 if lo_excl and float(lo).is_integer() else math.ceil(lo)
+    if integer:
+        if math.isinf(hi):
+            return _int_at_least(a)
+        b = math.ceil(hi) - 1 if hi_excl and float(hi).is_integer() else math.floor(hi)
+        return _int_range(a, b) if a <= b else ""
+    frac = r"(\.[0-9]+)?"
+    if math.isinf(hi):
+        return f"({_int_at_least(a)}){frac}"
+    # k.f < k + 1 <= hi for every k <= hi - 1; the top integer itself only as k(.0+)
+    if float(hi).is_integer():
+        free_to, exact = int(hi) - 1, None if hi_excl else int(hi)
+    else:
+        free_to, exact = math.floor(hi) - 1, math.floor(hi)
+    parts = []
+    if a <= free_to:
+        parts.append(f"({_int_range(a, free_to)}){frac}")
+    if exact is not None and exact >= a:
+        parts.append(rf"{exact}(\.0+)?")
+    return "|".join(parts)
+
+
+def _int_at_least(a: int) -> str:
+    """Integers >= a (a >= 0), no leading zeros."""
+    if a <= 0:
+        return "0|[1-9][0-9]*"
+    digits = len(str(a))
+    return f"{_int_range(a, 10 ** digits - 1)}|[1-9][0-9]{{{digits},}}"
+
+
+def _int_range(a: int, b: int) -> str:
+    """Integers in [a, b], 0 <= a <= b, no leading zeros."""
+    parts = []
+    for d in range(len(str(a)), len(str(b)) + 1):
+        x = max(a, 10 ** (d - 1) if d > 1 else 0)
+        y = min(b, 10 ** d - 1)
+        if x <= y:
+            parts.append(_same_length(str(x), str(y)))
+    return "|".join(parts)
+
+
+def _same_length(x: str, y: str) -> str:
+    if x == y:
+        return x
+    if len(x) == 1:
+        return f"[{x}-{y}]"
+    if x[0] == y[0]:
+        return x[0] + "(" + _same_length(x[1:], y[1:]) + ")"
+    n = len(x) - 1
+    if x[1:] == "0" * n and y[1:] == "9" * n:
+        return f"[{x[0]}-{y[0]}][0-9]{{{n}}}"
+    parts = [x[0] + "(" + _same_length(x[1:], "9" * n) + ")"]
+    if int(y[0]) - int(x[0]) > 1:
+        parts.append(f"[{int(x[0]) + 1}-{int(y[0]) - 1}][0-9]{{{n}}}")
+    parts.append(y[0] + "(" + _same_length("0" * n, y[1:]) + ")")
+    return "|".join(parts)

@@ -1,0 +1,24 @@
+"""The outlines-core Vocabulary of a served tokenizer: the real bytes of every token."""
+
+from __future__ import annotations
+
+from outlines_core import Vocabulary
+
+from runtime.detokenizer import token_byte_table
+
+
+def build_vocabulary(tokenizer) -> tuple[Vocabulary, int]:
+    """Byte-level BPE characters are mapped back to bytes and SentencePiece's '▁' to a space
+    (see `token_byte_table`), so a multi-byte character split over tokens is matched byte by
+    byte. Special and added tokens are left out: a grammar never writes them. Returns the
+    vocabulary and the number of token ids it spans."""
+    table = token_byte_table(tokenizer)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token; structured output needs one")
+    by_bytes: dict[bytes, list[int]] = {}
+    for token_id, raw in enumerate(table):
+        if raw and token_id not in special:
+            by_bytes.setdefault(raw, []).append(token_id)
+    return Vocabulary(eos, by_bytes), len(table)
