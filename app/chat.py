@@ -16,28 +16,21 @@ from app.http import api_route, json_response, read_json, until_disconnected
 from app.logprobs import chat_logprobs
 from app.protocol import ChatCompletionRequest, ChatMessage
 from app.state import LONG_TEXT, ServerState
-
-
-def _message_dict(m: ChatMessage) -> dict:
-    d = {"role": m.role, "content": m.text()}
-    if m.name is not None:
-        d["name"] = m.name
-    if m.tool_calls:
-        d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    return d
+from app.structured import structured_outputs
+from app.tools import StreamingToolParser, chat_dicts, parse_tool_calls, plan_tools
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
-    if not getattr(tokenizer, "chat_template", None):
+                continue_final_message: bool = False, tools: list | None = None) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "messages")
+    dicts, template_tools = chat_dicts(messages, tools, template if isinstance(template, str) else "")
     try:
         return tokenizer.apply_chat_template(
-            [_message_dict(m) for m in messages], tokenize=False,
+            dicts, tools=template_tools, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message)
     except Exception as e:  # the template's own raise_exception, or a jinja error
@@ -45,7 +38,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 
 
 async def chat_prompt_ids(state: ServerState, body) -> list[int]:
-    args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
+    args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+            getattr(body, "tools", None))
     # a big conversation renders off the loop, so that streams go on meanwhile
     if len(body.messages) > 64 or sum(len(m.text()) for m in body.messages) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
@@ -63,17 +57,26 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is served by /v1/completions (with echo)", "prompt_logprobs")
+    plan = plan_tools(body, state.settings.enable_auto_tool_choice)
+    grammar, source = structured_outputs(body)
+    if plan is not None and plan.grammar is not None:
+        if grammar is not None:
+            raise bad_request(f"tool calls and {source} cannot be combined; use tool_choice none", source)
+        grammar = plan.grammar
+    parse_tools = plan is not None and plan.parse
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     check_length(state, len(prompt_ids), max_tokens)
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             structured=grammar)
     rid = request_id("chatcmpl", request)
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt)
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), include_usage), stream)
+        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), include_usage, parse_tools),
+                            stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
@@ -81,17 +84,20 @@ async def chat_completions(request: Request) -> Response:
     out = next(iter(outs.values()))
     choices = []
     for c in out.outputs:
+        content, calls = parse_tool_calls(c.text) if parse_tools else (c.text, [])
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+            "index": c.index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
             "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+            "stop_reason": c.stop_reason})
     return json_response({
         "object": "chat.completion", **head, "choices": choices,
         "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
     })
 
 
-async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int, include_usage: bool):
+async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int, include_usage: bool,
+                  parse_tools: bool):
     def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
@@ -104,14 +110,26 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
     num_generated = 0
+    parsers = [StreamingToolParser() for _ in range(n)] if parse_tools else None
     async for out in stream:
         for c in out.outputs:
             num_generated += len(c.token_ids)
             logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
-            if c.text or logprobs:
-                yield chunk(c.index, {"content": c.text}, logprobs=logprobs)
+            if parsers is None:
+                if c.text or logprobs:
+                    yield chunk(c.index, {"content": c.text}, logprobs=logprobs)
+            else:
+                parser = parsers[c.index]
+                deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+                for i, delta in enumerate(deltas):
+                    yield chunk(c.index, delta, logprobs=logprobs if i == 0 else None)
+                if logprobs and not deltas:
+                    yield chunk(c.index, {"content": ""}, logprobs=logprobs)
             if c.finish_reason is not None:
-                yield chunk(c.index, {}, c.finish_reason, c.stop_reason)
+                reason = c.finish_reason
+                if parsers is not None and parsers[c.index].num_calls and reason == "stop":
+                    reason = "tool_calls"
+                yield chunk(c.index, {}, reason, c.stop_reason)
     if include_usage:
         yield {"object": "chat.completion.chunk", **head, "choices": [],
                "usage": usage(num_prompt, num_generated)}

@@ -14,6 +14,7 @@ from app.http import api_route, json_response, read_json, until_disconnected
 from app.logprobs import completion_logprobs
 from app.protocol import CompletionRequest
 from app.state import ServerState
+from app.structured import structured_outputs
 
 
 def split_prompts(prompt) -> list[str | list[int]]:
@@ -48,7 +49,8 @@ async def completions(request: Request) -> Response:
     for p in ids:
         check_length(state, len(p), body.max_tokens, "prompt")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs)
+    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs,
+                             structured=structured_outputs(body)[0])
     echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     rid = request_id("cmpl", request)
     stream, index = start(state, rid, ids, params, body.cache_salt)

@@ -18,7 +18,7 @@ from app.protocol import SamplingFields
 from app.state import ServerState
 from runtime.async_engine import RequestFailedError, RequestStream
 from runtime.outputs import RequestOutput
-from sampling.params import RequestOutputKind, SamplingParams
+from sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ def request_id(prefix: str, request: Request) -> str:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n,
@@ -55,6 +56,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             skip_special_tokens=body.skip_special_tokens,
             seed=body.seed,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None

@@ -29,6 +29,7 @@ PromptText = Annotated[str, Field(min_length=1)]
 MAX_PROMPTS = 2048  # prompts (or inputs) in one request, as OpenAI's embeddings allow
 MAX_STOP = 64  # stop strings, each at most MAX_STOP_LEN characters
 MAX_STOP_LEN = 256
+MAX_GRAMMAR_CHARS = 64_000  # a regex for structured output
 
 
 class _Body(BaseModel):
@@ -86,6 +87,47 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(_Body):
+    """vLLM's `structured_outputs` object: one of these."""
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by chat and completions."""
 
@@ -112,6 +154,12 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,6 +170,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: integer(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):

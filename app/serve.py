@@ -13,6 +13,7 @@ import orjson
 import uvicorn
 
 from app.state import ServerSettings
+from app.tools import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds that requests in flight may take to finish before they "
                         "are stopped with an error; new requests are refused meanwhile")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice auto); needs "
+                        "--tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="how tool calls are written in the model's output (hermes: <tool_call> tags)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--enable-log-prompts", action="store_true",
@@ -80,13 +86,16 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
     if not ns.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
                           allowed_origins=_origins(ns.allowed_origins),
                           max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
                           max_num_queued_reqs=ns.max_num_queued_reqs,
-                          log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts)
+                          log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts,
+                          enable_auto_tool_choice=ns.enable_auto_tool_choice)
 
 
 class GracefulServer(uvicorn.Server):

@@ -26,6 +26,7 @@ class ServerSettings:
     max_num_queued_reqs: int = 1024
     log_requests: bool = True
     log_prompts: bool = False
+    enable_auto_tool_choice: bool = False  # tool_choice auto (with --tool-call-parser)
 
     def __post_init__(self):
         if not self.served_model_names:

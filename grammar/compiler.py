@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from outlines_core import Index
 
-from grammar.json_schema import UnsupportedSchema, schema_to_regex
+from grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
 from grammar.regexes import choice_regex, json_object_regex
 from grammar.vocabulary import build_vocabulary
 from sampling.params import StructuredOutputsParams
@@ -30,7 +30,8 @@ def regex_for(spec: StructuredOutputsParams) -> str:
     if spec.json is not None:
         return schema_to_regex(spec.json)
     if spec.regex is not None:
-        return spec.regex
+        _check_regex(spec.regex)
+        return ascii_digits(spec.regex)
     if spec.choice is not None:
         return choice_regex(spec.choice)
     if spec.json_object:
@@ -74,8 +75,6 @@ class GrammarCompiler:
             cached = self._regexes.get_fresh(key)
         if cached is None:
             cached = regex_for(spec)
-            if spec.regex is not None:
-                _check_regex(cached)
             with self._lock:
                 self._regexes.put(key, cached)
         return cached

@@ -96,9 +96,32 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
             out[key] = {k: _rewrite(v, ranges, counter, f"{path}/{key}/{k}") for k, v in value.items()}
         elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems"):
             out[key] = _rewrite(value, ranges, counter, f"{path}/{key}")
+        elif key == "pattern":
+            out[key] = ascii_digits(value)
         else:
             out[key] = value
     return out
+
+
+def ascii_digits(regex: str) -> str:
+    r"""\d means any Unicode digit to the automaton library (so a date could come out in
+    segmented digits); users mean 0-9."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            out.append(("0-9" if in_class else "[0-9]") if nxt == "d" else
+                       ("[^0-9]" if nxt == "D" and not in_class else c + nxt))
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class and out and out[-1] != "[":
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 _LOOKAROUND = re.compile(r"\(\?(?:[=!]|<[=!])|\\[1-9]|\\[bBAzZ]")

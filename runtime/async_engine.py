@@ -279,6 +279,11 @@ class AsyncEngine:
                     self._fail_requests(e)
                     continue
                 self._failed_steps = 0
+                for rid, error in self.engine.take_failures():
+                    stream = self._streams.pop(rid, None)
+                    self._deadlines.pop(rid, None)
+                    if stream is not None:
+                        stream.put(error)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:

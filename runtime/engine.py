@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -9,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grammar.compiler import GrammarCompiler
+from grammar.matcher import Matcher
 from runtime.config import EngineConfig
 from runtime.cpu_env import keep_freed_memory
 from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
@@ -69,6 +72,9 @@ class LLMEngine:
         self.outputs = OutputProcessor()
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self.grammar = GrammarCompiler(tokenizer)
+        self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
+        self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -160,6 +166,8 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+        if params.structured_outputs is not None:
+            self.grammar.regex(params.structured_outputs)  # a schema we cannot enforce: ValueError
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return token_ids, max_tokens
@@ -173,8 +181,37 @@ class LLMEngine:
         req.detokenizer = self._detokenizer(req)
         if params.n > 1:
             self.outputs.add_group([req])
+        if params.structured_outputs is not None:
+            # compiled in the grammar worker; the scheduler passes the request over until then
+            req.grammar = self.grammar.submit(self.grammar.regex(params.structured_outputs))
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._grammar_waiting[req.request_id] = req
         self.scheduler.add_request(req)
         return req.request_id
+
+    def _resolve_grammars(self) -> None:
+        """Requests whose grammar has compiled may be admitted; a grammar that failed ends its
+        request with the error (see take_failures)."""
+        for rid, req in list(self._grammar_waiting.items()):
+            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:  # aborted meanwhile
+                del self._grammar_waiting[rid]
+            elif req.grammar.done():
+                del self._grammar_waiting[rid]
+                try:
+                    index = req.grammar.result()
+                except Exception as e:  # noqa: BLE001 - reported to the request's owner
+                    self._failures.append((req.output_id, e if isinstance(e, ValueError) else ValueError(str(e))))
+                    self.abort_request(req.output_id)
+                    continue
+                stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *req.sampling_params.stop_token_ids)))
+                req.matcher, req.grammar = Matcher(index, stop_ids), None
+                req.status = RequestStatus.WAITING
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(output id, error) of the requests ended by an error since the last call (a grammar
+        that could not be compiled); they produce no output of their own."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         p = req.sampling_params
@@ -233,12 +270,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for each request that has something to report,
         as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
+        if self._grammar_waiting:
+            self._resolve_grammars()
         sched = self.scheduler.schedule()
         try:
             result = self.runner.execute(sched)  # also runs the step's swaps and copies
         except Exception as e:
             raise StepFailed(self._fail_step(sched), e) from e
         if sched.is_empty:
+            if self._grammar_waiting:  # nothing to run but grammars to wait for: no busy loop
+                concurrent.futures.wait([r.grammar for r in self._grammar_waiting.values()],
+                                        timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         scheduled = self.scheduler.update_after_step()
         outputs: list[RequestOutput] = []
@@ -278,6 +320,12 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         status = check_stop(req, token, self.config.model.max_model_len)
+        if req.matcher is not None and status is None:
+            if not req.matcher.advance(token):
+                logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.matcher.is_terminated():  # the grammar is complete: nothing more to write
+                status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
@@ -298,6 +346,8 @@ class LLMEngine:
             child.num_computed_tokens = parent.num_computed_tokens
             child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
             child.first_token_time = parent.first_token_time
+            if parent.matcher is not None:
+                child.matcher = parent.matcher.fork()
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = parent.prompt_logprobs
             child.detokenizer = self._detokenizer(child)

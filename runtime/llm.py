@@ -69,7 +69,11 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while len(results) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                for rid, error in self.engine.take_failures():
+                    if rid in wanted:
+                        raise error
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:

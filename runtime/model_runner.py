@@ -175,9 +175,11 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
         if not logits_rows:
             return result
-        rows, sample_rows, own = [], [], {}
+        rows, sample_rows, own, constrained = [], [], {}, []
         for r, row in zip((r for r in out.requests if r.sample), logits_rows):
             for i in range(r.num_samples):
+                if r.matcher is not None:
+                    constrained.append((len(rows), r.matcher))
                 rid = r.request_id if r.num_samples == 1 else child_id(r.request_id, i)
                 p = r.sampling_params
                 if p.seed is not None and not p.greedy:
@@ -189,11 +191,23 @@ class ModelRunner:
             logits = logits.repeat_interleave(torch.tensor(
                 [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
         smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
+        if constrained:
+            smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.backend.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, smeta, self.generator)
         result.sampled = token_ids.tolist()
         if smeta.logprob_rows:
             result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))
         return result
+
+    def _grammar_bitmask(self, num_rows: int, constrained: list) -> torch.Tensor:
+        """[rows, ceil(V / 32)] packed int32: every bit set for free rows, each constrained
+        row filled by its grammar matcher (in CPU memory, then moved once)."""
+        words = -(-self.model_cfg.vocab_size // 32)
+        mask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        view = mask.numpy()
+        for row, matcher in constrained:
+            matcher.fill_bitmask(view, row)
+        return mask.to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          starts: list[int]) -> dict[str, tuple[int, list[TokenLogprobs]]]:

@@ -13,14 +13,15 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     SWAPPED = 2  # preempted, its KV blocks in the CPU swap space
     PREEMPTED = 3  # preempted, its KV blocks freed: recomputed when it runs again
-    # everything after PREEMPTED is finished
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
+    WAITING_FOR_GRAMMAR = 4  # waiting, but not admitted until its grammar has compiled
+    # everything after WAITING_FOR_GRAMMAR is finished
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.WAITING_FOR_GRAMMAR
 
 
 FINISH_REASONS = {
@@ -37,6 +38,7 @@ class Request:
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
         "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
         "num_samples", "logprobs", "prompt_logprobs", "scheduled_time", "num_prompt_counted",
+        "grammar", "matcher",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -71,6 +73,9 @@ class Request:
         self.num_samples = sampling_params.n  # tokens drawn at the next sample: n until forked
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
+        # structured output: the grammar's compile future until it is ready, then its matcher
+        self.grammar = None
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,7 @@ class ScheduledRequest:
     pool: bool = False  # an embedding request: sum its tokens' last hidden states
     num_samples: int = 1  # tokens drawn from this request's logits (n before an n > 1 fork)
     num_prompt_tokens: int = 0
+    matcher: object = None  # grammar.Matcher: the runner fills its row of the token bitmask
     request_tokens: list[int] = field(default_factory=list)  # all its tokens (read only)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -134,8 +135,12 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        grammar_waits = []  # passed over until their grammar is compiled, in arrival order
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                grammar_waits.append(self.waiting.popleft())
+                continue
             if self.num_running_seqs + req.num_samples > self.config.max_num_seqs:
                 break
             hits, num_hit = self.kv.get_computed_blocks(req)
@@ -156,6 +161,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(grammar_waits))
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -173,6 +179,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             request_tokens=req.token_ids,
             eos_token_ids=req.eos_token_ids,
+            matcher=req.matcher,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new

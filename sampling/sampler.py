@@ -83,10 +83,19 @@ class SamplingMetadata:
             self.frequency = torch.tensor([params[i].frequency_penalty for i in pen], device=device)
             self.repetition = torch.tensor([params[i].repetition_penalty for i in pen], device=device)
 
+        self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
+        self.apply_bitmask = None
+
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         self.logprob_rows = [i for i, _ in want]
         self.max_logprobs = max((k for _, k in want), default=0)
         self.num_logprobs = [k for _, k in want]
+
+
+    def set_bitmask(self, bitmask: torch.Tensor, apply) -> None:
+        """Grammar masks for the batch, applied in one call by `apply(logits, bitmask)` (the
+        Triton kernel on CUDA, the torch reference elsewhere)."""
+        self.bitmask, self.apply_bitmask = bitmask, apply
 
 
 def _index(items: list[tuple], device) -> tuple[torch.Tensor, ...]:
@@ -196,11 +205,13 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Bias, min_tokens mask and penalties: [B, V] float32 in, a new tensor out (the raw
-    logits stay as they are, for the logprobs)."""
-    if meta.bias is None and meta.banned is None and meta.penalty_rows is None:
+    """Grammar masks, bias, min_tokens mask and penalties: [B, V] float32 in, a new tensor out
+    (the raw logits stay as they are, for the logprobs)."""
+    if meta.bias is None and meta.banned is None and meta.penalty_rows is None and meta.bitmask is None:
         return logits
     logits = logits.clone()
+    if meta.bitmask is not None:
+        meta.apply_bitmask(logits, meta.bitmask)
     if meta.bias is not None:
         logits.index_put_(meta.bias[:2], meta.bias[2], accumulate=True)
     if meta.banned is not None:
