@@ -213,10 +213,10 @@ class StreamingToolParser:
             if final:  # not a call after all: hand it out as text
                 self._content(deltas, f"{TOOL_CALL_OPEN}{self.call_text}{TOOL_CALL_CLOSE}")
             return
+        index = self.num_calls - (1 if self.header_sent else 0)
         if not self.header_sent:
             self.header_sent = True
             self.num_calls += 1
-        index = self.num_calls - 1
             deltas.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
                                            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": ""}}]})
         args = self.call_text[m.end():]

@@ -19,7 +19,6 @@ from outlines_core import Index
 
 from grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
 from grammar.regexes import choice_regex, json_object_regex
-from grammar.vocabulary import build_vocabulary
 from sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -95,10 +94,19 @@ class GrammarCompiler:
     def _compile(self, regex: str) -> Index:
         try:
             if self._vocab is None:
+                from grammar.vocabulary import build_vocabulary
+
                 self._vocab, self.vocab_len = build_vocabulary(self.tokenizer)
             t0 = time.perf_counter()
             try:
-                index = Index(regex, self._vocab)
+                # anchored: without the `$`, outlines-core (0.2.x) builds the automaton so that
+                # a state where the regex could end loses the transitions that would go on
+                # (`ab(xab)?` would never write the x), which breaks optional tails, repeated
+                # tool calls and free text alike
+                try:
+                    index = Index(f"(?:{regex})$", self._vocab)
+                except Exception:  # noqa: BLE001 - a regex that matches "" cannot be anchored
+                    index = Index(regex, self._vocab)
             except Exception as e:  # noqa: BLE001 - a regex the automaton library refuses
                 raise UnsupportedSchema(f"the grammar cannot be compiled: {str(e).splitlines()[0]}") from None
             seconds = time.perf_counter() - t0

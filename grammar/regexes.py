@@ -36,9 +36,10 @@ def tool_calls_regex(functions: list[tuple[str, dict | None]], parallel: bool) -
     return f"{block}(\\n?{block})*" if parallel else block
 
 
-def avoiding(word: str) -> str:
-    """Every string that does not contain `word` (whose first character appears only once in
-    it): the automaton that tracks how much of `word` was just read, written as a regex."""
+def avoiding(word: str) -> tuple[str, str]:
+    """Strings that do not contain `word` (whose first character appears only once in it), as
+    (chunk, tail): such a string is chunks, then at most one tail. This is the automaton that
+    tracks how much of `word` was just read, written as a regex."""
     first = re.escape(word[0])
     if word[0] in word[1:]:
         raise ValueError("avoiding() needs a word whose first character does not recur")
@@ -47,14 +48,18 @@ def avoiding(word: str) -> str:
     loop = f"(?:(?:{'|'.join(prefixes)}){first})*"
     # ... or out to the start: a partial match then a character that breaks it
     exits = "|".join(f"{re.escape(word[1:i])}[^{re.escape(word[i])}{first}]" for i in range(1, len(word)))
-    tail = f"(?:{'|'.join(prefixes)})"
-    return f"(?:[^{first}]|{first}{loop}(?:{exits}))*(?:{first}{loop}{tail})?"
+    chunk = f"(?:[^{first}]|{first}{loop}(?:{exits}))"
+    tail = f"(?:{first}{loop}(?:{'|'.join(prefixes)}))"
+    return chunk, tail
 
 
 def lazy_tool_calls_regex(functions: list[tuple[str, dict | None]]) -> str:
     """tool_choice auto: free text, but a `<tool_call>` the model starts must go on as a valid
     call of one of the tools (then free text again)."""
-    free = avoiding(TOOL_CALL_OPEN)
+    chunk, tail = avoiding(TOOL_CALL_OPEN)
+    free = f"{chunk}*{tail}?"
     calls = "|".join(f"({schema_to_regex(call_schema(n, p))})" for n, p in functions)
     block = f"{re.escape(TOOL_CALL_OPEN)}\\n?({calls})\\n?{re.escape(TOOL_CALL_CLOSE)}"
-    return f"{free}({block}{free})*"
+    # never empty (at least one character, or a call): the compiler anchors every regex with
+    # `$`, which outlines-core cannot do for a regex that matches the empty string
+    return f"(?:{chunk}+{tail}?|{tail}|{block}{free})({block}{free})*"

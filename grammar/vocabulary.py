@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from outlines_core import Vocabulary
 
-from runtime.detokenizer import token_byte_table
-
 
 def build_vocabulary(tokenizer) -> tuple[Vocabulary, int]:
     """Byte-level BPE characters are mapped back to bytes and SentencePiece's '▁' to a space
     (see `token_byte_table`), so a multi-byte character split over tokens is matched byte by
     byte. Special and added tokens are left out: a grammar never writes them. Returns the
     vocabulary and the number of token ids it spans."""
+    from runtime.detokenizer import token_byte_table  # here: importing runtime loads torch
+
     table = token_byte_table(tokenizer)
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     eos = tokenizer.eos_token_id
