@@ -43,7 +43,8 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, soak
+    from loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, bench_structured,
+                          soak)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -53,6 +54,7 @@ def _add_bench(sub) -> None:
             ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
             ("sampling", bench_sampling, "what every logits processor costs beside a decode step"),
             ("serve", bench_serve, "a serving benchmark against any OpenAI-compatible server"),
+            ("structured", bench_structured, "decode speed with a JSON schema vs without; grammar compile"),
             ("soak", soak, "minutes of mixed load, then errors, RSS growth and free KV blocks")):
         b = bench_sub.add_parser(name, help=help_text)
         module.add_args(b)

@@ -130,6 +130,11 @@ def run(ns: argparse.Namespace) -> int:
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
                                log_stats_interval=float("inf") if ns.disable_log_stats else 5.0,
                                request_timeout=ns.request_timeout)
+    # "any JSON object" is the slowest grammar to compile (seconds): do it now, in the grammar
+    # worker, so that the first json_object request does not wait for it
+    from grammar.regexes import json_object_regex
+
+    engine.engine.grammar.submit(json_object_regex())
     state = ServerState(engine, engine.engine.tokenizer, settings, engine.engine.config.model.max_model_len)
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,

@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.live_server import ROOT
-from tests.schemas import fifty_schemas
+from loadtest.schemas import fifty_schemas
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

@@ -1,0 +1,246 @@
+"""grammar/: schema -> regex (ranges, refusals), the compiled automaton, the matcher and its
+bitmask, the tool-call parsers, and grammar-constrained requests in the engine (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import numpy as np
+import pytest
+
+from app.tools import StreamingToolParser, parse_tool_calls
+from grammar.compiler import GrammarCompiler
+from grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
+from grammar.matcher import Matcher
+from grammar.regexes import avoiding, lazy_tool_calls_regex, tool_calls_regex
+from sampling.params import SamplingParams, StructuredOutputsParams
+
+RANGES = [
+    {"type": "integer", "minimum": -15, "maximum": 120},
+    {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 7},
+    {"type": "integer", "minimum": 10},
+    {"type": "integer", "maximum": -10},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "number", "minimum": -2.5, "maximum": 3.7},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+    {"type": "number", "maximum": -0.5},
+]
+
+
+@pytest.mark.parametrize("schema", RANGES)
+def test_numeric_bounds_are_exact(schema):
+    """Every number the range regex accepts validates; every integer in range is accepted."""
+    rx = re.compile(f"(?:{schema_to_regex(schema)})")
+    texts = {str(i) for i in range(-300, 300)} | {f"{i / 7:.3f}" for i in range(-300, 300)} | \
+            {"1.0", "1.00", "0.5", "-0", "10.0", "3.7", "3.70", "-2.5", "0.000"}
+    accepted = [t for t in texts if rx.fullmatch(t)]
+    assert accepted
+    for t in accepted:
+        jsonschema.validate(json.loads(t), schema)
+    if schema["type"] == "integer":
+        for i in range(-300, 300):
+            if jsonschema.Draft202012Validator(schema).is_valid(i):
+                assert rx.fullmatch(str(i)), i
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not' (at #/properties/a)"),
+    ({"type": "string", "format": "hostname"}, "format 'hostname'"),
+    ({"type": "string", "pattern": "(?=x)y"}, "look-around"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "leave no integer"),
+    ("{not json", "not valid JSON"),
+])
+def test_what_cannot_be_enforced_is_named(schema, words):
+    with pytest.raises(UnsupportedSchema, match=re.escape(words)):
+        schema_to_regex(schema)
+
+
+def test_ascii_digits():
+    assert ascii_digits(r"\d{4}-[\d.]+\\d\D") == r"[0-9]{4}-[0-9.]+\\d[^0-9]"
+
+
+def test_avoiding_a_word():
+    chunk, tail = avoiding("<tool_call>")
+    rx = re.compile(f"(?:{chunk}*{tail}?)", re.S)
+    rng = random.Random(0)
+    for _ in range(20_000):
+        s = "".join(rng.choice("<tool_call>x\n") for _ in range(rng.randint(0, 14)))
+        if rng.random() < 0.1:
+            s = s[:5] + "<tool_call>" + s[5:]
+        assert bool(rx.fullmatch(s)) == ("<tool_call>" not in s), s
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    c = GrammarCompiler(tok)
+    yield c
+    c.shutdown()
+
+
+def _allowed(matcher: Matcher, words: int) -> np.ndarray:
+    mask = np.zeros((1, words), dtype=np.int32)
+    matcher.fill_bitmask(mask, 0)
+    return np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]
+
+
+def _walk(compiler, regex: str, rng: random.Random, stop: int, max_steps: int = 400) -> tuple[str, bool]:
+    """Random allowed tokens until the grammar ends; returns the text and whether it did."""
+    index = compiler.submit(regex).result()
+    words = -(-compiler.vocab_len // 32)
+    m, out = Matcher(index, (stop,)), []
+    for _ in range(max_steps):
+        allowed = _allowed(m, words)
+        token = int(rng.choice(allowed))
+        if token == stop:
+            return compiler.tokenizer.decode(out), True
+        assert m.advance(token)
+        out.append(token)
+        if m.is_terminated():
+            return compiler.tokenizer.decode(out), True
+    return compiler.tokenizer.decode(out), False
+
+
+def test_random_walks_through_a_schema_always_validate(compiler):
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": -5, "maximum": 300},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "你好"]}, "minItems": 1, "maxItems": 3},
+        "ok": {"type": ["boolean", "null"]}}, "required": ["name", "n", "tags"], "additionalProperties": False}
+    regex = schema_to_regex(schema)
+    rng = random.Random(0)
+    stop = compiler.tokenizer.eos_token_id
+    for _ in range(30):
+        text, ended = _walk(compiler, regex, rng, stop)
+        assert ended, text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_state_that_could_end_keeps_its_continuations(compiler):
+    """Regression: unanchored, outlines-core dropped the tokens that go on from a state where
+    the regex could end (`ab(xab)?` never wrote the x; a second tool call never came)."""
+    tok = compiler.tokenizer
+    index = compiler.submit("ab(xab)?").result()
+    m = Matcher(index, (tok.eos_token_id,))
+    for t in tok.encode("ab", add_special_tokens=False):
+        assert m.advance(t)
+    words = -(-compiler.vocab_len // 32)
+    allowed = {tok.decode([t]) for t in _allowed(m, words)}
+    assert any(a.startswith("x") for a in allowed) and tok.decode([tok.eos_token_id]) in allowed
+    assert not m.is_terminated()
+    two = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>')
+    index = compiler.submit(tool_calls_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "required": ["a"]})], True)).result()
+    m = Matcher(index, (tok.eos_token_id,))
+    assert all(m.advance(t) for t in tok.encode(two, add_special_tokens=False))
+
+
+def test_matcher_rollback_and_fork(compiler):
+    tok = compiler.tokenizer
+    index = compiler.submit(schema_to_regex({"enum": ["alpha", "beta"]})).result()
+    m = Matcher(index, (tok.eos_token_id,))
+    child = m.fork()
+    ids = tok.encode('"alpha"', add_special_tokens=False)
+    assert all(m.advance(t) for t in ids) and m.is_terminated()
+    m.rollback(len(ids))
+    assert not m.is_terminated()
+    assert not m.advance(tok.encode("x", add_special_tokens=False)[0])  # not allowed
+    assert all(child.advance(t) for t in tok.encode('"beta"', add_special_tokens=False)) and child.is_terminated()
+
+
+def test_lazy_tool_grammar_holds_a_started_call_to_the_schema(compiler):
+    tok = compiler.tokenizer
+    regex = lazy_tool_calls_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "required": ["a"]})])
+    index = compiler.submit(regex).result()
+    m = Matcher(index, (tok.eos_token_id,))
+    assert all(m.advance(t) for t in tok.encode("Free text, then <tool_call>\n", add_special_tokens=False))
+    # inside the call only the schema's text is allowed
+    words = -(-compiler.vocab_len // 32)
+    allowed = "".join(tok.decode([t]) for t in _allowed(m, words))
+    assert set(allowed) <= set('{"name: ') and tok.eos_token_id not in _allowed(m, words)
+
+
+def test_streamed_tool_calls_match_the_whole_parse():
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "nested": {"x": [1, {}]}}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
+        parser, deltas = StreamingToolParser(), []
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            deltas += parser.feed(text[a:b])
+        deltas += parser.finish()
+        streamed_content = "".join(d.get("content", "") for d in deltas)
+        assert "<" not in streamed_content and streamed_content.strip() == "Let me check."
+        got: dict[int, dict] = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                entry = got.setdefault(c["index"], {"name": "", "arguments": "", "id": None})
+                if "id" in c:
+                    assert entry["id"] is None  # id, type and name come once, first
+                    entry["id"], entry["name"] = c["id"], c["function"]["name"]
+                entry["arguments"] += c["function"].get("arguments", "")
+        assert [got[i]["name"] for i in sorted(got)] == ["get_weather", "add"]
+        for i, call in enumerate(calls):
+            assert json.loads(got[i]["arguments"]) == json.loads(call["function"]["arguments"])
+
+
+def test_text_that_only_looks_like_a_call_stays_text():
+    for text in ("a < b and <tool_ca", "<tool_call>not json</tool_call> after"):
+        content, calls = parse_tool_calls(text)
+        assert not calls and content == text.strip()
+        parser = StreamingToolParser()
+        deltas = parser.feed(text) + parser.finish()
+        assert "".join(d["content"] for d in deltas) == text
+
+
+def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):
+    """A random-weight model under a bounded schema always ends with valid JSON, also with
+    n = 2; a request whose grammar is still compiling waits without holding up another."""
+    engine = tiny_llm.engine
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "yy"]},
+                                               "v": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["k", "v"], "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    for out in tiny_llm.generate(["The quick brown fox", [5, 6, 7]], params, use_tqdm=False):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+
+    slow: Future = Future()
+    real_submit = engine.grammar.submit
+    engine.grammar.submit = lambda regex: slow
+    try:
+        waiting = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
+            choice=["yes", "no"])), request_id="grammar-wait")
+        other = engine.add_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True), request_id="plain")
+    finally:
+        engine.grammar.submit = real_submit
+    done = {}
+    for _ in range(50):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if "plain" in done:
+            break
+    assert "plain" in done and "grammar-wait" not in done
+    assert engine.requests[waiting].status.name == "WAITING_FOR_GRAMMAR"
+    slow.set_result(real_submit(engine.grammar.regex(StructuredOutputsParams(choice=["yes", "no"]))).result())
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[waiting].outputs[0].text in ("yes", "no")
+    assert other == "plain"
