@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 def _integral(value):
     """JSON has one number type: 2.0 is the integer 2 (as JSON Schema's `integer` says)."""
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63:
         return int(value)
     return value
 

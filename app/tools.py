@@ -82,8 +82,9 @@ def chat_dicts(messages: list[ChatMessage], tools: list | None, template: str) -
             calls = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                               "arguments": c.function.arguments}}
                      for c in m.tool_calls]
-            if native_calls:
-                d["tool_calls"] = calls
+            if native_calls:  # templates write the arguments with tojson: give them the object
+                d["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _call_json(c)["arguments"]}}
+                                   for c in calls]
             else:
                 blocks = [f"{TOOL_CALL_OPEN}\n{json.dumps(_call_json(c), ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
                           for c in calls]
@@ -195,9 +196,12 @@ class StreamingToolParser:
     def finish(self) -> list[dict]:
         """At the end of the output: whatever was held back."""
         deltas: list[dict] = []
-        if self.in_call:
+        if self.in_call:  # cut short (max_tokens) inside a block: it never closed
             self.call_text += self.buffer
-            self._call_progress(deltas, final=True)
+            if self.header_sent:  # the call was announced: hand out the rest of what was written
+                self._call_progress(deltas, final=True, closed=False)
+            else:
+                self._content(deltas, TOOL_CALL_OPEN + self.call_text)
         else:
             self._content(deltas, self.buffer)
         self.buffer = ""
@@ -207,7 +211,7 @@ class StreamingToolParser:
         if text:
             deltas.append({"content": text})
 
-    def _call_progress(self, deltas: list[dict], final: bool) -> None:
+    def _call_progress(self, deltas: list[dict], final: bool, closed: bool = True) -> None:
         m = _NAME.match(self.call_text)
         if m is None:
             if final:  # not a call after all: hand it out as text
@@ -220,9 +224,11 @@ class StreamingToolParser:
             deltas.append({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
                                            "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": ""}}]})
         args = self.call_text[m.end():]
-        if final:
+        if final and closed:
             args = args.rstrip()
             args = args[:-1].rstrip() if args.endswith("}") else args  # the call object's own brace
+        elif final:
+            pass  # unclosed: there is no brace of the call object to take off
         else:  # trailing braces and blanks may be the end of the call object: wait and see
             args = args.rstrip("} \n\t\r")
         if len(args) > self.args_sent:

@@ -2,8 +2,9 @@
 
 The regex is built on the caller's thread (fast, and where a bad schema must fail: the HTTP
 handler turns that into a 400). The Index, the slow part (a DFA over the whole vocabulary;
-from milliseconds to seconds), is compiled in a worker thread (outlines-core releases the
-GIL) and kept in an LRU cache, so the same schema is compiled once. A request whose grammar
+from milliseconds to seconds), is compiled off the event loop and the engine thread, in a
+child process with time and memory limits (grammar/worker.py), and kept in an LRU cache, so
+the same schema is compiled once; one that failed is not tried again. A request whose grammar
 is still compiling waits in the scheduler without holding up the others."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from outlines_core import Index
 
-from grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
+from grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from grammar.regexes import choice_regex, json_object_regex
+from grammar.worker import CompileError, CompileWorker
 from sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -29,8 +31,7 @@ def regex_for(spec: StructuredOutputsParams) -> str:
     if spec.json is not None:
         return schema_to_regex(spec.json)
     if spec.regex is not None:
-        _check_regex(spec.regex)
-        return ascii_digits(spec.regex)
+        return _user_regex(spec.regex)
     if spec.choice is not None:
         return choice_regex(spec.choice)
     if spec.json_object:
@@ -57,15 +58,19 @@ class _LRU(OrderedDict):
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, cache_size: int = 64):
+    def __init__(self, tokenizer, cache_size: int = 64, timeout: float = 60.0,
+                 memory_bytes: int = 4 << 30):
         self.tokenizer = tokenizer
-        self._vocab = None
+        self.timeout, self.memory_bytes = timeout, memory_bytes
+        self._worker: CompileWorker | None = None
         self.vocab_len = 0
         self._lock = threading.Lock()
         self._regexes = _LRU(256)  # spec key -> regex
         self._indexes = _LRU(cache_size)  # regex -> Index
+        self._failed = _LRU(256)  # regex -> the error it gave (not compiled again)
         self._inflight: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._closed = False
         self.compile_seconds: dict[str, float] = {}  # regex -> how long its Index took (last few)
 
     def regex(self, spec: StructuredOutputsParams) -> str:
@@ -79,12 +84,17 @@ class GrammarCompiler:
         return cached
 
     def submit(self, regex: str) -> Future:
-        """The Index for `regex`: done at once when cached, else compiled in the worker."""
+        """The Index for `regex`: done at once when cached (or known to fail), else compiled
+        in the worker."""
         with self._lock:
             index = self._indexes.get_fresh(regex)
-            if index is not None:
+            failed = self._failed.get_fresh(regex)
+            if index is not None or failed is not None:
                 done: Future = Future()
-                done.set_result(index)
+                if index is not None:
+                    done.set_result(index)
+                else:
+                    done.set_exception(UnsupportedSchema(failed))
                 return done
             future = self._inflight.get(regex)
             if future is None:
@@ -93,22 +103,21 @@ class GrammarCompiler:
 
     def _compile(self, regex: str) -> Index:
         try:
-            if self._vocab is None:
-                from grammar.vocabulary import build_vocabulary
+            if self._closed:
+                raise UnsupportedSchema("the server is shutting down")
+            if self._worker is None:
+                from grammar.vocabulary import vocabulary_tokens
 
-                self._vocab, self.vocab_len = build_vocabulary(self.tokenizer)
+                eos, tokens, self.vocab_len = vocabulary_tokens(self.tokenizer)
+                self._worker = CompileWorker(eos, tokens, self.timeout, self.memory_bytes)
             t0 = time.perf_counter()
             try:
-                # anchored: without the `$`, outlines-core (0.2.x) builds the automaton so that
-                # a state where the regex could end loses the transitions that would go on
-                # (`ab(xab)?` would never write the x), which breaks optional tails, repeated
-                # tool calls and free text alike
-                try:
-                    index = Index(f"(?:{regex})$", self._vocab)
-                except Exception:  # noqa: BLE001 - a regex that matches "" cannot be anchored
-                    index = Index(regex, self._vocab)
-            except Exception as e:  # noqa: BLE001 - a regex the automaton library refuses
-                raise UnsupportedSchema(f"the grammar cannot be compiled: {str(e).splitlines()[0]}") from None
+                index = self._worker.compile(regex)
+            except CompileError as e:
+                logger.warning("a grammar failed to compile: %s", e)
+                with self._lock:
+                    self._failed.put(regex, str(e))
+                raise UnsupportedSchema(str(e)) from None
             seconds = time.perf_counter() - t0
             logger.info("compiled a grammar in %.2f s (%d regex chars)", seconds, len(regex))
             with self._lock:
@@ -122,14 +131,26 @@ class GrammarCompiler:
                 self._inflight.pop(regex, None)
 
     def shutdown(self) -> None:
+        """Stop compiling: queued compiles are dropped, the child process is ended."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.close()
 
 
-def _check_regex(regex) -> None:
+_ANCHORS = re.compile(r"^(?:\^|\\A)|(?<!\\)(?:\$|\\z)$")
+
+
+def _user_regex(regex) -> str:
+    """A client's regex, checked: it is matched against the whole output anyway, so ^ and $ at
+    its ends are dropped; look-around, back-references and word boundaries cannot be enforced;
+    one that matches the empty string is refused (its automaton cannot be anchored)."""
     if not isinstance(regex, str) or not regex:
         raise UnsupportedSchema("regex must be a non-empty string")
-    try:
-        re.compile(regex)
-    except re.error as e:
-        raise UnsupportedSchema(f"the regex {regex[:100]!r} is not valid: {e}") from None
+    regex = _ANCHORS.sub("", regex)
+    check_pattern(regex, "the regex")
+    if re.fullmatch(regex, ""):
+        raise UnsupportedSchema(f"the regex {regex[:100]!r} matches the empty string; make the output "
+                                f"at least one character long")
+    return ascii_digits(regex)
 

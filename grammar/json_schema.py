@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import re
+from decimal import Decimal
 
 from outlines_core.json_schema import build_regex_from_schema
 
@@ -58,11 +59,8 @@ def schema_to_regex(schema: dict | bool | str) -> str:
         regex = build_regex_from_schema(json.dumps(rewritten), WHITESPACE)
     except Exception as e:  # noqa: BLE001 - outlines-core raises ValueError / RuntimeError
         raise UnsupportedSchema(f"the JSON schema cannot be compiled: {str(e).splitlines()[0]}") from None
-    for marker, sub in ranges.items():
-        quoted = f'"{marker}"'
-        if quoted not in regex:
-            raise UnsupportedSchema("the JSON schema's numeric bounds could not be placed")
-        regex = regex.replace(quoted, f"({sub})")
+    for marker, sub in ranges.items():  # (one in an unused $defs entry is simply absent)
+        regex = regex.replace(f'"{marker}"', f"({sub})")
     return regex
 
 
@@ -81,15 +79,17 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
         raise UnsupportedSchema(f"the JSON schema format '{node['format']}' (at {path}) is not supported; "
                                 f"supported: {', '.join(sorted(_FORMATS))}")
     if "pattern" in node:
-        _check_pattern(node["pattern"], path)
+        check_pattern(node["pattern"], f"the pattern at {path}")
     kind = node.get("type")
-    if any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
+    if any(b in node for b in _BOUNDS) and ("enum" in node or "const" in node):
+        node = _filter_by_bounds(node, path)  # the listed values are the grammar; bounds prune them
+    elif any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
         marker = f"PSRANGE{next(counter)}X"
         ranges[marker] = _number_regex(node, integer=kind == "integer", path=path)
         return {"const": marker}
-    if any(b in node for b in _BOUNDS) and kind is not None:
-        raise UnsupportedSchema(f"numeric bounds (at {path}) are supported on a single 'integer' or "
-                                f"'number' type, not on {kind!r}")
+    elif any(b in node for b in _BOUNDS):
+        raise UnsupportedSchema(f"numeric bounds (at {path}) are supported with type 'integer' or "
+                                f"'number' (a single type), not with {kind!r}")
     out = {}
     for key, value in node.items():
         if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
@@ -127,16 +127,34 @@ def ascii_digits(regex: str) -> str:
 _LOOKAROUND = re.compile(r"\(\?(?:[=!]|<[=!])|\\[1-9]|\\[bBAzZ]")
 
 
-def _check_pattern(pattern, path: str) -> None:
+def check_pattern(pattern, what: str) -> None:
     if not isinstance(pattern, str):
-        raise UnsupportedSchema(f"'pattern' (at {path}) must be a string")
+        raise UnsupportedSchema(f"{what} must be a string")
     if _LOOKAROUND.search(pattern):
-        raise UnsupportedSchema(f"the pattern {pattern!r} (at {path}) uses look-around, back-references "
-                                f"or word boundaries, which structured output cannot enforce")
+        raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) uses look-around, back-references or word "
+                                f"boundaries, which structured output cannot enforce")
     try:
         re.compile(pattern)
     except re.error as e:
-        raise UnsupportedSchema(f"the pattern {pattern!r} (at {path}) is not a valid regex: {e}") from None
+        raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
+
+
+def _filter_by_bounds(node: dict, path: str) -> dict:
+    lo, lo_excl, hi, hi_excl = _bound(node, path)
+
+    def inside(v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return True  # bounds constrain numbers only
+        return (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)
+
+    out = {k: v for k, v in node.items() if k not in _BOUNDS}
+    values = node["enum"] if "enum" in node else [node["const"]]
+    kept = [v for v in values if inside(v)]
+    if not kept:
+        raise UnsupportedSchema(f"the bounds at {path} exclude every value of its enum or const")
+    out.pop("const", None)
+    out["enum"] = kept
+    return out
 
 
 # ---- numeric ranges ----
@@ -181,28 +199,88 @@ def _number_regex(node: dict, integer: bool, path: str) -> str:
 
 def _magnitude(lo: float, lo_excl: bool, hi: float, hi_excl: bool, integer: bool) -> str:
     """Digits (and for numbers an optional fraction) of values v with lo <(=) v <(=) hi, where
-    0 <= lo. Empty when there are none. Fractional ends are rounded inwards, so the numbers
-    written are a subset of those allowed, never more."""
-    a = math.floor(lo) + 1 if lo_excl and float(lo).is_integer() else math.ceil(lo)
+    0 <= lo. Empty when there are none. Exact, fractional ends included."""
     if integer:
+        a = math.floor(lo) + 1 if lo_excl and float(lo).is_integer() else math.ceil(lo)
         if math.isinf(hi):
             return _int_at_least(a)
         b = math.ceil(hi) - 1 if hi_excl and float(hi).is_integer() else math.floor(hi)
         return _int_range(a, b) if a <= b else ""
-    frac = r"(\.[0-9]+)?"
-    if math.isinf(hi):
-        return f"({_int_at_least(a)}){frac}"
-    # k.f < k + 1 <= hi for every k <= hi - 1; the top integer itself only as k(.0+)
-    if float(hi).is_integer():
-        free_to, exact = int(hi) - 1, None if hi_excl else int(hi)
-    else:
-        free_to, exact = math.floor(hi) - 1, math.floor(hi)
+    low, low_frac = _split(lo)
     parts = []
-    if a <= free_to:
-        parts.append(f"({_int_range(a, free_to)}){frac}")
-    if exact is not None and exact >= a:
-        parts.append(rf"{exact}(\.0+)?")
-    return "|".join(parts)
+    if math.isinf(hi):
+        parts.append(_with_fraction(str(low), _frac_at_least(low_frac, lo_excl),
+                                    not low_frac and not lo_excl))
+        parts.append(_with_fraction(_int_at_least(low + 1), [r"[0-9]+"], True))
+        return "|".join(p for p in parts if p)
+    high, high_frac = _split(hi)
+    top_whole = bool(high_frac) or not hi_excl  # the integer `high` itself is allowed
+    if low == high:
+        parts.append(_with_fraction(str(low), _frac_between(low_frac, high_frac, lo_excl, hi_excl),
+                                    not low_frac and not lo_excl and top_whole))
+    else:
+        parts.append(_with_fraction(str(low), _frac_at_least(low_frac, lo_excl), not low_frac and not lo_excl))
+        if high - low > 1:
+            parts.append(_with_fraction(_int_range(low + 1, high - 1), [r"[0-9]+"], True))
+        parts.append(_with_fraction(str(high), _frac_at_most(high_frac, hi_excl), top_whole))
+    return "|".join(p for p in parts if p)
+
+
+def _split(x: float) -> tuple[int, str]:
+    """Integer part and fraction digits (no trailing zeros) of a non-negative bound, exactly as
+    written in decimal."""
+    text = format(Decimal(repr(float(x))), "f")
+    whole, _, frac = text.partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _with_fraction(whole: str, fractions: list[str], bare: bool) -> str:
+    """`whole` followed by one of the fraction alternatives, or by nothing when `bare`."""
+    if not fractions:
+        return f"({whole})" if bare else ""
+    frac = rf"\.({'|'.join(fractions)})"
+    return f"({whole})({frac})?" if bare else f"({whole}){frac}"
+
+
+def _frac_at_least(a: str, strict: bool) -> list[str]:
+    """Non-empty digit strings d with 0.d >= 0.a (> when strict)."""
+    out = [f"{a[:i]}[{int(a[i]) + 1}-9][0-9]*" for i in range(len(a)) if a[i] != "9"]
+    out.append(f"{a}[0-9]*[1-9][0-9]*" if strict else f"{a}[0-9]*" if a else "[0-9]+")
+    return out
+
+
+def _frac_at_most(b: str, strict: bool) -> list[str]:
+    """Non-empty digit strings d with 0.d <= 0.b (< when strict)."""
+    out = [f"{b[:i]}[0-{int(b[i]) - 1}][0-9]*" for i in range(len(b)) if b[i] != "0"]
+    out += [f"{b[:j]}0*" for j in range(1, len(b))]  # a proper prefix of b, then zeros
+    if not strict:
+        out.append(f"{b}0*" if b else "0+")
+    return out
+
+
+def _frac_between(a: str, b: str, a_strict: bool, b_strict: bool) -> list[str]:
+    """Non-empty digit strings d with 0.a <(=) 0.d <(=) 0.b, where 0.a <= 0.b."""
+    if not a and not b:
+        return [] if a_strict or b_strict else ["0+"]
+    a0, b0 = (int(a[0]) if a else 0), (int(b[0]) if b else 0)
+    a_rest, b_rest = a[1:], b[1:]
+    if a0 == b0:
+        rest = _frac_between(a_rest, b_rest, a_strict, b_strict)
+        empty_ok = not a_rest and not a_strict and (bool(b_rest) or not b_strict)
+        return [f"{a0}({'|'.join(rest)})" + ("?" if empty_ok else "")] if rest else ([str(a0)] if empty_ok else [])
+    out = []
+    if b0 - a0 > 1:
+        out.append(f"[{a0 + 1}-{b0 - 1}][0-9]*")
+    tail = _frac_at_least(a_rest, a_strict)
+    empty_ok = not a_rest and not a_strict
+    out.append(f"{a0}({'|'.join(tail)})" + ("?" if empty_ok else ""))
+    tail = _frac_at_most(b_rest, b_strict)
+    empty_ok = bool(b_rest) or not b_strict
+    if tail:
+        out.append(f"{b0}({'|'.join(tail)})" + ("?" if empty_ok else ""))
+    elif empty_ok:
+        out.append(str(b0))
+    return out
 
 
 def _int_at_least(a: int) -> str:

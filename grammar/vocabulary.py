@@ -1,15 +1,13 @@
-"""The outlines-core Vocabulary of a served tokenizer: the real bytes of every token."""
+"""The vocabulary a grammar is compiled against: the real bytes of every token."""
 
 from __future__ import annotations
 
-from outlines_core import Vocabulary
 
-
-def build_vocabulary(tokenizer) -> tuple[Vocabulary, int]:
-    """Byte-level BPE characters are mapped back to bytes and SentencePiece's '▁' to a space
-    (see `token_byte_table`), so a multi-byte character split over tokens is matched byte by
-    byte. Special and added tokens are left out: a grammar never writes them. Returns the
-    vocabulary and the number of token ids it spans."""
+def vocabulary_tokens(tokenizer) -> tuple[int, dict[bytes, list[int]], int]:
+    """(EOS id, bytes -> token ids, number of token ids) for an outlines-core Vocabulary.
+    Byte-level BPE characters are mapped back to bytes and SentencePiece's '▁' to a space (see
+    `token_byte_table`), so a multi-byte character split over tokens is matched byte by byte.
+    Special and added tokens are left out: a grammar never writes them."""
     from runtime.detokenizer import token_byte_table  # here: importing runtime loads torch
 
     table = token_byte_table(tokenizer)
@@ -21,4 +19,4 @@ def build_vocabulary(tokenizer) -> tuple[Vocabulary, int]:
     for token_id, raw in enumerate(table):
         if raw and token_id not in special:
             by_bytes.setdefault(raw, []).append(token_id)
-    return Vocabulary(eos, by_bytes), len(table)
+    return eos, by_bytes, len(table)

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import threading
 import time
 
@@ -80,7 +81,7 @@ class Soak:
                 if line == "data: [DONE]":
                     done = True
                     break
-                if '"error"' in line[:12]:
+                if line[6:].startswith('{"error"'):
                     raise AssertionError(f"error event {line[:200]}")
                 n += 1
                 if drop_after is not None and n >= drop_after:
@@ -207,5 +208,13 @@ def main(args) -> dict:
     return save_json(result, args.output_json)
 
 
+def exit_code(result: dict) -> int:
+    """1 when a target is missed: errors, RSS growth of 5% or more, blocks or requests left,
+    an unhealthy server or a bad exit."""
+    missed = (result["errors"] or result["rss_growth_pct"] >= 5 or result["kv_usage_at_end"]
+              or result["requests_left_at_end"] or not result["healthy_at_end"] or result["exit_code"])
+    return 1 if missed else 0
+
+
 if __name__ == "__main__":
-    main(add_args(argparse.ArgumentParser(description=__doc__)).parse_args())
+    sys.exit(exit_code(main(add_args(argparse.ArgumentParser(description=__doc__)).parse_args())))

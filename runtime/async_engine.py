@@ -150,6 +150,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.engine.grammar.shutdown()
 
     async def drain(self, timeout: float) -> int:
         """Graceful shutdown: refuse new requests from now on, let those in flight finish for up

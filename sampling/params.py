@@ -46,7 +46,8 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
 
     def cache_key(self) -> str:
-        value = self.json if not isinstance(self.json, dict) else _json.dumps(self.json, sort_keys=True)
+        # key order kept: it is the order the output's properties come in
+        value = self.json if not isinstance(self.json, dict) else _json.dumps(self.json)
         return repr((value, self.regex, self.choice, self.json_object))
 
 

@@ -31,20 +31,44 @@ RANGES = [
 ]
 
 
-@pytest.mark.parametrize("schema", RANGES)
+@pytest.mark.parametrize("schema", RANGES + [
+    {"type": "number", "minimum": 0.1, "maximum": 0.9}, {"type": "number", "exclusiveMinimum": 0.25},
+    {"type": "number", "minimum": 0.05, "exclusiveMaximum": 0.3}, {"type": "number", "minimum": -7.05, "maximum": -0.125}])
 def test_numeric_bounds_are_exact(schema):
-    """Every number the range regex accepts validates; every integer in range is accepted."""
+    """The range regex accepts exactly the numbers the schema allows (fractional ends too)."""
     rx = re.compile(f"(?:{schema_to_regex(schema)})")
-    texts = {str(i) for i in range(-300, 300)} | {f"{i / 7:.3f}" for i in range(-300, 300)} | \
-            {"1.0", "1.00", "0.5", "-0", "10.0", "3.7", "3.70", "-2.5", "0.000"}
-    accepted = [t for t in texts if rx.fullmatch(t)]
-    assert accepted
-    for t in accepted:
-        jsonschema.validate(json.loads(t), schema)
-    if schema["type"] == "integer":
-        for i in range(-300, 300):
-            if jsonschema.Draft202012Validator(schema).is_valid(i):
-                assert rx.fullmatch(str(i)), i
+    texts = {str(i) for i in range(-300, 300)} | {f"{i / 100:.{d}f}" for i in range(-1200, 1200) for d in (1, 2, 3)} | \
+            {"1.0", "1.00", "0.5", "10.0", "3.7", "3.70", "-2.5", "0.000", "0.2500", "-0.1250"}
+    valid = jsonschema.Draft202012Validator(schema)
+    for t in texts:
+        if t.startswith("-0") and float(t) == 0 or schema["type"] == "integer" and "." in t:
+            assert not rx.fullmatch(t) or valid.is_valid(json.loads(t)), t  # "-0", "3.0": need not be writable
+        else:
+            assert bool(rx.fullmatch(t)) == valid.is_valid(json.loads(t)), t
+
+
+def test_bounds_with_enum_and_unused_defs():
+    assert schema_to_regex({"type": "integer", "minimum": 1, "enum": [0, 1, 5, 999], "maximum": 10}) == "(1|5)"
+    regex = schema_to_regex({"$defs": {"n": {"type": "integer", "minimum": 0}}, "type": "object",
+                             "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+    assert re.fullmatch(regex, '{"a": true}')
+    with pytest.raises(UnsupportedSchema, match="type 'integer' or 'number'"):
+        schema_to_regex({"minimum": 3})
+
+
+@pytest.mark.parametrize("regex, result", [
+    (r"^\d{4}$", "[0-9]{4}"), (r"\Ayes|no\z", "yes|no"), (r"a\$", r"a\$"),
+    ("(abc)*", "matches the empty string"), ("(yes|no)?", "matches the empty string"),
+    ("a(?=b)", "look-around"), ("(unclosed", "not a valid regex"),
+])
+def test_client_regexes(regex, result):
+    from grammar.compiler import regex_for
+
+    if "empty" in result or "look" in result or "valid" in result:
+        with pytest.raises(UnsupportedSchema, match=result):
+            regex_for(StructuredOutputsParams(regex=regex))
+    else:
+        assert regex_for(StructuredOutputsParams(regex=regex)) == result
 
 
 @pytest.mark.parametrize("schema, words", [
@@ -167,6 +191,32 @@ def test_lazy_tool_grammar_holds_a_started_call_to_the_schema(compiler):
     words = -(-compiler.vocab_len // 32)
     allowed = "".join(tok.decode([t]) for t in _allowed(m, words))
     assert set(allowed) <= set('{"name: ') and tok.eos_token_id not in _allowed(m, words)
+
+
+def test_a_grammar_that_compiles_too_long_is_stopped(tiny_model_dir):
+    """An automaton that grows exponentially is cut off by the time limit (the child process
+    is killed), the failure is remembered, and the compiler goes on serving other grammars."""
+    from transformers import AutoTokenizer
+
+    c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=2)
+    try:
+        with pytest.raises(UnsupportedSchema, match="longer than 2 s"):
+            c.submit("[ab]*a[ab]{40}").result(timeout=30)
+        assert c.submit("(yes|no)").result(timeout=30) is not None
+        with pytest.raises(UnsupportedSchema, match="longer than 2 s"):
+            c.submit("[ab]*a[ab]{40}").result(timeout=0.1)  # known, not compiled again
+    finally:
+        c.shutdown()
+
+
+def test_a_call_cut_short_streams_what_was_written():
+    parser = StreamingToolParser()
+    deltas = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') + parser.finish()
+    assert deltas[0]["tool_calls"][0]["function"]["name"] == "f"
+    assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas) == '{"a": [1, 2'
+    parser = StreamingToolParser()
+    deltas = parser.feed('ok <tool_call>\n{"na') + parser.finish()
+    assert "".join(d["content"] for d in deltas) == 'ok <tool_call>\n{"na'
 
 
 def test_streamed_tool_calls_match_the_whole_parse():

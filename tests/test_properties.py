@@ -118,8 +118,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         return [r for r in self.requests.values() if not r.status.finished]
 
     @rule(prefix=st.sampled_from([[], [11] * 20, [12, 13] * 9]), tail=st.lists(st.integers(1, 50), max_size=30),
-          max_tokens=st.integers(1, 40), n=st.sampled_from([1, 1, 1, 2, 3]))
-    def arrive(self, prefix, tail, max_tokens, n):
+          max_tokens=st.integers(1, 40), n=st.sampled_from([1, 1, 1, 2, 3]), grammar=st.booleans())
+    def arrive(self, prefix, tail, max_tokens, n, grammar):
         prompt = (prefix + tail) or [1]
         # the engine refuses these before they reach the scheduler (n > --max-num-seqs; a
         # context longer than max_model_len, which is never more than the pool holds)
@@ -129,6 +129,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count += 1
         req = _request(f"r{self.count}", prompt, max_tokens)
         req.num_samples = n  # n > 1: forked after its first token, as the engine does
+        if grammar:  # structured output: not admitted until its grammar has compiled
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         self.sched.add_request(req)
 
@@ -149,6 +151,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.finish(req, RequestStatus.FINISHED_STOPPED)
         self.ended.add(req.request_id)
 
+    @precondition(lambda self: any(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.requests.values()))
+    @rule(data=st.data())
+    def grammar_ready(self, data):
+        event("grammar compiled")
+        req = data.draw(st.sampled_from([r for r in self._live() if r.status == RequestStatus.WAITING_FOR_GRAMMAR]))
+        req.status = RequestStatus.WAITING
+
     @rule()
     def step(self):
         self._step()
@@ -162,7 +171,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         bs, offset = self.kv.block_size, 0
         for sr in out.requests:
             req = self.requests[sr.request_id]
-            assert req.status == RequestStatus.RUNNING
+            assert req.status == RequestStatus.RUNNING  # never one still waiting for its grammar
             assert sr.block_ids == self.kv.block_ids(req.request_id)
             # each token goes to its own position's slot in the request's own blocks
             for j, slot in enumerate(out.slot_mapping[offset:offset + len(sr.token_ids)]):
@@ -229,6 +238,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Once arrivals stop, everything left finishes in bounded steps, all blocks free."""
         if not hasattr(self, "sched"):
             return
+        for r in self._live():
+            if r.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                r.status = RequestStatus.WAITING
         bound = 10 + sum(r.num_tokens + r.max_tokens for r in self._live()) * 4
         for _ in range(bound):
             if not self.sched.has_unfinished():

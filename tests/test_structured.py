@@ -99,7 +99,7 @@ def test_guided_fields_and_completions(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema",
      "json_schema.schema"),
     ({"guided_json": {"type": "string", "format": "ipv6"}}, "guided_json", "format 'ipv6'"),
-    ({"guided_regex": "(unclosed"}, "guided_regex", "not valid"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "not a valid regex"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "not several"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
@@ -208,3 +208,38 @@ def test_node_openai_streams_a_tool_call(server):
     assert [c["name"] for c in out["calls"]] == ["get_weather"] and out["calls"][0]["id"].startswith("call_")
     jsonschema.validate(out["calls"][0]["arguments"], _schema_of("get_weather"))
     server.wait_idle()
+
+
+def test_tool_choice_auto(server):
+    """With --enable-auto-tool-choice: free text or a call; whatever the model does, a call
+    that comes out is valid and no tag is left in the content, whole or streamed."""
+    import dataclasses
+
+    settings = server.state.settings
+    server.state.settings = dataclasses.replace(settings, enable_auto_tool_choice=True)
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        kinds = set()
+        for i, question in enumerate(["What is the weather in Paris right now? Use the tool.",
+                                      "Say hello.", "What is 2 plus 40? Call add."]):
+            r = client.chat.completions.create(model=server.model, tools=[WEATHER, ADD], tool_choice="auto",
+                                               max_tokens=60, temperature=0,
+                                               messages=[{"role": "user", "content": question}])
+            msg = r.choices[0].message
+            assert "<tool_call>" not in (msg.content or "") or r.choices[0].finish_reason == "length"
+            for call in msg.tool_calls or []:
+                jsonschema.validate(json.loads(call.function.arguments), _schema_of(call.function.name))
+            kinds.add("call" if msg.tool_calls else "text")
+            stream = client.chat.completions.create(model=server.model, tools=[WEATHER, ADD], tool_choice="auto",
+                                                    max_tokens=60, temperature=0, stream=True,
+                                                    messages=[{"role": "user", "content": question}])
+            content, names = "", []
+            for chunk in stream:
+                delta = chunk.choices[0].delta if chunk.choices else None
+                content += (delta.content or "") if delta else ""
+                names += [c.function.name for c in (delta.tool_calls or []) if delta and c.function and c.function.name]
+            assert content.strip() == (msg.content or "").strip()
+            assert names == [c.function.name for c in msg.tool_calls or []]
+        assert "text" in kinds  # "Say hello." is answered in text
+    finally:
+        server.state.settings = settings

@@ -1,0 +1,113 @@
+"""Grammar automata are compiled in a child process, so that one hostile regex or schema (an
+automaton that grows exponentially, say `[ab]*a[ab]{30}`) can neither run the server out of
+memory nor hold the compiler forever: the child has a memory limit, and a compile that runs
+past its time limit is ended by killing the child, which is started again for the next one.
+
+The child is `python -m grammar.worker`: a fresh interpreter that imports only outlines-core
+(no torch, no OpenMP state, nothing of the parent's main module). Messages on its stdin and
+stdout are length-prefixed pickles; compiled Index objects come back pickled."""
+
+from __future__ import annotations
+
+import pickle
+import select
+import struct
+import subprocess
+import sys
+from typing import BinaryIO
+
+from outlines_core import Index, Vocabulary
+
+_HEADER = struct.Struct("<Q")
+
+
+class CompileError(ValueError):
+    pass
+
+
+def _send(stream: BinaryIO, obj) -> None:
+    data = pickle.dumps(obj)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream: BinaryIO):
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def anchored_index(regex: str, vocab: Vocabulary) -> Index:
+    """Anchored with `$`: without it, outlines-core (0.2.x) builds the automaton so that a state
+    where the regex could end loses the transitions that would go on (`ab(xab)?` would never
+    write the x), which breaks optional tails, repeated tool calls and free text alike."""
+    return Index(f"(?:{regex})$", vocab)
+
+
+def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
+    import resource
+
+    eos, tokens, memory_bytes = _recv(stdin)
+    if memory_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    vocab = Vocabulary(eos, tokens)
+    del tokens
+    while True:
+        try:
+            regex = _recv(stdin)
+        except EOFError:
+            return
+        try:
+            reply = ("ok", anchored_index(regex, vocab))
+        except MemoryError:
+            reply = ("error", "the grammar needs more memory than the compiler may use; simplify it")
+        except Exception as e:  # noqa: BLE001 - a regex the automaton library refuses
+            reply = ("error", f"the grammar cannot be compiled: {str(e).splitlines()[0]}")
+        _send(stdout, reply)
+
+
+class CompileWorker:
+    """The parent's end. Used from one thread at a time (the compiler's worker thread)."""
+
+    def __init__(self, eos: int, tokens: dict[bytes, list[int]], timeout: float, memory_bytes: int):
+        self.eos, self.tokens = eos, tokens
+        self.timeout, self.memory_bytes = timeout, memory_bytes
+        self._proc: subprocess.Popen | None = None
+
+    def compile(self, regex: str) -> Index:
+        try:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen([sys.executable, "-m", "grammar.worker"], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE)
+                _send(self._proc.stdin, (self.eos, self.tokens, self.memory_bytes))
+            _send(self._proc.stdin, regex)
+            ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout)
+            if not ready:
+                self.close()
+                raise CompileError(f"the grammar took longer than {self.timeout:g} s to compile; "
+                                   f"simplify the schema or regex")
+            status, payload = _recv(self._proc.stdout)
+        except (EOFError, OSError):
+            self.close()
+            raise CompileError("the grammar compiler ran out of memory on this grammar; simplify the "
+                               "schema or regex") from None
+        if status != "ok":
+            raise CompileError(payload)
+        return payload
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait(5)
+            proc.stdin.close()
+            proc.stdout.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.stdin.buffer, sys.stdout.buffer)
