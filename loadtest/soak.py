@@ -199,6 +199,7 @@ def main(args) -> dict:
         "kv_usage_at_end": m["pageserve:kv_cache_usage_perc"],
         "requests_left_at_end": busy, "preemptions": m.get("pageserve:num_preemptions_total"),
         "healthy_at_end": healthy, "exit_code": code,
+        "rss_mib_every_30s": [round(rss, 1) for t, rss in samples if int(t) % 30 < 2][::1],
     }
     print(json.dumps(result, indent=2))
     print(f"soak: {result['served']} requests served in {result['duration_s']} s, {result['errors']} errors "

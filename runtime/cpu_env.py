@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -25,3 +26,12 @@ def keep_freed_memory() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     except (OSError, AttributeError):  # not glibc: nothing to tune
         logger.debug("mallopt unavailable; leaving the allocator as it is")
+
+
+def bound_onednn_cache() -> None:
+    """oneDNN (bf16 matmuls on CPU) keeps a compiled primitive for every shape it meets, up to
+    1024 by default. Token counts per step vary all the time, so a server's memory kept growing
+    with new shapes (measured: RSS +10% over 8 minutes of mixed load). 16 entries held RSS flat
+    after warm-up at unchanged throughput. Set before the first matmul; an explicit
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")

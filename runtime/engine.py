@@ -13,7 +13,7 @@ import torch
 from grammar.compiler import GrammarCompiler
 from grammar.matcher import Matcher
 from runtime.config import EngineConfig
-from runtime.cpu_env import keep_freed_memory
+from runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from runtime.engine_args import GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
@@ -82,6 +82,7 @@ class LLMEngine:
         if device.device.type == "cpu":
             torch.set_num_threads(device.num_threads)
             keep_freed_memory()
+            bound_onednn_cache()
         path = resolve_model(args.model)
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
