@@ -16,11 +16,9 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from outlines_core import Index
-
 from grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from grammar.regexes import choice_regex, json_object_regex
-from grammar.worker import CompileError, CompileWorker
+from grammar.worker import CompiledGrammar, CompileError, CompileWorker
 from sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -66,12 +64,11 @@ class GrammarCompiler:
         self.vocab_len = 0
         self._lock = threading.Lock()
         self._regexes = _LRU(256)  # spec key -> regex
-        self._indexes = _LRU(cache_size)  # regex -> Index
+        self._indexes = _LRU(cache_size)  # regex -> CompiledGrammar
         self._failed = _LRU(256)  # regex -> the error it gave (not compiled again)
         self._inflight: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._closed = False
-        self.compile_seconds: dict[str, float] = {}  # regex -> how long its Index took (last few)
 
     def regex(self, spec: StructuredOutputsParams) -> str:
         key = spec.cache_key()
@@ -84,7 +81,7 @@ class GrammarCompiler:
         return cached
 
     def submit(self, regex: str) -> Future:
-        """The Index for `regex`: done at once when cached (or known to fail), else compiled
+        """The compiled grammar for `regex`: done at once when cached (or known to fail), else compiled
         in the worker."""
         with self._lock:
             index = self._indexes.get_fresh(regex)
@@ -101,7 +98,7 @@ class GrammarCompiler:
                 future = self._inflight[regex] = self._pool.submit(self._compile, regex)
             return future
 
-    def _compile(self, regex: str) -> Index:
+    def _compile(self, regex: str) -> CompiledGrammar:
         try:
             if self._closed:
                 raise UnsupportedSchema("the server is shutting down")
@@ -122,9 +119,6 @@ class GrammarCompiler:
             logger.info("compiled a grammar in %.2f s (%d regex chars)", seconds, len(regex))
             with self._lock:
                 self._indexes.put(regex, index)
-                self.compile_seconds[regex] = seconds
-                if len(self.compile_seconds) > 256:
-                    self.compile_seconds.pop(next(iter(self.compile_seconds)))
             return index
         finally:
             with self._lock:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from outlines_core import Guide, Index
+from outlines_core import Guide
+
+from grammar.worker import CompiledGrammar
 
 
 class Matcher:
@@ -11,14 +13,13 @@ class Matcher:
     wherever the grammar may end, and the request stops by itself once nothing but them is
     allowed (`is_terminated`)."""
 
-    __slots__ = ("index", "guide", "stop_ids", "num_tokens", "_terminated")
+    __slots__ = ("grammar", "guide", "stop_ids", "num_tokens")
 
-    def __init__(self, index: Index, stop_ids: tuple[int, ...], max_rollback: int = 32):
-        self.index = index
-        self.guide = Guide(index, max_rollback=max_rollback)
+    def __init__(self, grammar: CompiledGrammar, stop_ids: tuple[int, ...], max_rollback: int = 32):
+        self.grammar = grammar
+        self.guide = Guide(grammar.index, max_rollback=max_rollback)
         self.stop_ids = stop_ids
         self.num_tokens = 0  # tokens accepted so far
-        self._terminated = False
 
     def advance(self, token_id: int) -> bool:
         """Accept one sampled token; False if the grammar does not allow it (the request is
@@ -30,20 +31,16 @@ class Matcher:
         except Exception:  # noqa: BLE001 - outlines-core raises on a disallowed token
             return False
         self.num_tokens += 1
-        self._terminated = False
-        if self.guide.is_finished():
-            self._terminated = all(t in self.stop_ids for t in self.guide.get_tokens())
         return True
 
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more but an end token."""
-        return self._terminated
+        return self.guide.get_state() in self.grammar.terminal_states
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` advances (for speculative decoding)."""
         self.guide.rollback_state(num_tokens)
         self.num_tokens -= num_tokens
-        self._terminated = False
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into row `row` of a packed int32 [B, W] mask (bit
@@ -61,4 +58,4 @@ class Matcher:
         """A matcher in the same state (n > 1: siblings start from the parent's state)."""
         if self.num_tokens:
             raise ValueError("fork() is for a matcher that has accepted no token yet")
-        return Matcher(self.index, self.stop_ids)
+        return Matcher(self.grammar, self.stop_ids)

@@ -14,6 +14,7 @@ import select
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from outlines_core import Index, Vocabulary
@@ -23,6 +24,19 @@ _HEADER = struct.Struct("<Q")
 
 class CompileError(ValueError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    index: Index
+    # the states where the grammar is complete and allows nothing but EOS: a request that
+    # reaches one is done. Found once here, so the engine's per-token check is a set lookup
+    terminal_states: frozenset[int]
+
+
+def _terminal_states(index: Index, eos: int) -> frozenset[int]:
+    return frozenset(s for s in index.get_final_states()
+                     if all(t == eos for t in index.get_allowed_tokens(s)))
 
 
 def _send(stream: BinaryIO, obj) -> None:
@@ -63,7 +77,9 @@ def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
         except EOFError:
             return
         try:
-            reply = ("ok", anchored_index(regex, vocab))
+            index = anchored_index(regex, vocab)
+            # a plain tuple: this module is __main__ here, its classes do not unpickle elsewhere
+            reply = ("ok", (index, _terminal_states(index, eos)))
         except MemoryError:
             reply = ("error", "the grammar needs more memory than the compiler may use; simplify it")
         except Exception as e:  # noqa: BLE001 - a regex the automaton library refuses
@@ -79,7 +95,7 @@ class CompileWorker:
         self.timeout, self.memory_bytes = timeout, memory_bytes
         self._proc: subprocess.Popen | None = None
 
-    def compile(self, regex: str) -> Index:
+    def compile(self, regex: str) -> CompiledGrammar:
         try:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = subprocess.Popen([sys.executable, "-m", "grammar.worker"], stdin=subprocess.PIPE,
@@ -98,7 +114,7 @@ class CompileWorker:
                                "schema or regex") from None
         if status != "ok":
             raise CompileError(payload)
-        return payload
+        return CompiledGrammar(*payload)
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
