@@ -1,0 +1,140 @@
+"""paged_attention, reshape_and_cache and rotary_embedding against their torch references on
+ragged batches: query lengths 1 to 37, contexts 1 to 300, GQA ratios 1, 3 and 8, shuffled
+block tables with unused rows, block sizes 16 and 32, head dims 64, 96 and 128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_kernels import reference
+from triton_kernels.paged_attention import paged_attention, split_partitions
+from triton_kernels.reshape_and_cache import reshape_and_cache
+from triton_kernels.rotary_embedding import rotary_embedding
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# (query heads, KV heads, head dim): GQA ratios 1, 3, 8 and 8 over two KV heads
+HEADS = [(4, 4, 64), (6, 2, 96), (8, 1, 128), (16, 2, 64)]
+
+
+def make_batch(q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, seed):
+    """A paged cache filled with noise, whose requests own shuffled blocks scattered among
+    blocks nobody owns; block tables padded with zeros to the longest request."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = 2 * sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.zeros(len(q_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = order[used:used + n]
+        used += n
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(device, dtype)
+    v_cache = torch.randn(shape, generator=g).to(device, dtype)
+    query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    return k_cache, v_cache, block_tables.to(device), query_start_loc.to(device), seq_lens.to(device)
+
+
+def random_lengths(num_seqs, max_q, max_ctx, seed):
+    """Ragged query and context lengths, each context at least its query."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = torch.randint(1, max_q + 1, (num_seqs,), generator=g).tolist()
+    ctx = [q + int(torch.randint(0, max_ctx - q + 1, (1,), generator=g)) for q in q_lens]
+    return q_lens, ctx
+
+
+def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, **kwargs):
+    num_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, bt, qsl, sl = make_batch(q_lens, ctx_lens, num_kv_heads, head_dim,
+                                               block_size, dtype, device, seed)
+    q = torch.randn(sum(q_lens), num_heads, head_dim,
+                    generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, bt, qsl, sl, scale, max(q_lens), max(ctx_lens), **kwargs)
+    want = reference.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), bt.cpu(), qsl.cpu(),
+                                     sl.cpu(), scale)
+    torch.testing.assert_close(out.cpu(), want, **TOL[dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", HEADS)
+def test_mixed_step(device, dtype, block_size, heads):
+    """Prefill chunks over cached context beside single-token decodes, in one launch."""
+    seed = block_size + heads[0] * 7 + heads[2]
+    q_lens, ctx = random_lengths(6, 37, 300, seed)
+    q_lens += [1, 37, 1]  # a decode, a whole-prompt chunk, and a one-token context
+    ctx += [300, 37, 1]
+    check_attention(q_lens, ctx, heads, block_size, dtype, device, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_partitions", [0, 5])
+def test_decode_one_pass_and_split(device, dtype, heads, num_partitions):
+    """Decode-only steps through the one-pass kernel and the split-KV path (partitions of 64
+    tokens, so contexts shorter than the last partitions leave them empty)."""
+    ctx = [1, 300, 64, 65, 129, 17, 250]
+    check_attention([1] * len(ctx), ctx, heads, 16, dtype, device, heads[0] + num_partitions,
+                    num_partitions=num_partitions, partition_size=64, block_n=32)
+
+
+def test_block_tile_wider_than_cache_block(device):
+    """A KV tile of 64 tokens gathers from four 16-token blocks at once."""
+    check_attention([5, 1, 20], [100, 64, 20], (8, 2, 64), 16, torch.float32, device, 3, block_n=64)
+
+
+def test_split_heuristic():
+    cpu = torch.device("cpu")
+    assert split_partitions(2, 8, 1, 4096, cpu) == 8  # few long decodes: split
+    assert split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
+    assert split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
+    assert split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, heads", [(16, (4, 2, 64)), (32, (6, 3, 96)), (16, (8, 8, 128))])
+def test_reshape_and_cache(device, dtype, block_size, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    tokens = 23
+    g = torch.Generator().manual_seed(tokens + block_size)
+    # key and value as views into a fused QKV output, as the model passes them
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(device, dtype)
+    _, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    key = key.view(tokens, num_kv_heads, head_dim)
+    value = value.view(tokens, num_kv_heads, head_dim)
+    num_blocks = 8
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[4] = -1  # padding: written nowhere
+    cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(device, dtype)
+    want = cache.clone()
+    live = slots >= 0
+    reference.reshape_and_cache(key[live.to(device)], value[live.to(device)], want[0], want[1],
+                                slots[live].to(device))
+    reshape_and_cache(key, value, cache[0], cache[1], slots.to(device))
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2, 64), (6, 2, 96), (8, 1, 128)])
+def test_rotary_embedding(device, dtype, heads):
+    num_heads, num_kv_heads, head_dim = heads
+    tokens = 19
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(device, dtype)
+    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 500, (tokens,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(512).float()[:, None] * inv_freq[None, :]
+    cos, sin = reference.rope_cos_sin(positions, torch.cat([freqs.cos(), freqs.sin()], -1).to(device), dtype)
+    original_q, want_q, want_k = q.clone(), q.clone(), k.clone()
+    reference.rotary_embedding(want_q, want_k, cos, sin)
+    rotary_embedding(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    assert not torch.allclose(q, original_q, atol=0.1)  # rotated in place, through the view

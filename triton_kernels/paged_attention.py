@@ -1,0 +1,208 @@
+"""Paged attention for a mixed step: prefill chunks (causal inside the chunk, over the
+request's cached context) and single-token decodes in one varlen launch, plus a split-KV
+path for long decodes on few sequences.
+
+One program serves one KV head and a tile of a request's query tokens: all the query heads
+that share the KV head are rows of the same tile (row r is token r // G, head r % G), so
+each K/V tile is read once per group. K and V are gathered token by token through the
+block table, so a KV tile may span several cache blocks whatever the block size."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+PARTITION_SIZE = 512  # context tokens per program on the split-KV path
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The request whose query tiles hold tile `pid`: request b's tiles start at
+    query_start_loc[b] // BLOCK_Q + b, an upper bound on the tiles before it."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """a @ b accumulated in float32; UPCAST for Triton's interpreter, whose bf16 dot is wrong."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
+        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_bt,
+        G: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+        SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // G
+    head = kv_head * G + rows % G
+    row_ok = (rows // G < BLOCK_Q) & (tok < q_len)
+    q_pos = ctx - q_len + tok  # query token i sees every position up to its own
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh
+    q = tl.load(q_ptr + q_off + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    kv_begin = 0
+    kv_end = ctx - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)  # last query position + 1
+    if SPLIT:
+        kv_begin = tl.program_id(2) * PARTITION
+        kv_end = tl.minimum(kv_end, kv_begin + PARTITION)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head64 = kv_head.to(tl.int64)
+    for start in range(kv_begin, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)
+        k_off = block * stride_kb + kv_head64 * stride_kh + in_block * stride_kt
+        v_off = block * stride_vb + kv_head64 * stride_vh + in_block * stride_vt
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - base[:, None])
+        alpha = tl.exp2(m - base)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m = m_new
+
+    if SPLIT:
+        # partial results of this partition; the reduce kernel weighs them by their maxima
+        part = (seq.to(tl.int64) * NUM_HEADS + head) * num_parts + tl.program_id(2)
+        tl.store(part_m_ptr + part, m, mask=row_ok)
+        tl.store(part_l_ptr + part, l, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh
+        tl.store(out_ptr + o_off + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr,
+                              seq_lens_ptr, num_parts, stride_ot, stride_oh,
+                              NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              HEAD_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+                              PARTITION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    used = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)  # later partitions wrote nothing
+    parts = tl.arange(0, PARTS_PAD)
+    ok = parts < used
+    base = (seq * NUM_HEADS + head) * num_parts + parts
+    m = tl.load(part_m_ptr + base, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + base, mask=ok, other=0.0)
+    d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_PAD + d[None, :], mask=ok[:, None], other=0.0)
+    w = tl.where(ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                     device: torch.device, partition_size: int = PARTITION_SIZE) -> int:
+    """How many context partitions a decode-only step is split into, or 0 for no split: worth
+    it when one program per (request, KV head) leaves most of the GPU's SMs idle."""
+    if max_query_len != 1 or max_seq_len <= partition_size:
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
+    if num_seqs * num_kv_heads >= sms:
+        return 0
+    return triton.cdiv(max_seq_len, partition_size)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
+                    num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
+                    block_n: int = 64) -> torch.Tensor:
+    """Same contract as reference.paged_attention: q [T, H, D] (head rows contiguous),
+    caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
+    query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
+    already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
+    num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
+    forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size))."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and query_start_loc.shape[0] == num_seqs + 1
+    assert block_tables.shape[0] == num_seqs
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if num_partitions is None:
+        num_partitions = split_partitions(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+                                          q.device, partition_size)
+    split = num_partitions > 0
+    if split:
+        assert max_query_len == 1 and num_partitions * partition_size >= max_seq_len
+        assert partition_size % block_n == 0
+    head_pad = triton.next_power_of_2(head_dim)
+    # decodes fill the rows with heads of one token; prefill tiles take several tokens
+    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else max(64, triton.next_power_of_2(group))
+    block_q = 1 if max_query_len == 1 else block_m // group
+    num_tiles = num_tokens // block_q + num_seqs
+    parts = [torch.empty(0, device=q.device)] * 3
+    if split:
+        shape = (num_seqs, num_heads, num_partitions)
+        parts = [torch.empty(shape, dtype=torch.float32, device=q.device),
+                 torch.empty(shape, dtype=torch.float32, device=q.device),
+                 torch.empty(shape + (head_pad,), dtype=torch.float32, device=q.device)]
+    grid = (num_tiles, num_kv_heads, num_partitions) if split else (num_tiles, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *parts,
+        scale * LOG2E, num_seqs, max(num_partitions, 1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        G=group, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
+        UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret)
+    if split:
+        _reduce_partitions_kernel[(num_seqs, num_heads)](
+            out, *parts, query_start_loc, seq_lens, num_partitions, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            PARTS_PAD=triton.next_power_of_2(num_partitions), PARTITION=partition_size)
+    return out
