@@ -23,7 +23,7 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
-    ops: types.ModuleType  # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
+    ops: types.ModuleType | types.SimpleNamespace  # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         self.block_size = block_size
@@ -59,7 +59,36 @@ class TorchBackend(AttentionBackend):
                                          self.workspace)
 
 
+class TritonBackend(AttentionBackend):
+    """Every kernel in Triton; the CUDA path (and, under TRITON_INTERPRET=1, a slow CPU one
+    for tests). Imported only when chosen: the kernels are jitted at import."""
+    name = "triton"
+
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
+        super().__init__(block_size, num_heads, num_kv_heads)
+        from triton_kernels.apply_token_bitmask import apply_token_bitmask
+        from triton_kernels.paged_attention import paged_attention
+        from triton_kernels.reshape_and_cache import reshape_and_cache
+        from triton_kernels.rms_norm import rms_norm
+        from triton_kernels.rotary_embedding import rotary_embedding
+        from triton_kernels.silu_and_mul import silu_and_mul
+
+        self.ops = types.SimpleNamespace(
+            rms_norm=rms_norm, rope_cos_sin=reference.rope_cos_sin, rotary_embedding=rotary_embedding,
+            silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask)
+        self._reshape_and_cache = reshape_and_cache
+        self._paged_attention = paged_attention
+
+    def attention(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache
+        self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len)
+
+
 def make_backend(name: str, block_size: int, num_heads: int, num_kv_heads: int) -> AttentionBackend:
     if name == "torch":
         return TorchBackend(block_size, num_heads, num_kv_heads)
+    if name == "triton":
+        return TritonBackend(block_size, num_heads, num_kv_heads)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -12,6 +12,12 @@ import torch
 from runtime.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype)
 from runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
 
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (read as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
 GiB = 1 << 30
 
 
@@ -84,8 +90,8 @@ class EngineArgs:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         g = parser.add_argument_group("device")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
-                       help="auto: torch reference kernels")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                       help="auto: Triton kernels on CUDA, the torch reference kernels elsewhere")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
         return parser
 
@@ -102,7 +108,10 @@ class EngineArgs:
             device = torch.device(self.device)
         backend = self.attention_backend
         if backend == "auto":
-            backend = "torch"
+            backend = "triton" if device.type == "cuda" else "torch"
+        elif backend == "triton" and device.type != "cuda" and not triton_interpreting():
+            raise ValueError("--attention-backend triton needs a CUDA device "
+                             "(or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
         return DeviceConfig(device=device, attention_backend=backend,
                             num_threads=self.num_threads or os.cpu_count() or 1)
 

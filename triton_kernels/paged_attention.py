@@ -151,13 +151,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                     num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
-                    block_n: int = 64) -> torch.Tensor:
+                    block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same contract as reference.paged_attention: q [T, H, D] (head rows contiguous),
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
     num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
-    forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size))."""
+    forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size)).
+    block_n (context tokens per inner step), num_warps and num_stages tune the GPU launch."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -199,7 +200,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         G=group, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
-        UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret)
+        UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret,
+        num_warps=num_warps, num_stages=num_stages)
     if split:
         _reduce_partitions_kernel[(num_seqs, num_heads)](
             out, *parts, query_start_loc, seq_lens, num_partitions, out.stride(0), out.stride(1),

@@ -1,0 +1,41 @@
+"""The tiny random-weight model end to end on the Triton backend (under the interpreter on
+CPU): greedy tokens equal the torch backend's, through chunked prefill mixed with decodes and
+prefix-cache hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.engine_args import EngineArgs
+from tests.conftest import assert_pool_clean
+
+
+def generate(model_dir, device: str, backend: str, block_size: int) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend,
+              block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, seed=0)
+    shared = list(range(3, 60))
+    prompts = [[5, 6, 7], list(range(10, 100)), shared + [70, 71], shared + [80], [9] * 33]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir, device, block_size):
+    want, _ = generate(tiny_model_dir, device, "torch", block_size)
+    got, llm = generate(tiny_model_dir, device, "triton", block_size)
+    backend = llm.engine.runner.backend
+    assert backend.name == "triton" and backend.ops.rms_norm.__module__ == "triton_kernels.rms_norm"
+    assert got == want
+    assert all(len(t) == 12 for t in got)
+    assert llm.engine.kv.prefix_hits > 0  # the shared prompts reused cached blocks
+    assert_pool_clean(llm.engine)
+
+
+def test_triton_backend_without_cuda_or_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = EngineArgs(model="unused", device="cpu", attention_backend="triton")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        args.resolve_device()
+    assert EngineArgs(model="unused", device="cpu").resolve_device().attention_backend == "torch"
