@@ -8,7 +8,7 @@ PORT ?= 8000
 USERS ?= 16
 TIME ?= 60s
 
-.PHONY: install serve test loadtest generate bench clean
+.PHONY: install serve test loadtest generate bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,3 +44,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache tests/node/node_modules
+
+# wheels the GPU machine lacks (Python 3.12 there), carried as .whl: see loadtest/gpu_check.py
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl "outlines-core==0.2.14"

@@ -35,7 +35,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="run HF on the first N prompts only (default: all) and compare tokens/s")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB for the KV pool on CPU")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="GiB for the KV pool (default: 4 on CPU; on CUDA, what --gpu-memory-utilization leaves)")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     return parser
 

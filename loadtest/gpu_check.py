@@ -14,6 +14,11 @@
     python -m loadtest.gpu_check [--out DIR]   # on the GPU machine
     python -m loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
 
+The GPU machine has torch, triton, transformers and pytest but not outlines-core, which the
+engine imports: `make gpu-wheels` fetches it into .whl here; carry .whl and run there
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m loadtest.gpu_check --out $OUT
+
 Each section reports its own failure and the next one still runs; the exit code is non-zero
 if any failed. The figures go to stdout and to gpu_check.json in --out."""
 
@@ -272,7 +277,8 @@ def section_engine(args, report, device):
         shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                      num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                      rope_theta=1e6)
-        flags = ["--num-prompts", "256", "--hf-num-prompts", "64", "--hf-batch-size", "8"]
+        flags = ["--num-prompts", "256", "--hf-num-prompts", "64", "--hf-batch-size", "8",
+                 "--kv-cache-memory", "16"]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp), arch="qwen2", tie_word_embeddings=True, initializer_range=0.02,
                                 **shape)

@@ -15,7 +15,7 @@ from grammar.matcher import Matcher
 from runtime.config import EngineConfig
 from runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from runtime.engine_args import GiB, EngineArgs
+from runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.models.loader import load_tokenizer, read_config, resolve_model
 from runtime.model_runner import ModelRunner, child_id, kv_block_bytes
@@ -88,19 +88,22 @@ class LLMEngine:
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
         runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
+        block_bytes = kv_block_bytes(model_cfg, args.block_size)
         if device.device.type == "cuda":
             num_blocks = runner.profile_num_blocks(args.gpu_memory_utilization,
                                                    sched_cfg.max_num_batched_tokens)
+            if args.kv_cache_memory is not None:
+                num_blocks = min(num_blocks, int(args.kv_cache_memory * GiB // block_bytes))
         else:
-            num_blocks = int(args.kv_cache_memory * GiB // kv_block_bytes(model_cfg, args.block_size))
-        num_swap = int(args.swap_space * GiB // kv_block_bytes(model_cfg, args.block_size))
+            num_blocks = int((args.kv_cache_memory or CPU_KV_CACHE_GIB) * GiB // block_bytes)
+        num_swap = int(args.swap_space * GiB // block_bytes)
         cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
         runner.allocate_kv_cache(cache_cfg)
         config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                               seed=args.seed, debug_checks=args.debug_checks)
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB)", model_cfg.architecture,
                     model_cfg.dtype, num_blocks, args.block_size,
-                    num_blocks * kv_block_bytes(model_cfg, args.block_size) / GiB)
+                    num_blocks * block_bytes / GiB)
         engine = cls(config, tokenizer, runner)
         engine.warm_up()
         return engine

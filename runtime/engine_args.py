@@ -19,6 +19,7 @@ def triton_interpreting() -> bool:
 
 
 GiB = 1 << 30
+CPU_KV_CACHE_GIB = 4.0
 
 
 @dataclass
@@ -27,7 +28,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: float = 4.0  # GiB for the KV pool on CPU
+    kv_cache_memory: float | None = None  # GiB for the KV pool (CPU default 4; CUDA: a cap)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -73,8 +74,9 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0)
         g = parser.add_argument_group("KV cache")
         g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-        g.add_argument("--kv-cache-memory", type=float, default=4.0,
-                       help="GiB for the KV cache on CPU")
+        g.add_argument("--kv-cache-memory", type=float, default=None,
+                       help=f"GiB for the KV cache (CPU, default {CPU_KV_CACHE_GIB:g}); on CUDA a cap on what "
+                            "--gpu-memory-utilization leaves")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

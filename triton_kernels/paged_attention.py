@@ -9,6 +9,8 @@ block table, so a KV tile may span several cache blocks whatever the block size.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -34,10 +36,11 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in float32; UPCAST for Triton's interpreter, whose bf16 dot is wrong."""
+    """a @ b accumulated in float32; UPCAST for Triton's interpreter, whose bf16 dot is wrong.
+    IEEE precision keeps float32 models off TF32, as torch's matmuls are by default."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -135,14 +138,18 @@ def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, que
              mask=d < HEAD_DIM)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
+
+
 def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                      device: torch.device, partition_size: int = PARTITION_SIZE) -> int:
     """How many context partitions a decode-only step is split into, or 0 for no split: worth
     it when one program per (request, KV head) leaves most of the GPU's SMs idle."""
     if max_query_len != 1 or max_seq_len <= partition_size:
         return 0
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
-    if num_seqs * num_kv_heads >= sms:
+    if num_seqs * num_kv_heads >= _sm_count(device):
         return 0
     return triton.cdiv(max_seq_len, partition_size)
 

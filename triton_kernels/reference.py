@@ -48,17 +48,17 @@ def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: 
     q_start = query_start_loc[:-1][sel].long()
     q_lens = query_start_loc[1:][sel].long() - q_start
     ctx = seq_lens[sel].long()
-    b = sel.numel()
+    b, dev = sel.numel(), block_tables.device
     max_q, max_l = int(q_lens.max()), int(ctx.max())
     num_blocks = -(-max_l // block_size)
     bt = block_tables[sel, :num_blocks].long()
-    heads = torch.arange(num_kv_heads)[:, None, None]
+    heads = torch.arange(num_kv_heads, device=dev)[:, None, None]
     tiles = (bt[None] * num_kv_heads + heads).reshape(-1)  # [Hkv, b, nb] order
-    qi = torch.minimum(torch.arange(max_q)[None, :], (q_lens - 1)[:, None])  # [b, Q]
+    qi = torch.minimum(torch.arange(max_q, device=dev)[None, :], (q_lens - 1)[:, None])  # [b, Q]
     q_rows = (q_start[:, None] + qi).reshape(-1)
     # query i of a request sits at position ctx - q_len + i and sees every position up to it
     q_pos = (ctx - q_lens)[:, None] + qi
-    pos = torch.arange(num_blocks * block_size)
+    pos = torch.arange(num_blocks * block_size, device=dev)
     allowed = pos[None, None, :] <= q_pos[:, :, None]  # [b, Q, L]
     if group_size > 1:
         allowed = allowed[:, :, None, :].expand(b, max_q, group_size, pos.numel())
@@ -66,7 +66,7 @@ def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: 
     if max_q == 1:
         out_rows, out_select = q_rows, None
     else:
-        valid = (torch.arange(max_q)[None, :] < q_lens[:, None]).reshape(-1)
+        valid = (torch.arange(max_q, device=dev)[None, :] < q_lens[:, None]).reshape(-1)
         out_rows, out_select = q_rows[valid], valid.nonzero().squeeze(1)
     return AttentionGroup(q_rows, tiles, allowed, ~allowed, out_rows, out_select, b, max_q, num_blocks)
 
