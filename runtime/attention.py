@@ -61,7 +61,7 @@ class TorchBackend(AttentionBackend):
 
 class TritonBackend(AttentionBackend):
     """Every kernel in Triton; the CUDA path (and, under TRITON_INTERPRET=1, a slow CPU one
-    for tests). Imported only when chosen: the kernels are jitted at import."""
+    for tests). Imported only when chosen: @triton.jit reads TRITON_INTERPRET when it runs."""
     name = "triton"
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):

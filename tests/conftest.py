@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the default model's GGUF is converted once into the repo's own cache, not the user's
 os.environ.setdefault("PAGESERVE_CACHE", str(ROOT / ".cache" / "pageserve"))
 
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from loadtest.tiny_model import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import torch
 from runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 from tests.hf_reference import hf_greedy
-from tests.tiny_model import build_tiny_model
+from loadtest.tiny_model import build_tiny_model
 
 PROMPT_LENS = [5, 9, 17, 31, 48, 64, 65, 90, 127, 160, 200, 256, 333, 400, 512, 600]
 TEXT = ("PagedAttention stores the key-value cache in fixed-size blocks, like pages of virtual "

@@ -43,7 +43,8 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
+# the batch size changes every step: specializing on it would compile new variants mid-serving
+@triton.jit(do_not_specialize=["num_seqs", "num_parts"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts,
@@ -52,15 +53,21 @@ def _paged_attention_kernel(
         G: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-        SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+        DECODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    if DECODE:  # every request has one query token: one tile each
+        seq = pid
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_tile = pid - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= q_len:
-        return
+    if DECODE:
+        q_tile = 0
+    else:
+        q_tile = pid - (q_start // BLOCK_Q + seq)
+        if q_tile * BLOCK_Q >= q_len:
+            return
     ctx = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     tok = q_tile * BLOCK_Q + rows // G
@@ -115,24 +122,36 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr,
                               seq_lens_ptr, num_parts, stride_ot, stride_oh,
                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              HEAD_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+                              HEAD_PAD: tl.constexpr, PARTS_CHUNK: tl.constexpr,
                               PARTITION: tl.constexpr):
+    """Partitions combined a chunk at a time (the same online rescaling as the main loop), so
+    that a long context's many partitions never sit in registers at once."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    used = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION)  # later partitions wrote nothing
-    parts = tl.arange(0, PARTS_PAD)
-    ok = parts < used
-    base = (seq * NUM_HEADS + head) * num_parts + parts
-    m = tl.load(part_m_ptr + base, mask=ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + base, mask=ok, other=0.0)
+    # partitions past the request's context wrote nothing
+    used = tl.minimum(tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION), num_parts)
+    first = (seq * NUM_HEADS + head) * num_parts
     d = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_PAD + d[None, :], mask=ok[:, None], other=0.0)
-    w = tl.where(ok, tl.exp2(m - tl.max(m, 0)), 0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    m_run = float("-inf")
+    l_run = 0.0
+    acc_run = tl.zeros([HEAD_PAD], tl.float32)
+    for start in range(0, used, PARTS_CHUNK):
+        parts = start + tl.arange(0, PARTS_CHUNK)
+        ok = parts < used
+        m = tl.load(part_m_ptr + first + parts, mask=ok, other=float("-inf"))
+        l = tl.load(part_l_ptr + first + parts, mask=ok, other=0.0)
+        acc = tl.load(part_acc_ptr + (first + parts)[:, None] * HEAD_PAD + d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: every used partition saw a token
+        w = tl.where(ok, tl.exp2(m - m_new), 0.0)
+        rescale = tl.exp2(m_run - m_new)
+        l_run = l_run * rescale + tl.sum(l * w, 0)
+        acc_run = acc_run * rescale + tl.sum(acc * w[:, None], 0)
+        m_run = m_new
+    out = acc_run / l_run
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -143,7 +162,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
 
 
-def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+def _split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                      device: torch.device, partition_size: int = PARTITION_SIZE) -> int:
     """How many context partitions a decode-only step is split into, or 0 for no split: worth
     it when one program per (request, KV head) leaves most of the GPU's SMs idle."""
@@ -163,7 +182,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
-    num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
+    num_partitions: None lets _split_partitions decide; 0 forces the one-pass path; more
     forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size)).
     block_n (context tokens per inner step), num_warps and num_stages tune the GPU launch."""
     num_tokens, num_heads, head_dim = q.shape
@@ -175,13 +194,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
     assert block_tables.stride(1) == 1 and query_start_loc.shape[0] == num_seqs + 1
-    assert block_tables.shape[0] == num_seqs
+    assert query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1
+    assert block_tables.shape[0] == num_seqs and block_tables.shape[1] * block_size >= max_seq_len
+    assert len({t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}) == 1
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two, at least 16"
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
     if num_partitions is None:
-        num_partitions = split_partitions(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+        num_partitions = _split_partitions(num_seqs, num_kv_heads, max_query_len, max_seq_len,
                                           q.device, partition_size)
     split = num_partitions > 0
     if split:
@@ -191,7 +213,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # decodes fill the rows with heads of one token; prefill tiles take several tokens
     block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else max(64, triton.next_power_of_2(group))
     block_q = 1 if max_query_len == 1 else block_m // group
-    num_tiles = num_tokens // block_q + num_seqs
+    num_tiles = num_seqs if max_query_len == 1 else num_tokens // block_q + num_seqs
     parts = [torch.empty(0, device=q.device)] * 3
     if split:
         shape = (num_seqs, num_heads, num_partitions)
@@ -206,12 +228,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         G=group, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size, SPLIT=split,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size,
+        DECODE=max_query_len == 1, SPLIT=split,
         UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _reduce_partitions_kernel[(num_seqs, num_heads)](
             out, *parts, query_start_loc, seq_lens, num_partitions, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            PARTS_PAD=triton.next_power_of_2(num_partitions), PARTITION=partition_size)
+            PARTS_CHUNK=16, PARTITION=partition_size)
     return out

@@ -36,7 +36,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     assert k_cache.shape[1] == heads and k_cache.shape[3] == head_dim
     assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
     assert key.stride(2) == 1 and value.stride(2) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == tokens
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.shape == (tokens,)
+    assert slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.stride(0) == 1
     if tokens == 0:
         return
     _reshape_and_cache_kernel[(tokens, heads)](

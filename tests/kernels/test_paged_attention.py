@@ -1,6 +1,8 @@
 """paged_attention, reshape_and_cache and rotary_embedding against their torch references on
 ragged batches: query lengths 1 to 37, contexts 1 to 300, GQA ratios 1, 3 and 8, shuffled
-block tables with unused rows, block sizes 16 and 32, head dims 64, 96 and 128."""
+block tables with unused rows, block sizes 8, 16 and 32, head dims 64, 96 and 128. Queries are
+views into a fused QKV output and block tables a column slice of a wider table, as the engine
+passes them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from triton_kernels import reference
-from triton_kernels.paged_attention import paged_attention, split_partitions
+from triton_kernels.paged_attention import _split_partitions, paged_attention
 from triton_kernels.reshape_and_cache import reshape_and_cache
 from triton_kernels.rotary_embedding import rotary_embedding
 
@@ -19,12 +21,13 @@ HEADS = [(4, 4, 64), (6, 2, 96), (8, 1, 128), (16, 2, 64)]
 
 def make_batch(q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, seed):
     """A paged cache filled with noise, whose requests own shuffled blocks scattered among
-    blocks nobody owns; block tables padded with zeros to the longest request."""
+    blocks nobody owns; block tables padded with zeros to the longest request, and sliced out
+    of a wider table (so that their row stride is not their width)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
     num_blocks = 2 * sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.zeros(len(q_lens), max(blocks_per_seq), dtype=torch.int32)
+    block_tables = torch.zeros(len(q_lens), max(blocks_per_seq) + 3, dtype=torch.int32)
     used = 0
     for b, n in enumerate(blocks_per_seq):
         block_tables[b, :n] = order[used:used + n]
@@ -34,7 +37,8 @@ def make_batch(q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, devi
     v_cache = torch.randn(shape, generator=g).to(device, dtype)
     query_start_loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
-    return k_cache, v_cache, block_tables.to(device), query_start_loc.to(device), seq_lens.to(device)
+    block_tables = block_tables.to(device)[:, :max(blocks_per_seq)]
+    return k_cache, v_cache, block_tables, query_start_loc.to(device), seq_lens.to(device)
 
 
 def random_lengths(num_seqs, max_q, max_ctx, seed):
@@ -49,8 +53,9 @@ def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, **
     num_heads, num_kv_heads, head_dim = heads
     k_cache, v_cache, bt, qsl, sl = make_batch(q_lens, ctx_lens, num_kv_heads, head_dim,
                                                block_size, dtype, device, seed)
-    q = torch.randn(sum(q_lens), num_heads, head_dim,
-                    generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    qkv = torch.randn(sum(q_lens), (num_heads + 2 * num_kv_heads) * head_dim,
+                      generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)  # token stride > H * D
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, bt, qsl, sl, scale, max(q_lens), max(ctx_lens), **kwargs)
     want = reference.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), bt.cpu(), qsl.cpu(),
@@ -60,7 +65,7 @@ def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, **
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads", HEADS)
 def test_mixed_step(device, dtype, block_size, heads):
     """Prefill chunks over cached context beside single-token decodes, in one launch."""
@@ -73,26 +78,33 @@ def test_mixed_step(device, dtype, block_size, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("num_partitions", [0, 5])
-def test_decode_one_pass_and_split(device, dtype, heads, num_partitions):
-    """Decode-only steps through the one-pass kernel and the split-KV path (partitions of 64
-    tokens, so contexts shorter than the last partitions leave them empty)."""
+@pytest.mark.parametrize("num_partitions, partition_size", [(0, 64), (5, 64), (19, 16)])
+def test_decode_one_pass_and_split(device, dtype, heads, num_partitions, partition_size):
+    """Decode-only steps through the one-pass kernel and the split-KV path. Contexts shorter
+    than the last partitions leave them empty; 19 partitions take the reduce two chunks."""
     ctx = [1, 300, 64, 65, 129, 17, 250]
     check_attention([1] * len(ctx), ctx, heads, 16, dtype, device, heads[0] + num_partitions,
-                    num_partitions=num_partitions, partition_size=64, block_n=32)
+                    num_partitions=num_partitions, partition_size=partition_size, block_n=16)
 
 
 def test_block_tile_wider_than_cache_block(device):
-    """A KV tile of 64 tokens gathers from four 16-token blocks at once."""
-    check_attention([5, 1, 20], [100, 64, 20], (8, 2, 64), 16, torch.float32, device, 3, block_n=64)
+    """A KV tile of 128 tokens gathers from four 32-token blocks at once."""
+    check_attention([5, 1, 20], [300, 128, 20], (8, 2, 64), 32, torch.float32, device, 3, block_n=128)
 
 
 def test_split_heuristic():
     cpu = torch.device("cpu")
-    assert split_partitions(2, 8, 1, 4096, cpu) == 8  # few long decodes: split
-    assert split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
-    assert split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
-    assert split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
+    assert _split_partitions(2, 8, 1, 4096, cpu) == 8  # few long decodes: split
+    assert _split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
+    assert _split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
+    assert _split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launcher_chooses_the_split_path(device, dtype):
+    """The launcher's own choice, default partitions (512) and tile: two long decodes."""
+    assert _split_partitions(2, 2, 1, 1100, torch.device(device)) == 3
+    check_attention([1, 1], [1100, 70], (6, 2, 64), 16, dtype, device, 11)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
