@@ -23,7 +23,8 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
-    ops: types.ModuleType | types.SimpleNamespace  # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
+    # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
+    ops: types.ModuleType | types.SimpleNamespace
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         self.block_size = block_size

@@ -144,7 +144,8 @@ def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, que
         ok = parts < used
         m = tl.load(part_m_ptr + first + parts, mask=ok, other=float("-inf"))
         l = tl.load(part_l_ptr + first + parts, mask=ok, other=0.0)
-        acc = tl.load(part_acc_ptr + (first + parts)[:, None] * HEAD_PAD + d[None, :], mask=ok[:, None], other=0.0)
+        acc = tl.load(part_acc_ptr + (first + parts)[:, None] * HEAD_PAD + d[None, :],
+                      mask=ok[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: every used partition saw a token
         w = tl.where(ok, tl.exp2(m - m_new), 0.0)
         rescale = tl.exp2(m_run - m_new)
@@ -211,7 +212,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         assert partition_size % block_n == 0
     head_pad = triton.next_power_of_2(head_dim)
     # decodes fill the rows with heads of one token; prefill tiles take several tokens
-    block_m = max(16, triton.next_power_of_2(group)) if max_query_len == 1 else max(64, triton.next_power_of_2(group))
+    block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
     block_q = 1 if max_query_len == 1 else block_m // group
     num_tiles = num_seqs if max_query_len == 1 else num_tokens // block_q + num_seqs
     parts = [torch.empty(0, device=q.device)] * 3
