@@ -62,6 +62,40 @@ def test_paged_attention_matches_loop(group, block_size, dtype):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def test_decode_groups_trade_padding_for_calls():
+    assert reference.decode_group_sizes([100] * 64, 16) == [64]  # equal lengths: one group
+    assert reference.decode_group_sizes([7], 16) == [1]
+    wide = reference.decode_group_sizes(list(range(16, 4096, 32)), 16)
+    assert len(wide) > 1 and sum(wide) == 128 and max(wide) - min(wide) <= 1
+    widest = reference.decode_group_sizes(list(range(1, 64000, 64)), 16)
+    assert len(widest) == reference.MAX_DECODE_GROUPS and sum(widest) == 1000
+
+
+def test_paged_attention_over_several_decode_groups():
+    rng = random.Random(7)
+    torch.manual_seed(0)
+    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 4, 16, 3000, 2, 3, 64, torch.float32)
+    # 32 decodes with contexts spread over 1..2000 tokens, after the batch's own requests
+    extra = [rng.randrange(1, 2000) for _ in range(32)]
+    ids = sorted(set(range(3000)) - {b for t in tables for b in t})
+    rng.shuffle(ids)
+    for c in extra:
+        n = -(-c // 16)
+        tables.append(ids[:n])
+        ids = ids[n:]
+    q_lens, ctx = q_lens + [1] * 32, ctx + extra
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 6, 64)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    plan = reference.plan_paged_attention(bt, qsl, seq_lens, 16, 6, 2)
+    assert sum(g.q_len == 1 for g in plan) > 1
+    got = reference.paged_attention(q, kc, vc, bt, qsl, seq_lens, 64 ** -0.5, plan)
+    torch.testing.assert_close(got, naive_attention(q, kc, vc, tables, q_lens, ctx, 64 ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_reshape_and_cache_writes_slots():
     kc = torch.zeros(4, 2, 8, 4)  # [blocks, kv heads, block size, head dim]
     vc = torch.zeros(4, 2, 8, 4)
