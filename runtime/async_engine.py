@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from runtime.engine import LLMEngine, StepFailed
+from runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
 from sampling.params import SamplingParams
@@ -27,10 +27,6 @@ _MAX_FAILED_STEPS = 3  # failed steps in a row before the engine counts as dead
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine step running this request failed; other requests go on."""
 
 
 class RequestTimeoutError(RuntimeError):
@@ -327,6 +323,7 @@ class AsyncEngine:
                      len(failure.request_ids))
         for rid in failure.request_ids:
             stream = self._streams.pop(rid, None)
+            self._deadlines.pop(rid, None)  # ended: no later timeout for it
             if stream is not None:
                 stream.put(RequestFailedError(f"the engine failed while running this request: "
                                               f"{failure.cause!r}"))

@@ -58,6 +58,11 @@ class StepFailed(Exception):
         self.cause = cause
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (its step, or handling its output); the
+    other requests go on."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, runner: ModelRunner):
         self.config = config
@@ -204,8 +209,7 @@ class LLMEngine:
                 try:
                     index = req.grammar.result()
                 except Exception as e:  # noqa: BLE001 - reported to the request's owner
-                    self._failures.append((req.output_id, e if isinstance(e, ValueError) else ValueError(str(e))))
-                    self.abort_request(req.output_id)
+                    self._fail_request(req.output_id, e if isinstance(e, ValueError) else ValueError(str(e)))
                     continue
                 stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *req.sampling_params.stop_token_ids)))
                 req.matcher, req.grammar = Matcher(index, stop_ids), None
@@ -213,7 +217,8 @@ class LLMEngine:
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """(output id, error) of the requests ended by an error since the last call (a grammar
-        that could not be compiled); they produce no output of their own."""
+        that could not be compiled, a fault while handling their output); they produce no
+        output of their own."""
         failures, self._failures = self._failures, []
         return failures
 
@@ -291,32 +296,51 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
-            end = min(sr.start_pos + len(sr.token_ids), req.num_prompt_tokens)
-            if end > req.num_prompt_counted:  # a recompute after preemption is not counted again
-                self.stats.prompt_tokens += end - max(sr.start_pos, req.num_prompt_counted)
-                req.num_prompt_counted = end
-            if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
-                first, entries = result.prompt_logprobs[req.request_id]
-                # after a recompute, positions already recorded come again: keep the first
-                req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
-            if sr.pool:
-                part = next(pools)
-                req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
-                if req.num_computed_tokens == req.num_tokens:
-                    self._finish(req, RequestStatus.FINISHED_STOPPED)
-                    outputs.append(self.outputs.embedding_output(req))
+            tokens = [next(samples) for _ in range(sr.num_samples)] if sr.sample else []
+            part = next(pools) if sr.pool else None
+            if req.status.finished:  # failed earlier in this loop, with its n > 1 siblings
                 continue
-            if not sr.sample:
-                continue
-            tokens = [next(samples) for _ in range(sr.num_samples)]
-            members = [req] + (self._fork(req, tokens[1:]) if sr.num_samples > 1 else [])
-            for member, token in zip(members, tokens):
-                outputs.extend(self._append_token(member, token, result.logprobs))
+            try:
+                outputs.extend(self._update_request(sr, req, result, tokens, part))
+            except Exception as e:  # noqa: BLE001 - one request's fault, not the engine's
+                logger.exception("request %s failed after the model step", req.output_id)
+                self._fail_request(req.output_id, RequestFailedError(
+                    f"the engine failed while handling this request's output: {e!r}"))
         self.stats.generation_tokens += len(result.sampled)
         self._record_kv_waste()
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _update_request(self, sr, req: Request, result, tokens: list[int], part) -> list[RequestOutput]:
+        """What one scheduled request's step brought: prompt counts and logprobs, a pooled
+        part, or sampled tokens (n of them at an n > 1 request's first sample: it forks)."""
+        end = min(sr.start_pos + len(sr.token_ids), req.num_prompt_tokens)
+        if end > req.num_prompt_counted:  # a recompute after preemption is not counted again
+            self.stats.prompt_tokens += end - max(sr.start_pos, req.num_prompt_counted)
+            req.num_prompt_counted = end
+        if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
+            first, entries = result.prompt_logprobs[req.request_id]
+            # after a recompute, positions already recorded come again: keep the first
+            req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
+        if part is not None:
+            req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
+            if req.num_computed_tokens == req.num_tokens:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return [self.outputs.embedding_output(req)]
+            return []
+        if not tokens:
+            return []
+        members = [req] + (self._fork(req, tokens[1:]) if len(tokens) > 1 else [])
+        outputs = []
+        for member, token in zip(members, tokens):
+            outputs.extend(self._append_token(member, token, result.logprobs))
+        return outputs
+
+    def _fail_request(self, output_id: str, error: Exception) -> None:
+        """End a request (all its sequences) with an error for its owner (see take_failures)."""
+        self._failures.append((output_id, error))
+        self.abort_request(output_id)
 
     def _append_token(self, req: Request, token: int, logprobs: dict) -> list[RequestOutput]:
         req.token_ids.append(token)
@@ -341,14 +365,14 @@ class LLMEngine:
     def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
         """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
         sequences start here, sharing the prompt's blocks by reference."""
-        parent.num_samples = 1
         children = []
-        for i, _ in enumerate(first_tokens, start=1):
+        for i, _ in enumerate(first_tokens, start=1):  # built whole before any is registered
             child = Request(child_id(parent.request_id, i), parent.prompt_token_ids,
                             parent.sampling_params, parent.max_tokens, parent.eos_token_ids,
                             parent.prompt, parent.cache_salt)
             child.output_id, child.index, child.num_samples = parent.output_id, i, 1
             child.num_computed_tokens = parent.num_computed_tokens
+            child.num_prompt_counted = parent.num_prompt_counted  # a recompute is not counted again
             child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
             child.first_token_time = parent.first_token_time
             if parent.matcher is not None:
@@ -356,8 +380,10 @@ class LLMEngine:
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = parent.prompt_logprobs
             child.detokenizer = self._detokenizer(child)
-            self.requests[child.request_id] = child
             children.append(child)
+        parent.num_samples = 1
+        for child in children:
+            self.requests[child.request_id] = child
         self.outputs.groups[parent.output_id].extend(children)
         copies = self.scheduler.fork(parent, children)
         if copies:

@@ -101,13 +101,17 @@ class KVCacheManager:
             self.req_num_cached[rid] = len(blocks)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, total // self.block_size)
         return True
 
-    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Make the request's full, computed blocks findable by the prefix cache. Called once
+        the step that wrote their KV has finished, never at allocation: a step that fails (or
+        a swap-in that never lands) must leave no block findable whose KV was not written."""
+        if not self.enable_prefix_caching:
+            return
         rid = request.request_id
         start = self.req_num_cached.get(rid, 0)
+        num_full = request.num_computed_tokens // self.block_size
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

@@ -212,10 +212,12 @@ class Scheduler:
                 "swapped out" if req.status == RequestStatus.SWAPPED else "recompute")
 
     def update_after_step(self) -> list[Request]:
-        """The last step's tokens are now in the KV cache. Returns the scheduled requests."""
+        """The last step's tokens are now in the KV cache, so its full blocks may serve prefix
+        hits from now on. Returns the scheduled requests."""
         reqs = []
         for req, num_new in self._last_scheduled:
             req.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(req)
             reqs.append(req)
         self._last_scheduled = []
         return reqs

@@ -60,6 +60,10 @@ def test_prefix_hit_shares_blocks():
     assert kv.get_computed_blocks(a) == ([], 0)
     assert kv.allocate_slots(a, a.num_tokens)
     b = make_request("b", prefix + [7])
+    # allocated is not written: nothing is findable until the step that computes it is done
+    assert kv.get_computed_blocks(b) == ([], 0)
+    a.num_computed_tokens = a.num_tokens
+    kv.cache_computed_blocks(a)
     hits, n = kv.get_computed_blocks(b)
     assert n == 12 and [h.block_id for h in hits] == kv.block_ids("a")[:3]
     assert kv.allocate_slots(b, 1, hits)

@@ -113,6 +113,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.requests: dict[str, Request] = {}
         self.count = 0
         self.ended: set[str] = set()
+        self.written: set[int] = set()  # blocks whose KV a finished step (or swap-in) wrote
 
     def _live(self) -> list[Request]:
         return [r for r in self.requests.values() if not r.status.finished]
@@ -162,6 +163,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         self._step()
 
+    @rule()
+    def failed_step(self):
+        """A step whose forward raises, as the engine handles it: the step is discarded and
+        what it ran or preempted is aborted. Whatever it was to write holds garbage now."""
+        out = self.sched.schedule()
+        self._being_written(out)
+        self.sched.discard_last_step()
+        event("failed step")
+        for rid in [sr.request_id for sr in out.requests] + out.preempted:
+            req = self.requests.get(rid)
+            if req is not None and not req.status.finished:
+                self.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+                self.ended.add(rid)
+
+    def _being_written(self, out):
+        bs = self.kv.block_size
+        self.written -= {slot // bs for slot in out.slot_mapping}
+        self.written -= {dst for _, dst in out.swap_in}
+
     def _step(self):
         out = self.sched.schedule()
         assert out.num_tokens <= self.sched.config.max_num_batched_tokens
@@ -184,7 +204,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event(what)
         assert all(0 <= dst < self.swap.num_blocks for _, dst in out.swap_out)
         assert all(0 <= src < self.swap.num_blocks for src, _ in out.swap_in)
+        self._being_written(out)
         reqs = self.sched.update_after_step()
+        for req in reqs:  # the step went through: every computed block holds its KV
+            blocks = self.kv.block_ids(req.request_id)
+            self.written |= set(blocks[:req.num_computed_tokens // self.kv.block_size])
         for sr, req in zip(out.requests, reqs):
             if not sr.sample:
                 continue
@@ -233,6 +257,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.request_id not in self.kv.req_blocks
         for rid in self.ended:
             assert rid not in self.kv.req_blocks and rid not in self.swap.req_blocks
+        for block in self.kv.pool.hash_to_block.values():  # a prefix hit reads only written KV
+            assert block.block_id in self.written, f"{block} is findable but its KV was never written"
 
     def teardown(self):
         """Once arrivals stop, everything left finishes in bounded steps, all blocks free."""

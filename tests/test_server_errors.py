@@ -244,6 +244,7 @@ def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
             raise RuntimeError("injected fault")
         return real(out)
     runner.execute = faulty
+    srv.state.engine.request_timeout = 600  # a failed request's deadline goes with it
     dead = []
     srv.state.engine.on_dead.append(lambda: dead.append(True))
     try:
@@ -256,6 +257,7 @@ def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
         assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
         srv.wait_idle()
         srv.engine.check_integrity()
+        assert not srv.state.engine._deadlines
         ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200 and httpx.get(f"{srv.url}/health").status_code == 200
         faults["left"] = 1  # a whole answer: the server's own error, as a 500 envelope
