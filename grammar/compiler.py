@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from grammar.regexes import choice_regex, json_object_regex
-from grammar.worker import CompiledGrammar, CompileError, CompileWorker
+from grammar.worker import CompiledGrammar, CompileError, CompilerStopped, CompileWorker
 from sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,9 @@ class GrammarCompiler:
             t0 = time.perf_counter()
             try:
                 index = self._worker.compile(regex)
+            except CompilerStopped as e:  # shutdown: nothing wrong with the grammar
+                logger.info("%s", e)
+                raise UnsupportedSchema(str(e)) from None
             except CompileError as e:
                 logger.warning("a grammar failed to compile: %s", e)
                 with self._lock:

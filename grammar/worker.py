@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -24,6 +25,11 @@ _HEADER = struct.Struct("<Q")
 
 class CompileError(ValueError):
     pass
+
+
+class CompilerStopped(CompileError):
+    """The compile was cut short by close() (the server is shutting down): says nothing about
+    the grammar."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,35 +94,65 @@ def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
 
 
 class CompileWorker:
-    """The parent's end. Used from one thread at a time (the compiler's worker thread)."""
+    """The parent's end. Used from one thread at a time (the compiler's worker thread); close()
+    may come from another one."""
+
+    command = [sys.executable, "-m", "grammar.worker"]
 
     def __init__(self, eos: int, tokens: dict[bytes, list[int]], timeout: float, memory_bytes: int):
         self.eos, self.tokens = eos, tokens
         self.timeout, self.memory_bytes = timeout, memory_bytes
         self._proc: subprocess.Popen | None = None
+        self._stopped = False
 
     def compile(self, regex: str) -> CompiledGrammar:
+        if self._stopped:
+            raise CompilerStopped("the grammar compiler is stopped: the server is shutting down")
+        proc = self._proc
         try:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen([sys.executable, "-m", "grammar.worker"], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE)
-                _send(self._proc.stdin, (self.eos, self.tokens, self.memory_bytes))
-            _send(self._proc.stdin, regex)
-            ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout)
-            if not ready:
-                self.close()
-                raise CompileError(f"the grammar took longer than {self.timeout:g} s to compile; "
-                                   f"simplify the schema or regex")
-            status, payload = _recv(self._proc.stdout)
-        except (EOFError, OSError):
-            self.close()
-            raise CompileError("the grammar compiler ran out of memory on this grammar; simplify the "
-                               "schema or regex") from None
+            if proc is None or proc.poll() is not None:
+                proc = self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                _send(proc.stdin, (self.eos, self.tokens, self.memory_bytes))
+            _send(proc.stdin, regex)
+            ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
+            status, payload = _recv(proc.stdout) if ready else (None, None)
+        except (EOFError, OSError, ValueError):  # ValueError: a pipe that close() shut meanwhile
+            raise self._death(proc) from None
+        if not ready:
+            self._end()
+            raise CompileError(f"the grammar took longer than {self.timeout:g} s to compile; "
+                               f"simplify the schema or regex")
         if status != "ok":
             raise CompileError(payload)
         return CompiledGrammar(*payload)
 
+    def _death(self, proc: subprocess.Popen) -> CompileError:
+        """Why the child went away mid-compile. Only a death its memory limit explains (an
+        allocation failure aborts it; the kernel's OOM killer sends SIGKILL) blames the grammar."""
+        if self._stopped:
+            return CompilerStopped("the grammar compile was cut short: the server is shutting down")
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._end()
+        if code in (-signal.SIGABRT, -signal.SIGKILL):
+            return CompileError("the grammar compiler ran out of memory on this grammar; simplify the "
+                                "schema or regex")
+        if code is None:
+            how = "it did not exit"
+        elif code < 0:
+            how = f"ended by signal {-code}" + (f" ({signal.Signals(-code).name})" if -code in signal.valid_signals() else "")
+        else:
+            how = f"exited with code {code}"
+        return CompileError(f"the grammar compiler process failed ({how}) while compiling this grammar")
+
     def close(self) -> None:
+        """Stop for good (shutdown): a compile in progress ends with CompilerStopped."""
+        self._stopped = True
+        self._end()
+
+    def _end(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.kill()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
+import time
 from concurrent.futures import Future
 
 import jsonschema
@@ -205,6 +207,44 @@ def test_a_grammar_that_compiles_too_long_is_stopped(tiny_model_dir):
         assert c.submit("(yes|no)").result(timeout=30) is not None
         with pytest.raises(UnsupportedSchema, match="longer than 2 s"):
             c.submit("[ab]*a[ab]{40}").result(timeout=0.1)  # known, not compiled again
+    finally:
+        c.shutdown()
+
+
+def test_a_compile_cut_short_by_shutdown_blames_no_grammar(tiny_model_dir, caplog):
+    """shutdown() kills the child mid-compile (a server that failed to bind its port, say):
+    the compile ends saying so, not as "ran out of memory", and the grammar is not remembered
+    as failing."""
+    from transformers import AutoTokenizer
+
+    c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=60)
+    c.submit("(yes|no)").result(timeout=30)  # the child is up
+    slow = c.submit("[ab]*a[ab]{40}")
+    time.sleep(1.0)
+    c.shutdown()
+    with pytest.raises(UnsupportedSchema, match="shutting down"):
+        slow.result(timeout=30)
+    assert "memory" not in caplog.text and not c._failed
+
+
+def test_a_compiler_child_that_dies_says_how(tiny_model_dir, monkeypatch):
+    """A child that exits for a reason other than its limits reports its exit, and the next
+    compile starts a fresh child."""
+    from transformers import AutoTokenizer
+
+    from grammar import worker
+
+    c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=60)
+    try:
+        monkeypatch.setattr(worker.CompileWorker, "command", [sys.executable, "-c", "import sys; sys.exit(3)"])
+        with pytest.raises(UnsupportedSchema, match="exited with code 3") as e:
+            c.submit("(yes|no)").result(timeout=30)
+        assert "memory" not in str(e.value)
+        monkeypatch.setattr(worker.CompileWorker, "command", [sys.executable, "-c", "import os; os.abort()"])
+        with pytest.raises(UnsupportedSchema, match="ran out of memory"):  # what an allocation failure does
+            c.submit("(maybe|never)").result(timeout=30)
+        monkeypatch.undo()
+        assert c.submit("(hello|world)").result(timeout=30) is not None
     finally:
         c.shutdown()
 
