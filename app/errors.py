@@ -7,6 +7,8 @@ import orjson
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from app.json_out import dumps
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
           499: "invalid_request_error",
@@ -28,7 +30,7 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> Response:
-        return Response(orjson.dumps(self.envelope()), status_code=self.status,
+        return Response(dumps(self.envelope()), status_code=self.status,
                         media_type="application/json", headers=self.headers)
 
 

@@ -8,12 +8,12 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 
-import orjson
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
 from app.errors import APIError, bad_request
 from app.http import engine_error
+from app.json_out import dumps
 from app.protocol import SamplingFields
 from app.state import ServerState
 from runtime.async_engine import RequestFailedError, RequestStream
@@ -113,12 +113,12 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSou
     async def frames():
         try:
             async for event in events:
-                yield orjson.dumps(event).decode()
+                yield dumps(event).decode()
         except Exception as e:  # the engine failed, died, timed out or is shutting down: tell the client
             error = engine_error(e) or APIError(500, "internal error", code="internal_error")
             if error.status == 500 and not isinstance(e, RequestFailedError):
                 logger.exception("a stream failed")
-            yield orjson.dumps(error.envelope()).decode()
+            yield dumps(error.envelope()).decode()
         finally:
             stream.abort()
         yield "[DONE]"

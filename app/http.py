@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from app.errors import APIError, bad_request, from_validation_error
+from app.json_out import dumps
 from runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
                                   RequestTimeoutError, ShuttingDownError)
 
@@ -33,7 +34,7 @@ class ClientGone(Exception):
 
 
 def json_response(content, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(content), status_code=status, media_type="application/json",
+    return Response(dumps(content), status_code=status, media_type="application/json",
                     headers=headers)
 
 

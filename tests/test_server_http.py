@@ -101,6 +101,28 @@ def test_completions_stream_with_several_prompts_and_echo(server):
     assert "One, two," + by_ids["choices"][0]["text"] == whole["choices"][0]["text"]
 
 
+BREAKS = "one\u2028two\u2029three\x85four"
+
+
+def test_unicode_line_breaks_are_escaped_in_every_json(server):
+    """U+2028, U+2029 and U+0085 are legal raw in JSON, but a client that splits the stream
+    the way str.splitlines does (httpx's iter_lines) would cut the event in two: echoed, they
+    come back escaped, streamed or whole, and decode to the same text."""
+    body = {"model": server.model, "prompt": BREAKS, "max_tokens": 3, "temperature": 0, "echo": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text.startswith(BREAKS)
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    for raw in ("\u2028", "\u2029", "\x85"):
+        assert raw.encode() not in whole.content
+    assert whole.json()["choices"][0]["text"] == text
+    error = httpx.post(f"{server.url}/v1/completions", json={**body, "model": BREAKS}, timeout=60)
+    assert error.status_code == 404 and b"\xe2\x80\xa8" not in error.content
+    assert BREAKS in error.json()["error"]["message"]
+
+
 def test_stop_string_never_leaks_into_the_stream(server):
     prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
     base = {"model": server.model, "prompt": prompt, "max_tokens": 30, "temperature": 0}
