@@ -11,6 +11,7 @@ OpenAI `tool_calls`, whole or streamed.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from app.errors import bad_request
 from app.protocol import ChatCompletionRequest, ChatMessage
 from grammar.regexes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, lazy_tool_calls_regex, tool_calls_regex
 from sampling.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 TOOL_PARSERS = ("hermes",)
 
@@ -126,22 +129,26 @@ def new_call_id() -> str:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a whole output. A block that is not a valid call stays in the
-    content."""
+    """(content, tool_calls) of a whole output. Markup of the format never reaches the
+    content: a call cut short (max_tokens) is left out, as is a block that is not a valid call
+    (the grammar allows none; one here means the output was not constrained as planned)."""
     calls, kept, last = [], [], 0
     for m in _BLOCK.finditer(text):
+        kept.append(text[last:m.start()])
+        last = m.end()
         try:
             obj = json.loads(m.group(1))
             name, arguments = obj["name"], obj["arguments"]
             if not isinstance(name, str):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
+            logger.warning("left out a %s block that is not a valid call", TOOL_CALL_OPEN)
             continue
-        kept.append(text[last:m.start()])
-        last = m.end()
         calls.append({"id": new_call_id(), "type": "function",
                       "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    kept.append(text[last:])
+    rest = text[last:]
+    cut = rest.find(TOOL_CALL_OPEN)
+    kept.append(rest[:cut] if cut >= 0 else rest[:len(rest) - _tag_start(rest)])
     content = "".join(kept).strip()
     return (content or None), calls
 
@@ -152,6 +159,12 @@ def _held_prefix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def _tag_start(text: str) -> int:
+    """Length of the opening tag's start that ends a cut-short output (a lone "<" is text)."""
+    n = _held_prefix(text, TOOL_CALL_OPEN)
+    return n if n >= 2 else 0
 
 
 class StreamingToolParser:
@@ -194,16 +207,15 @@ class StreamingToolParser:
             self.in_call = False
 
     def finish(self) -> list[dict]:
-        """At the end of the output: whatever was held back."""
+        """At the end of the output: whatever was held back that is not markup. A call cut
+        short (max_tokens) before its name was complete is left out; one already announced
+        gets the rest of the arguments written (the buffer then holds at most the start of
+        a closing tag)."""
         deltas: list[dict] = []
-        if self.in_call:  # cut short (max_tokens) inside a block: it never closed
-            self.call_text += self.buffer
-            if self.header_sent:  # the call was announced: hand out the rest of what was written
-                self._call_progress(deltas, final=True, closed=False)
-            else:
-                self._content(deltas, TOOL_CALL_OPEN + self.call_text)
-        else:
-            self._content(deltas, self.buffer)
+        if self.in_call and self.header_sent:
+            self._call_progress(deltas, final=True, closed=False)
+        elif not self.in_call:
+            self._content(deltas, self.buffer[:len(self.buffer) - _tag_start(self.buffer)])
         self.buffer = ""
         return deltas
 
@@ -214,8 +226,8 @@ class StreamingToolParser:
     def _call_progress(self, deltas: list[dict], final: bool, closed: bool = True) -> None:
         m = _NAME.match(self.call_text)
         if m is None:
-            if final:  # not a call after all: hand it out as text
-                self._content(deltas, f"{TOOL_CALL_OPEN}{self.call_text}{TOOL_CALL_CLOSE}")
+            if final:  # not a valid call: left out, as parse_tool_calls does
+                logger.warning("left out a %s block that is not a valid call", TOOL_CALL_OPEN)
             return
         index = self.num_calls - (1 if self.header_sent else 0)
         if not self.header_sent:

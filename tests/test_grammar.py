@@ -254,9 +254,12 @@ def test_a_call_cut_short_streams_what_was_written():
     deltas = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') + parser.finish()
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "f"
     assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas) == '{"a": [1, 2'
+    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') == (None, [])
+    # cut short before the call's name: no call, and none of its markup in the content
     parser = StreamingToolParser()
     deltas = parser.feed('ok <tool_call>\n{"na') + parser.finish()
-    assert "".join(d["content"] for d in deltas) == 'ok <tool_call>\n{"na'
+    assert "".join(d["content"] for d in deltas) == "ok "
+    assert parse_tool_calls('ok <tool_call>\n{"na') == ("ok", [])
 
 
 def test_streamed_tool_calls_match_the_whole_parse():
@@ -286,13 +289,29 @@ def test_streamed_tool_calls_match_the_whole_parse():
             assert json.loads(got[i]["arguments"]) == json.loads(call["function"]["arguments"])
 
 
-def test_text_that_only_looks_like_a_call_stays_text():
-    for text in ("a < b and <tool_ca", "<tool_call>not json</tool_call> after"):
+def test_tool_call_markup_never_reaches_content():
+    """Whole or streamed: the start of a tag where the output was cut, a block that is not a
+    valid call, a second call cut short after a complete one. A lone "<" is text."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    cases = {"a < b and <tool_ca": "a < b and", "<tool_call>not json</tool_call> after": "after",
+             "x <": "x <", f"{call}\n<tool_call>\n{{\"name\": \"ad": None,
+             f"{call}\n<tool_call>\n{{\"name\": \"add\", \"arguments\": {{\"a\"": None,
+             f"{call}\n<tool_": None}
+    for text, expected in cases.items():
         content, calls = parse_tool_calls(text)
-        assert not calls and content == text.strip()
-        parser = StreamingToolParser()
-        deltas = parser.feed(text) + parser.finish()
-        assert "".join(d["content"] for d in deltas) == text
+        assert content == expected, text
+        assert len(calls) == text.count(call)
+        rng = random.Random(len(text))
+        cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
+        parser, deltas = StreamingToolParser(), []
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            deltas += parser.feed(text[a:b])
+        deltas += parser.finish()
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert streamed.strip() == (expected or ""), text
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                assert "<" not in c["function"].get("arguments", ""), text
 
 
 def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):

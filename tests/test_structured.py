@@ -160,6 +160,22 @@ def test_named_tool_and_parallel_calls(server):
         jsonschema.validate(json.loads(c.function.arguments), _schema_of("get_weather"))
 
 
+def test_a_call_cut_short_leaks_no_markup(server):
+    """tool_choice required with max_tokens ending inside the call: finish_reason length, no
+    call, and no piece of <tool_call> in the content, whole or streamed."""
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    args = dict(model=server.model, tools=[WEATHER], tool_choice="required", temperature=0,
+                messages=[{"role": "user", "content": "What is the weather in Oslo?"}])
+    for max_tokens in (3, 6, 12):
+        r = client.chat.completions.create(max_tokens=max_tokens, **args)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        assert choice.message.content is None, choice.message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            max_tokens=max_tokens, stream=True, **args) if c.choices)
+        assert "<" not in streamed and "tool_call" not in streamed, streamed
+
+
 def test_tool_history_round_trip(server):
     """An assistant turn with tool_calls and the tool's answer go back into the prompt (as
     Hermes tags for a template that does not render tools) and the model answers in text."""
