@@ -46,6 +46,8 @@ class _EngineCollector(Collector):
                            kv.prefix_queries)
         yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
         yield self._family(c, "num_preemptions", "Preemptions (swap or recompute).", sched.num_preemptions)
+        yield self._family(c, "num_preemptions_recompute", "Preemptions that freed the blocks, to be "
+                           "recomputed (the others were swapped out).", sched.num_recomputed)
         yield self._family(c, "prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
         yield self._family(c, "generation_tokens", "Tokens generated.", stats.generation_tokens)
         success = CounterMetricFamily(_P + "request_success", "Finished sequences by finish reason.",

@@ -36,8 +36,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=300, help="seconds of load")
     parser.add_argument("--warmup", type=float, default=60, help="seconds before the RSS baseline")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=float, default=0.5,
+    parser.add_argument("--kv-cache-memory", type=float, default=0.1,
                         help="GiB; small, so that the load also preempts")
+    parser.add_argument("--swap-space", type=float, default=0.05,
+                        help="GiB; smaller than the pool, so that preemptions both swap and recompute")
     parser.add_argument("--no-json-schema", action="store_true", help="leave out structured-output requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None, metavar="PATH")
@@ -147,14 +149,14 @@ def _metrics(url: str) -> dict[str, float]:
             name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
             if name in ("pageserve:kv_cache_usage_perc", "pageserve:num_requests_running",
                         "pageserve:num_requests_waiting", "pageserve:num_requests_swapped",
-                        "pageserve:num_preemptions_total"):
+                        "pageserve:num_preemptions_total", "pageserve:num_preemptions_recompute_total"):
                 out[name] = float(value)
     return out
 
 
 def main(args) -> dict:
-    flags = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", "16",
-             "--max-model-len", "2048", "--disable-log-requests"]
+    flags = ["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory), "--swap-space",
+             str(args.swap_space), "--max-num-seqs", "16", "--max-model-len", "2048", "--disable-log-requests"]
     proc, url = start_server(flags + (["--model", args.model] if args.model else []))
     samples: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -186,8 +188,7 @@ def main(args) -> dict:
         stop.set()
         proc.terminate()
         code = proc.wait(timeout=120)
-    base = [rss for t, rss in samples if t >= args.warmup][:3]
-    rss_base = max(base) if base else samples[0][1]
+    rss_base = next((rss for t, rss in samples if t >= args.warmup), samples[0][1])  # first after warm-up
     rss_end = max(rss for _, rss in samples[-3:])
     result = {
         "duration_s": round(elapsed, 1), "concurrency": args.concurrency,
@@ -198,6 +199,7 @@ def main(args) -> dict:
         "rss_growth_pct": round((rss_end - rss_base) / rss_base * 100, 2),
         "kv_usage_at_end": m["pageserve:kv_cache_usage_perc"],
         "requests_left_at_end": busy, "preemptions": m.get("pageserve:num_preemptions_total"),
+        "preemptions_recompute": m.get("pageserve:num_preemptions_recompute_total"),
         "healthy_at_end": healthy, "exit_code": code,
         "rss_mib_every_30s": [round(rss, 1) for t, rss in samples if int(t) % 30 < 2][::1],
     }
@@ -205,7 +207,8 @@ def main(args) -> dict:
     print(f"soak: {result['served']} requests served in {result['duration_s']} s, {result['errors']} errors "
           f"(target 0); RSS {rss_base:.0f} -> {rss_end:.0f} MiB after warm-up, "
           f"{result['rss_growth_pct']:+.2f}% (target < 5%); KV usage at the end "
-          f"{result['kv_usage_at_end']:.0%} (target: 0%, every block free); exit code {code}")
+          f"{result['kv_usage_at_end']:.0%} (target: 0%, every block free); {result['preemptions']:.0f} "
+          f"preemptions, {result['preemptions_recompute']:.0f} of them recomputed; exit code {code}")
     return save_json(result, args.output_json)
 
 

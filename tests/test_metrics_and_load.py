@@ -78,6 +78,7 @@ def test_preemptions_are_counted(tiny_model_dir):
         assert r.status_code == 200 and len(r.json()["choices"]) == n
         m = scrape(srv.url)
         assert m["pageserve:num_preemptions_total"] == srv.engine.scheduler.num_preemptions > 0
+        assert m["pageserve:num_preemptions_recompute_total"] == srv.engine.scheduler.num_recomputed
         assert m['pageserve:request_success_total{finished_reason="length"}'] == n
         assert m["pageserve:generation_tokens_total"] == 300 * n
     finally:
