@@ -9,8 +9,8 @@ from typing import Any
 
 from app.errors import APIError
 from app.logprobs import TokenText
+from grammar.vocabulary import token_byte_table
 from runtime.async_engine import AsyncEngine
-from runtime.detokenizer import token_byte_table
 
 # a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
 LONG_TEXT = 4096

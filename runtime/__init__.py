@@ -1,7 +1,16 @@
-"""The engine: paged KV cache, scheduler, model runner, and the offline LLM API."""
+"""The engine: paged KV cache, scheduler, model runner, and the offline LLM API. Importing the
+package loads no torch; `LLM` (and what it needs) is imported when first touched."""
 
-from runtime.llm import LLM
-from runtime.outputs import CompletionOutput, RequestOutput
 from sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from runtime.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from runtime import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

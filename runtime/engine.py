@@ -12,9 +12,10 @@ import torch
 
 from grammar.compiler import GrammarCompiler
 from grammar.matcher import Matcher
+from grammar.vocabulary import backend_tokenizer
 from runtime.config import EngineConfig
 from runtime.cpu_env import bound_onednn_cache, keep_freed_memory
-from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.models.loader import load_tokenizer, read_config, resolve_model

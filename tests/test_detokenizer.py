@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from runtime.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from grammar.vocabulary import backend_tokenizer
+from runtime.detokenizer import IncrementalDetokenizer
 from sampling.params import RequestOutputKind, SamplingParams
 
 

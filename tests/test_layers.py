@@ -1,0 +1,54 @@
+"""Layers point one way: app -> runtime -> (grammar, sampling, triton_kernels). Checked on
+every import statement of the source, those inside functions included."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BELOW = {"grammar": {"runtime", "app"}, "sampling": {"runtime", "app"}, "triton_kernels": {"runtime", "app"},
+         "runtime": {"app"}}
+
+
+def _imported_packages(path: Path, package: str) -> set[tuple[str, int]]:
+    """Top-level project packages imported by a file, with the line, however written."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the file's own package
+                parts = [package] + list(path.relative_to(ROOT / package).parent.parts)
+                base = parts[:len(parts) - node.level + 1]
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            top = parts[1] if parts[0] == "pageserve" and len(parts) > 1 else parts[0]
+            found.add((top, node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(BELOW))
+def test_no_import_points_up(package):
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {top}"
+             for path in sorted((ROOT / package).rglob("*.py"))
+             for top, line in _imported_packages(path, package) if top in BELOW[package]]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_importing_the_packages_loads_no_torch():
+    """The engine package, grammar and the sampling parameters import without torch; torch comes
+    with the LLM class (or the engine) when they are first used."""
+    code = ("import sys, runtime, grammar.compiler, grammar.vocabulary, sampling.params, app.tools; "
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "from runtime import LLM; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
