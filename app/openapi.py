@@ -1,5 +1,5 @@
-"""The OpenAPI 3.1 document of every route, its request body schemas drawn from the protocol
-models (fuzzers such as schemathesis read it)."""
+"""The OpenAPI 3.1 document of the route table, its request body schemas drawn from the
+protocol models (fuzzers such as schemathesis read it)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pydantic.json_schema import models_json_schema
 
-from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                          EmbeddingRequest, TokenizeRequest)
 
 _ERROR = {
     "type": "object",
@@ -21,21 +19,6 @@ _ERROR = {
     }},
 }
 
-# path -> (method, summary, request body model or None)
-ROUTES = {
-    "/v1/chat/completions": ("post", "Chat completion, whole or streamed (SSE)", ChatCompletionRequest),
-    "/v1/completions": ("post", "Text completion, whole or streamed (SSE)", CompletionRequest),
-    "/v1/embeddings": ("post", "Embeddings (mean-pooled last hidden states)", EmbeddingRequest),
-    "/v1/models": ("get", "The served models", None),
-    "/tokenize": ("post", "Text or messages to token ids", TokenizeRequest),
-    "/detokenize": ("post", "Token ids to text", DetokenizeRequest),
-    "/health": ("get", "200 while the engine runs, 503 once it has stopped", None),
-    "/version": ("get", "The server's version", None),
-    "/metrics": ("get", "Prometheus metrics", None),
-    "/openapi.json": ("get", "This document", None),
-}
-
-
 def package_version() -> str:
     try:
         return version("pageserve")
@@ -43,25 +26,26 @@ def package_version() -> str:
         return "0.0.0"
 
 
-def openapi_document() -> dict:
-    models = [v[2] for v in ROUTES.values() if v[2] is not None]
+def openapi_document(routes) -> dict:
+    """`routes`: the route table (app.routes.ROUTES)."""
+    models = [r.body for r in routes if r.body is not None]
     _, top = models_json_schema([(m, "validation") for m in models],
                                 ref_template="#/components/schemas/{model}")
     schemas = dict(top.get("$defs", {}))
     schemas["Error"] = _ERROR
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    paths = {}
-    for path, (method, summary, model) in ROUTES.items():
-        op = {"summary": summary, "responses": {"200": {"description": "OK"}}}
-        if model is not None:
+    paths: dict[str, dict] = {}
+    for r in routes:
+        op = {"summary": r.summary, "responses": {"200": {"description": "OK"}}}
+        if r.body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                "schema": {"$ref": f"#/components/schemas/{r.body.__name__}"}}}}
             op["responses"].update({"400": {"description": "Bad request", **error},
                                     "413": {"description": "Body too large", **error}})
-        if path.startswith("/v1/"):
+        if not r.open:
             op["responses"]["401"] = {"description": "Missing or wrong API key", **error}
             op["security"] = [{"bearer": []}, {}]
-        paths[path] = {method: op}
+        paths.setdefault(r.path, {})[r.method] = op
     return {
         "openapi": "3.1.0",
         "info": {"title": "pageserve", "version": package_version(),

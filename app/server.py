@@ -16,26 +16,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.chat import chat_completions, chat_prompt_ids
-from app.completions import completions
-from app.embeddings import embeddings
-from app.errors import APIError, bad_request
-from app.http import api_route, json_response, read_json
+from app.errors import APIError
 from app.metrics import Metrics
-from app.openapi import openapi_document, package_version
-from app.protocol import DetokenizeRequest, TokenizeRequest
+from app.openapi import openapi_document
+from app.routes import ROUTES
 from app.state import ServerState
 
 logger = logging.getLogger(__name__)
 
-
-# open without a key: what a load balancer or a fuzzer needs to see
-_OPEN_PATHS = ("/health", "/version", "/openapi.json", "/metrics")
+_OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but _OPEN_PATHS (/v1/*, /tokenize,
-    /detokenize), compared in constant time against every key."""
+    """`Authorization: Bearer <key>` on every route but the open ones of the route table,
+    compared in constant time against every key."""
 
     def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
@@ -83,53 +77,6 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-async def health(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    if state.engine.is_running:
-        return Response(status_code=200)
-    return APIError(503, "the engine has stopped", code="engine_dead").response()
-
-
-async def version(request: Request) -> Response:
-    return json_response({"version": package_version()})
-
-
-async def models(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    return json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "pageserve",
-         "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
-        for name in state.settings.served_model_names]})
-
-
-@api_route
-async def tokenize(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
-    state.check_model(body.model)
-    if body.messages is not None:
-        ids = await chat_prompt_ids(state, body)
-    else:
-        ids = await state.tokenize(body.prompt, body.add_special_tokens)
-    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
-
-
-@api_route
-async def detokenize(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
-    state.check_model(body.model)
-    vocab = state.engine.engine.config.model.vocab_size
-    if body.tokens and max(body.tokens) >= vocab:
-        raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary (0 to {vocab - 1})",
-                          "tokens")
-    return json_response({"prompt": state.detokenize(body.tokens)})
-
-
-async def openapi(request: Request) -> Response:
-    return json_response(request.app.state.openapi)
-
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     return APIError(exc.status_code, exc.detail or "error", headers=exc.headers).response()
 
@@ -143,20 +90,7 @@ def build_app(state: ServerState) -> Starlette:
     # sse-starlette would cut every stream the moment shutdown starts; the engine's drain
     # (--shutdown-timeout) ends them instead, each with its last tokens or an error event
     AppStatus.disable_automatic_graceful_drain()
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/openapi.json", openapi, methods=["GET"]),
-    ]
-    metrics = Metrics(state.engine, state.model_name, state.settings.log_requests, state.settings.log_prompts,
-                      state.detokenize)
-    routes.append(Route("/metrics", metrics.endpoint, methods=["GET"]))
+    routes = [Route(r.path, r.endpoint, methods=[r.method.upper()]) for r in ROUTES]
     middleware = [Middleware(RequestIdMiddleware)]
     if state.settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
@@ -175,5 +109,7 @@ def build_app(state: ServerState) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = state
-    app.state.openapi = openapi_document()
+    app.state.metrics = Metrics(state.engine, state.model_name, state.settings.log_requests,
+                                state.settings.log_prompts, state.detokenize)
+    app.state.openapi = openapi_document(ROUTES)
     return app

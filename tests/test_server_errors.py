@@ -159,6 +159,21 @@ def test_api_keys(guarded):
     assert httpx.get(f"{guarded.url}/v1/models").status_code == 401
 
 
+def test_the_route_table_drives_router_openapi_and_auth(guarded):
+    """Every route of the table is served, is in the OpenAPI document (so it is fuzzed), and
+    asks for the key exactly when the table says so."""
+    from app.routes import ROUTES
+
+    doc = httpx.get(f"{guarded.url}/openapi.json").json()
+    assert set(doc["paths"]) == {r.path for r in ROUTES}
+    for r in ROUTES:
+        op = doc["paths"][r.path][r.method]
+        assert ("security" in op) == (not r.open), r.path
+        status = httpx.request(r.method.upper(), f"{guarded.url}{r.path}", json={}).status_code
+        assert (status == 401) == (not r.open), (r.path, status)
+        assert status not in (404, 405), (r.path, status)
+
+
 def test_cors_only_for_allowed_origins(guarded):
     pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
     ok = httpx.options(f"{guarded.url}/v1/completions", headers={"Origin": "http://good.example", **pre})

@@ -1,0 +1,100 @@
+"""The route table: every route once, with its handler, its OpenAPI summary and body model, and
+whether it is open without an API key. The router, the OpenAPI document and the API-key check
+are all derived from it. Also the handlers too small for a module of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.chat import chat_completions, chat_prompt_ids
+from app.completions import completions
+from app.embeddings import embeddings
+from app.errors import APIError, bad_request
+from app.http import api_route, json_response, read_json
+from app.openapi import package_version
+from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                          TokenizeRequest)
+from app.state import ServerState
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSpec:
+    path: str
+    method: str  # lower case, as OpenAPI writes it
+    endpoint: Callable[[Request], Awaitable[Response]]
+    summary: str
+    body: type[BaseModel] | None = None  # the JSON body's model
+    open: bool = False  # served without an API key: what a load balancer or a fuzzer needs
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    if state.engine.is_running:
+        return Response(status_code=200)
+    return APIError(503, "the engine has stopped", code="engine_dead").response()
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": package_version()})
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    return json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "pageserve",
+         "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
+        for name in state.settings.served_model_names]})
+
+
+@api_route
+async def tokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
+    state.check_model(body.model)
+    if body.messages is not None:
+        ids = await chat_prompt_ids(state, body)
+    else:
+        ids = await state.tokenize(body.prompt, body.add_special_tokens)
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+
+@api_route
+async def detokenize(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
+    state.check_model(body.model)
+    vocab = state.engine.engine.config.model.vocab_size
+    if body.tokens and max(body.tokens) >= vocab:
+        raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary (0 to {vocab - 1})",
+                          "tokens")
+    return json_response({"prompt": state.detokenize(body.tokens)})
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(request.app.state.openapi)
+
+
+async def metrics(request: Request) -> Response:
+    return await request.app.state.metrics.endpoint(request)
+
+
+ROUTES = (
+    RouteSpec("/v1/chat/completions", "post", chat_completions, "Chat completion, whole or streamed (SSE)",
+              ChatCompletionRequest),
+    RouteSpec("/v1/completions", "post", completions, "Text completion, whole or streamed (SSE)",
+              CompletionRequest),
+    RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (mean-pooled last hidden states)",
+              EmbeddingRequest),
+    RouteSpec("/v1/models", "get", models, "The served models"),
+    RouteSpec("/tokenize", "post", tokenize, "Text or messages to token ids", TokenizeRequest),
+    RouteSpec("/detokenize", "post", detokenize, "Token ids to text", DetokenizeRequest),
+    RouteSpec("/health", "get", health, "200 while the engine runs, 503 once it has stopped", open=True),
+    RouteSpec("/version", "get", version, "The server's version", open=True),
+    RouteSpec("/metrics", "get", metrics, "Prometheus metrics", open=True),
+    RouteSpec("/openapi.json", "get", openapi, "This document", open=True),
+)
