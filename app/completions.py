@@ -25,7 +25,7 @@ def split_prompts(prompt) -> list[str | list[int]]:
 
 
 async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]], param: str) -> list[list[int]]:
-    vocab = state.engine.engine.config.model.vocab_size
+    vocab = state.engine.vocab_size
     out = []
     for p in prompts:
         ids = await state.tokenize(p) if isinstance(p, str) else p

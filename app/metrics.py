@@ -35,25 +35,26 @@ class _EngineCollector(Collector):
         return family
 
     def collect(self):
-        e = self.engine.engine
-        sched, kv, stats = e.scheduler, e.kv, e.stats
+        s = self.engine.stats()
+        sched = s.scheduler
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield self._family(g, "num_requests_waiting", "Requests waiting to be admitted.", self.engine.num_queued)
-        yield self._family(g, "num_requests_swapped", "Requests swapped out to CPU memory.", len(sched.swapped))
-        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", kv.usage)
+        yield self._family(g, "num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield self._family(g, "num_requests_waiting", "Requests waiting to be admitted.", sched.num_waiting)
+        yield self._family(g, "num_requests_swapped", "Requests swapped out to CPU memory.", sched.num_swapped)
+        yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", sched.kv_cache_usage)
         yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                           kv.prefix_queries)
-        yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits)
+                           sched.prefix_cache_queries)
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           sched.prefix_cache_hits)
         yield self._family(c, "num_preemptions", "Preemptions (swap or recompute).", sched.num_preemptions)
         yield self._family(c, "num_preemptions_recompute", "Preemptions that freed the blocks, to be "
                            "recomputed (the others were swapped out).", sched.num_recomputed)
-        yield self._family(c, "prompt_tokens", "Prompt tokens computed.", stats.prompt_tokens)
-        yield self._family(c, "generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield self._family(c, "prompt_tokens", "Prompt tokens computed.", s.prompt_tokens)
+        yield self._family(c, "generation_tokens", "Tokens generated.", s.generation_tokens)
         success = CounterMetricFamily(_P + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):
-            success.add_metric([self.model_name, reason], stats.finished.get(reason, 0))
+            success.add_metric([self.model_name, reason], s.finished.get(reason, 0))
         yield success
 
 

@@ -68,7 +68,7 @@ async def detokenize(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
-    vocab = state.engine.engine.config.model.vocab_size
+    vocab = state.engine.vocab_size
     if body.tokens and max(body.tokens) >= vocab:
         raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary (0 to {vocab - 1})",
                           "tokens")

@@ -134,8 +134,8 @@ def run(ns: argparse.Namespace) -> int:
     # worker, so that the first json_object request does not wait for it
     from grammar.regexes import json_object_regex
 
-    engine.engine.grammar.submit(json_object_regex())
-    state = ServerState(engine, engine.engine.tokenizer, settings, engine.engine.config.model.max_model_len)
+    engine.compile_grammar(json_object_regex())
+    state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
     app = build_app(state)
     logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,
                 ns.port, " (API key required)" if settings.api_keys else "")

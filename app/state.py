@@ -64,8 +64,8 @@ class ServerState:
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > LONG_TEXT:
-            return await asyncio.to_thread(self.engine.engine.tokenize, text, add_special_tokens)
-        return self.engine.engine.tokenize(text, add_special_tokens)
+            return await asyncio.to_thread(self.engine.tokenize, text, add_special_tokens)
+        return self.engine.tokenize(text, add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

@@ -59,8 +59,7 @@ def bench_prefix(args) -> dict:
         # burst: everything at once
         outs = llm.generate(prompts, params, use_tqdm=False)
         side["burst_mean_ttft_s"] = _ttft(outs)
-        kv = llm.engine.kv
-        side["burst_hit_rate"] = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
+        side["burst_hit_rate"] = llm.engine.stats().prefix_cache_hit_rate
         # one at a time, with a fresh question each (the system prompt stays cached, if on)
         singles = [system + _random_ids(rng, args.question_len, vocab) for _ in range(16)]
         outs = [llm.generate(p, params, use_tqdm=False)[0] for p in singles]

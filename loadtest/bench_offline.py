@@ -68,7 +68,7 @@ def run_ours(args, llm, work) -> dict:
     # warm-up: first-call allocations and lazy inits stay out of the timing
     tiny = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[1, 2, 3], [4, 5, 6, 7]], [tiny, tiny], use_tqdm=False)
-    llm.engine.stats = type(llm.engine.stats)()
+    llm.engine.reset_stats()
     kv = llm.engine.runner._kv_storage
     pool = kv.numel() * kv.element_size()
     rss0 = rss_bytes()
@@ -78,7 +78,7 @@ def run_ours(args, llm, work) -> dict:
     elapsed = time.perf_counter() - t0
     rss1 = rss_bytes()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = llm.engine.stats
+    stats = llm.engine.stats()
     return {"output_tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed,
             "steps": stats.steps, "kv_waste": stats.kv_waste, "kv_pool_bytes": pool,
             "rss_after_warmup_bytes": rss0, "rss_after_bench_bytes": rss1,

@@ -13,11 +13,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from runtime.engine_args import EngineArgs
 from runtime.outputs import RequestOutput
+from runtime.stats import EngineStats
 from sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,34 @@ class AsyncEngine:
     @property
     def num_queued(self) -> int:
         """Requests not yet running: handed in but not admitted by the scheduler."""
-        return len(self._pending) + len(self.engine.scheduler.waiting)
+        return len(self._pending) + self.engine.num_waiting
+
+    # ---- what the server reads ----
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model.max_model_len
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Thread-safe."""
+        return self.engine.tokenize(text, add_special_tokens)
+
+    def stats(self) -> EngineStats:
+        """The engine's figures; requests handed in but not yet in the engine count as waiting."""
+        s = self.engine.stats()
+        return replace(s, scheduler=replace(s.scheduler, num_waiting=self.num_queued))
+
+    def compile_grammar(self, regex: str) -> None:
+        """Compile a grammar ahead of the first request that needs it (in the grammar worker)."""
+        self.engine.grammar.submit(regex)
 
     def _check_accepting(self, num_requests: int) -> None:
         if self.error is not None:
@@ -336,17 +364,15 @@ class AsyncEngine:
         last, last_prompt, last_gen = self._last_log
         if now - last < self.log_stats_interval:
             return
-        e = self.engine
+        s = self.engine.stats()
         elapsed = now - last
-        kv = e.kv
-        hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%", (e.stats.prompt_tokens - last_prompt) / elapsed,
-            (e.stats.generation_tokens - last_gen) / elapsed, len(e.scheduler.running),
-            len(e.scheduler.swapped), len(e.scheduler.waiting), kv.usage * 100, hit_rate * 100)
-        self._last_log = (now, e.stats.prompt_tokens, e.stats.generation_tokens)
+            "Prefix cache hit rate: %.1f%%", (s.prompt_tokens - last_prompt) / elapsed,
+            (s.generation_tokens - last_gen) / elapsed, s.scheduler.num_running, s.scheduler.num_swapped,
+            s.scheduler.num_waiting, s.scheduler.kv_cache_usage * 100, s.prefix_cache_hit_rate * 100)
+        self._last_log = (now, s.prompt_tokens, s.generation_tokens)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in set(self._streams.values()):

@@ -6,7 +6,6 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -24,29 +23,13 @@ from runtime.output_processor import OutputProcessor, check_stop
 from runtime.outputs import RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.scheduler import Scheduler
+from runtime.stats import EngineStats, IterationCounters
 from runtime.swap_space import SwapSpace
 from sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # unused: nothing is sampled
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    kv_waste_sum: float = 0.0  # per step: allocated slots not holding a token / allocated slots
-    kv_waste_steps: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # generation requests by finish reason
-
-    def count_finished(self, reason: str) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-
-    @property
-    def kv_waste(self) -> float:
-        return self.kv_waste_sum / max(self.kv_waste_steps, 1)
 
 
 class StepFailed(Exception):
@@ -76,7 +59,7 @@ class LLMEngine:
                                    config.cache.preemption_mode)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor()
-        self.stats = EngineStats()
+        self.counters = IterationCounters()
         self._ids = itertools.count()
         self.grammar = GrammarCompiler(tokenizer)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
@@ -128,10 +111,18 @@ class LLMEngine:
             self.step()
         assert not any(rid in self.requests for rid in ids)
         self.kv.pool.reset_prefix_cache()
-        self.kv.prefix_queries = self.kv.prefix_hits = 0
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.scheduler.swap,
-                                   self.config.cache.preemption_mode)  # fresh counters
-        self.stats = EngineStats()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Every counter back to zero."""
+        self.scheduler.reset_counters()
+        self.kv.reset_counters()
+        self.counters = IterationCounters()
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(self.scheduler.stats(), c.steps, c.prompt_tokens, c.generation_tokens,
+                           c.kv_waste, dict(c.finished))
 
     # ---- requests in ----
 
@@ -271,7 +262,11 @@ class LLMEngine:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
                 aborted = True
         if aborted:
-            self.stats.count_finished("abort")
+            self.counters.count_finished("abort")
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -307,7 +302,7 @@ class LLMEngine:
                 logger.exception("request %s failed after the model step", req.output_id)
                 self._fail_request(req.output_id, RequestFailedError(
                     f"the engine failed while handling this request's output: {e!r}"))
-        self.stats.generation_tokens += len(result.sampled)
+        self.counters.generation_tokens += len(result.sampled)
         self._record_kv_waste()
         if self.config.debug_checks:
             self.check_integrity()
@@ -318,7 +313,7 @@ class LLMEngine:
         part, or sampled tokens (n of them at an n > 1 request's first sample: it forks)."""
         end = min(sr.start_pos + len(sr.token_ids), req.num_prompt_tokens)
         if end > req.num_prompt_counted:  # a recompute after preemption is not counted again
-            self.stats.prompt_tokens += end - max(sr.start_pos, req.num_prompt_counted)
+            self.counters.prompt_tokens += end - max(sr.start_pos, req.num_prompt_counted)
             req.num_prompt_counted = end
         if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
             first, entries = result.prompt_logprobs[req.request_id]
@@ -360,7 +355,7 @@ class LLMEngine:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
         if out is not None and out.finished:  # the whole request (all n sequences) is done
-            self.stats.count_finished(req.finish_reason)
+            self.counters.count_finished(req.finish_reason)
         return [out] if out is not None else []
 
     def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
@@ -418,6 +413,6 @@ class LLMEngine:
         slots = (pool.num_blocks - pool.num_free_blocks) * self.kv.block_size
         if slots:
             held = sum(r.num_computed_tokens for r in self.scheduler.running)
-            self.stats.kv_waste_sum += max(0.0, 1.0 - held / slots)
-            self.stats.kv_waste_steps += 1
-        self.stats.steps += 1
+            self.counters.kv_waste_sum += max(0.0, 1.0 - held / slots)
+            self.counters.kv_waste_steps += 1
+        self.counters.steps += 1

@@ -32,6 +32,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}  # chained digests of the request's full blocks
         self.req_num_cached: dict[str, int] = {}  # how many of its blocks are in the cache map
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from runtime.config import SchedulerConfig
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.request import Request, RequestStatus
+from runtime.stats import SchedulerStats
 from runtime.swap_space import SwapSpace
 from sampling.params import SamplingParams
 
@@ -66,13 +67,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.reset_counters()
+        self._warned_preemption = False
+        self._last_scheduled: list[tuple[Request, int]] = []
+        self._finished_ids: list[str] = []
+
+    def reset_counters(self) -> None:
         self.num_preemptions = 0
         self.num_recomputed = 0  # preemptions that freed the blocks
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        self._warned_preemption = False
-        self._last_scheduled: list[tuple[Request, int]] = []
-        self._finished_ids: list[str] = []
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), self.kv.usage,
+                              self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
+                              self.num_recomputed)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)

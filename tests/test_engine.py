@@ -170,3 +170,19 @@ def test_max_model_len_is_checked(tiny_model_dir):
         LLM(str(tiny_model_dir), max_model_len=4096)
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(str(tiny_model_dir), kv_cache_memory=1e-5)
+
+
+def test_stats_snapshot_starts_at_zero_after_warm_up(tiny_model_dir):
+    from runtime import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    s = llm.engine.stats()
+    assert (s.steps, s.prompt_tokens, s.generation_tokens, s.finished) == (0, 0, 0, {})
+    assert (s.scheduler.num_running, s.scheduler.kv_cache_usage, s.scheduler.prefix_cache_queries) == (0, 0.0, 0)
+    llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    s = llm.engine.stats()
+    assert (s.prompt_tokens, s.generation_tokens, s.finished) == (6, 6, {"length": 2})
+    assert s.scheduler.prefix_cache_queries == 6 and s.steps == 3
+    s.finished["length"] = 99  # a copy: the engine's counters are not touched
+    assert llm.engine.stats().finished == {"length": 2}

@@ -79,7 +79,7 @@ def test_a_failed_fork_copy_fails_only_its_request(tiny_model_dir):
     assert set(failures) == {forked} and isinstance(failures[forked], RequestFailedError)
     assert "injected copy fault" in str(failures[forked])
     assert set(outputs) == {alone} and outputs[alone].outputs[0].token_ids == expected[0]
-    assert engine.stats.finished == {"abort": 1, "length": 2}  # the reference run and `alone`
+    assert engine.counters.finished == {"abort": 1, "length": 2}  # the reference run and `alone`
     assert_all_free(llm)
     del engine.runner.copy_blocks
     assert len(llm.generate(list(range(3, 23)), SamplingParams(n=2, max_tokens=4))[0].outputs) == 2
@@ -113,5 +113,5 @@ def test_recomputed_prompts_are_counted_once(tiny_model_dir):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs) == 3 for o in outs)
     assert llm.engine.scheduler.num_recomputed > 0
-    assert llm.engine.stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert llm.engine.counters.prompt_tokens == sum(len(p) for p in prompts)
     assert_all_free(llm)

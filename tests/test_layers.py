@@ -52,3 +52,12 @@ def test_importing_the_packages_loads_no_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'; "
             "from runtime import LLM; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_app_asks_the_engine_instead_of_walking_into_it():
+    """app/ reads the engine through AsyncEngine's methods and its stats() snapshot."""
+    reach = (".engine.engine", "engine.scheduler", "engine.kv", "engine.runner")
+    wrong = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+             for path in sorted((ROOT / "app").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if any(r in line for r in reach)]
+    assert not wrong, "\n".join(wrong)

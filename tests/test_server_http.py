@@ -149,10 +149,10 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
             for _ in range(5):
                 next(l for l in lines if l.startswith("data: "))
             assert engine.requests  # running
-            generated_before = engine.stats.generation_tokens
+            generated_before = engine.counters.generation_tokens
     # the connection is closed: the request is aborted and its blocks are back in the pool
     server.wait_idle(timeout=5)
-    assert engine.stats.generation_tokens - generated_before < 500
+    assert engine.counters.generation_tokens - generated_before < 500
     free, cached, in_use = engine.kv.pool.counts()
     assert in_use == 0
     engine.kv.check_integrity()
