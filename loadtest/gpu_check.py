@@ -1,5 +1,6 @@
-"""The GPU check of the Triton kernels, one command meant to take under 8 minutes on an H200
-(estimated from reading; not yet timed on one):
+"""The GPU check of the Triton kernels and the engine's GPU paths, one command meant to take
+under 8 minutes on an H200 for sections 1-4 and a few more for section 5 (estimated from
+reading; not yet timed on one; `--sections readiness` runs section 5 alone):
 
 1. the kernel test suite (tests/kernels) on CUDA;
 2. paged attention in bf16 at larger shapes against dense attention computed in float32: a
@@ -11,7 +12,11 @@
    4.8 TB/s, and the time against scaled_dot_product_attention on the same data laid out
    contiguously; a sweep of launch settings; the split path at batch 2 x context 32768;
 4. offline engine throughput on a random-weight model with Qwen2.5-0.5B's shapes against
-   HF `generate` in static batches of 8 (loadtest/bench_offline.py).
+   HF `generate` in static batches of 8 (loadtest/bench_offline.py);
+5. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
+   serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
+   under the worst load with the profiled peak covering the serving peak, swap-outs
+   overlapping compute.
 
     python -m loadtest.gpu_check [--out DIR]   # on the GPU machine
     python -m loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
@@ -311,11 +316,21 @@ def section_engine(args, report, device):
                         "ours": result["ours"], "hf": result["hf"], "shape": shape}
 
 
+def section_readiness(args, report):
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "loadtest.gpu_readiness", "--out", tmp] + (["--smoke"] if args.smoke else [])
+        proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        path = Path(tmp) / "gpu_readiness.json"
+        report["readiness"] = json.loads(path.read_text()) if path.exists() else {}
+    if proc.returncode:
+        raise RuntimeError(f"readiness checks failed: {report['readiness'].get('failed', 'no report')}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="tests,shapes,decode,engine")
+    parser.add_argument("--sections", default="tests,shapes,decode,engine,readiness")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         if not args.smoke:
@@ -329,13 +344,13 @@ def main() -> int:
               "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "failed": []}
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes,
-                "decode": section_decode_bench, "engine": section_engine}
+                "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness}
     start = time.perf_counter()
     for name in args.sections.split(","):
         print(f"\n-- {name} --", flush=True)
         t0 = time.perf_counter()
         try:
-            if name == "tests":
+            if name in ("tests", "readiness"):  # in processes of their own
                 sections[name](args, report)
             elif name == "engine":  # the engine manages its own inference mode
                 sections[name](args, report, device)

@@ -23,6 +23,7 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    compiles_kernels = False  # whether a kernel variant is compiled on its first launch
     # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
     ops: types.ModuleType | types.SimpleNamespace
 
@@ -36,6 +37,16 @@ class AttentionBackend:
 
     def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_shapes(self, max_seq_len: int, device: torch.device) -> list[tuple[int, int]]:
+        """(requests, context length) of the smallest decode-only step that launches each
+        decode variant to compile."""
+        return []
+
+    def largest_split_decode(self, max_seq_len: int, device: torch.device) -> tuple[int, int] | None:
+        """(requests, context length) of the decode-only step with the largest split-KV
+        partition buffers, if this backend splits."""
+        return None
 
 
 class TorchBackend(AttentionBackend):
@@ -64,9 +75,11 @@ class TritonBackend(AttentionBackend):
     """Every kernel in Triton; the CUDA path (and, under TRITON_INTERPRET=1, a slow CPU one
     for tests). Imported only when chosen: @triton.jit reads TRITON_INTERPRET when it runs."""
     name = "triton"
+    compiles_kernels = True
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
+        from triton_kernels import paged_attention as attention_module
         from triton_kernels.apply_token_bitmask import apply_token_bitmask
         from triton_kernels.paged_attention import paged_attention
         from triton_kernels.reshape_and_cache import reshape_and_cache
@@ -79,6 +92,20 @@ class TritonBackend(AttentionBackend):
             silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask)
         self._reshape_and_cache = reshape_and_cache
         self._paged_attention = paged_attention
+        self._kernels = attention_module
+
+    def decode_shapes(self, max_seq_len, device):
+        shapes = [(1, 1)]  # the one-pass decode
+        partition = self._kernels.PARTITION_SIZE
+        if max_seq_len > partition and self._kernels.max_split_seqs(self.num_kv_heads, device) >= 1:
+            shapes.append((1, partition + 1))  # split-KV decode and its reduce
+        return shapes
+
+    def largest_split_decode(self, max_seq_len, device):
+        num_seqs = self._kernels.max_split_seqs(self.num_kv_heads, device)
+        if max_seq_len <= self._kernels.PARTITION_SIZE or num_seqs < 1:
+            return None
+        return num_seqs, max_seq_len
 
     def attention(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache

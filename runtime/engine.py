@@ -80,7 +80,8 @@ class LLMEngine:
         block_bytes = kv_block_bytes(model_cfg, args.block_size)
         if device.device.type == "cuda":
             num_blocks = runner.profile_num_blocks(args.gpu_memory_utilization,
-                                                   sched_cfg.max_num_batched_tokens)
+                                                   sched_cfg.max_num_batched_tokens,
+                                                   sched_cfg.max_num_seqs)
             if args.kv_cache_memory is not None:
                 num_blocks = min(num_blocks, int(args.kv_cache_memory * GiB // block_bytes))
         else:
@@ -100,7 +101,9 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run the largest step the scheduler can build (a full token budget spread over the
         most sequences, each sampling), so first-use allocations and activation peaks happen
-        before serving, then leave no trace in the cache or the counters."""
+        before serving, then leave no trace in the cache or the counters. First, every kernel
+        variant serving can launch is compiled (on backends that compile)."""
+        self.runner.warm_up_kernels()
         sched = self.config.scheduler
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)

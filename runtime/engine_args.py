@@ -81,7 +81,10 @@ class EngineArgs:
                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--swap-space", type=float, default=4.0,
-                       help="GiB of CPU memory where preempted requests' KV blocks are kept")
+                       help="GiB of CPU memory where preempted requests' KV blocks are kept. On CUDA "
+                            "all of it is pinned (page-locked) at start-up, so the host gives up that "
+                            "much RAM whether or not anything is ever swapped; on CPU its pages are "
+                            "committed as they are first used")
         g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
                        help="swap: copy a preempted request's blocks to the swap space (recompute "
                             "when it is full); recompute: free them and recompute later")

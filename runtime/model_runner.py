@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,9 +11,12 @@ import torch
 
 from runtime.attention import AttentionMetadata, make_backend
 from runtime.config import CacheConfig, DeviceConfig, ModelConfig
+from runtime.device import CudaDevice, HostDevice, device_for
+from runtime.kv_swap import KVSwapper
 from runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
 from runtime.models.loader import ModelLoadError, iter_safetensors
 from runtime.scheduler import SchedulerOutput
+from runtime.synthetic_steps import warm_up_steps, worst_case_steps
 from sampling.penalties import TokenCounts
 from sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 
@@ -42,9 +46,12 @@ def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int):
+    def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int,
+                 dev: CudaDevice | HostDevice | None = None):
+        """dev: streams, events, pinned memory and memory statistics (a test may pass a fake)."""
         self.model_cfg = model_cfg
         self.device = device_cfg.device
+        self.dev = dev or device_for(self.device)
         self.block_size = block_size
         self.backend = make_backend(device_cfg.attention_backend, block_size, model_cfg.num_heads,
                                     model_cfg.num_kv_heads)
@@ -55,7 +62,8 @@ class ModelRunner:
         self.counts = TokenCounts(model_cfg.vocab_size, self.device)  # for penalties
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
-        self._swap_storage: torch.Tensor | None = None
+        self.swapper: KVSwapper | None = None
+        self.profiled_peak: int | None = None  # bytes, KV cache excluded (CUDA profile)
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         cfg = self.model_cfg
@@ -73,36 +81,70 @@ class ModelRunner:
         model.cos_sin_cache = rope_cos_sin_cache(cfg).to(self.device)
         return model.eval()
 
-    def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
-        """CUDA: run a forward of a full token budget, then give the KV cache what is left of
-        the allowed fraction of device memory."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        free, total = torch.cuda.mem_get_info()
-        ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            hidden = self.model.embed_tokens(ids)
-            for layer in self.model.layers:
-                hidden = layer.down_proj(layer.ops.silu_and_mul(layer.gate_up_proj(hidden)))
-            self.model.compute_logits(hidden[:256])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        used_by_others = total - free - torch.cuda.memory_allocated()
-        budget = total * gpu_memory_utilization - used_by_others - peak
-        return int(budget // kv_block_bytes(self.model_cfg, self.block_size))
+    def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                           max_num_seqs: int) -> int:
+        """CUDA: run the worst-case steps (synthetic_steps.worst_case_steps: the largest batch,
+        every sampling path, prompt logprobs, grammar masks, split-KV buffers) through `execute`
+        on a small temporary KV cache, then give the KV cache what their peak leaves of the
+        allowed fraction of device memory, in blocks."""
+        dev, cfg = self.dev, self.model_cfg
+        dev.empty_cache()
+        free, total = dev.mem_get_info()
+        used_by_others = total - free - dev.memory_allocated()
+        block_bytes = kv_block_bytes(cfg, self.block_size)
+        num_temp = -(-max_num_batched_tokens // self.block_size)  # a slot for every token
+        self._set_kv_storage(num_temp)
+        dev.reset_peak_memory_stats()
+        steps = worst_case_steps(max_num_batched_tokens, max_num_seqs, cfg.max_model_len,
+                                 self.backend.largest_split_decode(cfg.max_model_len, self.device),
+                                 self.block_size, num_temp, cfg.vocab_size, cfg.eos_token_ids)
+        for step in steps:
+            self.execute(step)
+        self.execute(SchedulerOutput(finished_ids=[child_id(r.request_id, i) for step in steps
+                                                   for r in step.requests for i in range(r.num_samples)]))
+        dev.synchronize()
+        # the real cache replaces the temporary one
+        self.profiled_peak = dev.max_memory_allocated() - num_temp * block_bytes
+        self._set_kv_storage(0)
+        dev.empty_cache()
+        budget = total * gpu_memory_utilization - used_by_others - self.profiled_peak
+        logger.info("memory profile: worst-case step peak %.2f GiB (weights included), %.2f GiB "
+                    "used outside torch", self.profiled_peak / 2 ** 30, used_by_others / 2 ** 30)
+        return int(budget // block_bytes)
 
-    def allocate_kv_cache(self, cache: CacheConfig) -> None:
+    def warm_up_kernels(self) -> None:
+        """Launch every kernel variant serving can launch (mixed prefill/decode attention, the
+        one-pass and split-KV decodes and the reduce, rms_norm with and without the residual,
+        rotary, silu_and_mul, reshape_and_cache, apply_token_bitmask), so that none compiles in
+        front of a user. Nothing to do for backends that compile nothing. Writes no KV."""
+        if not self.backend.compiles_kernels:
+            return
+        start = time.perf_counter()
         cfg = self.model_cfg
-        shape = (cfg.num_layers, 2, cache.num_blocks, cfg.num_kv_heads, cache.block_size, cfg.head_dim)
+        steps = warm_up_steps(self.backend.decode_shapes(cfg.max_model_len, self.device),
+                              self.block_size, cfg.vocab_size, cfg.eos_token_ids)
+        for step in steps:
+            self.execute(step)
+        self.dev.synchronize()
+        logger.info("kernel warm-up: %d steps launching every kernel variant in %.1f s",
+                    len(steps), time.perf_counter() - start)
+
+    def _set_kv_storage(self, num_blocks: int) -> None:
+        cfg = self.model_cfg
+        self.kv_caches, self._kv_storage = [], None  # the old pool is freed before the new one
+        if not num_blocks:
+            return
+        shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
         self._kv_storage = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
-        self._kv_storage.fill_(0)
         self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
+
+    def allocate_kv_cache(self, cache: CacheConfig) -> None:
+        self._set_kv_storage(cache.num_blocks)
         if cache.num_swap_blocks:
-            swap_shape = shape[:2] + (cache.num_swap_blocks,) + shape[3:]
-            # left untouched on purpose: swap pages cost memory only once something is swapped
-            self._swap_storage = torch.empty(swap_shape, dtype=cfg.dtype,
-                                             pin_memory=self.device.type == "cuda")
+            self.swapper = KVSwapper(self._kv_storage, cache.num_swap_blocks, self.dev)
+            logger.info("swap space: %.2f GiB of %s host memory", self.swapper.nbytes / 2 ** 30,
+                        "pinned" if self.dev.type == "cuda" else "pageable")
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -110,18 +152,6 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self._kv_storage[:, :, dst] = self._kv_storage[:, :, src]
-
-    def swap_blocks(self, out: SchedulerOutput) -> None:
-        """The step's swap-outs, then its swap-ins: one gather and one scatter over the whole
-        cache (all layers, K and V) per direction."""
-        if out.swap_out:
-            src = torch.tensor([d for d, _ in out.swap_out], device=self.device)
-            dst = torch.tensor([s for _, s in out.swap_out])
-            self._swap_storage[:, :, dst] = self._kv_storage[:, :, src].to("cpu")
-        if out.swap_in:
-            src = torch.tensor([s for s, _ in out.swap_in])
-            dst = torch.tensor([d for _, d in out.swap_in], device=self.device)
-            self._kv_storage[:, :, dst] = self._swap_storage[:, :, src].to(self.device, non_blocking=True)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
@@ -161,11 +191,14 @@ class ModelRunner:
         for rid in out.finished_ids:
             self.seeded.pop(rid, None)
             self.counts.release(rid)
-        self.swap_blocks(out)
+        if self.swapper is not None:
+            self.swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
         result = StepResult()
         if not out.requests:
             return result
         ids, pos, meta, logits_rows = self._prepare(out)
+        if self.swapper is not None:
+            self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
         hidden = self.model(ids, pos, meta, self.kv_caches)
         starts = meta.query_start_loc.tolist()
         if any(r.pool for r in out.requests):

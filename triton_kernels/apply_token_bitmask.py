@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 
+# vocab and both row strides are the model's whatever the batch: fixed, so left specialized
 @triton.jit
 def _apply_token_bitmask_kernel(logits_ptr, mask_ptr, vocab, logits_stride, mask_stride,
                                 BLOCK: tl.constexpr):

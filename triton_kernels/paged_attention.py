@@ -43,8 +43,10 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-# the batch size changes every step: specializing on it would compile new variants mid-serving
-@triton.jit(do_not_specialize=["num_seqs", "num_parts"])
+# each specialized integer compiles a variant per divisibility by 16: batch size, partitions and
+# table width change every step, one token's q/out views report other token strides (head and
+# cache strides are fixed for the server's life and stay specialized)
+@triton.jit(do_not_specialize=["num_seqs", "num_parts", "stride_qt", "stride_ot", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts,
@@ -122,7 +124,8 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_parts"])
+# as above: the partition count and token stride vary with the step, the head stride does not
+@triton.jit(do_not_specialize=["num_parts", "stride_ot"])
 def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr,
                               seq_lens_ptr, num_parts, stride_ot, stride_oh,
                               NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -161,6 +164,11 @@ def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, que
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 128
+
+
+def max_split_seqs(num_kv_heads: int, device: torch.device) -> int:
+    """The most requests a decode-only step may hold and still take the split-KV path."""
+    return (_sm_count(device) - 1) // num_kv_heads
 
 
 def _split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

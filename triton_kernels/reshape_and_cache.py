@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# one token's key/value views report other token strides; head/cache strides are fixed: specialized
+@triton.jit(do_not_specialize=["stride_kt", "stride_vt"])
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cb, stride_ch, stride_ct,

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 
+# `hidden` is the model's: one value for the server's life, so it stays specialized
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# one token's q/k/cos/sin views report other token strides; head count and strides are fixed
+@triton.jit(do_not_specialize=["stride_qt", "stride_kt", "stride_ct", "stride_st"])
 def _rotary_embedding_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
                              HALF: tl.constexpr, HALF_PAD: tl.constexpr):

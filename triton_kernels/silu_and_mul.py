@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 
+# `inter` is the model's: one value for the server's life, so it stays specialized
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

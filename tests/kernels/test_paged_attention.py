@@ -6,6 +6,8 @@ passes them."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -98,6 +100,23 @@ def test_split_heuristic():
     assert _split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
     assert _split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
     assert _split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
+
+
+def test_sm_count_is_read_from_the_cuda_device_once(monkeypatch):
+    """The CUDA lookup behind the split heuristic, run here with the device properties faked."""
+    from triton_kernels import paged_attention as module
+
+    calls = []
+    props = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: calls.append(d) or props)
+    module._sm_count.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+        assert module.max_split_seqs(2, cuda) == 65 and module.max_split_seqs(8, cuda) == 16
+        assert _split_partitions(65, 2, 1, 4096, cuda) == 8 and _split_partitions(66, 2, 1, 4096, cuda) == 0
+        assert calls == [cuda]
+    finally:
+        module._sm_count.cache_clear()  # a real GPU's count is looked up again
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,125 @@
+"""What the model runner needs of its device besides tensors: streams and events (so that
+swap copies overlap the forward), host memory the device can copy from asynchronously, and
+memory statistics (for the KV-cache profile).
+
+`CudaDevice` calls torch.cuda. `HostDevice` is the CPU, where work runs in program order:
+its streams and events do nothing and it measures no memory. Both have the same methods, so
+the runner runs the same lines on either, and a test can hand it a fake CUDA device."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+
+class NullStream:
+    """A stream on a device that runs everything in program order."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self) -> "NullEvent":
+        return NullEvent()
+
+
+class NullEvent:
+    """The point a stream reached: on a device in program order, always passed already."""
+
+
+class HostDevice:
+    type = "cpu"
+    _stream = NullStream()
+
+    def new_stream(self) -> NullStream:
+        return NullStream()
+
+    def current_stream(self) -> NullStream:
+        return self._stream
+
+    def use_stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the allocator that `stream` still reads `tensor` after Python drops it."""
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Plain memory: its pages are committed as they are first written."""
+        return torch.empty(shape, dtype=dtype)
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        raise NotImplementedError("memory is profiled on CUDA only; the CPU pool is sized by "
+                                  "--kv-cache-memory")
+
+    memory_allocated = max_memory_allocated = reset_peak_memory_stats = mem_get_info
+
+
+class CudaDevice:
+    type = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def use_stream(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked memory of exactly this size, committed now: registered with CUDA rather
+        than taken from torch's pinned allocator, which rounds each block up to a power of two."""
+        tensor = torch.empty(shape, dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            cudart = torch.cuda.cudart()
+            err = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+            if err:
+                raise RuntimeError(f"could not pin {nbytes / 2 ** 30:.2f} GiB of host memory "
+                                   f"(CUDA error {err}): lower --swap-space")
+            # unpinned before torch frees the pages, which a later registration may get again
+            weakref.finalize(tensor, _unregister, cudart, tensor.data_ptr())
+        return tensor
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def _unregister(cudart, ptr: int) -> None:
+    torch.cuda.synchronize()  # no copy may still be reading or writing the pages
+    cudart.cudaHostUnregister(ptr)
+
+
+def device_for(device: torch.device) -> HostDevice | CudaDevice:
+    return CudaDevice(device) if device.type == "cuda" else HostDevice()
