@@ -10,8 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import bad_request
-from app.generation import (check_length, collect, request_id, sampling_params, sse_response, start,
-                            usage)
+from app.generation import collect, request_id, sampling_params, sse_response, start, usage
 from app.http import api_route, json_response, read_json, until_disconnected
 from app.logprobs import chat_logprobs
 from app.protocol import ChatCompletionRequest, ChatMessage
@@ -66,11 +65,10 @@ async def chat_completions(request: Request) -> Response:
     parse_tools = plan is not None and plan.parse
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    check_length(state, len(prompt_ids), max_tokens)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar)
     rid = request_id("chatcmpl", request)
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt)
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages")
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:

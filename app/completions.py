@@ -8,8 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import bad_request
-from app.generation import (check_length, collect, request_id, sampling_params, sse_response, start,
-                            usage)
+from app.generation import collect, request_id, sampling_params, sse_response, start, usage
 from app.http import api_route, json_response, read_json, until_disconnected
 from app.logprobs import completion_logprobs
 from app.protocol import CompletionRequest
@@ -24,17 +23,9 @@ def split_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]], param: str) -> list[list[int]]:
-    vocab = state.engine.vocab_size
-    out = []
-    for p in prompts:
-        ids = await state.tokenize(p) if isinstance(p, str) else p
-        if not ids:
-            raise bad_request("a prompt is empty", param)
-        if max(ids) >= vocab:
-            raise bad_request(f"token id {max(ids)} is outside the vocabulary (0 to {vocab - 1})", param)
-        out.append(ids)
-    return out
+async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Texts tokenized; token ids as they are (the engine checks them as it takes them)."""
+    return [await state.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
 
 @api_route
@@ -45,15 +36,13 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = split_prompts(body.prompt)
-    ids = await prompt_token_ids(state, prompts, "prompt")
-    for p in ids:
-        check_length(state, len(p), body.max_tokens, "prompt")
+    ids = await prompt_token_ids(state, prompts)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs,
                              structured=structured_outputs(body)[0])
-    echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     rid = request_id("cmpl", request)
-    stream, index = start(state, rid, ids, params, body.cache_salt)
+    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt")
+    echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     num_prompt = sum(len(p) for p in ids)

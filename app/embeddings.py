@@ -25,12 +25,7 @@ async def embeddings(request: Request) -> Response:
     model = state.check_model(body.model)
     if body.dimensions is not None:
         raise bad_request("dimensions is not supported: the model has one embedding size", "dimensions")
-    inputs = await prompt_token_ids(state, split_prompts(body.input), "input")
-    for ids in inputs:
-        if len(ids) > state.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {state.max_model_len} tokens. However, your "
-                f"request has {len(ids)} input tokens. Please reduce the length of the input.", "input")
+    inputs = await prompt_token_ids(state, split_prompts(body.input))
     engine = state.engine
     base = request_id("embd", request)
     suffix = uuid.uuid4().hex[:8]

@@ -1,5 +1,5 @@
-"""What chat and completions share: request fields -> SamplingParams, the context-length
-checks with vLLM's wording, adding prompts to the engine, and the SSE response."""
+"""What chat and completions share: request fields -> SamplingParams, adding prompts to the
+engine, and the SSE response."""
 
 from __future__ import annotations
 
@@ -62,26 +62,13 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
 
-def check_length(state: ServerState, num_prompt_tokens: int, max_tokens: int | None,
-                 param: str = "messages") -> None:
-    limit = state.max_model_len
-    if num_prompt_tokens >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", param)
-    if max_tokens is not None and max_tokens > limit - num_prompt_tokens:
-        raise bad_request(
-            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {limit} "
-            f"tokens and your request has {num_prompt_tokens} input tokens ({max_tokens} > {limit} - "
-            f"{num_prompt_tokens}).", "max_tokens")
-
-
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-          cache_salt: str | None) -> tuple[RequestStream, dict[str, int]]:
+          cache_salt: str | None, param: str) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
     index (an output's choice index is prompt index x n + its own index). Engine ids add a
     random suffix to the response id, so a client that reuses its X-Request-Id never meets
-    its earlier request. Nothing is left running if one of them is refused."""
+    its earlier request. Each is checked as the engine takes it (an error names `param` for
+    the prompt); nothing is left running if one of them is refused."""
     engine = state.engine
     stream = engine.new_stream(len(prompts))
     index: dict[str, int] = {}
@@ -89,7 +76,7 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     try:
         for i, ids in enumerate(prompts):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
-            engine.add_request(stream, rid, ids, params, cache_salt)
+            engine.add_request(stream, rid, ids, params, cache_salt, param)
             index[rid] = i
     except BaseException:
         stream.abort()

@@ -109,8 +109,8 @@ def engine_error(e: Exception) -> APIError | None:
     anything else, which is a bug."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
+    if isinstance(e, ValueError):  # the input processor's InvalidRequest names the field
+        return bad_request(str(e), getattr(e, "param", None))
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, ShuttingDownError):

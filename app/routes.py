@@ -14,7 +14,7 @@ from starlette.responses import Response
 from app.chat import chat_completions, chat_prompt_ids
 from app.completions import completions
 from app.embeddings import embeddings
-from app.errors import APIError, bad_request
+from app.errors import APIError
 from app.http import api_route, json_response, read_json
 from app.openapi import package_version
 from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -68,10 +68,7 @@ async def detokenize(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
-    vocab = state.engine.vocab_size
-    if body.tokens and max(body.tokens) >= vocab:
-        raise bad_request(f"token id {max(body.tokens)} is outside the vocabulary (0 to {vocab - 1})",
-                          "tokens")
+    state.engine.check_token_ids(body.tokens, "tokens")
     return json_response({"prompt": state.detokenize(body.tokens)})
 
 

@@ -2,14 +2,13 @@
 
 OpenAI's `response_format` (json_object, json_schema), vLLM's `structured_outputs` object and
 its older `guided_json` / `guided_regex` / `guided_choice`: at most one of them per request.
-The grammar is converted here already, so that a schema we cannot enforce is a 400 that
-names the feature and the field, before anything is queued."""
+The engine's input processor converts the grammar once, as it takes the request: a schema we
+cannot enforce is a 400 that names the feature and this field, before anything is queued."""
 
 from __future__ import annotations
 
 from app.errors import bad_request
 from app.protocol import SamplingFields
-from grammar.compiler import regex_for
 from sampling.params import StructuredOutputsParams
 
 
@@ -41,8 +40,6 @@ def structured_outputs(body: SamplingFields) -> tuple[StructuredOutputsParams | 
                           f"{', '.join(name for name, _ in found)}", found[1][0])
     name, kwargs = found[0]
     try:
-        spec = StructuredOutputsParams(**kwargs)
-        regex_for(spec)  # the engine converts it again (cached there); here a failure is a 400
+        return StructuredOutputsParams(**kwargs, source=name), name
     except ValueError as e:
         raise bad_request(str(e), name) from None
-    return spec, name

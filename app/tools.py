@@ -57,7 +57,7 @@ def plan_tools(body: ChatCompletionRequest, enable_auto: bool) -> ToolPlan | Non
             regex = tool_calls_regex(named, False)
     except ValueError as e:  # a parameters schema we cannot enforce
         raise bad_request(str(e), "tools") from None
-    return ToolPlan(StructuredOutputsParams(regex=regex), True)
+    return ToolPlan(StructuredOutputsParams(regex=regex, source="tools"), True)
 
 
 # ---- the prompt ----

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from runtime.engine_args import EngineArgs
+from runtime.input_processor import ProcessedRequest
 from runtime.outputs import RequestOutput
 from runtime.stats import EngineStats
 from sampling.params import SamplingParams
@@ -45,9 +46,7 @@ class QueueFullError(RuntimeError):
 @dataclass(slots=True)
 class _PendingRequest:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams | None  # None: an embedding request
-    cache_salt: str | None
+    request: ProcessedRequest
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -225,17 +224,20 @@ class AsyncEngine:
         self._check_accepting(num_requests)
         return RequestStream(self)
 
-    def add_request(self, stream: RequestStream, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, cache_salt: str | None = None) -> None:
-        """Check the request now (ValueError for a bad one) and queue it for the next step;
-        its outputs go to `stream`."""
-        self.engine.validate(prompt_token_ids, params)
-        self._enqueue(stream, _PendingRequest(request_id, prompt_token_ids, params, cache_salt))
+    def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
+                    params: SamplingParams, cache_salt: str | None = None, param: str = "prompt") -> None:
+        """Check the request now, once (InvalidRequest naming the field at fault, `param` for
+        the prompt), and queue it for the next step; its outputs go to `stream`."""
+        checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True)
+        self._enqueue(stream, _PendingRequest(request_id, checked))
 
-    def add_embedding_request(self, stream: RequestStream, request_id: str,
-                              prompt_token_ids: list[int]) -> None:
-        self.engine.validate_embedding(prompt_token_ids)
-        self._enqueue(stream, _PendingRequest(request_id, prompt_token_ids, None, None))
+    def add_embedding_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
+                              param: str = "input") -> None:
+        self._enqueue(stream, _PendingRequest(request_id, self.engine.inputs.process_embedding(prompt, param)))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """InvalidRequest when an id is outside the vocabulary."""
+        self.engine.inputs.check_token_ids(token_ids, param)
 
     def _enqueue(self, stream: RequestStream, pending: _PendingRequest) -> None:
         rid = pending.request_id
@@ -275,13 +277,8 @@ class AsyncEngine:
         pending, self._pending = self._pending, {}
         for rid, p in pending.items():
             try:
-                if p.params is None:
-                    engine.add_embedding_request(p.prompt_token_ids, request_id=rid,
-                                                 arrival_time=p.arrival_time)
-                else:
-                    engine.add_request(p.prompt_token_ids, p.params, request_id=rid,
-                                       cache_salt=p.cache_salt, arrival_time=p.arrival_time)
-            except ValueError as e:  # checked on the way in; only a race could bring us here
+                engine.add_processed(p.request, rid, p.arrival_time)
+            except ValueError as e:  # an id taken meanwhile: the content was checked on the way in
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
                     stream.put(e)

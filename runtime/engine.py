@@ -16,6 +16,7 @@ from runtime.config import EngineConfig
 from runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
+from runtime.input_processor import InputProcessor, ProcessedRequest
 from runtime.kv_cache_manager import KVCacheManager
 from runtime.models.loader import load_tokenizer, read_config, resolve_model
 from runtime.model_runner import ModelRunner, child_id, kv_block_bytes
@@ -62,6 +63,8 @@ class LLMEngine:
         self.counters = IterationCounters()
         self._ids = itertools.count()
         self.grammar = GrammarCompiler(tokenizer)
+        self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
+                                     config.scheduler.max_num_seqs, self.grammar.regex)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
 
@@ -133,61 +136,34 @@ class LLMEngine:
         """Thread-safe: the Rust tokenizer is only read."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            token_ids = self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        vocab = self.config.model.vocab_size
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary (valid ids are 0 to {vocab - 1})")
-        return token_ids
-
-    def _too_long(self, num_tokens: int) -> ValueError:
-        return ValueError(
-            f"This model's maximum context length is {self.config.model.max_model_len} tokens. However, "
-            f"your request has {num_tokens} input tokens. Please reduce the length of the input.")
-
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], int]:
-        """Tokenize and check a prompt before it enters the engine. Returns (token ids,
-        max_tokens resolved against the context length)."""
-        token_ids = self._prompt_token_ids(prompt)
-        max_len = self.config.model.max_model_len
-        if len(token_ids) >= max_len:  # at least one output token must fit
-            raise self._too_long(len(token_ids))
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) is larger than the server's --max-num-seqs "
-                             f"({self.config.scheduler.max_num_seqs})")
-        vocab = self.config.model.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
-        if params.structured_outputs is not None:
-            self.grammar.regex(params.structured_outputs)  # a schema we cannot enforce: ValueError
-        room = max_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return token_ids, max_tokens
-
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> str:
-        token_ids, max_tokens = self.validate(prompt, params)
-        req = self._new_request(request_id, token_ids, params, max_tokens, prompt, cache_salt,
-                                arrival_time=arrival_time)
+        return self.add_processed(self.inputs.process(prompt, params, cache_salt), request_id, arrival_time)
+
+    def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
+                              arrival_time: float | None = None) -> str:
+        """A prefill-only request whose output is the mean of its tokens' last hidden states,
+        L2-normalized."""
+        return self.add_processed(self.inputs.process_embedding(prompt), request_id, arrival_time)
+
+    def add_processed(self, processed: ProcessedRequest, request_id: str | None = None,
+                      arrival_time: float | None = None) -> str:
+        """Add a request that the input processor has checked (it is not checked again)."""
+        p = processed
+        pooling = p.params is None
+        params = _POOLING_PARAMS if pooling else p.params
+        req = self._new_request(request_id, p.prompt_token_ids, params, p.max_tokens, p.prompt,
+                                p.cache_salt, pooling, arrival_time)
+        if pooling:
+            self.scheduler.add_request(req)
+            return req.request_id
         req.detokenizer = self._detokenizer(req)
         if params.n > 1:
             self.outputs.add_group([req])
-        if params.structured_outputs is not None:
+        if p.grammar is not None:
             # compiled in the grammar worker; the scheduler passes the request over until then
-            req.grammar = self.grammar.submit(self.grammar.regex(params.structured_outputs))
+            req.grammar = self.grammar.submit(p.grammar)
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._grammar_waiting[req.request_id] = req
         self.scheduler.add_request(req)
@@ -222,33 +198,15 @@ class LLMEngine:
         return IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, p.stop,
                                       p.include_stop_str_in_output, p.skip_special_tokens)
 
-    def validate_embedding(self, prompt: str | list[int]) -> list[int]:
-        token_ids = self._prompt_token_ids(prompt)
-        if len(token_ids) > self.config.model.max_model_len:
-            raise self._too_long(len(token_ids))
-        return token_ids
-
-    def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
-                              arrival_time: float | None = None) -> str:
-        """A prefill-only request whose output is the mean of its tokens' last hidden states,
-        L2-normalized."""
-        token_ids = self.validate_embedding(prompt)
-        req = self._new_request(request_id, token_ids, _POOLING_PARAMS, 0, prompt, None, pooling=True,
-                                arrival_time=arrival_time)
-        self.scheduler.add_request(req)
-        return req.request_id
-
     def _new_request(self, request_id, token_ids, params, max_tokens, prompt, cache_salt,
                      pooling: bool = False, arrival_time: float | None = None) -> Request:
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if "#" in request_id:
             raise ValueError(f"request id {request_id!r}: '#' is kept for the sequences of n > 1")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
-                      prompt if isinstance(prompt, str) else None, cache_salt, pooling)
+                      prompt, cache_salt, pooling)
         if arrival_time is not None:  # when the server took it, not when the engine got it
             req.arrival_time = arrival_time
         self.requests[request_id] = req

@@ -33,17 +33,14 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         sampling_params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in sampling_params]
         # every prompt is checked before any enters the engine, so a bad one leaves no debris
-        parsed = []
+        checked = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             try:
                 prompt, salt = _unpack(p)
-                self.engine.validate(prompt, sp)
+                checked.append(self.engine.inputs.process(prompt, sp, salt))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            parsed.append((prompt, salt))
-        ids = [self.engine.add_request(p, sp, cache_salt=salt)
-               for (p, salt), sp in zip(parsed, sampling_params)]
-        return self._run(ids, use_tqdm)
+        return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -35,6 +35,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
+    source: str | None = None  # the request field it came from, named in errors (not in the key)
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]

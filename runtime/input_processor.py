@@ -1,0 +1,106 @@
+"""Every check of a request's content, done once where it enters the engine: the prompt
+(tokenized, in the vocabulary, not too long), the sampling parameters that depend on the
+model (token ids, n, max_tokens against the context) and the grammar (converted to its regex
+here, so that a schema we cannot enforce fails before anything is queued). Errors name the
+request field at fault (`param`), for the server's 400."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sampling.params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot take. `param`: the request field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A request checked and ready for the engine."""
+    prompt_token_ids: list[int]
+    params: SamplingParams | None  # None: an embedding request (prefill only, nothing sampled)
+    max_tokens: int  # resolved against the context length
+    prompt: str | None = None  # the text, when it was given as text
+    cache_salt: str | None = None
+    grammar: str | None = None  # the regex the output must match
+
+
+class InputProcessor:
+    def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex):
+        self.tokenize = tokenize  # text -> token ids
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.grammar_regex = grammar_regex  # StructuredOutputsParams -> regex, ValueError if unenforceable
+
+    def process(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                param: str = "prompt", strict_max_tokens: bool = False) -> ProcessedRequest:
+        """`strict_max_tokens`: a max_tokens that does not fit beside the prompt is an error (the
+        server, as vLLM's), not cut to what fits (the offline API)."""
+        ids = self._prompt_ids(prompt, param)
+        room = self.max_model_len - len(ids)
+        if room < 1:  # at least one output token must fit
+            raise self.too_long(len(ids), param)
+        if params.max_tokens is not None and params.max_tokens > room and strict_max_tokens:
+            raise InvalidRequest(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {len(ids)} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {len(ids)}).", "max_tokens")
+        if params.n > self.max_num_seqs:
+            raise InvalidRequest(f"n ({params.n}) is larger than the server's --max-num-seqs "
+                                 f"({self.max_num_seqs})", "n")
+        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            self.check_token_ids(token_ids, name)
+        _check_salt(cache_salt)
+        grammar = None
+        if params.structured_outputs is not None:
+            spec = params.structured_outputs
+            try:
+                grammar = self.grammar_regex(spec)
+            except ValueError as e:
+                raise InvalidRequest(str(e), spec.source or "structured_outputs") from None
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else None,
+                                cache_salt, grammar)
+
+    def process_embedding(self, prompt: str | list[int], param: str = "input") -> ProcessedRequest:
+        ids = self._prompt_ids(prompt, param)
+        if len(ids) > self.max_model_len:
+            raise self.too_long(len(ids), param)
+        return ProcessedRequest(ids, None, 0, prompt if isinstance(prompt, str) else None)
+
+    def check_token_ids(self, token_ids, param: str) -> None:
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"{param}: token id {t!r} is outside the vocabulary (valid ids are 0 "
+                                     f"to {self.vocab_size - 1})", param)
+
+    def too_long(self, num_tokens: int, param: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+            f"has {num_tokens} input tokens. Please reduce the length of the input.", param)
+
+    def _prompt_ids(self, prompt, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty", param)
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}",
+                                 param)
+        if not ids:
+            raise InvalidRequest("the prompt is empty (0 tokens)", param)
+        self.check_token_ids(ids, param)
+        return ids
+
+
+def _check_salt(cache_salt) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequest(f"cache_salt must be a non-empty string, got {cache_salt!r}", "cache_salt")
