@@ -40,7 +40,7 @@ generate: $(STAMP)
 	$(VENV)/bin/pageserve generate --chat "What is PagedAttention?"
 
 bench: $(STAMP)
-	$(PY) -m loadtest.bench_offline
+	$(PY) -m pageserve.loadtest.bench_offline
 
 clean:
 	rm -rf $(VENV) .cache tests/node/node_modules

@@ -9,14 +9,14 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.errors import bad_request
-from app.generation import collect, request_id, sampling_params, sse_response, start, usage
-from app.http import api_route, json_response, read_json, until_disconnected
-from app.logprobs import chat_logprobs
-from app.protocol import ChatCompletionRequest, ChatMessage
-from app.state import LONG_TEXT, ServerState
-from app.structured import structured_outputs
-from app.tools import StreamingToolParser, chat_dicts, parse_tool_calls, plan_tools
+from pageserve.app.errors import bad_request
+from pageserve.app.generation import collect, request_id, sampling_params, sse_response, start, usage
+from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.logprobs import chat_logprobs
+from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
+from pageserve.app.state import LONG_TEXT, ServerState
+from pageserve.app.structured import structured_outputs
+from pageserve.app.tools import StreamingToolParser, chat_dicts, parse_tool_calls, plan_tools
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,

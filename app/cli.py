@@ -8,7 +8,7 @@ import sys
 
 
 def _add_generate(sub) -> None:
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
 
     p = sub.add_parser("generate", help="generate text offline and print it")
     p.add_argument("prompts", nargs="+", help="one or more prompts")
@@ -23,8 +23,8 @@ def _add_generate(sub) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from runtime import LLM, SamplingParams
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime import LLM, SamplingParams
+    from pageserve.runtime.engine_args import EngineArgs
 
     args = EngineArgs.from_cli_args(ns)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
@@ -43,7 +43,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, bench_structured,
+    from pageserve.loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, bench_structured,
                           soak)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -63,7 +63,7 @@ def _add_bench(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    from app import serve
+    from pageserve.app import serve
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
                        description="Serve MODEL (default: SmolLM2-135M-Instruct) over the OpenAI API.")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
-    from runtime.models.loader import ModelLoadError
+    from pageserve.runtime.models.loader import ModelLoadError
 
     try:
         return ns.func(ns)

@@ -7,13 +7,13 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.errors import bad_request
-from app.generation import collect, request_id, sampling_params, sse_response, start, usage
-from app.http import api_route, json_response, read_json, until_disconnected
-from app.logprobs import completion_logprobs
-from app.protocol import CompletionRequest
-from app.state import ServerState
-from app.structured import structured_outputs
+from pageserve.app.errors import bad_request
+from pageserve.app.generation import collect, request_id, sampling_params, sse_response, start, usage
+from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.logprobs import completion_logprobs
+from pageserve.app.protocol import CompletionRequest
+from pageserve.app.state import ServerState
+from pageserve.app.structured import structured_outputs
 
 
 def split_prompts(prompt) -> list[str | list[int]]:

@@ -10,12 +10,12 @@ from array import array
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.completions import prompt_token_ids, split_prompts
-from app.errors import bad_request
-from app.generation import collect, request_id
-from app.http import api_route, json_response, read_json, until_disconnected
-from app.protocol import EmbeddingRequest
-from app.state import ServerState
+from pageserve.app.completions import prompt_token_ids, split_prompts
+from pageserve.app.errors import bad_request
+from pageserve.app.generation import collect, request_id
+from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.protocol import EmbeddingRequest
+from pageserve.app.state import ServerState
 
 
 @api_route

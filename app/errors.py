@@ -7,7 +7,7 @@ import orjson
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from app.json_out import dumps
+from pageserve.app.json_out import dumps
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
-from app.errors import APIError, bad_request
-from app.http import engine_error
-from app.json_out import dumps
-from app.protocol import SamplingFields
-from app.state import ServerState
-from runtime.async_engine import RequestFailedError, RequestStream
-from runtime.outputs import RequestOutput
-from sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pageserve.app.errors import APIError, bad_request
+from pageserve.app.http import engine_error
+from pageserve.app.json_out import dumps
+from pageserve.app.protocol import SamplingFields
+from pageserve.app.state import ServerState
+from pageserve.runtime.async_engine import RequestFailedError, RequestStream
+from pageserve.runtime.outputs import RequestOutput
+from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from app.errors import APIError, bad_request, from_validation_error
-from app.json_out import dumps
-from runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
+from pageserve.app.errors import APIError, bad_request, from_validation_error
+from pageserve.app.json_out import dumps
+from pageserve.runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
                                   RequestTimeoutError, ShuttingDownError)
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from runtime.async_engine import AsyncEngine
-from runtime.outputs import RequestOutput
+from pageserve.runtime.async_engine import AsyncEngine
+from pageserve.runtime.outputs import RequestOutput
 
 logger = logging.getLogger("pageserve.requests")
 

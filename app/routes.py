@@ -11,15 +11,15 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.chat import chat_completions, chat_prompt_ids
-from app.completions import completions
-from app.embeddings import embeddings
-from app.errors import APIError
-from app.http import api_route, json_response, read_json
-from app.openapi import package_version
-from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+from pageserve.app.chat import chat_completions, chat_prompt_ids
+from pageserve.app.completions import completions
+from pageserve.app.embeddings import embeddings
+from pageserve.app.errors import APIError
+from pageserve.app.http import api_route, json_response, read_json
+from pageserve.app.openapi import package_version
+from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                           TokenizeRequest)
-from app.state import ServerState
+from pageserve.app.state import ServerState
 
 
 @dataclass(frozen=True, slots=True)

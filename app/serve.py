@@ -12,14 +12,14 @@ import signal
 import orjson
 import uvicorn
 
-from app.state import ServerSettings
-from app.tools import TOOL_PARSERS
+from pageserve.app.state import ServerSettings
+from pageserve.app.tools import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model directory or .gguf file (same as --model)")
@@ -116,11 +116,11 @@ class GracefulServer(uvicorn.Server):
 
 
 def run(ns: argparse.Namespace) -> int:
-    from app.server import build_app
-    from app.state import ServerState
-    from runtime.async_engine import AsyncEngine
-    from runtime.engine_args import EngineArgs
-    from runtime.models.loader import DEFAULT_GGUF_FILE
+    from pageserve.app.server import build_app
+    from pageserve.app.state import ServerState
+    from pageserve.runtime.async_engine import AsyncEngine
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.models.loader import DEFAULT_GGUF_FILE
 
     if ns.model_tag is not None:
         ns.model = ns.model_tag
@@ -132,7 +132,7 @@ def run(ns: argparse.Namespace) -> int:
                                request_timeout=ns.request_timeout)
     # "any JSON object" is the slowest grammar to compile (seconds): do it now, in the grammar
     # worker, so that the first json_object request does not wait for it
-    from grammar.regexes import json_object_regex
+    from pageserve.grammar.regexes import json_object_regex
 
     engine.compile_grammar(json_object_regex())
     state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)

@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.errors import APIError
-from app.metrics import Metrics
-from app.openapi import openapi_document
-from app.routes import ROUTES
-from app.state import ServerState
+from pageserve.app.errors import APIError
+from pageserve.app.metrics import Metrics
+from pageserve.app.openapi import openapi_document
+from pageserve.app.routes import ROUTES
+from pageserve.app.state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import APIError
-from app.logprobs import TokenText
-from grammar.vocabulary import token_byte_table
-from runtime.async_engine import AsyncEngine
+from pageserve.app.errors import APIError
+from pageserve.app.logprobs import TokenText
+from pageserve.grammar.vocabulary import token_byte_table
+from pageserve.runtime.async_engine import AsyncEngine
 
 # a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
 LONG_TEXT = 4096

@@ -7,9 +7,9 @@ cannot enforce is a 400 that names the feature and this field, before anything i
 
 from __future__ import annotations
 
-from app.errors import bad_request
-from app.protocol import SamplingFields
-from sampling.params import StructuredOutputsParams
+from pageserve.app.errors import bad_request
+from pageserve.app.protocol import SamplingFields
+from pageserve.sampling.params import StructuredOutputsParams
 
 
 def structured_outputs(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -16,10 +16,10 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from app.errors import bad_request
-from app.protocol import ChatCompletionRequest, ChatMessage
-from grammar.regexes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, lazy_tool_calls_regex, tool_calls_regex
-from sampling.params import StructuredOutputsParams
+from pageserve.app.errors import bad_request
+from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
+from pageserve.grammar.regexes import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, lazy_tool_calls_regex, tool_calls_regex
+from pageserve.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

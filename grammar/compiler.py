@@ -16,10 +16,10 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
-from grammar.regexes import choice_regex, json_object_regex
-from grammar.worker import CompiledGrammar, CompileError, CompilerStopped, CompileWorker
-from sampling.params import StructuredOutputsParams
+from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
+from pageserve.grammar.regexes import choice_regex, json_object_regex
+from pageserve.grammar.worker import CompiledGrammar, CompileError, CompilerStopped, CompileWorker
+from pageserve.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class GrammarCompiler:
             if self._closed:
                 raise UnsupportedSchema("the server is shutting down")
             if self._worker is None:
-                from grammar.vocabulary import vocabulary_tokens
+                from pageserve.grammar.vocabulary import vocabulary_tokens
 
                 eos, tokens, self.vocab_len = vocabulary_tokens(self.tokenizer)
                 self._worker = CompileWorker(eos, tokens, self.timeout, self.memory_bytes)

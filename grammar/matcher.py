@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from outlines_core import Guide
 
-from grammar.worker import CompiledGrammar
+from pageserve.grammar.worker import CompiledGrammar
 
 
 class Matcher:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from grammar.json_schema import UnsupportedSchema, schema_to_regex
+from pageserve.grammar.json_schema import UnsupportedSchema, schema_to_regex
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 

@@ -3,8 +3,9 @@ automaton that grows exponentially, say `[ab]*a[ab]{30}`) can neither run the se
 memory nor hold the compiler forever: the child has a memory limit, and a compile that runs
 past its time limit is ended by killing the child, which is started again for the next one.
 
-The child is `python -m grammar.worker`: a fresh interpreter that imports only outlines-core
-(no torch, no OpenMP state, nothing of the parent's main module). Messages on its stdin and
+The child is `python -m pageserve.grammar.worker`: a fresh interpreter that imports only
+outlines-core and pageserve's light package modules (no torch, no OpenMP state, nothing of the
+parent's main module). Messages on its stdin and
 stdout are length-prefixed pickles; compiled Index objects come back pickled."""
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class CompileWorker:
     """The parent's end. Used from one thread at a time (the compiler's worker thread); close()
     may come from another one."""
 
-    command = [sys.executable, "-m", "grammar.worker"]
+    command = [sys.executable, "-m", "pageserve.grammar.worker"]
 
     def __init__(self, eos: int, tokens: dict[bytes, list[int]], timeout: float, memory_bytes: int):
         self.eos, self.tokens = eos, tokens

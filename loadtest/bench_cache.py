@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from loadtest.common import save_json
+from pageserve.loadtest.common import save_json
 
 GiB = 1 << 30
 
@@ -45,7 +45,7 @@ def _ttft(outs) -> float:
 
 
 def bench_prefix(args) -> dict:
-    from runtime import LLM, SamplingParams
+    from pageserve.runtime import LLM, SamplingParams
 
     result = {}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -73,7 +73,7 @@ def bench_prefix(args) -> dict:
 
 
 def bench_overflow(args) -> dict:
-    from runtime import LLM, SamplingParams
+    from pageserve.runtime import LLM, SamplingParams
 
     result = {}
     for mode in ("swap", "recompute"):

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from loadtest.common import save_json, start_server
+from pageserve.loadtest.common import save_json, start_server
 
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
           "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge", "a volcano",
@@ -52,7 +52,7 @@ def engine_flags(args) -> list[str]:
 
 class Offline:
     def __init__(self, args):
-        from runtime import LLM, SamplingParams
+        from pageserve.runtime import LLM, SamplingParams
 
         self.llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                        max_num_seqs=args.num_clients, max_model_len=2048)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from loadtest.common import save_json
+from pageserve.loadtest.common import save_json
 
 GiB = 1 << 30
 
@@ -63,7 +63,7 @@ def make_workload(args, vocab_size: int, special_ids) -> list[tuple[list[int], i
 
 
 def run_ours(args, llm, work) -> dict:
-    from runtime import SamplingParams
+    from pageserve.runtime import SamplingParams
 
     # warm-up: first-call allocations and lazy inits stay out of the timing
     tiny = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -115,7 +115,7 @@ def run_hf(args, path: str, device: torch.device, work) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     for what in ("prompt", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")

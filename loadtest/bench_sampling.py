@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from loadtest.common import save_json
+from pageserve.loadtest.common import save_json
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def every_processor(i: int, vocab: int):
-    from sampling.params import RequestOutputKind, SamplingParams
+    from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
     return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                           frequency_penalty=0.3, repetition_penalty=1.1,
@@ -41,7 +41,7 @@ def every_processor(i: int, vocab: int):
 
 
 def plain():
-    from sampling.params import RequestOutputKind, SamplingParams
+    from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True,
                           output_kind=RequestOutputKind.FINAL_ONLY)
@@ -68,8 +68,8 @@ def decode_step_ms(llm, make_params, args) -> float:
 
 
 def sampler_ms(args, vocab: int, device: torch.device) -> float:
-    from sampling.penalties import TokenCounts
-    from sampling.sampler import SampleRow, SamplingMetadata, sample
+    from pageserve.sampling.penalties import TokenCounts
+    from pageserve.sampling.sampler import SampleRow, SamplingMetadata, sample
 
     gen = torch.Generator().manual_seed(0)
     counts = TokenCounts(vocab, device)
@@ -90,7 +90,7 @@ def sampler_ms(args, vocab: int, device: torch.device) -> float:
 
 
 def main(args) -> dict:
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=1.0, max_num_seqs=args.batch,
               max_model_len=2048)

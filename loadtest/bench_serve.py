@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.common import save_json
+from pageserve.loadtest.common import save_json
 
 WORDS = ("time year people way day man thing woman life child world school state family student "
          "group country problem hand part place case week company system program question work "

@@ -14,8 +14,8 @@ import argparse
 import statistics
 import time
 
-from loadtest.common import save_json
-from loadtest.schemas import fifty_schemas
+from pageserve.loadtest.common import save_json
+from pageserve.loadtest.schemas import fifty_schemas
 
 LONG = {"type": "object", "properties": {"items": {"type": "array", "minItems": 200, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -42,9 +42,9 @@ def _run(llm, conversations, params) -> tuple[float, int]:
 
 
 def compile_times(tokenizer) -> dict:
-    from grammar.compiler import GrammarCompiler
-    from grammar.regexes import json_object_regex, tool_calls_regex
-    from sampling.params import StructuredOutputsParams
+    from pageserve.grammar.compiler import GrammarCompiler
+    from pageserve.grammar.regexes import json_object_regex, tool_calls_regex
+    from pageserve.sampling.params import StructuredOutputsParams
 
     compiler = GrammarCompiler(tokenizer)
     t0 = time.perf_counter()
@@ -74,8 +74,8 @@ def compile_times(tokenizer) -> dict:
 
 
 def main(args) -> dict:
-    from runtime import LLM
-    from sampling.params import SamplingParams, StructuredOutputsParams
+    from pageserve.runtime import LLM
+    from pageserve.sampling.params import SamplingParams, StructuredOutputsParams
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=1.0, max_model_len=2048,
               max_num_seqs=max(args.batch, 1))

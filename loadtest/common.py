@@ -24,7 +24,7 @@ def start_server(flags: list[str], timeout: float = 300) -> tuple[subprocess.Pop
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pageserve.app.cli", "serve", "--port", str(port),
                              "--uvicorn-log-level", "warning", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -18,13 +18,14 @@ reading; not yet timed on one; `--sections readiness` runs section 5 alone):
    under the worst load with the profiled peak covering the serving peak, swap-outs
    overlapping compute.
 
-    python -m loadtest.gpu_check [--out DIR]   # on the GPU machine
-    python -m loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
+    python -m pageserve.loadtest.gpu_check [--out DIR]   # on the GPU machine
+    python -m pageserve.loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
 
 The GPU machine has torch, triton, transformers and pytest but not outlines-core, which the
 engine imports: `make gpu-wheels` fetches it into .whl here; carry .whl and run there
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m loadtest.gpu_check --out $OUT
+    mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pageserve &&  # the tree as the pageserve package
+    PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 python3 -m pageserve.loadtest.gpu_check --out $OUT
 
 Each section reports its own failure and the next one still runs; the exit code is non-zero
 if any failed. The figures go to stdout and to gpu_check.json in --out."""
@@ -145,8 +146,8 @@ def section_kernel_tests(args, report):
 
 
 def section_large_shapes(args, report, device):
-    from triton_kernels.paged_attention import paged_attention
-    from triton_kernels.reshape_and_cache import reshape_and_cache
+    from pageserve.triton_kernels.paged_attention import paged_attention
+    from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
 
     results = report["large_shapes"] = []  # filled case by case: a crash keeps what ran
 
@@ -216,7 +217,7 @@ def sdpa_decode(q, k, v, scale):
 
 
 def section_decode_bench(args, report, device):
-    from triton_kernels.paged_attention import PARTITION_SIZE, paged_attention
+    from pageserve.triton_kernels.paged_attention import PARTITION_SIZE, paged_attention
 
     batch, ctx_len, heads, iters = (64, 4096, (32, 8, 128), 50) if not args.smoke else (4, 256, (8, 2, 64), 2)
     num_heads, num_kv_heads, head_dim = heads
@@ -290,8 +291,8 @@ def section_decode_bench(args, report, device):
 
 
 def section_engine(args, report, device):
-    from loadtest import bench_offline
-    from loadtest.tiny_model import build_tiny_model
+    from pageserve.loadtest import bench_offline
+    from pageserve.loadtest.tiny_model import build_tiny_model
 
     if args.smoke:
         shape = dict(hidden_size=112, intermediate_size=256, num_hidden_layers=2, num_attention_heads=7,
@@ -318,7 +319,7 @@ def section_engine(args, report, device):
 
 def section_readiness(args, report):
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "loadtest.gpu_readiness", "--out", tmp] + (["--smoke"] if args.smoke else [])
+        cmd = [sys.executable, "-m", "pageserve.loadtest.gpu_readiness", "--out", tmp] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         path = Path(tmp) / "gpu_readiness.json"
         report["readiness"] = json.loads(path.read_text()) if path.exists() else {}

@@ -11,7 +11,7 @@ that Triton's compile caches start empty and the memory check has the GPU to its
 3. swap: swap-outs drain to the host while the GPU computes (their time overlaps a matmul
    loop), and blocks swapped out and back in are unchanged.
 
-    python -m loadtest.gpu_readiness [--smoke] [--out DIR]
+    python -m pageserve.loadtest.gpu_readiness [--smoke] [--out DIR]
 
 On CPU (--smoke, under TRITON_INTERPRET=1) the same code runs at tiny shapes; the memory check
 needs CUDA and is skipped, and nothing can overlap."""
@@ -39,7 +39,7 @@ TINY = dict(hidden_size=112, intermediate_size=256, num_hidden_layers=2, num_att
 
 
 def engine(path: Path, smoke: bool, **kw):
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     kw.setdefault("kv_cache_memory", 0.05 if smoke else 8)
     kw.setdefault("max_num_seqs", 8 if smoke else 256)  # the interpreter is slow: a small warm-up
@@ -48,7 +48,7 @@ def engine(path: Path, smoke: bool, **kw):
 
 
 def mixed_load(llm, smoke: bool) -> None:
-    from sampling.params import SamplingParams, StructuredOutputsParams
+    from pageserve.sampling.params import SamplingParams, StructuredOutputsParams
 
     n, long_ctx = (4, 600) if smoke else (64, 6000)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -61,7 +61,7 @@ def mixed_load(llm, smoke: bool) -> None:
 
 
 def check_variants(args, report, path):
-    from triton_kernels.variants import VariantLog, compiled_variants
+    from pageserve.triton_kernels.variants import VariantLog, compiled_variants
 
     result = report["variants"] = {}
     with VariantLog() as log:
@@ -95,8 +95,8 @@ def check_memory(args, report, path):
         report["memory"] = "skipped: needs CUDA"
         print("  skipped: needs CUDA")
         return
-    from runtime.model_runner import kv_block_bytes
-    from runtime.synthetic_steps import WORST_CASE_PARAMS
+    from pageserve.runtime.model_runner import kv_block_bytes
+    from pageserve.runtime.synthetic_steps import WORST_CASE_PARAMS
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -126,8 +126,8 @@ def check_memory(args, report, path):
 
 
 def check_swap(args, report, device):
-    from runtime.device import device_for
-    from runtime.kv_swap import KVSwapper
+    from pageserve.runtime.device import device_for
+    from pageserve.runtime.kv_swap import KVSwapper
 
     layers, blocks, n = (2, 64, 16) if args.smoke else (24, 4096, 2048)
     kv = torch.randn(layers, 2, blocks, 2, 16, 64, device=device, dtype=torch.bfloat16)
@@ -182,7 +182,7 @@ def main() -> int:
             print("no CUDA device: pass --smoke", file=sys.stderr)
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-    from loadtest.tiny_model import build_tiny_model
+    from pageserve.loadtest.tiny_model import build_tiny_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"failed": []}

@@ -5,7 +5,7 @@ streamed chats, whole completions, streams the client drops after a few tokens, 
 n = 2 with logprobs, JSON-schema chats (structured output), and bad requests that must get a
 400. Afterwards: requests served, unexpected errors (target 0), the server's RSS growth from
 the end of warm-up to the end (target under 5%), and the KV blocks free once the load stops
-(target: all). Not part of the test suite: `python -m loadtest.soak --duration 300`."""
+(target: all). Not part of the test suite: `pageserve bench soak --duration 300`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from loadtest.common import save_json, start_server
+from pageserve.loadtest.common import save_json, start_server
 
 WORDS = ("paged attention keeps the cache in blocks so that memory is never wasted on padding and "
          "requests of any length share one pool while the scheduler admits them step by step").split()

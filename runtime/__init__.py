@@ -1,16 +1,16 @@
 """The engine: paged KV cache, scheduler, model runner, and the offline LLM API. Importing the
 package loads no torch; `LLM` (and what it needs) is imported when first touched."""
 
-from sampling.params import SamplingParams
+from pageserve.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from runtime.llm import LLM
+        from pageserve.runtime.llm import LLM
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
-        from runtime import outputs
+        from pageserve.runtime import outputs
         return getattr(outputs, name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'pageserve.runtime' has no attribute {name!r}")

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from runtime.engine import LLMEngine, RequestFailedError, StepFailed
-from runtime.engine_args import EngineArgs
-from runtime.input_processor import ProcessedRequest
-from runtime.outputs import RequestOutput
-from runtime.stats import EngineStats
-from sampling.params import SamplingParams
+from pageserve.runtime.engine import LLMEngine, RequestFailedError, StepFailed
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.input_processor import ProcessedRequest
+from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime.stats import EngineStats
+from pageserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

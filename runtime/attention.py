@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_kernels import reference
+from pageserve.triton_kernels import reference
 
 
 @dataclass(slots=True)
@@ -79,13 +79,13 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
-        from triton_kernels import paged_attention as attention_module
-        from triton_kernels.apply_token_bitmask import apply_token_bitmask
-        from triton_kernels.paged_attention import paged_attention
-        from triton_kernels.reshape_and_cache import reshape_and_cache
-        from triton_kernels.rms_norm import rms_norm
-        from triton_kernels.rotary_embedding import rotary_embedding
-        from triton_kernels.silu_and_mul import silu_and_mul
+        from pageserve.triton_kernels import paged_attention as attention_module
+        from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
+        from pageserve.triton_kernels.paged_attention import paged_attention
+        from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
+        from pageserve.triton_kernels.rms_norm import rms_norm
+        from pageserve.triton_kernels.rotary_embedding import rotary_embedding
+        from pageserve.triton_kernels.silu_and_mul import silu_and_mul
 
         self.ops = types.SimpleNamespace(
             rms_norm=rms_norm, rope_cos_sin=reference.rope_cos_sin, rotary_embedding=rotary_embedding,

@@ -9,24 +9,24 @@ import time
 
 import torch
 
-from grammar.compiler import GrammarCompiler
-from grammar.matcher import Matcher
-from grammar.vocabulary import backend_tokenizer
-from runtime.config import EngineConfig
-from runtime.cpu_env import bound_onednn_cache, keep_freed_memory
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
-from runtime.input_processor import InputProcessor, ProcessedRequest
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.models.loader import load_tokenizer, read_config, resolve_model
-from runtime.model_runner import ModelRunner, child_id, kv_block_bytes
-from runtime.output_processor import OutputProcessor, check_stop
-from runtime.outputs import RequestOutput
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import Scheduler
-from runtime.stats import EngineStats, IterationCounters
-from runtime.swap_space import SwapSpace
-from sampling.params import RequestOutputKind, SamplingParams
+from pageserve.grammar.compiler import GrammarCompiler
+from pageserve.grammar.matcher import Matcher
+from pageserve.grammar.vocabulary import backend_tokenizer
+from pageserve.runtime.config import EngineConfig
+from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
+from pageserve.runtime.detokenizer import IncrementalDetokenizer
+from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
+from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
+from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
+from pageserve.runtime.model_runner import ModelRunner, child_id, kv_block_bytes
+from pageserve.runtime.output_processor import OutputProcessor, check_stop
+from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.scheduler import Scheduler
+from pageserve.runtime.stats import EngineStats, IterationCounters
+from pageserve.runtime.swap_space import SwapSpace
+from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from runtime.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype)
-from runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
+from pageserve.runtime.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype)
+from pageserve.runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
 
 
 def triton_interpreting() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sampling.params import SamplingParams
+from pageserve.sampling.params import SamplingParams
 
 
 class InvalidRequest(ValueError):

@@ -6,8 +6,8 @@ import array
 import hashlib
 import os
 
-from runtime.block_pool import BlockPool, KVBlock
-from runtime.request import Request
+from pageserve.runtime.block_pool import BlockPool, KVBlock
+from pageserve.runtime.request import Request
 
 # a per-process key: nobody can search offline for token blocks whose digests collide
 _DIGEST_KEY = os.urandom(16)

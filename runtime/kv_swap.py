@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.device import CudaDevice, HostDevice
+from pageserve.runtime.device import CudaDevice, HostDevice
 
 
 def runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from runtime.engine import LLMEngine
-from runtime.engine_args import EngineArgs
-from runtime.outputs import RequestOutput
-from sampling.params import RequestOutputKind, SamplingParams
+from pageserve.runtime.engine import LLMEngine
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.outputs import RequestOutput
+from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 # a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt"}
 Prompt = str | list[int] | dict

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from runtime.attention import AttentionMetadata, make_backend
-from runtime.config import CacheConfig, DeviceConfig, ModelConfig
-from runtime.device import CudaDevice, HostDevice, device_for
-from runtime.kv_swap import KVSwapper
-from runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
-from runtime.models.loader import ModelLoadError, iter_safetensors
-from runtime.scheduler import SchedulerOutput
-from runtime.synthetic_steps import warm_up_steps, worst_case_steps
-from sampling.penalties import TokenCounts
-from sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
+from pageserve.runtime.attention import AttentionMetadata, make_backend
+from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
+from pageserve.runtime.device import CudaDevice, HostDevice, device_for
+from pageserve.runtime.kv_swap import KVSwapper
+from pageserve.runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
+from pageserve.runtime.models.loader import ModelLoadError, iter_safetensors
+from pageserve.runtime.scheduler import SchedulerOutput
+from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
+from pageserve.sampling.penalties import TokenCounts
+from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 
 logger = logging.getLogger(__name__)
 

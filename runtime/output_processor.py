@@ -3,9 +3,9 @@ one RequestOutput per request (or per sequence of an n > 1 request) as its outpu
 
 from __future__ import annotations
 
-from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from runtime.request import Request, RequestStatus
-from sampling.params import RequestOutputKind
+from pageserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pageserve.runtime.request import Request, RequestStatus
+from pageserve.sampling.params import RequestOutputKind
 
 
 def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from sampling.params import SamplingParams
+from pageserve.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

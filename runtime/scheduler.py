@@ -14,12 +14,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.config import SchedulerConfig
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
-from runtime.stats import SchedulerStats
-from runtime.swap_space import SwapSpace
-from sampling.params import SamplingParams
+from pageserve.runtime.config import SchedulerConfig
+from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.stats import SchedulerStats
+from pageserve.runtime.swap_space import SwapSpace
+from pageserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from runtime.scheduler import ScheduledRequest, SchedulerOutput
-from sampling.params import MAX_LOGPROBS, SamplingParams
-from sampling.sampler import CANDIDATES
+from pageserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from pageserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from pageserve.sampling.sampler import CANDIDATES
 
 # every sampling path at once: logit bias, the min_tokens ban, penalties, seeded random
 # sampling through the full-vocabulary top-k/top-p sort (top-k past the candidates looked at

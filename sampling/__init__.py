@@ -1,3 +1,3 @@
-from sampling.params import SamplingParams
+from pageserve.sampling.params import SamplingParams
 
 __all__ = ["SamplingParams"]

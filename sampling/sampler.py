@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sampling.penalties import TokenCounts, apply_penalties
-from sampling.params import SamplingParams
+from pageserve.sampling.penalties import TokenCounts, apply_penalties
+from pageserve.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the default model's GGUF is converted once into the repo's own cache, not the user's
 os.environ.setdefault("PAGESERVE_CACHE", str(ROOT / ".cache" / "pageserve"))
 
-from loadtest.tiny_model import build_tiny_model  # noqa: E402
+from pageserve.loadtest.tiny_model import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     return LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
                max_num_batched_tokens=64, debug_checks=True)
@@ -41,12 +41,20 @@ def _pool_intact_after_engine_tests(request):
         assert_pool_clean(request.getfixturevalue("tiny_llm").engine)
 
 
+def pytest_collection_modifyitems(items):
+    """Tests on the default model (the `server` fixture loads it: most of a minute on 2 cores)
+    are slow; `pytest -m "not slow"` is the fast loop."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def server():
     """The real server on the default model, in this process (so tests can look inside the
     engine). float32: unlike bfloat16, its greedy output does not depend on what else is in the
     batch, so streamed, concurrent and alone results can be compared token for token."""
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
     from tests.live_server import InProcessServer
 
     srv = InProcessServer(EngineArgs(dtype="float32", kv_cache_memory=0.25, swap_space=0.05,

@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from runtime.device import HostDevice
+from pageserve.runtime.device import HostDevice
 
 GiB = 1 << 30
 

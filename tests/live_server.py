@@ -46,10 +46,10 @@ class InProcessServer:
     def __init__(self, engine_args, shutdown_timeout: float = 5.0, **settings):
         import uvicorn
 
-        from app.serve import GracefulServer
-        from app.server import build_app
-        from app.state import ServerSettings, ServerState
-        from runtime.async_engine import AsyncEngine
+        from pageserve.app.serve import GracefulServer
+        from pageserve.app.server import build_app
+        from pageserve.app.state import ServerSettings, ServerState
+        from pageserve.runtime.async_engine import AsyncEngine
 
         settings.setdefault("served_model_names", ("test-model",))
         settings.setdefault("model_path", str(engine_args.model))
@@ -101,7 +101,7 @@ class SubprocessServer:
         self.log_path = ROOT / ".cache" / f"server-{port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "pageserve.app.cli", "serve", "--port", str(port), *args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         try:
             wait_healthy(self.url, 120, self.proc)

@@ -1,9 +1,11 @@
 import pytest
 
-from runtime.block_pool import BlockPool
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request
-from sampling.params import SamplingParams
+from pageserve.runtime.block_pool import BlockPool
+from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.request import Request
+from pageserve.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:

@@ -7,14 +7,16 @@ import random
 
 import pytest
 
-from grammar.vocabulary import backend_tokenizer
-from runtime.detokenizer import IncrementalDetokenizer
-from sampling.params import RequestOutputKind, SamplingParams
+from pageserve.grammar.vocabulary import backend_tokenizer
+from pageserve.runtime.detokenizer import IncrementalDetokenizer
+from pageserve.sampling.params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from runtime.models.loader import load_tokenizer, resolve_model
+    from pageserve.runtime.models.loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(None))
 

@@ -2,10 +2,12 @@
 
 import pytest
 
-from runtime import LLM, SamplingParams
-from runtime.engine_args import EngineArgs
-from runtime.engine import LLMEngine
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.engine import LLMEngine
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -173,7 +175,7 @@ def test_max_model_len_is_checked(tiny_model_dir):
 
 
 def test_stats_snapshot_starts_at_zero_after_warm_up(tiny_model_dir):
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
     s = llm.engine.stats()

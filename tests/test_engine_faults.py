@@ -8,9 +8,11 @@ import random
 
 import pytest
 
-from runtime import SamplingParams
-from runtime.engine import RequestFailedError, StepFailed
+from pageserve.runtime import SamplingParams
+from pageserve.runtime.engine import RequestFailedError, StepFailed
 from tests.test_prefix_and_swap import assert_all_free, tiny, token_ids
+
+pytestmark = pytest.mark.engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -13,12 +13,14 @@ from schemathesis.generation import GenerationMode
 
 from tests.conftest import assert_pool_clean
 
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
 EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 50}
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
     from tests.live_server import InProcessServer
 
     # a short context keeps every generated max_tokens cheap

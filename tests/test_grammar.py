@@ -14,12 +14,14 @@ import jsonschema
 import numpy as np
 import pytest
 
-from app.tools import StreamingToolParser, parse_tool_calls
-from grammar.compiler import GrammarCompiler
-from grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
-from grammar.matcher import Matcher
-from grammar.regexes import avoiding, lazy_tool_calls_regex, tool_calls_regex
-from sampling.params import SamplingParams, StructuredOutputsParams
+from pageserve.app.tools import StreamingToolParser, parse_tool_calls
+from pageserve.grammar.compiler import GrammarCompiler
+from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
+from pageserve.grammar.matcher import Matcher
+from pageserve.grammar.regexes import avoiding, lazy_tool_calls_regex, tool_calls_regex
+from pageserve.sampling.params import SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.unit
 
 RANGES = [
     {"type": "integer", "minimum": -15, "maximum": 120},
@@ -64,7 +66,7 @@ def test_bounds_with_enum_and_unused_defs():
     ("a(?=b)", "look-around"), ("(unclosed", "not a valid regex"),
 ])
 def test_client_regexes(regex, result):
-    from grammar.compiler import regex_for
+    from pageserve.grammar.compiler import regex_for
 
     if "empty" in result or "look" in result or "valid" in result:
         with pytest.raises(UnsupportedSchema, match=result):
@@ -232,7 +234,7 @@ def test_a_compiler_child_that_dies_says_how(tiny_model_dir, monkeypatch):
     compile starts a fresh child."""
     from transformers import AutoTokenizer
 
-    from grammar import worker
+    from pageserve.grammar import worker
 
     c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=60)
     try:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import runtime.model_runner
-from runtime.device import CudaDevice, HostDevice
-from runtime.kv_swap import KVSwapper, runs
+from pageserve.runtime import model_runner
+from pageserve.runtime.device import CudaDevice, HostDevice
+from pageserve.runtime.kv_swap import KVSwapper, runs
 from tests.fake_cuda import FakeCuda
 from tests.test_prefix_and_swap import TINY_BLOCK_BYTES, tiny, token_ids, workload
+
+pytestmark = pytest.mark.engine
 
 SHAPE = (2, 2, 12, 2, 4, 8)  # layers, K/V, blocks, KV heads, block size, head dim
 
@@ -71,7 +73,7 @@ def test_engine_swaps_through_the_cuda_code_path(tiny_model_dir, monkeypatch):
     prompts, params = workload(10, seed=4)
     expected = token_ids(tiny(tiny_model_dir, blocks=2000).generate(prompts, params, use_tqdm=False))
     dev = FakeCuda()
-    monkeypatch.setattr(runtime.model_runner, "device_for", lambda device: dev)
+    monkeypatch.setattr(model_runner, "device_for", lambda device: dev)
     llm = tiny(tiny_model_dir, blocks=40, swap_blocks=30)
     runner = llm.engine.runner
     assert runner.dev is dev and ("pinned", 30 * TINY_BLOCK_BYTES) in dev.log

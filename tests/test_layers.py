@@ -10,13 +10,19 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 BELOW = {"grammar": {"runtime", "app"}, "sampling": {"runtime", "app"}, "triton_kernels": {"runtime", "app"},
          "runtime": {"app"}}
 
 
+PACKAGES = ("app", "runtime", "grammar", "sampling", "triton_kernels", "loadtest")
+
+
 def _imported_packages(path: Path, package: str) -> set[tuple[str, int]]:
-    """Top-level project packages imported by a file, with the line, however written."""
+    """Project packages imported by a file, with the line, however written (`pageserve.x` is
+    reported as `x`; `x` alone as `bare:x`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -32,8 +38,10 @@ def _imported_packages(path: Path, package: str) -> set[tuple[str, int]]:
             continue
         for name in names:
             parts = name.split(".")
-            top = parts[1] if parts[0] == "pageserve" and len(parts) > 1 else parts[0]
-            found.add((top, node.lineno))
+            if parts[0] == "pageserve" and len(parts) > 1:
+                found.add((parts[1], node.lineno))
+            elif parts[0] in PACKAGES:  # resolved from a relative import, or written bare
+                found.add((parts[0] if node.level else f"bare:{parts[0]}", node.lineno))
     return found
 
 
@@ -45,13 +53,25 @@ def test_no_import_points_up(package):
     assert not wrong, "\n".join(wrong)
 
 
-def test_importing_the_packages_loads_no_torch():
-    """The engine package, grammar and the sampling parameters import without torch; torch comes
-    with the LLM class (or the engine) when they are first used."""
-    code = ("import sys, runtime, grammar.compiler, grammar.vocabulary, sampling.params, app.tools; "
+@pytest.mark.parametrize("folder", [*PACKAGES, "tests"])
+def test_every_import_goes_through_the_pageserve_package(folder):
+    """`from pageserve.runtime...`, never `from runtime...`: installed, the folders exist only
+    as pageserve's subpackages, and in the tree a module imported both ways would load twice."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {top[5:]} without pageserve."
+             for path in sorted((ROOT / folder).rglob("*.py")) if "node_modules" not in path.parts
+             for top, line in _imported_packages(path, folder) if top.startswith("bare:")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_importing_the_packages_loads_no_torch(tmp_path):
+    """pageserve, its engine package, grammar and the sampling parameters import without torch
+    (from anywhere: not only from the repository); torch comes with LLM when it is touched."""
+    code = ("import sys, pageserve, pageserve.runtime, pageserve.grammar.compiler, "
+            "pageserve.grammar.vocabulary, pageserve.app.tools; "
+            "from pageserve import SamplingParams; "
             "assert 'torch' not in sys.modules, 'torch was imported'; "
-            "from runtime import LLM; assert 'torch' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+            "from pageserve import LLM; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True)
 
 
 def test_the_app_asks_the_engine_instead_of_walking_into_it():

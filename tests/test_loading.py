@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models import loader
-from runtime.models.loader import ModelLoadError, resolve_model
+from pageserve.runtime.models import loader
+from pageserve.runtime.models.loader import ModelLoadError, resolve_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]  # CLI processes, the GGUF conversion
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pageserve.app.cli", *args], capture_output=True, text=True,
                           timeout=600, env={**os.environ, **(env or {})},
                           cwd=Path(__file__).resolve().parent.parent)
 

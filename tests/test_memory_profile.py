@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-import runtime.model_runner
-import sampling.sampler
-from runtime.engine_args import EngineArgs
-from runtime.model_runner import ModelRunner, kv_block_bytes
-from runtime.models.loader import load_tokenizer, read_config
-from runtime.synthetic_steps import worst_case_steps
-from sampling.params import MAX_LOGPROBS
+from pageserve.runtime import model_runner
+from pageserve.sampling import sampler
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from pageserve.runtime.models.loader import load_tokenizer, read_config
+from pageserve.runtime.synthetic_steps import worst_case_steps
+from pageserve.sampling.params import MAX_LOGPROBS
 from tests.fake_cuda import GiB, FakeCuda
-from triton_kernels import reference
+from pageserve.triton_kernels import reference
+
+pytestmark = pytest.mark.engine
 
 
 def make_runner(model_dir, dev, max_model_len=256):
@@ -53,9 +55,9 @@ def test_profile_runs_every_path_and_leaves_the_rest_to_the_kv_cache(tiny_model_
     dev = FakeCuda(total=80 * GiB, free=70 * GiB, allocated=2 * GiB, peak=5 * GiB)
     runner = make_runner(tiny_model_dir, dev)
     calls: dict[str, list] = {}
-    for module, name in ((sampling.sampler, "apply_top_k_top_p"), (sampling.sampler, "apply_min_p"),
-                         (sampling.sampler, "apply_penalties"), (sampling.sampler, "topk_logprobs"),
-                         (runtime.model_runner, "topk_logprobs"), (reference, "apply_token_bitmask")):
+    for module, name in ((sampler, "apply_top_k_top_p"), (sampler, "apply_min_p"),
+                         (sampler, "apply_penalties"), (sampler, "topk_logprobs"),
+                         (model_runner, "topk_logprobs"), (reference, "apply_token_bitmask")):
         counting(monkeypatch, module, name, calls)
     results = []
     execute = runner.execute
@@ -90,7 +92,7 @@ def test_profile_leaves_no_room_is_an_error_of_the_caller(tiny_model_dir):
 
 
 def test_profile_needs_a_cuda_device(tiny_model_dir):
-    from runtime.device import HostDevice
+    from pageserve.runtime.device import HostDevice
 
     with pytest.raises(NotImplementedError, match="CUDA only"):
         make_runner(tiny_model_dir, HostDevice()).profile_num_blocks(0.9, 32, 4)

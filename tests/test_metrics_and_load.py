@@ -16,6 +16,8 @@ import pytest
 
 from tests.live_server import ROOT, InProcessServer
 
+pytestmark = pytest.mark.server
+
 
 def scrape(url: str) -> dict[str, float]:
     """`name{labels}` -> value, for every pageserve sample."""
@@ -63,7 +65,7 @@ def test_counters_move_by_the_right_amounts(server, caplog):
 
 
 def test_preemptions_are_counted(tiny_model_dir):
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
 
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.0006,
                                      max_model_len=512, swap_space=0.001))
@@ -88,7 +90,7 @@ def test_preemptions_are_counted(tiny_model_dir):
 def test_bench_serve_end_to_end(server, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "6",
+        [sys.executable, "-m", "pageserve.app.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "6",
          "--input-len", "8:24", "--output-len", "4:12", "--max-concurrency", "3", "--request-rate", "20",
          "--slo-ttft-ms", "60000", "--output-json", str(out_json), "--output-png", str(out_png),
          "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -101,7 +103,7 @@ def test_bench_serve_end_to_end(server, tmp_path):
         assert set(r[name]) == {"mean_ms", "median_ms", "p99_ms"} and r[name]["median_ms"] > 0
     assert r["goodput"] == r["request_throughput"]  # a generous SLO: every request meets it
     strict = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "3",
+        [sys.executable, "-m", "pageserve.app.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "3",
          "--input-len", "8:8", "--output-len", "4:4", "--slo-ttft-ms", "0.001", "--output-json",
          str(out_json), "--output-png", "", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
         timeout=300)

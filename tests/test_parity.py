@@ -6,10 +6,12 @@ import random
 import pytest
 import torch
 
-from runtime import LLM, SamplingParams
+from pageserve.runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 from tests.hf_reference import hf_greedy
-from loadtest.tiny_model import build_tiny_model
+from pageserve.loadtest.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.engine
 
 PROMPT_LENS = [5, 9, 17, 31, 48, 64, 65, 90, 127, 160, 200, 256, 333, 400, 512, 600]
 TEXT = ("PagedAttention stores the key-value cache in fixed-size blocks, like pages of virtual "
@@ -48,6 +50,7 @@ def test_tiny_model_parity(tmp_path, arch, overrides):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
 
 
+@pytest.mark.slow
 def test_real_model_parity():
     llm = LLM(dtype="float32", kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=64,
               debug_checks=True)

@@ -5,9 +5,11 @@ import random
 
 import pytest
 
-from runtime import LLM, SamplingParams
-from runtime.request import RequestStatus
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.request import RequestStatus
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.engine
 
 GiB = 1 << 30
 TINY_BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers, K/V, kv heads, block size, head dim, fp32

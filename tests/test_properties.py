@@ -10,13 +10,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
                                  precondition, rule)
 
-from runtime.block_pool import BlockPool
-from runtime.config import SchedulerConfig
-from runtime.kv_cache_manager import KVCacheManager, cdiv
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import Scheduler
-from runtime.swap_space import SwapSpace
-from sampling.params import SamplingParams
+from pageserve.runtime.block_pool import BlockPool
+from pageserve.runtime.config import SchedulerConfig
+from pageserve.runtime.kv_cache_manager import KVCacheManager, cdiv
+from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.scheduler import Scheduler
+from pageserve.runtime.swap_space import SwapSpace
+from pageserve.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_kernels import reference
+from pageserve.triton_kernels import reference
+
+pytestmark = pytest.mark.unit
 
 
 def naive_attention(q, k_cache, v_cache, block_tables, q_lens, ctx_lens, scale):

@@ -16,11 +16,13 @@ import pytest
 from tests.conftest import assert_pool_clean
 from tests.live_server import InProcessServer
 
+pytestmark = pytest.mark.server
+
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 def _tiny_server(tiny_model_dir, kv_gib: float, **settings) -> InProcessServer:
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
 
     return InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=kv_gib,
                                       swap_space=kv_gib / 2, max_num_seqs=16, max_model_len=1024,

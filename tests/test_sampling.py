@@ -10,10 +10,12 @@ import random
 import pytest
 import torch
 
-from sampling.params import RequestOutputKind, SamplingParams
-from sampling.penalties import TokenCounts
-from sampling.sampler import SampleRow, SamplingMetadata, process_logits, sample
+from pageserve.sampling.params import RequestOutputKind, SamplingParams
+from pageserve.sampling.penalties import TokenCounts
+from pageserve.sampling.sampler import SampleRow, SamplingMetadata, process_logits, sample
 from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.engine
 
 # the chi-square distribution's 0.999 quantile by degrees of freedom (1 to 24)
 CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91,
@@ -193,7 +195,7 @@ def _peak_blocks(engine, prompts, params) -> int:
 
 
 def test_n_sequences_share_the_prompt_blocks(tiny_model_dir):
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, enable_prefix_caching=False,
               debug_checks=True)
@@ -223,8 +225,8 @@ def test_logprobs_match_hf_log_softmax_on_the_default_model():
     """Tolerance: 2e-3 in log-probability, both sides in float32."""
     from transformers import AutoModelForCausalLM
 
-    from runtime import LLM
-    from runtime.models.loader import resolve_model
+    from pageserve.runtime import LLM
+    from pageserve.runtime.models.loader import resolve_model
 
     path = resolve_model(None)
     llm = LLM(dtype="float32", kv_cache_memory=0.1, max_model_len=512)
@@ -270,7 +272,7 @@ def test_seeded_row_draws_the_same_beside_any_batch():
 def test_forked_sequences_stay_right_under_preemption(tiny_model_dir):
     """n = 3 requests in a pool far too small: children are preempted (swapped or recomputed)
     right after their fork; every greedy sequence still equals the n = 1 answer."""
-    from runtime import LLM
+    from pageserve.runtime import LLM
 
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(20, 40))] for _ in range(4)]

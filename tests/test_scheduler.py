@@ -2,12 +2,16 @@
 
 import random
 
-from runtime.config import SchedulerConfig
-from runtime.kv_cache_manager import KVCacheManager
-from runtime.request import Request, RequestStatus
-from runtime.scheduler import Scheduler
-from runtime.swap_space import SwapSpace
-from sampling.params import SamplingParams
+import pytest
+
+from pageserve.runtime.config import SchedulerConfig
+from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.scheduler import Scheduler
+from pageserve.runtime.swap_space import SwapSpace
+from pageserve.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def make(rid, n_prompt, max_tokens=4):

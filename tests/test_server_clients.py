@@ -12,6 +12,8 @@ import pytest
 
 from tests.live_server import ROOT
 
+pytestmark = pytest.mark.server
+
 QUESTIONS = [f"In one sentence, what is {topic}?" for topic in (
     "the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter",
     "the moon", "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge")]

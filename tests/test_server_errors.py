@@ -12,6 +12,8 @@ import pytest
 
 from tests.live_server import SubprocessServer
 
+pytestmark = pytest.mark.server
+
 MSG = [{"role": "user", "content": "hi"}]
 CHAT, COMP, EMB = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 
@@ -162,7 +164,7 @@ def test_api_keys(guarded):
 def test_the_route_table_drives_router_openapi_and_auth(guarded):
     """Every route of the table is served, is in the OpenAPI document (so it is fuzzed), and
     asks for the key exactly when the table says so."""
-    from app.routes import ROUTES
+    from pageserve.app.routes import ROUTES
 
     doc = httpx.get(f"{guarded.url}/openapi.json").json()
     assert set(doc["paths"]) == {r.path for r in ROUTES}
@@ -224,7 +226,7 @@ def test_queue_full_is_503_with_retry_after(guarded):
 
 
 def test_engine_death_turns_health_503_and_requests_get_errors(tiny_model_dir):
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
     from tests.live_server import InProcessServer
 
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))
@@ -246,7 +248,7 @@ def test_engine_death_turns_health_503_and_requests_get_errors(tiny_model_dir):
 
 
 def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
     from tests.live_server import InProcessServer
 
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))
@@ -289,7 +291,7 @@ def test_a_failed_step_fails_only_its_requests(tiny_model_dir):
 
 
 def test_request_timeout_stops_long_requests_and_frees_their_blocks(tiny_model_dir):
-    from runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_args import EngineArgs
     from tests.live_server import InProcessServer
 
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01))

@@ -10,6 +10,8 @@ import struct
 import httpx
 import pytest
 
+pytestmark = pytest.mark.server
+
 
 def _chat_body(server, content, **kw):
     return {"model": server.model, "messages": [{"role": "user", "content": content}],

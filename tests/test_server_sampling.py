@@ -7,6 +7,9 @@ import math
 
 import httpx
 import openai
+import pytest
+
+pytestmark = pytest.mark.server
 
 
 def _client(server):

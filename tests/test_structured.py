@@ -15,7 +15,9 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.live_server import ROOT
-from loadtest.schemas import fifty_schemas
+from pageserve.loadtest.schemas import fifty_schemas
+
+pytestmark = pytest.mark.server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -190,8 +192,8 @@ def test_tool_history_round_trip(server):
         "max_tokens": 30, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert r.json()["choices"][0]["message"]["tool_calls"] == []
-    from app.chat import render_chat
-    from app.protocol import ChatCompletionRequest
+    from pageserve.app.chat import render_chat
+    from pageserve.app.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"messages": messages, "tools": [WEATHER]})
     text = render_chat(server.state.tokenizer, body.messages, tools=body.tools)

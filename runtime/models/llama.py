@@ -11,8 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from runtime.attention import AttentionBackend, AttentionMetadata
-from runtime.config import ModelConfig
+from pageserve.runtime.attention import AttentionBackend, AttentionMetadata
+from pageserve.runtime.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

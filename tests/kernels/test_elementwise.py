@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import reference
-from triton_kernels.apply_token_bitmask import apply_token_bitmask
-from triton_kernels.rms_norm import rms_norm
-from triton_kernels.silu_and_mul import silu_and_mul
+from pageserve.triton_kernels import reference
+from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
+from pageserve.triton_kernels.rms_norm import rms_norm
+from pageserve.triton_kernels.silu_and_mul import silu_and_mul
+
+pytestmark = pytest.mark.unit
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

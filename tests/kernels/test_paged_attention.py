@@ -11,10 +11,12 @@ import types
 import pytest
 import torch
 
-from triton_kernels import reference
-from triton_kernels.paged_attention import _split_partitions, paged_attention
-from triton_kernels.reshape_and_cache import reshape_and_cache
-from triton_kernels.rotary_embedding import rotary_embedding
+from pageserve.triton_kernels import reference
+from pageserve.triton_kernels.paged_attention import _split_partitions, paged_attention
+from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
+from pageserve.triton_kernels.rotary_embedding import rotary_embedding
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 # (query heads, KV heads, head dim): GQA ratios 1, 3, 8 and 8 over two KV heads
@@ -104,7 +106,7 @@ def test_split_heuristic():
 
 def test_sm_count_is_read_from_the_cuda_device_once(monkeypatch):
     """The CUDA lookup behind the split heuristic, run here with the device properties faked."""
-    from triton_kernels import paged_attention as module
+    from pageserve.triton_kernels import paged_attention as module
 
     calls = []
     props = types.SimpleNamespace(multi_processor_count=132)

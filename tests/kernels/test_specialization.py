@@ -9,14 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import reference
-from triton_kernels.apply_token_bitmask import apply_token_bitmask
-from triton_kernels.paged_attention import paged_attention
-from triton_kernels.reshape_and_cache import reshape_and_cache
-from triton_kernels.rms_norm import rms_norm
-from triton_kernels.rotary_embedding import rotary_embedding
-from triton_kernels.silu_and_mul import silu_and_mul
-from triton_kernels.variants import VariantLog, compiled_variants, launched_kernels
+from pageserve.triton_kernels import reference
+from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
+from pageserve.triton_kernels.paged_attention import paged_attention
+from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
+from pageserve.triton_kernels.rms_norm import rms_norm
+from pageserve.triton_kernels.rotary_embedding import rotary_embedding
+from pageserve.triton_kernels.silu_and_mul import silu_and_mul
+from pageserve.triton_kernels.variants import VariantLog, compiled_variants, launched_kernels
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 16
 # (query lengths, context lengths, block-table width): batch sizes 1, 2 and 3, token counts
@@ -74,7 +76,7 @@ def test_step_shapes_compile_no_new_variant(device, heads):
 
 def test_every_launched_kernel_is_watched():
     """A kernel added without the `_kernel` suffix would escape the variant counts."""
-    import triton_kernels.variants as variants
+    import pageserve.triton_kernels.variants as variants
 
     jitted = {name for module in variants.KERNEL_MODULES for name, obj in vars(module).items()
               if hasattr(obj, "pre_run_hooks") and hasattr(obj, "fn")}

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import LLM, SamplingParams
-from runtime.engine_args import EngineArgs
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.engine_args import EngineArgs
 from tests.conftest import assert_pool_clean
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def generate(model_dir, device: str, backend: str, block_size: int) -> tuple[list[list[int]], LLM]:
@@ -26,7 +28,7 @@ def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir, devi
     want, _ = generate(tiny_model_dir, device, "torch", block_size)
     got, llm = generate(tiny_model_dir, device, "triton", block_size)
     backend = llm.engine.runner.backend
-    assert backend.name == "triton" and backend.ops.rms_norm.__module__ == "triton_kernels.rms_norm"
+    assert backend.name == "triton" and backend.ops.rms_norm.__module__ == "pageserve.triton_kernels.rms_norm"
     assert got == want
     assert all(len(t) == 12 for t in got)
     assert llm.engine.kv.prefix_hits > 0  # the shared prompts reused cached blocks

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import LLM, SamplingParams
-from sampling.params import StructuredOutputsParams
-from triton_kernels.variants import VariantLog, launched_kernels
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.sampling.params import StructuredOutputsParams
+from pageserve.triton_kernels.variants import VariantLog, launched_kernels
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def mixed_load(llm: LLM) -> None:
@@ -48,8 +50,8 @@ def test_warm_up_is_a_no_op_on_the_torch_backend(tiny_llm, monkeypatch):
 def test_largest_split_decode_is_the_last_batch_that_splits():
     import torch
 
-    from runtime.attention import TritonBackend
-    from triton_kernels.paged_attention import _split_partitions
+    from pageserve.runtime.attention import TritonBackend
+    from pageserve.triton_kernels.paged_attention import _split_partitions
 
     cpu = torch.device("cpu")  # 128 SMs assumed off CUDA
     backend = TritonBackend(16, 8, 2)
