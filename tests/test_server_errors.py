@@ -196,17 +196,15 @@ def test_body_too_large_is_413(guarded):
 
 
 def test_queue_full_is_503_with_retry_after(guarded):
-    """One running request (--max-num-seqs 1), two waiting (--max-num-queued-reqs 2): the next
-    is refused with 503 and Retry-After; the others are served."""
+    """Two requests waiting (--max-num-queued-reqs 2): the next is refused with 503 and
+    Retry-After. They wait for a grammar that takes long to compile (an automaton that grows
+    exponentially), so they stay queued however fast the machine runs the tiny model."""
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    waits = {**body, "guided_regex": "[ab]*a[ab]{40}"}
     with httpx.Client(headers=_auth("key-one"), timeout=120) as client, contextlib.ExitStack() as stack:
-        streams = []
-        for i in range(3):  # a streamed answer's headers come once the request is queued
-            r = stack.enter_context(client.stream("POST", f"{guarded.url}/v1/completions", json=body))
+        for _ in range(2):  # a streamed answer's headers come once the request is queued
+            r = stack.enter_context(client.stream("POST", f"{guarded.url}/v1/completions", json=waits))
             assert r.status_code == 200
-            streams.append(r)
-            if i == 0:  # the first runs before the others queue: they wait, however slow the machine
-                next(l for l in r.iter_lines() if l.startswith("data: {"))
         refused = client.post(f"{guarded.url}/v1/completions", json={**body, "stream": False})
         err = _assert_envelope(refused, 503)
         assert refused.headers["retry-after"] == "1" and err["code"] == "server_overloaded"
