@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Choice(str, enum.Enum):
+    """A setting with a fixed set of values: compares equal to its string, and a string that
+    is none of them fails here, once, with the list."""
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"{cls.__doc__.split(':')[0]} must be one of "
+                         f"{', '.join(m.value for m in cls)}; got {value!r}")
+
+
+class PreemptionMode(_Choice):
+    """preemption_mode: what happens to a preempted request's blocks"""
+    SWAP = "swap"  # copied to the CPU swap space (recompute when it is full)
+    RECOMPUTE = "recompute"  # freed; the request is computed again later
+
+
+class Backend(_Choice):
+    """attention_backend: which kernels run"""
+    TORCH = "torch"  # triton_kernels/torch_ops.py, the CPU path
+    TRITON = "triton"  # the Triton kernels (CUDA, or Triton's CPU interpreter in tests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +74,10 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     num_swap_blocks: int = 0
-    preemption_mode: str = "swap"
+    preemption_mode: PreemptionMode = PreemptionMode.SWAP
 
     def __post_init__(self):
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}")
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if self.num_swap_blocks < 0:
             raise ValueError(f"the swap space cannot be negative ({self.num_swap_blocks} blocks)")
         if self.block_size not in (8, 16, 32):
@@ -86,12 +108,11 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     device: torch.device
-    attention_backend: str  # "torch" or "triton"
+    attention_backend: Backend
     num_threads: int
 
     def __post_init__(self):
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be torch or triton, got {self.attention_backend!r}")
+        object.__setattr__(self, "attention_backend", Backend(self.attention_backend))
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
 from pageserve.runtime.model_runner import ModelRunner, child_id, kv_block_bytes
-from pageserve.runtime.output_processor import OutputProcessor, check_stop
+from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
@@ -305,7 +305,7 @@ class LLMEngine:
             req.logprobs.append(logprobs[req.request_id])
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        status = check_stop(req, token, self.config.model.max_model_len)
+        status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
         if req.matcher is not None and status is None:
             if not req.matcher.advance(token):
                 logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)

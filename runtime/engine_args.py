@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pageserve.runtime.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype)
+from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ModelConfig, PreemptionMode,
+                                      SchedulerConfig, parse_dtype)
 from pageserve.runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
 
 
@@ -58,8 +59,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}")
+        PreemptionMode(self.preemption_mode)  # its own check, before anything loads
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,7 +96,7 @@ class EngineArgs:
         g = parser.add_argument_group("device")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
-                       help="auto: Triton kernels on CUDA, the torch reference kernels elsewhere")
+                       help="auto: Triton kernels on CUDA, their torch versions (triton_kernels/torch_ops.py) elsewhere")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
         return parser
 
@@ -111,10 +111,11 @@ class EngineArgs:
             if self.device == "cuda" and not torch.cuda.is_available():
                 raise ValueError("--device cuda was given but no CUDA device is available")
             device = torch.device(self.device)
-        backend = self.attention_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        elif backend == "triton" and device.type != "cuda" and not triton_interpreting():
+        if self.attention_backend == "auto":
+            backend = Backend.TRITON if device.type == "cuda" else Backend.TORCH
+        else:
+            backend = Backend(self.attention_backend)
+        if backend == Backend.TRITON and device.type != "cuda" and not triton_interpreting():
             raise ValueError("--attention-backend triton needs a CUDA device "
                              "(or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
         return DeviceConfig(device=device, attention_backend=backend,

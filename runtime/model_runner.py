@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pageserve.runtime.attention import AttentionMetadata, make_backend
+from pageserve.runtime.kernels import AttentionMetadata, make_kernels
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
 from pageserve.runtime.kv_swap import KVSwapper
@@ -53,7 +53,7 @@ class ModelRunner:
         self.device = device_cfg.device
         self.dev = dev or device_for(self.device)
         self.block_size = block_size
-        self.backend = make_backend(device_cfg.attention_backend, block_size, model_cfg.num_heads,
+        self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.num_heads,
                                     model_cfg.num_kv_heads)
         self.model = self._load_model(Path(model_cfg.path))
         self.generator = torch.Generator(device=self.device)
@@ -68,7 +68,7 @@ class ModelRunner:
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         cfg = self.model_cfg
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, self.backend)
+            model = LlamaForCausalLM(cfg, self.kernels)
         model = model.to_empty(device=self.device)
         try:
             model.load_weights(iter_safetensors(path))
@@ -96,7 +96,7 @@ class ModelRunner:
         self._set_kv_storage(num_temp)
         dev.reset_peak_memory_stats()
         steps = worst_case_steps(max_num_batched_tokens, max_num_seqs, cfg.max_model_len,
-                                 self.backend.largest_split_decode(cfg.max_model_len, self.device),
+                                 self.kernels.largest_split_decode(cfg.max_model_len, self.device),
                                  self.block_size, num_temp, cfg.vocab_size, cfg.eos_token_ids)
         for step in steps:
             self.execute(step)
@@ -116,12 +116,12 @@ class ModelRunner:
         """Launch every kernel variant serving can launch (mixed prefill/decode attention, the
         one-pass and split-KV decodes and the reduce, rms_norm with and without the residual,
         rotary, silu_and_mul, reshape_and_cache, apply_token_bitmask), so that none compiles in
-        front of a user. Nothing to do for backends that compile nothing. Writes no KV."""
-        if not self.backend.compiles_kernels:
+        front of a user. Nothing to do for kernels that compile nothing. Writes no KV."""
+        if not self.kernels.compiles_kernels:
             return
         start = time.perf_counter()
         cfg = self.model_cfg
-        steps = warm_up_steps(self.backend.decode_shapes(cfg.max_model_len, self.device),
+        steps = warm_up_steps(self.kernels.decode_shapes(cfg.max_model_len, self.device),
                               self.block_size, cfg.vocab_size, cfg.eos_token_ids)
         for step in steps:
             self.execute(step)
@@ -179,7 +179,7 @@ class ModelRunner:
             max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
             max_seq_len=max(seq_lens),
         )
-        self.backend.prepare(meta)
+        self.kernels.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, logits_rows
@@ -225,7 +225,7 @@ class ModelRunner:
                 [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
         smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
         if constrained:
-            smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.backend.ops.apply_token_bitmask)
+            smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, smeta, self.generator)
         result.sampled = token_ids.tolist()
         if smeta.logprob_rows:

@@ -8,9 +8,10 @@ from pageserve.runtime.request import Request, RequestStatus
 from pageserve.sampling.params import RequestOutputKind
 
 
-def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """Stop tokens first (their text is left out unless asked for), then stop strings in the
-    decoded text, then the length limit. EOS and stop tokens cannot come before min_tokens
+def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Feed the request's new token to its detokenizer (unless it is a stop token whose text is
+    left out) and say whether the request stops: on a stop token, then on a stop string in the
+    decoded text, then at the length limit. EOS and stop tokens cannot come before min_tokens
     (the sampler masks them), so they need no check here."""
     params = req.sampling_params
     status = None

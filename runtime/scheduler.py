@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pageserve.runtime.config import SchedulerConfig
+from pageserve.runtime.config import PreemptionMode, SchedulerConfig
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.stats import SchedulerStats
@@ -58,11 +58,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, swap: SwapSpace | None = None,
-                 preemption_mode: str = "swap"):
+                 preemption_mode: PreemptionMode = PreemptionMode.SWAP):
         self.config = config
         self.kv = kv
         self.swap = swap or SwapSpace(0)
-        self.preemption_mode = preemption_mode
+        self.preemption_mode = PreemptionMode(preemption_mode)
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -196,7 +196,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         block_ids = self.kv.block_ids(req.request_id)
         valid = -(-req.num_computed_tokens // self.block_size)
-        if self.preemption_mode == "swap" and self.swap.can_hold(valid):
+        if self.preemption_mode == PreemptionMode.SWAP and self.swap.can_hold(valid):
             swap_ids = self.swap.allocate(req.request_id, valid)
             out.swap_out.extend(zip(block_ids[:valid], swap_ids))
             self.num_swapped_out_blocks += valid

@@ -16,7 +16,7 @@ from pageserve.runtime.models.loader import load_tokenizer, read_config
 from pageserve.runtime.synthetic_steps import worst_case_steps
 from pageserve.sampling.params import MAX_LOGPROBS
 from tests.fake_cuda import GiB, FakeCuda
-from pageserve.triton_kernels import reference
+from pageserve.triton_kernels import torch_ops
 
 pytestmark = pytest.mark.engine
 
@@ -57,7 +57,7 @@ def test_profile_runs_every_path_and_leaves_the_rest_to_the_kv_cache(tiny_model_
     calls: dict[str, list] = {}
     for module, name in ((sampler, "apply_top_k_top_p"), (sampler, "apply_min_p"),
                          (sampler, "apply_penalties"), (sampler, "topk_logprobs"),
-                         (model_runner, "topk_logprobs"), (reference, "apply_token_bitmask")):
+                         (model_runner, "topk_logprobs"), (torch_ops, "apply_token_bitmask")):
         counting(monkeypatch, module, name, calls)
     results = []
     execute = runner.execute

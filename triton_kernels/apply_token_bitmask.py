@@ -21,7 +21,7 @@ def _apply_token_bitmask_kernel(logits_ptr, mask_ptr, vocab, logits_stride, mask
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 1024) -> None:
     """In place on logits [B, V] (rows contiguous); bitmask [B, ceil(V / 32)] int32, bit j of
-    word w standing for token 32 * w + j. Same contract as reference.apply_token_bitmask."""
+    word w standing for token 32 * w + j. Same contract as torch_ops.apply_token_bitmask."""
     rows, vocab = logits.shape
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == rows and bitmask.shape[1] * 32 >= vocab
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1

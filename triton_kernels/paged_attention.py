@@ -187,7 +187,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                     num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Same contract as reference.paged_attention: q [T, H, D] (head rows contiguous),
+    """Same contract as torch_ops.paged_attention: q [T, H, D] (head rows contiguous),
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.

@@ -29,7 +29,7 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Same contract as reference.reshape_and_cache: key and value [T, Hkv, D] (views into
+    """Same contract as torch_ops.reshape_and_cache: key and value [T, Hkv, D] (views into
     the fused QKV output are fine), caches [num_blocks, Hkv, block_size, D], slot_mapping [T];
     a negative slot is skipped."""
     tokens, heads, head_dim = key.shape

@@ -15,7 +15,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < hidden
-    # float32 arithmetic, one rounding at each store (as the reference's bf16 ops round once)
+    # float32 arithmetic, one rounding at each store (as torch_ops's bf16 ops round once)
     x = tl.load(x_ptr + row * hidden + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * hidden + offs, mask=inside, other=0.0).to(tl.float32)
@@ -29,7 +29,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as reference.rms_norm: (normed, x + residual) for x [T, hidden]."""
+    """Same contract as torch_ops.rms_norm: (normed, x + residual) for x [T, hidden]."""
     x = x.contiguous()
     tokens, hidden = x.shape
     out = torch.empty_like(x)

@@ -31,7 +31,7 @@ def _rotary_embedding_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads,
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Same contract as reference.rotary_embedding: q [T, H, D] and k [T, Hkv, D] rotated in
+    """Same contract as torch_ops.rotary_embedding: q [T, H, D] and k [T, Hkv, D] rotated in
     place (head rows contiguous, token stride free); cos and sin [T, 1, D/2] or [T, D/2]."""
     tokens, num_q_heads, head_dim = q.shape
     half = head_dim // 2

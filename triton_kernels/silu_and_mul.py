@@ -20,7 +20,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 
 def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """Same contract as reference.silu_and_mul: x [T, 2 * I] (gate then up) -> [T, I]."""
+    """Same contract as torch_ops.silu_and_mul: x [T, 2 * I] (gate then up) -> [T, I]."""
     x = x.contiguous()
     tokens, double = x.shape
     inter = double // 2

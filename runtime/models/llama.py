@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pageserve.runtime.attention import AttentionBackend, AttentionMetadata
+from pageserve.runtime.kernels import Kernels, AttentionMetadata
 from pageserve.runtime.config import ModelConfig
 
 
@@ -45,12 +45,12 @@ def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kernels: Kernels):
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
-        self.backend = backend
-        self.ops = backend.ops
+        self.kernels = kernels
+        self.ops = kernels.ops
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size = cfg.num_heads * d
         self.kv_size = cfg.num_kv_heads * d
@@ -74,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         self.ops.rotary_embedding(q, k, *rope)
-        attn = self.backend.attention(q, k, v, kv_cache, meta, self.scale)
+        attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale)
         x = self.o_proj(attn.reshape(t, self.q_size))
         x, residual = self.ops.rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps, residual)
         x = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -82,12 +82,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.cfg = cfg
-        self.ops = backend.ops
+        self.ops = kernels.ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if cfg.tie_word_embeddings:
             self.lm_head = None

@@ -1,15 +1,15 @@
 """rms_norm (with and without the residual), silu_and_mul and apply_token_bitmask against
-their torch references, in float32 and bfloat16, on ragged sizes."""
+the plain references (tests/kernels/reference.py), in float32 and bfloat16, on ragged sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pageserve.triton_kernels import reference
 from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
 from pageserve.triton_kernels.rms_norm import rms_norm
 from pageserve.triton_kernels.silu_and_mul import silu_and_mul
+from tests.kernels import reference
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""paged_attention, reshape_and_cache and rotary_embedding against their torch references on
+"""paged_attention, reshape_and_cache and rotary_embedding against the plain references (tests/kernels/reference.py) on
 ragged batches: query lengths 1 to 37, contexts 1 to 300, GQA ratios 1, 3 and 8, shuffled
 block tables with unused rows, block sizes 8, 16 and 32, head dims 64, 96 and 128. Queries are
 views into a fused QKV output and block tables a column slice of a wider table, as the engine
@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from pageserve.triton_kernels import reference
 from pageserve.triton_kernels.paged_attention import _split_partitions, paged_attention
 from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
 from pageserve.triton_kernels.rotary_embedding import rotary_embedding
+from tests.kernels import reference
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pageserve.triton_kernels import reference
+from pageserve.triton_kernels import torch_ops
 from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
 from pageserve.triton_kernels.paged_attention import paged_attention
 from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
@@ -40,7 +40,7 @@ def run_step(q_lens, ctx_lens, width, heads, device, split=False):
     cache = torch.zeros(2, 80, num_kv_heads, BLOCK, head_dim, device=device)
     positions = torch.tensor([c - n + i for n, c in zip(q_lens, ctx_lens) for i in range(n)])
     freqs = torch.randn(256, head_dim, generator=g).to(device)
-    cos, sin = reference.rope_cos_sin(positions.to(device), freqs, torch.float32)
+    cos, sin = torch_ops.rope_cos_sin(positions.to(device), freqs, torch.float32)
     rotary_embedding(q, k, cos, sin)
     slots = (positions + BLOCK).to(device)
     reshape_and_cache(k, v, cache[0], cache[1], slots)

@@ -27,7 +27,7 @@ def generate(model_dir, device: str, backend: str, block_size: int) -> tuple[lis
 def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir, device, block_size):
     want, _ = generate(tiny_model_dir, device, "torch", block_size)
     got, llm = generate(tiny_model_dir, device, "triton", block_size)
-    backend = llm.engine.runner.backend
+    backend = llm.engine.runner.kernels
     assert backend.name == "triton" and backend.ops.rms_norm.__module__ == "pageserve.triton_kernels.rms_norm"
     assert got == want
     assert all(len(t) == 12 for t in got)

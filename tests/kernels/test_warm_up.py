@@ -44,17 +44,17 @@ def test_warm_up_is_a_no_op_on_the_torch_backend(tiny_llm, monkeypatch):
     runner = tiny_llm.engine.runner
     monkeypatch.setattr(runner, "execute", lambda out: pytest.fail("warm-up ran a step"))
     runner.warm_up_kernels()
-    assert runner.backend.name == "torch"
+    assert runner.kernels.name == "torch"
 
 
 def test_largest_split_decode_is_the_last_batch_that_splits():
     import torch
 
-    from pageserve.runtime.attention import TritonBackend
+    from pageserve.runtime.kernels import TritonKernels
     from pageserve.triton_kernels.paged_attention import _split_partitions
 
     cpu = torch.device("cpu")  # 128 SMs assumed off CUDA
-    backend = TritonBackend(16, 8, 2)
+    backend = TritonKernels(16, 8, 2)
     num_seqs, ctx = backend.largest_split_decode(4096, cpu)
     assert (num_seqs, ctx) == (63, 4096)
     assert _split_partitions(num_seqs, 2, 1, ctx, cpu) == 8

@@ -1,4 +1,6 @@
-"""Attention metadata for one step, and the backends that run paged attention with it."""
+"""The set of kernels a model calls (paged attention, reshape_and_cache, RMS norm, rotary,
+SiLU-and-mul, the grammar bitmask), in torch (the CPU path) or Triton (CUDA), and the
+attention metadata of one step that they are given as an argument."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pageserve.triton_kernels import reference
+from pageserve.runtime.config import Backend
+from pageserve.triton_kernels import torch_ops
 
 
 @dataclass(slots=True)
@@ -21,8 +24,10 @@ class AttentionMetadata:
     plan: object = None  # backend-specific, built once per step
 
 
-class AttentionBackend:
-    name = "base"
+class Kernels:
+    """Every kernel the engine launches. `attention` (with `prepare`, once per step) runs paged
+    attention; `ops` holds the rest."""
+    name: Backend
     compiles_kernels = False  # whether a kernel variant is compiled on its first launch
     # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
     ops: types.ModuleType | types.SimpleNamespace
@@ -49,32 +54,32 @@ class AttentionBackend:
         return None
 
 
-class TorchBackend(AttentionBackend):
-    """The pure-torch reference kernels; the CPU path."""
-    name = "torch"
-    ops = reference
+class TorchKernels(Kernels):
+    """triton_kernels/torch_ops.py: the CPU path."""
+    name = Backend.TORCH
+    ops = torch_ops
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
-        self.workspace = reference.Workspace()
+        self.workspace = torch_ops.Workspace()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.plan = reference.plan_paged_attention(
+        meta.plan = torch_ops.plan_paged_attention(
             meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
             self.num_heads, self.num_kv_heads)
 
     def attention(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache
-        reference.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return reference.paged_attention(q, k_cache, v_cache, meta.block_tables,
+        torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                          meta.query_start_loc, meta.seq_lens, scale, meta.plan,
                                          self.workspace)
 
 
-class TritonBackend(AttentionBackend):
+class TritonKernels(Kernels):
     """Every kernel in Triton; the CUDA path (and, under TRITON_INTERPRET=1, a slow CPU one
     for tests). Imported only when chosen: @triton.jit reads TRITON_INTERPRET when it runs."""
-    name = "triton"
+    name = Backend.TRITON
     compiles_kernels = True
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
@@ -88,7 +93,7 @@ class TritonBackend(AttentionBackend):
         from pageserve.triton_kernels.silu_and_mul import silu_and_mul
 
         self.ops = types.SimpleNamespace(
-            rms_norm=rms_norm, rope_cos_sin=reference.rope_cos_sin, rotary_embedding=rotary_embedding,
+            rms_norm=rms_norm, rope_cos_sin=torch_ops.rope_cos_sin, rotary_embedding=rotary_embedding,
             silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask)
         self._reshape_and_cache = reshape_and_cache
         self._paged_attention = paged_attention
@@ -114,9 +119,6 @@ class TritonBackend(AttentionBackend):
                                      meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len)
 
 
-def make_backend(name: str, block_size: int, num_heads: int, num_kv_heads: int) -> AttentionBackend:
-    if name == "torch":
-        return TorchBackend(block_size, num_heads, num_kv_heads)
-    if name == "triton":
-        return TritonBackend(block_size, num_heads, num_kv_heads)
-    raise ValueError(f"unknown attention backend {name!r}")
+def make_kernels(backend: Backend, block_size: int, num_heads: int, num_kv_heads: int) -> Kernels:
+    cls = TritonKernels if backend == Backend.TRITON else TorchKernels
+    return cls(block_size, num_heads, num_kv_heads)

@@ -1,4 +1,5 @@
-"""The vectorized torch kernels (the CPU path) against plain per-request loops."""
+"""The tuned torch path (triton_kernels/torch_ops.py, what the CPU runs) against the plain
+references in tests/kernels/reference.py."""
 
 import math
 import random
@@ -7,28 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pageserve.triton_kernels import reference
+from pageserve.triton_kernels import torch_ops
+from tests.kernels import reference
 
 pytestmark = pytest.mark.unit
-
-
-def naive_attention(q, k_cache, v_cache, block_tables, q_lens, ctx_lens, scale):
-    """Cache layout [num_blocks, Hkv, block_size, D]; one request at a time."""
-    bs = k_cache.shape[2]
-    group = q.shape[1] // k_cache.shape[1]
-    out, start = [], 0
-    for b, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
-        blocks = torch.tensor([block_tables[b][p // bs] for p in range(cl)])
-        offsets = torch.tensor([p % bs for p in range(cl)])
-        k = k_cache[blocks, :, offsets].repeat_interleave(group, 1)  # [L, H, D]
-        v = v_cache[blocks, :, offsets].repeat_interleave(group, 1)
-        qb = q[start:start + ql]
-        scores = torch.einsum("qhd,khd->hqk", qb.float(), k.float()) * scale
-        q_pos = torch.arange(cl - ql, cl)[:, None]
-        scores = scores.masked_fill(torch.arange(cl)[None, :] > q_pos, -math.inf)
-        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()))
-        start += ql
-    return torch.cat(out).to(q.dtype)
 
 
 def make_batch(rng, n_req, block_size, num_blocks, kv_heads, group, head_dim, dtype):
@@ -58,19 +41,19 @@ def test_paged_attention_matches_loop(group, block_size, dtype):
     torch.manual_seed(0)
     q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 40, block_size, 800, 2, group, 64, dtype)
     scale = 64 ** -0.5
-    got = reference.paged_attention(q, kc, vc, bt, qsl, torch.tensor(ctx, dtype=torch.int32), scale)
-    want = naive_attention(q, kc, vc, tables, q_lens, ctx, scale)
+    got = torch_ops.paged_attention(q, kc, vc, bt, qsl, torch.tensor(ctx, dtype=torch.int32), scale)
+    want = reference.paged_attention(q, kc, vc, bt, qsl, torch.tensor(ctx, dtype=torch.int32), scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_decode_groups_trade_padding_for_calls():
-    assert reference.decode_group_sizes([100] * 64, 16) == [64]  # equal lengths: one group
-    assert reference.decode_group_sizes([7], 16) == [1]
-    wide = reference.decode_group_sizes(list(range(16, 4096, 32)), 16)
+    assert torch_ops.decode_group_sizes([100] * 64, 16) == [64]  # equal lengths: one group
+    assert torch_ops.decode_group_sizes([7], 16) == [1]
+    wide = torch_ops.decode_group_sizes(list(range(16, 4096, 32)), 16)
     assert len(wide) > 1 and sum(wide) == 128 and max(wide) - min(wide) <= 1
-    widest = reference.decode_group_sizes(list(range(1, 64000, 64)), 16)
-    assert len(widest) == reference.MAX_DECODE_GROUPS and sum(widest) == 1000
+    widest = torch_ops.decode_group_sizes(list(range(1, 64000, 64)), 16)
+    assert len(widest) == torch_ops.MAX_DECODE_GROUPS and sum(widest) == 1000
 
 
 def test_paged_attention_over_several_decode_groups():
@@ -91,10 +74,10 @@ def test_paged_attention_over_several_decode_groups():
     q = torch.randn(sum(q_lens), 6, 64)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor(ctx, dtype=torch.int32)
-    plan = reference.plan_paged_attention(bt, qsl, seq_lens, 16, 6, 2)
+    plan = torch_ops.plan_paged_attention(bt, qsl, seq_lens, 16, 6, 2)
     assert sum(g.q_len == 1 for g in plan) > 1
-    got = reference.paged_attention(q, kc, vc, bt, qsl, seq_lens, 64 ** -0.5, plan)
-    torch.testing.assert_close(got, naive_attention(q, kc, vc, tables, q_lens, ctx, 64 ** -0.5),
+    got = torch_ops.paged_attention(q, kc, vc, bt, qsl, seq_lens, 64 ** -0.5, plan)
+    torch.testing.assert_close(got, reference.paged_attention(q, kc, vc, bt, qsl, seq_lens, 64 ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -103,7 +86,7 @@ def test_reshape_and_cache_writes_slots():
     vc = torch.zeros(4, 2, 8, 4)
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
     slots = torch.tensor([17, 3, 30])
-    reference.reshape_and_cache(k, v, kc, vc, slots)
+    torch_ops.reshape_and_cache(k, v, kc, vc, slots)
     torch.testing.assert_close(kc[2, :, 1], k[0])
     torch.testing.assert_close(vc[0, :, 3], v[1])
     torch.testing.assert_close(kc[3, :, 6], k[2])
@@ -112,7 +95,7 @@ def test_reshape_and_cache_writes_slots():
 
 def test_rms_norm_with_residual():
     x, res, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
-    normed, new_res = reference.rms_norm(x, w, 1e-6, res)
+    normed, new_res = torch_ops.rms_norm(x, w, 1e-6, res)
     s = x + res
     torch.testing.assert_close(new_res, s)
     torch.testing.assert_close(normed, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
@@ -131,14 +114,14 @@ def test_rotary_matches_rotate_half_formula():
         return torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
 
     want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    reference.rotary_embedding(q, k, *reference.rope_cos_sin(positions, cache, q.dtype))
+    torch_ops.rotary_embedding(q, k, *torch_ops.rope_cos_sin(positions, cache, q.dtype))
     torch.testing.assert_close(q, want_q)
     torch.testing.assert_close(k, want_k)
 
 
 def test_silu_and_mul():
     x = torch.randn(3, 10)
-    torch.testing.assert_close(reference.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+    torch.testing.assert_close(torch_ops.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
 
 
 def test_apply_token_bitmask():
@@ -147,6 +130,6 @@ def test_apply_token_bitmask():
     mask[0, 0] = 1 << 3
     mask[0, 1] = 1 << 5  # token 37
     mask[1, 0] = -1  # all 32 bits: tokens 0..31
-    reference.apply_token_bitmask(logits, mask)
+    torch_ops.apply_token_bitmask(logits, mask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 37]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(32))
