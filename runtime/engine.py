@@ -19,7 +19,7 @@ from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
-from pageserve.runtime.model_runner import ModelRunner, child_id, kv_block_bytes
+from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
@@ -321,23 +321,10 @@ class LLMEngine:
 
     def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
         """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
-        sequences start here, sharing the prompt's blocks by reference."""
-        children = []
-        for i, _ in enumerate(first_tokens, start=1):  # built whole before any is registered
-            child = Request(child_id(parent.request_id, i), parent.prompt_token_ids,
-                            parent.sampling_params, parent.max_tokens, parent.eos_token_ids,
-                            parent.prompt, parent.cache_salt)
-            child.output_id, child.index, child.num_samples = parent.output_id, i, 1
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_prompt_counted = parent.num_prompt_counted  # a recompute is not counted again
-            child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
-            child.first_token_time = parent.first_token_time
-            if parent.matcher is not None:
-                child.matcher = parent.matcher.fork()
-            if parent.prompt_logprobs is not None:
-                child.prompt_logprobs = parent.prompt_logprobs
+        sequences start here (Request.fork), sharing the prompt's blocks by reference."""
+        children = [parent.fork(i) for i in range(1, len(first_tokens) + 1)]  # whole before registered
+        for child in children:
             child.detokenizer = self._detokenizer(child)
-            children.append(child)
         parent.num_samples = 1
         for child in children:
             self.requests[child.request_id] = child

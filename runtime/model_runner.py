@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from pageserve.runtime.kernels import AttentionMetadata, make_kernels
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
+from pageserve.runtime.kernels import AttentionMetadata, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, iter_safetensors
+from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
 from pageserve.sampling.penalties import TokenCounts
@@ -24,11 +25,6 @@ logger = logging.getLogger(__name__)
 
 
 _LOGPROB_ROWS = 256  # prompt positions whose logits are materialized at once
-
-
-def child_id(request_id: str, index: int) -> str:
-    """The engine request id of the index-th sequence of an n > 1 request."""
-    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 
@@ -22,6 +23,11 @@ class RequestStatus(enum.IntEnum):
     @property
     def finished(self) -> bool:
         return self > RequestStatus.WAITING_FOR_GRAMMAR
+
+
+def child_id(request_id: str, index: int) -> str:
+    """The engine request id of the index-th sequence of an n > 1 request."""
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 FINISH_REASONS = {
@@ -76,6 +82,21 @@ class Request:
         # structured output: the grammar's compile future until it is ready, then its matcher
         self.grammar = None
         self.matcher = None
+
+    def fork(self, index: int) -> "Request":
+        """The index-th sequence of this n > 1 request, made once its prompt is computed and
+        its n first tokens drawn: a copy of every field (a field added later is copied too),
+        then what each sequence owns: its id and index, its token list, its grammar state and
+        its output so far. The caller gives it a detokenizer. Shared with the parent: the
+        prompt, its progress and timings, and the prompt logprobs (complete by now)."""
+        child = copy.copy(self)
+        child.request_id = child_id(self.request_id, index)
+        child.index, child.num_samples = index, 1
+        child.token_ids = list(self.token_ids)
+        child.logprobs = list(self.logprobs) if self.logprobs is not None else None
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
+        child.detokenizer, child.stop_reason, child.num_sent_tokens = None, None, 0
+        return child
 
     @property
     def num_tokens(self) -> int:

@@ -214,10 +214,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for sr, req in zip(out.requests, reqs):
             if not sr.sample:
                 continue
+            family = [req] + (self._fork(req) if req.num_samples > 1 else [])
             req.token_ids.append(7)
-            family = [req]
-            if req.num_samples > 1:
-                family += self._fork(req)
             for r in family:
                 if r.num_output_tokens >= r.max_tokens:
                     self.sched.finish(r, RequestStatus.FINISHED_LENGTH)
@@ -225,13 +223,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         return out
 
     def _fork(self, parent: Request) -> list[Request]:
-        children = []
-        for i in range(1, parent.num_samples):
-            child = _request(f"{parent.request_id}.{i}", parent.prompt_token_ids, parent.max_tokens)
+        """As the engine forks: before the parent's own first token is appended."""
+        children = [parent.fork(i) for i in range(1, parent.num_samples)]
+        for child in children:
             child.token_ids.append(8)
-            child.num_computed_tokens = parent.num_computed_tokens
             self.requests[child.request_id] = child
-            children.append(child)
         parent.num_samples = 1
         event("forked")
         self.sched.fork(parent, children)

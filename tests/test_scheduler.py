@@ -162,3 +162,20 @@ def test_swap_out_and_back_in_moves_the_computed_blocks():
     assert [s for s, _ in out.swap_in] == swap_ids
     assert [d for _, d in out.swap_in] == sched.kv.block_ids("b")[:2]
     assert b.status == RequestStatus.RUNNING and not sched.swap.req_blocks
+
+
+def test_a_fork_copies_every_field_but_what_each_sequence_owns():
+    """Request.fork is the one place n > 1 sequences are made: any field not listed as the
+    sequence's own (a field added later included) is the parent's."""
+    parent = Request("r", [1, 2, 3], SamplingParams(n=3, max_tokens=5, logprobs=2), 5, (0,), "text", "salt")
+    parent.num_computed_tokens, parent.scheduled_time, parent.num_prompt_counted = 3, 12.5, 3
+    child = parent.fork(2)
+    own = {"request_id", "index", "num_samples", "token_ids", "logprobs", "matcher", "detokenizer",
+           "stop_reason", "num_sent_tokens"}
+    for name in Request.__slots__:
+        if name not in own:
+            assert getattr(child, name) is getattr(parent, name), name
+    assert (child.request_id, child.index, child.num_samples) == ("r#2", 2, 1)
+    child.token_ids.append(9)
+    child.logprobs.append("x")
+    assert parent.token_ids == [1, 2, 3] and parent.logprobs == []
