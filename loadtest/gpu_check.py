@@ -327,18 +327,26 @@ def section_readiness(args, report):
         raise RuntimeError(f"readiness checks failed: {report['readiness'].get('failed', 'no report')}")
 
 
+def check_device(smoke: bool) -> torch.device | None:
+    """The GPU, or with --smoke the CPU under Triton's interpreter; None, said on stderr, when
+    there is no GPU and no --smoke."""
+    if not torch.cuda.is_available():
+        if not smoke:
+            print("no CUDA device: run on the GPU machine, or pass --smoke", file=sys.stderr)
+            return None
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
     parser.add_argument("--sections", default="tests,shapes,decode,engine,readiness")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        if not args.smoke:
-            print("no CUDA device: run on the GPU machine, or pass --smoke", file=sys.stderr)
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(args.smoke)
+    if device is None:
+        return 2
     import triton
 
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",

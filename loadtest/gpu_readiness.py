@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from pageserve.loadtest.gpu_check import check_device
 
 GiB = 1 << 30
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -177,14 +178,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        if not args.smoke:
-            print("no CUDA device: pass --smoke", file=sys.stderr)
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    device = check_device(args.smoke)
+    if device is None:
+        return 2
     from pageserve.loadtest.tiny_model import build_tiny_model
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"failed": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_model(Path(tmp), arch="qwen2", tie_word_embeddings=True, initializer_range=0.02,

@@ -1,7 +1,6 @@
 """The tuned torch path (triton_kernels/torch_ops.py, what the CPU runs) against the plain
 references in tests/kernels/reference.py."""
 
-import math
 import random
 
 import pytest
