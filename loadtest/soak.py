@@ -38,7 +38,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=float, default=0.1,
                         help="GiB; small, so that the load also preempts")
-    parser.add_argument("--swap-space", type=float, default=0.05,
+    parser.add_argument("--swap-space", type=float, default=0.01,
                         help="GiB; smaller than the pool, so that preemptions both swap and recompute")
     parser.add_argument("--no-json-schema", action="store_true", help="leave out structured-output requests")
     parser.add_argument("--seed", type=int, default=0)

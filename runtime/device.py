@@ -47,9 +47,10 @@ class HostDevice:
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Tell the allocator that `stream` still reads `tensor` after Python drops it."""
 
-    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Plain memory: its pages are committed as they are first written."""
-        return torch.empty(shape, dtype=dtype)
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Plain memory, committed now (zero-filled), as the KV pool is: the swap space costs
+        its size from start-up, not a growth of memory in the middle of serving."""
+        return torch.zeros(shape, dtype=dtype)
 
     def synchronize(self) -> None:
         pass
@@ -82,7 +83,7 @@ class CudaDevice:
     def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         tensor.record_stream(stream)
 
-    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked memory of exactly this size, committed now: registered with CUDA rather
         than taken from torch's pinned allocator, which rounds each block up to a power of two."""
         tensor = torch.empty(shape, dtype=dtype)

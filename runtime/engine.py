@@ -89,7 +89,7 @@ class LLMEngine:
                 num_blocks = min(num_blocks, int(args.kv_cache_memory * GiB // block_bytes))
         else:
             num_blocks = int((args.kv_cache_memory or CPU_KV_CACHE_GIB) * GiB // block_bytes)
-        num_swap = int(args.swap_space * GiB // block_bytes)
+        num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
         cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
         runner.allocate_kv_cache(cache_cfg)
         config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,

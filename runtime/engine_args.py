@@ -21,6 +21,7 @@ def triton_interpreting() -> bool:
 
 GiB = 1 << 30
 CPU_KV_CACHE_GIB = 4.0
+SWAP_SPACE_GIB = {"cuda": 4.0, "cpu": 1.0}  # committed at start-up: less where it is the same RAM as the pool
 
 
 @dataclass
@@ -35,7 +36,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of CPU memory for preempted requests' KV blocks
+    swap_space: float | None = None  # GiB of host memory for preempted requests' KV blocks
     preemption_mode: str = "swap"
     attention_backend: str = "auto"
     device: str = "auto"
@@ -57,7 +58,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space < 0:
+        if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         PreemptionMode(self.preemption_mode)  # its own check, before anything loads
 
@@ -80,11 +81,11 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--swap-space", type=float, default=4.0,
-                       help="GiB of CPU memory where preempted requests' KV blocks are kept. On CUDA "
-                            "all of it is pinned (page-locked) at start-up, so the host gives up that "
-                            "much RAM whether or not anything is ever swapped; on CPU its pages are "
-                            "committed as they are first used")
+        g.add_argument("--swap-space", type=float, default=None,
+                       help=f"(default {SWAP_SPACE_GIB['cuda']:g} on CUDA, {SWAP_SPACE_GIB['cpu']:g} on CPU) GiB of CPU memory where preempted requests' KV blocks are kept. All of it "
+                            "is committed at start-up (pinned, page-locked, on CUDA), so the host gives "
+                            "up that much RAM whether or not anything is ever swapped; 0 turns swapping "
+                            "off (preempted requests are recomputed)")
         g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
                        help="swap: copy a preempted request's blocks to the swap space (recompute "
                             "when it is full); recompute: free them and recompute later")
@@ -167,6 +168,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
+
+    def swap_space_gib(self, device: torch.device) -> float:
+        return SWAP_SPACE_GIB[device.type] if self.swap_space is None else self.swap_space
 
     def cache_config(self, num_blocks: int, num_swap_blocks: int, max_model_len: int) -> CacheConfig:
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,

@@ -30,8 +30,8 @@ class KVSwapper:
         """kv_storage: the pool, [layers, K/V, blocks, KV heads, block size, head dim]."""
         self.dev = dev
         self.blocks = kv_storage.movedim(2, 0)  # block-major view of the pool (no copy)
-        # CUDA: pinned and committed now, the whole --swap-space; CPU: pages committed on use
-        self.storage = dev.pinned_empty((num_swap_blocks,) + self.blocks.shape[1:], kv_storage.dtype)
+        # the whole --swap-space, committed now (pinned on CUDA)
+        self.storage = dev.host_buffer((num_swap_blocks,) + self.blocks.shape[1:], kv_storage.dtype)
         self.out_stream = dev.new_stream()  # device -> host
         self.in_stream = dev.new_stream()  # host -> device
         self._ready = None  # the swap-ins the next forward reads

@@ -67,7 +67,7 @@ class FakeCuda(HostDevice):
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         self.log.append(("record_stream", stream.name))
 
-    def pinned_empty(self, shape, dtype) -> torch.Tensor:
+    def host_buffer(self, shape, dtype) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)
         self.log.append(("pinned", tensor.numel() * tensor.element_size()))
         return tensor

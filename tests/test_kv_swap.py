@@ -110,11 +110,11 @@ def test_cuda_pinned_memory_is_registered_at_its_exact_size(monkeypatch):
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    tensor = CudaDevice(torch.device("cuda")).pinned_empty((3, 5), torch.float32)
+    tensor = CudaDevice(torch.device("cuda")).host_buffer((3, 5), torch.float32)
     ptr = tensor.data_ptr()
     assert cudart.calls == [("register", ptr, 60)]  # not rounded up to a power of two
     del tensor
     assert cudart.calls[-1] == ("unregister", ptr)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))
     with pytest.raises(RuntimeError, match="lower --swap-space"):
-        CudaDevice(torch.device("cuda")).pinned_empty((4,), torch.float32)
+        CudaDevice(torch.device("cuda")).host_buffer((4,), torch.float32)
