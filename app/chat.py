@@ -82,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     out = next(iter(outs.values()))
     choices = []
     for c in out.outputs:
-        content, calls = parse_tool_calls(c.text) if parse_tools else (c.text, [])
+        content, calls = parse_tool_calls(c.text, c.finish_reason == "length") if parse_tools else (c.text, [])
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
             "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
@@ -118,7 +118,9 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
                     yield chunk(c.index, {"content": c.text}, logprobs=logprobs)
             else:
                 parser = parsers[c.index]
-                deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+                deltas = parser.feed(c.text)
+                if c.finish_reason is not None:
+                    deltas += parser.finish(c.finish_reason == "length")
                 for i, delta in enumerate(deltas):
                     yield chunk(c.index, delta, logprobs=logprobs if i == 0 else None)
                 if logprobs and not deltas:

@@ -42,7 +42,11 @@ async def completions(request: Request) -> Response:
                              structured=structured_outputs(body)[0])
     rid = request_id("cmpl", request)
     stream, index = start(state, rid, ids, params, body.cache_salt, "prompt")
-    echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
+    try:  # after start(), which checked the token ids
+        echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
+    except BaseException:
+        stream.abort()
+        raise
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     num_prompt = sum(len(p) for p in ids)

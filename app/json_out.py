@@ -12,7 +12,7 @@ _RAW_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2
 
 def dumps(obj) -> bytes:
     data = orjson.dumps(obj)
-    # in UTF-8 these byte pairs only ever start these characters, and they only occur in strings
+    # whole UTF-8 sequences (a lead byte is never a continuation byte), found only inside strings
     if b"\xe2\x80" in data or b"\xc2\x85" in data:
         for raw, escaped in _RAW_BREAKS:
             data = data.replace(raw, escaped)

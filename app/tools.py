@@ -128,13 +128,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, cut_short: bool = False) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a whole output. Markup of the format never reaches the
     content: a call cut short (max_tokens) is left out, as is a block that is not a valid call
-    (the grammar allows none; one here means the output was not constrained as planned)."""
+    (the grammar allows none; one here means the output was not constrained as planned) and a
+    stray closing tag (the grammar keeps free text from opening a call, not from closing one).
+    `cut_short`: the output ended at max_tokens, so a tag's start at its end is markup too."""
     calls, kept, last = [], [], 0
     for m in _BLOCK.finditer(text):
-        kept.append(text[last:m.start()])
+        kept.append(_free_text(text[last:m.start()]))
         last = m.end()
         try:
             obj = json.loads(m.group(1))
@@ -148,7 +150,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                       "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
     rest = text[last:]
     cut = rest.find(TOOL_CALL_OPEN)
-    kept.append(rest[:cut] if cut >= 0 else rest[:len(rest) - _tag_start(rest)])
+    rest = rest[:cut] if cut >= 0 else rest[:len(rest) - (_tag_start(rest) if cut_short else 0)]
+    kept.append(_free_text(rest))
     content = "".join(kept).strip()
     return (content or None), calls
 
@@ -162,9 +165,14 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 def _tag_start(text: str) -> int:
-    """Length of the opening tag's start that ends a cut-short output (a lone "<" is text)."""
-    n = _held_prefix(text, TOOL_CALL_OPEN)
+    """Length of a tag's start that ends a cut-short output (a lone "<" is text)."""
+    n = max(_held_prefix(text, TOOL_CALL_OPEN), _held_prefix(text, TOOL_CALL_CLOSE))
     return n if n >= 2 else 0
+
+
+def _free_text(text: str) -> str:
+    """Text outside the calls, less any stray closing tag."""
+    return text.replace(TOOL_CALL_CLOSE, "")
 
 
 class StreamingToolParser:
@@ -187,11 +195,12 @@ class StreamingToolParser:
             if not self.in_call:
                 at = self.buffer.find(TOOL_CALL_OPEN)
                 if at < 0:
-                    keep = _held_prefix(self.buffer, TOOL_CALL_OPEN)
-                    self._content(deltas, self.buffer[:len(self.buffer) - keep])
+                    keep = max(_held_prefix(self.buffer, TOOL_CALL_OPEN), _held_prefix(self.buffer, TOOL_CALL_CLOSE))
+                    self._content(deltas, _free_text(self.buffer[:len(self.buffer) - keep]))
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return deltas
-                self._content(deltas, self.buffer[:at].rstrip("\n") if self.num_calls else self.buffer[:at])
+                before = _free_text(self.buffer[:at])
+                self._content(deltas, before.rstrip("\n") if self.num_calls else before)
                 self.buffer = self.buffer[at + len(TOOL_CALL_OPEN):]
                 self.in_call, self.call_text, self.header_sent, self.args_sent = True, "", False, 0
             at = self.buffer.find(TOOL_CALL_CLOSE)
@@ -206,16 +215,16 @@ class StreamingToolParser:
             self._call_progress(deltas, final=True)
             self.in_call = False
 
-    def finish(self) -> list[dict]:
+    def finish(self, cut_short: bool = False) -> list[dict]:
         """At the end of the output: whatever was held back that is not markup. A call cut
         short (max_tokens) before its name was complete is left out; one already announced
         gets the rest of the arguments written (the buffer then holds at most the start of
-        a closing tag)."""
+        a closing tag). `cut_short`: a tag's start held at the very end is markup too."""
         deltas: list[dict] = []
         if self.in_call and self.header_sent:
             self._call_progress(deltas, final=True, closed=False)
         elif not self.in_call:
-            self._content(deltas, self.buffer[:len(self.buffer) - _tag_start(self.buffer)])
+            self._content(deltas, self.buffer[:len(self.buffer) - (_tag_start(self.buffer) if cut_short else 0)])
         self.buffer = ""
         return deltas
 

@@ -16,6 +16,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -105,14 +106,22 @@ class CompileWorker:
         self.timeout, self.memory_bytes = timeout, memory_bytes
         self._proc: subprocess.Popen | None = None
         self._stopped = False
+        self._spawn_lock = threading.Lock()  # close() never misses a child started beside it
 
     def compile(self, regex: str) -> CompiledGrammar:
-        if self._stopped:
-            raise CompilerStopped("the grammar compiler is stopped: the server is shutting down")
-        proc = self._proc
+        with self._spawn_lock:
+            if self._stopped:
+                raise CompilerStopped("the grammar compiler is stopped: the server is shutting down")
+            proc = self._proc
+            fresh = proc is None or proc.poll() is not None
+            if fresh:
+                try:
+                    proc = self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                                         stdout=subprocess.PIPE)
+                except OSError as e:  # no process could be made (file descriptors, memory)
+                    raise CompileError(f"the grammar compiler process could not start: {e}") from None
         try:
-            if proc is None or proc.poll() is not None:
-                proc = self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            if fresh:
                 _send(proc.stdin, (self.eos, self.tokens, self.memory_bytes))
             _send(proc.stdin, regex)
             ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
@@ -150,7 +159,8 @@ class CompileWorker:
 
     def close(self) -> None:
         """Stop for good (shutdown): a compile in progress ends with CompilerStopped."""
-        self._stopped = True
+        with self._spawn_lock:
+            self._stopped = True
         self._end()
 
     def _end(self) -> None:

@@ -92,6 +92,7 @@ class Request:
         child = copy.copy(self)
         child.request_id = child_id(self.request_id, index)
         child.index, child.num_samples = index, 1
+        child.status = RequestStatus.WAITING  # the scheduler's fork makes it RUNNING
         child.token_ids = list(self.token_ids)
         child.logprobs = list(self.logprobs) if self.logprobs is not None else None
         child.matcher = self.matcher.fork() if self.matcher is not None else None

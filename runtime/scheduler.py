@@ -68,11 +68,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.reset_counters()
-        self._warned_preemption = False
         self._last_scheduled: list[tuple[Request, int]] = []
         self._finished_ids: list[str] = []
 
     def reset_counters(self) -> None:
+        self._warned_preemption = False  # warned once per serving run (warm-up may preempt)
         self.num_preemptions = 0
         self.num_recomputed = 0  # preemptions that freed the blocks
         self.num_swapped_out_blocks = 0

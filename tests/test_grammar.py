@@ -245,6 +245,9 @@ def test_a_compiler_child_that_dies_says_how(tiny_model_dir, monkeypatch):
         monkeypatch.setattr(worker.CompileWorker, "command", [sys.executable, "-c", "import os; os.abort()"])
         with pytest.raises(UnsupportedSchema, match="ran out of memory"):  # what an allocation failure does
             c.submit("(maybe|never)").result(timeout=30)
+        monkeypatch.setattr(worker.CompileWorker, "command", ["/nonexistent/python"])
+        with pytest.raises(UnsupportedSchema, match="could not start"):
+            c.submit("(perhaps|later)").result(timeout=30)
         monkeypatch.undo()
         assert c.submit("(hello|world)").result(timeout=30) is not None
     finally:
@@ -292,25 +295,29 @@ def test_streamed_tool_calls_match_the_whole_parse():
 
 
 def test_tool_call_markup_never_reaches_content():
-    """Whole or streamed: the start of a tag where the output was cut, a block that is not a
-    valid call, a second call cut short after a complete one. A lone "<" is text."""
+    """Whole or streamed: the start of a tag where the output was cut (max_tokens), a block that
+    is not a valid call, a second call cut short after a complete one, a stray closing tag
+    (free text under tool_choice auto may write one). A lone "<" is text, and so is a tag's
+    start at the end of an output that stopped on its own."""
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    cases = {"a < b and <tool_ca": "a < b and", "<tool_call>not json</tool_call> after": "after",
-             "x <": "x <", f"{call}\n<tool_call>\n{{\"name\": \"ad": None,
-             f"{call}\n<tool_call>\n{{\"name\": \"add\", \"arguments\": {{\"a\"": None,
-             f"{call}\n<tool_": None}
-    for text, expected in cases.items():
-        content, calls = parse_tool_calls(text)
-        assert content == expected, text
+    cases = {("a < b and <tool_ca", True): "a < b and", ("a < b and <tool_ca", False): "a < b and <tool_ca",
+             ("<tool_call>not json</tool_call> after", False): "after", ("x <", True): "x <",
+             (f"{call}\n<tool_call>\n{{\"name\": \"ad", True): None,
+             (f"{call}\n<tool_call>\n{{\"name\": \"add\", \"arguments\": {{\"a\"", True): None,
+             (f"{call}\n<tool_", True): None, (f"{call}\n</tool_", True): None,
+             (f"Done.</tool_call> {call}</tool_call>\nBye", False): "Done. Bye"}
+    for (text, cut_short), expected in cases.items():
+        content, calls = parse_tool_calls(text, cut_short)
+        assert (content and " ".join(content.split())) == expected, text
         assert len(calls) == text.count(call)
         rng = random.Random(len(text))
         cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
         parser, deltas = StreamingToolParser(), []
         for a, b in zip([0] + cuts, cuts + [len(text)]):
             deltas += parser.feed(text[a:b])
-        deltas += parser.finish()
+        deltas += parser.finish(cut_short)
         streamed = "".join(d.get("content", "") for d in deltas)
-        assert streamed.strip() == (expected or ""), text
+        assert " ".join(streamed.split()) == (expected or ""), text
         for d in deltas:
             for c in d.get("tool_calls", []):
                 assert "<" not in c["function"].get("arguments", ""), text

@@ -171,11 +171,12 @@ def test_a_fork_copies_every_field_but_what_each_sequence_owns():
     parent.num_computed_tokens, parent.scheduled_time, parent.num_prompt_counted = 3, 12.5, 3
     child = parent.fork(2)
     own = {"request_id", "index", "num_samples", "token_ids", "logprobs", "matcher", "detokenizer",
-           "stop_reason", "num_sent_tokens"}
+           "stop_reason", "num_sent_tokens", "status"}
     for name in Request.__slots__:
         if name not in own:
             assert getattr(child, name) is getattr(parent, name), name
     assert (child.request_id, child.index, child.num_samples) == ("r#2", 2, 1)
+    assert child.status == RequestStatus.WAITING  # running only once the scheduler has forked it
     child.token_ids.append(9)
     child.logprobs.append("x")
     assert parent.token_ids == [1, 2, 3] and parent.logprobs == []
