@@ -288,7 +288,7 @@ class LLMEngine:
             return []
         if not tokens:
             return []
-        members = [req] + (self._fork(req, tokens[1:]) if len(tokens) > 1 else [])
+        members = [req] + (self._fork(req) if len(tokens) > 1 else [])
         outputs = []
         for member, token in zip(members, tokens):
             outputs.extend(self._append_token(member, token, result.logprobs))
@@ -319,10 +319,10 @@ class LLMEngine:
             self.counters.count_finished(req.finish_reason)
         return [out] if out is not None else []
 
-    def _fork(self, parent: Request, first_tokens: list[int]) -> list[Request]:
+    def _fork(self, parent: Request) -> list[Request]:
         """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
         sequences start here (Request.fork), sharing the prompt's blocks by reference."""
-        children = [parent.fork(i) for i in range(1, len(first_tokens) + 1)]  # whole before registered
+        children = [parent.fork(i) for i in range(1, parent.num_samples)]  # whole before registered
         for child in children:
             child.detokenizer = self._detokenizer(child)
         parent.num_samples = 1
