@@ -43,8 +43,8 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from pageserve.loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve, bench_structured,
-                          soak)
+    from pageserve.loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve,
+                                    bench_structured, soak)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from pageserve.app.errors import APIError, bad_request, from_validation_error
 from pageserve.app.json_out import dumps
 from pageserve.runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
-                                  RequestTimeoutError, ShuttingDownError)
+                                            RequestTimeoutError, ShuttingDownError)
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pageserve.app.embeddings import embeddings
 from pageserve.app.errors import APIError
 from pageserve.app.http import api_route, json_response, read_json
 from pageserve.app.openapi import package_version
-from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                          TokenizeRequest)
+from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    EmbeddingRequest, TokenizeRequest)
 from pageserve.app.state import ServerState
 
 

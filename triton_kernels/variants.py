@@ -18,7 +18,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import KernelParam, create_function_from_signature
 
 from pageserve.triton_kernels import (apply_token_bitmask, paged_attention, reshape_and_cache, rms_norm,
-                            rotary_embedding, silu_and_mul)
+                                      rotary_embedding, silu_and_mul)
 
 KERNEL_MODULES = (apply_token_bitmask, paged_attention, reshape_and_cache, rms_norm,
                   rotary_embedding, silu_and_mul)
