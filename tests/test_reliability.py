@@ -48,6 +48,20 @@ def _num_tasks(srv: InProcessServer) -> int:
     return srv.call(count)
 
 
+def _quiet_tasks(srv: InProcessServer) -> int:
+    """The event loop's task count once the last request's tasks have wound down (the same
+    count for half a second): the baseline a test compares against."""
+    srv.wait_idle(30)
+    last, since = _num_tasks(srv), time.monotonic()
+    deadline = since + 10
+    while time.monotonic() - since < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = _num_tasks(srv)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _assert_settled(srv: InProcessServer, tasks_before: int) -> None:
     """No request, stream, pending hand-over or deadline left; every block free; the event
     loop back to the tasks it had before."""
@@ -65,18 +79,29 @@ def test_disconnect_storm_leaves_nothing_behind(small_server):
     """100 clients, streaming or not, that go away at random points: before the headers, after
     some tokens, or read to the end."""
     srv = small_server
-    tasks_before = _num_tasks(srv)
+    tasks_before = _quiet_tasks(srv)
     preempted_before = srv.engine.scheduler.num_preemptions
     rng = random.Random(0)
     outcomes = {"cancelled": 0, "dropped": 0, "whole": 0}
 
+    # Drawn up front, so the plan does not depend on the order the tasks run in. The first 12
+    # stream 200 tokens each to the end: together they need ~3x the pool, so it fills (and
+    # preempts) however fast the machine is.
+    plan = []
+    for i in range(100):
+        if i < 12:
+            plan.append((True, 200, None, None))
+        else:
+            gone_after = rng.uniform(0, 0.5) if rng.random() < 0.3 else None
+            plan.append((i % 4 != 0, rng.randint(20, 200), gone_after, rng.randint(0, 60)))
+
     async def client(http: httpx.AsyncClient, i: int) -> None:
-        stream = i % 4 != 0
-        body = {"model": srv.model, "prompt": PROMPT, "max_tokens": rng.randint(20, 200),
+        stream, max_tokens, gone_after, keep = plan[i]
+        body = {"model": srv.model, "prompt": PROMPT, "max_tokens": max_tokens,
                 "ignore_eos": True, "stream": stream}
-        if rng.random() < 0.3:  # gone before (or just as) the answer starts
+        if gone_after is not None:  # gone before (or just as) the answer starts
             try:
-                await asyncio.wait_for(http.post("/v1/completions", json=body), rng.uniform(0, 0.5))
+                await asyncio.wait_for(http.post("/v1/completions", json=body), gone_after)
                 outcomes["whole"] += 1
             except asyncio.TimeoutError:
                 outcomes["cancelled"] += 1
@@ -86,7 +111,6 @@ def test_disconnect_storm_leaves_nothing_behind(small_server):
             assert r.status_code in (200, 503), r.text
             outcomes["whole"] += 1
             return
-        keep = rng.randint(0, 60)
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code == 503:  # the queue limit: refused, nothing to drop
                 return
@@ -95,7 +119,7 @@ def test_disconnect_storm_leaves_nothing_behind(small_server):
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     n += 1
-                    if n >= keep:
+                    if keep is not None and n >= keep:
                         outcomes["dropped"] += 1
                         return  # leaving the block closes the connection mid-stream
         outcomes["whole"] += 1
@@ -122,7 +146,7 @@ def test_five_times_the_kv_capacity_at_once(small_server):
     """Every request is served in full or refused with 503 + Retry-After (past the queue
     limit); refused ones that retry after Retry-After are served too; nothing hangs."""
     srv = small_server
-    tasks_before = _num_tasks(srv)
+    tasks_before = _quiet_tasks(srv)
     capacity = srv.engine.kv.pool.num_blocks * srv.engine.kv.block_size
     prompt_ids = srv.engine.tokenizer.encode(PROMPT)
     max_tokens = 64
