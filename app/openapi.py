@@ -37,6 +37,8 @@ def openapi_document(routes) -> dict:
     paths: dict[str, dict] = {}
     for r in routes:
         op = {"summary": r.summary, "responses": {"200": {"description": "OK"}}}
+        if r.page:
+            op["responses"]["200"]["content"] = {"text/html": {"schema": {"type": "string"}}}
         if r.body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{r.body.__name__}"}}}}

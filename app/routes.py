@@ -15,11 +15,12 @@ from pageserve.app.chat import chat_completions, chat_prompt_ids
 from pageserve.app.completions import completions
 from pageserve.app.embeddings import embeddings
 from pageserve.app.errors import APIError
+from pageserve.app.frontend import chat_page
 from pageserve.app.http import api_route, json_response, read_json
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
-from pageserve.app.state import ServerState
+from pageserve.app.state import ServerSettings, ServerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class RouteSpec:
     summary: str
     body: type[BaseModel] | None = None  # the JSON body's model
     open: bool = False  # served without an API key: what a load balancer or a fuzzer needs
+    page: bool = False  # an HTML page for people (the chat page), off with --disable-frontend
 
 
 async def health(request: Request) -> Response:
@@ -94,4 +96,12 @@ ROUTES = (
     RouteSpec("/version", "get", version, "The server's version", open=True),
     RouteSpec("/metrics", "get", metrics, "Prometheus metrics", open=True),
     RouteSpec("/openapi.json", "get", openapi, "This document", open=True),
+    # the page is open; the API calls it makes carry the key it asks for
+    RouteSpec("/", "get", chat_page, "The chat page (HTML); off with --disable-frontend",
+              open=True, page=True),
 )
+
+
+def served_routes(settings: ServerSettings) -> tuple[RouteSpec, ...]:
+    """The routes this server serves (and documents): all, less the page when it is off."""
+    return tuple(r for r in ROUTES if settings.enable_frontend or not r.page)

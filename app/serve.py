@@ -49,6 +49,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "--tool-call-parser")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                    help="how tool calls are written in the model's output (hermes: <tool_call> tags)")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="do not serve the chat page at /")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--enable-log-prompts", action="store_true",
@@ -95,7 +97,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
                           max_num_queued_reqs=ns.max_num_queued_reqs,
                           log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts,
-                          enable_auto_tool_choice=ns.enable_auto_tool_choice)
+                          enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                          enable_frontend=not ns.disable_frontend)
 
 
 class GracefulServer(uvicorn.Server):
@@ -137,8 +140,9 @@ def run(ns: argparse.Namespace) -> int:
     engine.compile_grammar(json_object_regex())
     state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
     app = build_app(state)
-    logger.info("serving %s on http://%s:%d%s", ", ".join(settings.served_model_names), ns.host,
-                ns.port, " (API key required)" if settings.api_keys else "")
+    logger.info("serving %s on http://%s:%d%s%s", ", ".join(settings.served_model_names), ns.host,
+                ns.port, " (API key required)" if settings.api_keys else "",
+                "; chat page at /" if settings.enable_frontend else "")
     # uvicorn's own grace period only backs ours up: by then every request has ended
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http="httptools",
                             log_level=ns.uvicorn_log_level, access_log=False,

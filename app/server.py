@@ -19,7 +19,7 @@ from starlette.routing import Route
 from pageserve.app.errors import APIError
 from pageserve.app.metrics import Metrics
 from pageserve.app.openapi import openapi_document
-from pageserve.app.routes import ROUTES
+from pageserve.app.routes import ROUTES, served_routes
 from pageserve.app.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -90,11 +90,13 @@ def build_app(state: ServerState) -> Starlette:
     # sse-starlette would cut every stream the moment shutdown starts; the engine's drain
     # (--shutdown-timeout) ends them instead, each with its last tokens or an error event
     AppStatus.disable_automatic_graceful_drain()
-    routes = [Route(r.path, r.endpoint, methods=[r.method.upper()]) for r in ROUTES]
+    served = served_routes(state.settings)
+    routes = [Route(r.path, r.endpoint, methods=[r.method.upper()]) for r in served]
     middleware = [Middleware(RequestIdMiddleware)]
     if state.settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
-                                     allow_methods=["*"], allow_headers=["*"]))
+                                     allow_methods=["*"], allow_headers=["*"],
+                                     expose_headers=["Retry-After", "X-Request-Id"]))
     if state.settings.api_keys:
         middleware.append(Middleware(APIKeyMiddleware, api_keys=state.settings.api_keys))
 
@@ -111,5 +113,5 @@ def build_app(state: ServerState) -> Starlette:
     app.state.server = state
     app.state.metrics = Metrics(state.engine, state.model_name, state.settings.log_requests,
                                 state.settings.log_prompts, state.detokenize)
-    app.state.openapi = openapi_document(ROUTES)
+    app.state.openapi = openapi_document(served)
     return app

@@ -27,6 +27,7 @@ class ServerSettings:
     log_requests: bool = True
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice auto (with --tool-call-parser)
+    enable_frontend: bool = True  # the chat page at / (--disable-frontend)
 
     def __post_init__(self):
         if not self.served_model_names:
