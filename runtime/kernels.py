@@ -8,9 +8,11 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pageserve.runtime.config import Backend
 from pageserve.triton_kernels import torch_ops
+from pageserve.triton_kernels.cpu_linear import LinearPlan
 
 
 @dataclass(slots=True)
@@ -40,6 +42,10 @@ class Kernels:
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers."""
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Every linear layer's matmul, the lm_head's included."""
+        return F.linear(x, weight, bias)
+
     def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
@@ -62,6 +68,12 @@ class TorchKernels(Kernels):
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
         self.workspace = torch_ops.Workspace()
+        self.linear_plan: LinearPlan | None = None  # set by the runner: the matmul by rows per step
+
+    def linear(self, x, weight, bias=None):
+        if self.linear_plan is None:
+            return F.linear(x, weight, bias)
+        return self.linear_plan(x, weight, bias)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.plan = torch_ops.plan_paged_attention(

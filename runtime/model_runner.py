@@ -11,14 +11,15 @@ import torch
 
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
-from pageserve.runtime.kernels import AttentionMetadata, make_kernels
+from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
-from pageserve.runtime.models.loader import ModelLoadError, iter_safetensors
+from pageserve.runtime.models.loader import ModelLoadError, cache_root, iter_safetensors
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
 from pageserve.sampling.penalties import TokenCounts
+from pageserve.triton_kernels import cpu_linear
 from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.num_heads,
                                     model_cfg.num_kv_heads)
         self.model = self._load_model(Path(model_cfg.path))
+        self._plan_linear()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
@@ -76,6 +78,20 @@ class ModelRunner:
         # the RoPE table stays float32 (it was lost on the meta device)
         model.cos_sin_cache = rope_cos_sin_cache(cfg).to(self.device)
         return model.eval()
+
+    def _plan_linear(self) -> None:
+        """CPU, float32: time torch's matmul against the C kernel on two decoder layers'
+        weights at each step size, so that every step runs the faster one."""
+        if not isinstance(self.kernels, TorchKernels) or self.model_cfg.dtype != torch.float32:
+            return
+        kernel = cpu_linear.load(cache_root() / "kernels")
+        if kernel is None:
+            return
+        plan = cpu_linear.LinearPlan(kernel)
+        weights = [m.weight for layer in self.model.layers[:2]
+                   for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        plan.measure(weights)
+        self.kernels.linear_plan = plan
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                            max_num_seqs: int) -> int:

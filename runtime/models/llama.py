@@ -65,9 +65,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        cfg, linear = self.cfg, self.kernels.linear
         x, residual = self.ops.rms_norm(x, self.input_layernorm, cfg.rms_norm_eps, residual)
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -75,9 +75,9 @@ class LlamaDecoderLayer(nn.Module):
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         self.ops.rotary_embedding(q, k, *rope)
         attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale)
-        x = self.o_proj(attn.reshape(t, self.q_size))
+        x = linear(attn.reshape(t, self.q_size), self.o_proj.weight)
         x, residual = self.ops.rms_norm(x, self.post_attention_layernorm, cfg.rms_norm_eps, residual)
-        x = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        x = linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
         return x, residual
 
 
@@ -86,6 +86,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = kernels.ops
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -108,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.kernels.linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
