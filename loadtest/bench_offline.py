@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from pageserve.loadtest import machine_limits
 from pageserve.loadtest.common import save_json
 
 GiB = 1 << 30
@@ -22,7 +23,8 @@ GiB = 1 << 30
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: what the engine picks for this machine (HF then loads the same)")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--min-prompt-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=512)
@@ -37,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="GiB for the KV pool (default: 4 on CPU; on CUDA, what --gpu-memory-utilization leaves)")
+    parser.add_argument("--skip-limits", action="store_true",
+                        help="do not measure the machine's limits (bandwidth, matmul time) beside the run")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     return parser
 
@@ -121,17 +125,17 @@ def main(args: argparse.Namespace) -> dict:
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
         if not 1 <= lo <= hi:
             raise SystemExit(f"need 1 <= --min-{what}-len ({lo}) <= --max-{what}-len ({hi})")
-    if args.dtype == "auto":
-        raise SystemExit("--dtype auto is not supported here: HF must load the same dtype as the engine")
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               seed=args.seed)
     cfg = llm.engine.config
+    args.dtype = str(cfg.model.dtype).removeprefix("torch.")  # HF loads what the engine runs
     vocab = min(cfg.model.vocab_size, len(llm.tokenizer))  # ids both the model and the tokenizer know
     work = make_workload(args, vocab, llm.tokenizer.all_special_ids)
     result = {"model": cfg.model.path, "dtype": args.dtype, "device": str(cfg.device.device),
               "num_prompts": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
-              "ours": run_ours(args, llm, work), "hf": None}
+              "ours": run_ours(args, llm, work), "hf": None,
+              "limits": None if args.skip_limits else machine_limits.measure(llm)}
     path, device = cfg.model.path, cfg.device.device
     del llm, cfg
     gc.collect()
@@ -155,6 +159,8 @@ def print_summary(r: dict) -> None:
         print(f"HF:   {hf['useful_tokens']} useful tokens in {hf['elapsed_s']:.2f} s "
               f"= {hf['tokens_per_s']:.1f} tok/s{subset}")
         print(f"ratio ours/HF: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+    for line in machine_limits.summary(r["limits"]) if r.get("limits") else ():
+        print(line)
     print(f"KV waste: {ours['kv_waste'] * 100:.1f}% of allocated slots (mean over steps)")
     print(f"KV pool: {ours['kv_pool_bytes'] / GiB:.3f} GiB")
     print(f"RSS: {ours['rss_after_warmup_bytes'] / GiB:.3f} GiB after warm-up, "

@@ -1,0 +1,112 @@
+"""What this machine allows one model, measured in the run that reports against it: memory
+read bandwidth, the bytes of weights one decode step reads, the memory floor of a step (those
+bytes at that bandwidth), and the time of the step's matmuls alone (every linear layer and the
+lm_head, through the engine's own matmul path) at 1 and 64 rows; then the engine's own decode
+at 1 and 64 streams as a fraction of each limit."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+GB = 1e9
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 512 << 20, reps: int = 9) -> float:
+    """Bytes per second a reduction streams from memory (the median of `reps`: a shared
+    machine has outliers both ways; the buffer is far larger than any cache)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        buf.sum().item()
+        times.append(time.perf_counter() - t)
+    del buf
+    return nbytes / sorted(times)[reps // 2]
+
+
+def step_weights(model) -> list[torch.Tensor]:
+    """The matrices one decode step multiplies by: every linear layer's and the lm_head (the
+    embedding when it is tied). The embedding lookup itself reads only a few rows."""
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(model, "lm_head", None) is None:
+        mats.append(model.embed_tokens.weight)
+    return mats
+
+
+def step_weight_bytes(model) -> int:
+    norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 1)
+    return sum(w.numel() * w.element_size() for w in step_weights(model)) + norms
+
+
+def matmul_time(kernels, weights: list[torch.Tensor], rows: int, reps: int = 3) -> float:
+    """Seconds for one pass of `rows` rows through every matrix, on the engine's matmul path
+    (best of `reps`)."""
+    dev, dtype = weights[0].device, weights[0].dtype
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=dev) for w in weights}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first pass warms caches and kernel choices
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for w in weights:
+                kernels.linear(xs[w.shape[1]], w)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def engine_decode(llm, streams: int, output_len: int = 64, prompt_len: int = 16) -> float:
+    """Seconds per decode step of the engine itself at `streams` concurrent requests: the
+    time of `output_len` tokens each minus that of one token each (the prefill), per step."""
+    from pageserve.runtime import SamplingParams
+
+    vocab = llm.engine.config.model.vocab_size
+    prompts = [[(7 * i + j) % (vocab - 10) + 10 for j in range(prompt_len)] for i in range(streams)]
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(2)  # warm-up
+    one = min(run(1) for _ in range(2))
+    whole = min(run(output_len) for _ in range(2))
+    return (whole - one) / (output_len - 1)
+
+
+def measure(llm) -> dict:
+    runner = llm.engine.runner
+    model, dev = runner.model, runner.device
+    weights = step_weights(model)
+    nbytes = step_weight_bytes(model)
+    bandwidth = read_bandwidth(dev)
+    r = {"read_bandwidth_gb_s": bandwidth / GB, "step_weight_bytes": nbytes,
+         "memory_floor_ms": nbytes / bandwidth * 1e3,
+         "matmul_1_ms": matmul_time(runner.kernels, weights, 1) * 1e3,
+         "matmul_64_ms": matmul_time(runner.kernels, weights, 64) * 1e3,
+         "engine_step_1_ms": engine_decode(llm, 1) * 1e3,
+         "engine_step_64_ms": engine_decode(llm, 64) * 1e3}
+    r["matmul_ceiling_64_tok_s"] = 64e3 / r["matmul_64_ms"]
+    r["engine_64_tok_s"] = 64e3 / r["engine_step_64_ms"]
+    return r
+
+
+def summary(r: dict) -> list[str]:
+    return [
+        f"machine: reads {r['read_bandwidth_gb_s']:.1f} GB/s; a decode step reads "
+        f"{r['step_weight_bytes'] / 1e6:.0f} MB of weights: memory floor {r['memory_floor_ms']:.1f} ms a step",
+        f"matmuls alone: {r['matmul_1_ms']:.1f} ms at 1 row, {r['matmul_64_ms']:.1f} ms at 64 rows "
+        f"(ceiling {r['matmul_ceiling_64_tok_s']:.0f} tok/s at 64 streams)",
+        f"engine, 1 stream: {r['engine_step_1_ms']:.1f} ms a step = "
+        f"{r['engine_step_1_ms'] / r['memory_floor_ms']:.2f}x the memory floor, "
+        f"{r['engine_step_1_ms'] / r['matmul_1_ms']:.2f}x the matmuls",
+        f"engine, 64 streams: {r['engine_step_64_ms']:.1f} ms a step = {r['engine_64_tok_s']:.0f} tok/s = "
+        f"{r['engine_64_tok_s'] / r['matmul_ceiling_64_tok_s'] * 100:.0f}% of the matmul ceiling",
+    ]
