@@ -43,13 +43,14 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from pageserve.loadtest import (bench_cache, bench_http, bench_offline, bench_sampling, bench_serve,
-                                    bench_structured, soak)
+    from pageserve.loadtest import (bench_cache, bench_engine, bench_http, bench_offline, bench_sampling,
+                                    bench_serve, bench_structured, soak)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     for name, module, help_text in (
             ("offline", bench_offline, "offline throughput against HF generate"),
+            ("engine", bench_engine, "the engine's own cost per step, with a null model"),
             ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput"),
             ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
             ("sampling", bench_sampling, "what every logits processor costs beside a decode step"),

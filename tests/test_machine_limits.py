@@ -38,3 +38,15 @@ def test_measure_reports_consistent_figures(tiny_model_dir):
     lines = machine_limits.summary(r)
     assert any("memory floor" in line for line in lines) and any("% of the matmul ceiling" in line for line in lines)
     assert_pool_clean(llm.engine)
+
+
+def test_null_model_engine_bench(tiny_model_dir):
+    """The null model leaves the engine's own work: every request still gets all its tokens."""
+    from pageserve.loadtest import bench_engine
+    import argparse
+
+    args = bench_engine.add_args(argparse.ArgumentParser()).parse_args(
+        ["--model", str(tiny_model_dir), "--num-seqs", "8", "--output-len", "12", "--rounds", "1"])
+    r = bench_engine.main(args)
+    assert r["num_seqs"] == 8 and len(r["rounds"]) == 1
+    assert r["rounds"][0]["steps"] >= 12 and r["p50_ms"] > 0
