@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pageserve.runtime.config import Backend
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.cpu_linear import LinearPlan
+from pageserve.triton_kernels.cpu_kernels import CpuKernels, LinearPlan
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class Kernels:
     name: Backend
     compiles_kernels = False  # whether a kernel variant is compiled on its first launch
     # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
-    ops: types.ModuleType | types.SimpleNamespace
+    ops: types.ModuleType | types.SimpleNamespace | object
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         self.block_size = block_size
@@ -60,6 +60,18 @@ class Kernels:
         return None
 
 
+class _CpuOps:
+    """torch_ops with the C versions of the ops that have one."""
+
+    def __init__(self, lib: CpuKernels):
+        self.rms_norm = lib.rms_norm
+        self.rotary_embedding = lib.rotary_embedding
+        self.silu_and_mul = lib.silu_and_mul
+
+    def __getattr__(self, name: str):
+        return getattr(torch_ops, name)
+
+
 class TorchKernels(Kernels):
     """triton_kernels/torch_ops.py: the CPU path."""
     name = Backend.TORCH
@@ -68,7 +80,16 @@ class TorchKernels(Kernels):
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
         self.workspace = torch_ops.Workspace()
-        self.linear_plan: LinearPlan | None = None  # set by the runner: the matmul by rows per step
+        self.linear_plan: LinearPlan | None = None  # the matmul by rows per step, with the C kernels
+        self.cpu_lib: CpuKernels | None = None
+
+    def use_cpu_kernels(self, lib: CpuKernels) -> None:
+        """Float32: the C versions of the small ops replace torch's, and each linear layer runs
+        the C kernel or torch's matmul as the plan says (measured once the weights are in).
+        Before the model is built: layers keep a reference to `ops`."""
+        self.ops = _CpuOps(lib)
+        self.linear_plan = LinearPlan(lib)
+        self.cpu_lib = lib
 
     def linear(self, x, weight, bias=None):
         if self.linear_plan is None:
@@ -76,12 +97,17 @@ class TorchKernels(Kernels):
         return self.linear_plan(x, weight, bias)
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if self.cpu_lib is not None and meta.max_query_len == 1:
+            return  # the C decode reads the block tables as they are
         meta.plan = torch_ops.plan_paged_attention(
             meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
             self.num_heads, self.num_kv_heads)
 
     def attention(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache
+        if self.cpu_lib is not None and meta.max_query_len == 1:
+            return self.cpu_lib.paged_decode(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                             meta.block_tables, meta.seq_lens, scale)
         torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                          meta.query_start_loc, meta.seq_lens, scale, meta.plan,

@@ -19,7 +19,7 @@ from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
 from pageserve.sampling.penalties import TokenCounts
-from pageserve.triton_kernels import cpu_linear
+from pageserve.triton_kernels import cpu_kernels
 from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.num_heads,
                                     model_cfg.num_kv_heads)
+        if isinstance(self.kernels, TorchKernels) and model_cfg.dtype == torch.float32:
+            lib = cpu_kernels.load(cache_root() / "kernels")  # None without a C compiler
+            if lib is not None:
+                self.kernels.use_cpu_kernels(lib)
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
         self.generator = torch.Generator(device=self.device)
@@ -80,18 +84,13 @@ class ModelRunner:
         return model.eval()
 
     def _plan_linear(self) -> None:
-        """CPU, float32: time torch's matmul against the C kernel on two decoder layers'
-        weights at each step size, so that every step runs the faster one."""
-        if not isinstance(self.kernels, TorchKernels) or self.model_cfg.dtype != torch.float32:
+        """CPU with the C kernels: time torch's matmul against the C linear on two decoder
+        layers' weights at each step size, so that every step runs the faster one."""
+        plan = getattr(self.kernels, "linear_plan", None)
+        if plan is None:
             return
-        kernel = cpu_linear.load(cache_root() / "kernels")
-        if kernel is None:
-            return
-        plan = cpu_linear.LinearPlan(kernel)
-        weights = [m.weight for layer in self.model.layers[:2]
-                   for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        plan.measure(weights)
-        self.kernels.linear_plan = plan
+        plan.measure([m.weight for layer in self.model.layers[:2]
+                      for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)])
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                            max_num_seqs: int) -> int:

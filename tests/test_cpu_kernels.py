@@ -1,0 +1,173 @@
+"""The C float32 linear kernel of the CPU path (triton_kernels/cpu_kernels.c) against a float64
+matmul, the per-step-size choice between it and torch, and greedy parity with HF when every
+step runs it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pageserve.runtime import LLM
+from pageserve.triton_kernels import cpu_kernels
+from pageserve.loadtest.tiny_model import build_tiny_model
+from tests.hf_reference import hf_greedy
+from tests.test_parity import random_prompts, run_ours
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if k is None:
+        pytest.skip("no C compiler here: the CPU path keeps torch's matmul")
+    return k
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (130, 1536), (3, 40)])
+def test_matches_a_float64_matmul(kernel, rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    for bias in (None, b):
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = kernel(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
+
+
+def test_strided_rows_and_a_weight_slice(kernel):
+    """Row views of a wider tensor (q/k/v split, a fused weight's rows) are read in place."""
+    x = torch.randn(6, 100)[:, 10:74]  # row stride 100
+    w = torch.randn(300, 64)[100:200]  # rows of a fused weight
+    assert torch.allclose(kernel(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 3, 64)  # leading dims kept
+    assert torch.allclose(kernel(x3, w), F.linear(x3, w), rtol=1e-5, atol=1e-4)
+
+
+def test_wrong_input_is_an_error(kernel):
+    with pytest.raises(TypeError):
+        kernel(torch.randn(1, 8, dtype=torch.bfloat16), torch.randn(4, 8))
+    with pytest.raises(ValueError):
+        kernel(torch.randn(1, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError):
+        kernel(torch.randn(1, 8), torch.randn(8, 4).t())  # columns not contiguous
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_small_ops_match_torch_ops(kernel, tokens):
+    from pageserve.triton_kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, heads, kv_heads, d = 96, 6, 2, 16
+    x = torch.randn(tokens, hidden, generator=gen)
+    res = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    for residual in (None, res):
+        got, want = kernel.rms_norm(x, w, 1e-5, residual), torch_ops.rms_norm(x, w, 1e-5, residual)
+        for g, e in zip(got, want):
+            assert torch.allclose(g, e, rtol=1e-5, atol=1e-5)
+    # q and k as the model makes them: views into one fused qkv row
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    cache = torch.randn(64, d, generator=gen)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    cos, sin = torch_ops.rope_cos_sin(positions, cache, torch.float32)
+    ours, ref = qkv.clone(), qkv.clone()
+    for t, rope in ((ours, kernel.rotary_embedding), (ref, torch_ops.rotary_embedding)):
+        q = t[:, :heads * d].reshape(tokens, heads, d)
+        k = t[:, heads * d:(heads + kv_heads) * d].reshape(tokens, kv_heads, d)
+        rope(q, k, cos, sin)
+    assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])  # v untouched
+    gate_up = torch.randn(tokens, 2 * 80, generator=gen) * 4
+    assert torch.allclose(kernel.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7)])
+def test_paged_decode_matches_torch_ops(kernel, heads, kv_heads, head_dim):
+    """Ragged context lengths over scattered blocks; the new K/V written at their slots first."""
+    from pageserve.triton_kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    block_size, num_blocks = 16, 40
+    ctx = [1, 16, 17, 33, 100, 5]
+    caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for n in ctx:
+        blocks = [order.pop() for _ in range(-(-n // block_size))]
+        tables.append(blocks + [0] * (7 - len(blocks)))
+        slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    b = len(ctx)
+    qkv = torch.randn(b, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].reshape(b, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(b, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(b, kv_heads, head_dim)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    sl = torch.tensor(slots, dtype=torch.int64)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
+    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
+    got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
+    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_small_ops_refuse_what_they_cannot_read(kernel):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError):
+        kernel.rms_norm(x, torch.randn(9), 1e-5)
+    with pytest.raises(TypeError):
+        kernel.silu_and_mul(x.double())
+    cs = torch.randn(2, 1, 16)
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(ValueError):  # cos and sin not the halves of one row
+        kernel.rotary_embedding(q, q.clone(), cs[..., :8], cs[..., :8])
+    cache = torch.zeros(4, 2, 16, 16)
+    with pytest.raises(ValueError):  # int64 block tables
+        kernel.paged_decode(q, q, q, cache, cache, torch.zeros(2, dtype=torch.int64),
+                            torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 1.0)
+
+
+def test_the_plan_runs_the_faster_path_per_step_size(kernel):
+    plan = cpu_kernels.LinearPlan(kernel)
+    calls = []
+    plan.kernel = lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b)
+    plan.measure([torch.randn(256, 128), torch.randn(128, 256)], reps=1)
+    assert set(plan.timings) == set(cpu_kernels.ROW_BUCKETS)
+    assert all(t > 0 and k > 0 for t, k in plan.timings.values())
+    plan.use_kernel = [rows <= 4 for rows in cpu_kernels.ROW_BUCKETS]
+    calls.clear()
+    w = torch.randn(16, 8)
+    for rows in (1, 3, 4, 5, 200):
+        x = torch.randn(rows, 8)
+        assert torch.allclose(plan(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 3, 4]  # 5 takes the bucket of 8, 200 is past the last bucket
+
+
+def test_no_compiler_keeps_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernels.load(tmp_path / "empty") is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PAGESERVE_NO_CPU_KERNELS", "1")
+    assert cpu_kernels.load(tmp_path / "empty") is None
+
+
+@pytest.mark.engine
+def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypatch):
+    """Chunked prompts (up to 64 rows a step) and decodes all go through the C kernels."""
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / "llama", arch="qwen2")  # q/k/v biases too
+    prompts = random_prompts(384)[:10]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=16)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
+              debug_checks=True)
+    kernels = llm.engine.runner.kernels
+    assert kernels.linear_plan is not None and all(kernels.linear_plan.use_kernel)
+    assert kernels.ops.rms_norm.__self__ is kernels.linear_plan.kernel  # the C small ops too
+    assert run_ours(llm, prompts, 16) == expected

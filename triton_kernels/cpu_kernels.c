@@ -1,0 +1,278 @@
+/* Float32 kernels of the CPU path, built at first use by cpu_kernels.py with the machine's own
+   -march: the linear layer, and the small ops of a decoder layer (RMSNorm with the residual,
+   rotary embedding, SiLU-and-mul), each one call where torch runs 3-20 small ops.
+
+   Linear: y[R, O] = x[R, K] @ W[O, K]^T (+ bias). torch's float32 matmul (MKL sgemm) reads the weights at 11-15 GB/s for one row of x on a
+   2-core machine that streams 25-33 GB/s, and does not use the second core: a decode step of
+   one request spends most of its time there. This kernel streams each weight row once per
+   block of x rows, four weight rows at a time, both cores splitting the output features.
+
+   Register tile: 4 weight rows x 2 x rows, 8 floats wide (AVX2 + FMA), summed across the
+   vector at the end; a scalar loop does the same where the compiler has no AVX2. Each output
+   is a plain float32 dot product over K: no precision is traded. */
+
+#include <stddef.h>
+#include <stdlib.h>
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PS_AVX2 1
+#endif
+
+#define TILE_O 4
+/* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
+   thread the OS has paused (the server's event loop shares the cores) holds up only one piece */
+#define CHUNK_O 64
+
+#ifdef PS_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+#endif
+
+/* rows o0..o0+no-1 (no <= TILE_O) of W against every row of x */
+static void tile(const float *x, long R, long K, long ldx, const float *W, long ldw, long o0,
+                 long no, const float *bias, float *y, long ldy) {
+    const float *w[TILE_O];
+    for (long i = 0; i < TILE_O; i++) w[i] = W + (o0 + (i < no ? i : 0)) * ldw;
+    long r = 0;
+#ifdef PS_AVX2
+    long k8 = K & ~7L;
+    for (; r + 1 < R; r += 2) {
+        const float *x0 = x + r * ldx, *x1 = x0 + ldx;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+               a30 = a00, a31 = a00;
+        for (long k = 0; k < k8; k += 8) {
+            __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
+            __m256 w0 = _mm256_loadu_ps(w[0] + k), w1 = _mm256_loadu_ps(w[1] + k);
+            __m256 w2 = _mm256_loadu_ps(w[2] + k), w3 = _mm256_loadu_ps(w[3] + k);
+            a00 = _mm256_fmadd_ps(w0, v0, a00); a01 = _mm256_fmadd_ps(w0, v1, a01);
+            a10 = _mm256_fmadd_ps(w1, v0, a10); a11 = _mm256_fmadd_ps(w1, v1, a11);
+            a20 = _mm256_fmadd_ps(w2, v0, a20); a21 = _mm256_fmadd_ps(w2, v1, a21);
+            a30 = _mm256_fmadd_ps(w3, v0, a30); a31 = _mm256_fmadd_ps(w3, v1, a31);
+        }
+        float s[TILE_O][2] = {{hsum8(a00), hsum8(a01)}, {hsum8(a10), hsum8(a11)},
+                              {hsum8(a20), hsum8(a21)}, {hsum8(a30), hsum8(a31)}};
+        for (long i = 0; i < no; i++) {
+            for (long k = k8; k < K; k++) {
+                s[i][0] += w[i][k] * x0[k];
+                s[i][1] += w[i][k] * x1[k];
+            }
+            float b = bias ? bias[o0 + i] : 0.0f;
+            y[r * ldy + o0 + i] = s[i][0] + b;
+            y[(r + 1) * ldy + o0 + i] = s[i][1] + b;
+        }
+    }
+    for (; r < R; r++) {
+        const float *x0 = x + r * ldx;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (long k = 0; k < k8; k += 8) {
+            __m256 v0 = _mm256_loadu_ps(x0 + k);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w[0] + k), v0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w[1] + k), v0, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w[2] + k), v0, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w[3] + k), v0, a3);
+        }
+        float s[TILE_O] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+        for (long i = 0; i < no; i++) {
+            for (long k = k8; k < K; k++) s[i] += w[i][k] * x0[k];
+            y[r * ldy + o0 + i] = s[i] + (bias ? bias[o0 + i] : 0.0f);
+        }
+    }
+#else
+    for (; r < R; r++) {
+        const float *x0 = x + r * ldx;
+        for (long i = 0; i < no; i++) {
+            float s = 0.0f;
+            for (long k = 0; k < K; k++) s += w[i][k] * x0[k];
+            y[r * ldy + o0 + i] = s + (bias ? bias[o0 + i] : 0.0f);
+        }
+    }
+#endif
+}
+
+#ifdef PS_AVX2
+/* one row of x: each weight row read front to back, four accumulators */
+static void row1(const float *x, long K, const float *W, long ldw, long o0, long o1,
+                 const float *bias, float *y) {
+    long k32 = K & ~31L, k8 = K & ~7L;
+    for (long o = o0; o < o1; o++) {
+        const float *w = W + o * ldw;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        long k = 0;
+        for (; k < k32; k += 32) {
+            _mm_prefetch((const char *)(w + k + 512), _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+        }
+        for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; k < K; k++) s += w[k] * x[k];
+        y[o] = s + (bias ? bias[o] : 0.0f);
+    }
+}
+#endif
+
+/* x: [R, K] rows ldx apart; W: [O, K] rows ldw apart; y: [R, O] rows ldy apart; bias: [O] or
+   NULL. Weight rows are shared out to the OpenMP threads (torch's own runtime: libgomp is
+   loaded by torch before this library). */
+void pageserve_linear_f32(const float *x, long R, long K, long ldx, const float *W, long O,
+                          long ldw, const float *bias, float *y, long ldy) {
+#ifdef PS_AVX2
+    if (R == 1) {
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+            row1(x, K, W, ldw, o0, o1, bias, y);
+        }
+        return;
+    }
+#endif
+    long tiles = (O + TILE_O - 1) / TILE_O;
+#pragma omp parallel for schedule(dynamic, CHUNK_O / TILE_O)
+    for (long t = 0; t < tiles; t++) {
+        long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
+        tile(x, R, K, ldx, W, ldw, o0, no, bias, y, ldy);
+    }
+}
+
+/* ---- the small ops of a decoder layer: one call each instead of 3-20 torch ops ---- */
+
+#define PAR_ROWS 16 /* a step of fewer rows runs on one thread: starting the team costs more */
+
+/* RMSNorm fused with the residual add. x, residual (or NULL), out, res_out: [T, H] rows ldx,
+   ldr, ldo, ldo apart. res_out = x + residual (x when there is none); out = w * res_out *
+   rsqrt(mean(res_out^2) + eps). out may alias x. */
+void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ldr, const float *w,
+                        float eps, long T, long H, float *out, float *res_out, long ldo) {
+#pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *rr = res_out + t * ldo, *orow = out + t * ldo;
+        float ss = 0.0f;
+        for (long i = 0; i < H; i++) {
+            float v = residual ? xr[i] + residual[t * ldr + i] : xr[i];
+            rr[i] = v;
+            ss += v * v;
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (long i = 0; i < H; i++) orow[i] = w[i] * (rr[i] * inv);
+    }
+}
+
+/* Neox-style RoPE in place on x: [T, heads, D], token rows ld_t apart, heads D apart; cs:
+   [T, D] rows ld_cs apart, cos of the D/2 frequencies then their sin. */
+void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const float *cs, long ld_cs) {
+    long half = D / 2;
+#pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float *c = cs + t * ld_cs, *s = c + half;
+        for (long h = 0; h < heads; h++) {
+            float *x1 = x + t * ld_t + h * D, *x2 = x1 + half;
+            for (long i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* out[T, I] = silu(x[:, :I]) * x[:, I:], x rows ldx apart */
+void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out) {
+#pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float *g = x + t * ldx, *u = g + I;
+        float *o = out + t * I;
+        for (long i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---- paged attention for decode-only steps: read K/V where they lie in the cache ---- */
+
+static inline float dot(const float *a, const float *b, long n) {
+    long i = 0;
+    float s = 0.0f;
+#ifdef PS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, long n) { /* y += a * x */
+    long i = 0;
+#ifdef PS_AVX2
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
+   rows ld_kv apart) are written at their slots; then, for each request b and query head h,
+   softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
+   max pass, an exp-and-sum pass, a weighted-sum pass: the same sum torch's softmax takes).
+   q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
+   block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
+   KV head are one work item, so their K/V rows are read once from memory. */
+void pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
+                            long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
+                            const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
+                            long H, long Hkv, long D, long block_size, float scale, float *out) {
+    long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
+    for (long b = 0; b < B; b++) {
+        long blk = slots[b] / block_size, off = slots[b] % block_size;
+        for (long h = 0; h < Hkv; h++) {
+            float *kd = k_cache + blk * tok + (h * block_size + off) * D;
+            float *vd = v_cache + blk * tok + (h * block_size + off) * D;
+            for (long i = 0; i < D; i++) {
+                kd[i] = k_new[b * ld_kv + h * D + i];
+                vd[i] = v_new[b * ld_kv + h * D + i];
+            }
+        }
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (B * Hkv > 1)
+    for (long item = 0; item < B * Hkv; item++) {
+        long b = item / Hkv, hk = item % Hkv, L = seq_lens[b];
+        const int32_t *bt = block_tables + b * ld_bt;
+        float *s = (float *)malloc(sizeof(float) * (size_t)(L * G));
+        float *acc = out + b * H * D + hk * G * D;
+        float mx[64], sum[64]; /* G <= 64 */
+        for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
+        for (long j = 0; j < L; j++) {
+            const float *kr = k_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
+            for (long g = 0; g < G; g++) {
+                float v = dot(q + b * ld_q + (hk * G + g) * D, kr, D) * scale;
+                s[j * G + g] = v;
+                if (v > mx[g]) mx[g] = v;
+            }
+        }
+        for (long j = 0; j < L; j++)
+            for (long g = 0; g < G; g++) {
+                float e = expf(s[j * G + g] - mx[g]);
+                s[j * G + g] = e;
+                sum[g] += e;
+            }
+        for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
+        for (long j = 0; j < L; j++) {
+            const float *vr = v_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
+            for (long g = 0; g < G; g++) axpy(acc + g * D, s[j * G + g] / sum[g], vr, D);
+        }
+        free(s);
+    }
+}

@@ -1,0 +1,217 @@
+"""Float32 kernels for the CPU path in C (cpu_kernels.c): the linear layer, RMSNorm with the
+residual, rotary embedding, SiLU-and-mul and paged attention for decode-only steps; and the choice between the C linear and torch's
+matmul by the number of rows in a step.
+
+The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
+-fopenmp`) into a cache folder the caller names, and called through ctypes (which releases
+the GIL). Where there is no compiler, or the build fails, `load` returns None and the engine
+keeps torch's matmul: the kernel is a speed-up, never a requirement."""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t as [rows, last] with unit stride along the last dimension (copied only if needed)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise TypeError(f"{name}: the CPU kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+class CpuKernels:
+    """The compiled library. `linear` is F.linear; `rms_norm`, `rotary_embedding` and
+    `silu_and_mul` are torch_ops' functions of the same names, for float32 CPU tensors."""
+
+    def __init__(self, path: Path):
+        torch.get_num_threads()  # torch (and its libgomp) first: the kernels share that runtime
+        lib = ctypes.CDLL(str(path))
+        p, n, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+        for name, args in (("pageserve_linear_f32", [p, n, n, n, p, n, n, p, p, n]),
+                           ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
+                           ("pageserve_rotary", [p, n, n, n, n, p, n]),
+                           ("pageserve_silu_and_mul", [p, n, n, n, p]),
+                           ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+        self._lib = lib
+        self.path = path
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"cpu linear takes float32 CPU tensors, got {x.dtype} x {weight.dtype} on {x.device}")
+        if x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+            raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
+                             f"with strides {weight.stride()}")
+        x2 = _rows(x, "linear")
+        rows, k = x2.shape
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        self._lib.pageserve_linear_f32(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), weight.shape[0],
+                                       weight.stride(0), None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), out.stride(0))
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    __call__ = linear
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x2 = _rows(x, "rms_norm")
+        r2 = None if residual is None else _rows(residual, "rms_norm")
+        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != x2.shape[1] \
+                or (r2 is not None and r2.shape != x2.shape):
+            raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                             f"residual {None if residual is None else tuple(residual.shape)}")
+        t, h = x2.shape
+        out = torch.empty(t, h, dtype=torch.float32)
+        res = torch.empty(t, h, dtype=torch.float32)
+        self._lib.pageserve_rms_norm(x2.data_ptr(), x2.stride(0), None if r2 is None else r2.data_ptr(),
+                                     0 if r2 is None else r2.stride(0), weight.data_ptr(), eps, t, h,
+                                     out.data_ptr(), res.data_ptr(), h)
+        return out.view(x.shape), res.view(x.shape)
+
+    def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """In place on q [T, H, D] and k [T, Hkv, D] (views of the fused qkv rows are fine);
+        cos and sin: the halves of one [T, D] row (torch_ops.rope_cos_sin's views)."""
+        t, _, d = q.shape
+        if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.data_ptr() != cos.data_ptr() + 4 * (d // 2) \
+                or cos.stride(0) != sin.stride(0):
+            raise ValueError("rotary_embedding: cos and sin must be the two halves of one float32 row")
+        for x in (q, k):
+            if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d or x.shape[0] != t:
+                raise ValueError(f"rotary_embedding: {tuple(x.shape)} with strides {x.stride()}")
+            self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0))
+
+    def paged_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decode-only step (one query token per request): reshape_and_cache, then paged
+        attention straight from the cache blocks, with no gathered copy. q: [B, H, D]; k, v:
+        [B, Hkv, D] (views of the fused qkv rows are fine); caches [N, Hkv, block_size, D]."""
+        b, h, d = q.shape
+        hkv, bs = k_cache.shape[1], k_cache.shape[2]
+        ok = (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+              and q.stride(2) == 1 and q.stride(1) == d and k.shape == v.shape == (b, hkv, d)
+              and k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d
+              and k_cache.is_contiguous() and v_cache.is_contiguous() and h % hkv == 0 and h // hkv <= 64
+              and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == b
+              and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == b
+              and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == b)
+        if not ok:
+            raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} {q.stride()}, k {tuple(k.shape)} "
+                             f"{k.stride()}, cache {tuple(k_cache.shape)}, block tables {tuple(block_tables.shape)}")
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        self._lib.pageserve_paged_decode(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), b, h, hkv, d, bs, scale, out.data_ptr())
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _rows(x, "silu_and_mul")
+        t, two_i = x2.shape
+        out = torch.empty(t, two_i // 2, dtype=torch.float32)
+        self._lib.pageserve_silu_and_mul(x2.data_ptr(), x2.stride(0), t, two_i // 2, out.data_ptr())
+        return out.view(*x.shape[:-1], two_i // 2)
+
+
+def _build_key() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(FLAGS).encode())
+    h.update(platform.machine().encode())
+    try:  # -march=native: a different CPU model needs its own build
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        h.update(flags.encode())
+    except (OSError, StopIteration):
+        pass
+    return h.hexdigest()[:16]
+
+
+def load(cache_dir: Path) -> CpuKernels | None:
+    """The library, built into `cache_dir` on first use; None where it cannot be built."""
+    if os.environ.get("PAGESERVE_NO_CPU_KERNELS") == "1":
+        return None
+    path = cache_dir / f"cpu_kernels-{_build_key()}.so"
+    if not path.is_file():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.info("no C compiler: the CPU path keeps torch's matmul")
+            return None
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
+            os.replace(tmp, path)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("building the CPU kernels failed; keeping torch's matmul: %s",
+                           detail.strip().splitlines()[-1] if detail.strip() else e)
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    try:
+        return CpuKernels(path)
+    except OSError as e:
+        logger.warning("loading the CPU kernels failed; keeping torch's matmul: %s", e)
+        return None
+
+
+# rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class LinearPlan:
+    """Which matmul a float32 linear layer runs, by the number of rows in the step. Measured
+    once at start-up on the model's own weights (`measure`); until then, and for steps above
+    the largest bucket, torch's matmul."""
+
+    def __init__(self, kernel: CpuKernels | None):
+        self.kernel = kernel
+        self.use_kernel = [False] * len(ROW_BUCKETS)
+        self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)] \
+                and x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return self.kernel(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
+        """Time both paths over `weights` (a decoder layer's and the lm_head, say) at each row
+        bucket, alternating, best of `reps`: the faster one runs steps of that size."""
+        if self.kernel is None or not weights or any(w.dtype != torch.float32 for w in weights):
+            return
+        for i, rows in enumerate(ROW_BUCKETS):
+            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            best = [float("inf"), float("inf")]
+            for _ in range(reps):
+                for j, fn in enumerate((F.linear, self.kernel)):
+                    t = time.perf_counter()
+                    for w in weights:
+                        fn(xs[w.shape[1]], w)
+                    best[j] = min(best[j], time.perf_counter() - t)
+            self.timings[rows] = (best[0], best[1])
+            self.use_kernel[i] = best[1] < best[0]
+        logger.info("CPU linear, rows: torch / kernel ms, chosen: %s", ", ".join(
+            f"{r}: {t * 1e3:.2f}/{k * 1e3:.2f} {'kernel' if use else 'torch'}"
+            for (r, (t, k)), use in zip(self.timings.items(), self.use_kernel)))
