@@ -106,7 +106,6 @@ static void row1(const float *x, long K, const float *W, long ldw, long o0, long
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         long k = 0;
         for (; k < k32; k += 32) {
-            _mm_prefetch((const char *)(w + k + 512), _MM_HINT_T0);
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
             a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
