@@ -11,11 +11,45 @@ import time
 import httpx
 
 
+def provenance() -> dict:
+    """Where a result comes from: the commit (with a mark when the tree had changes), the CPU
+    and its vector units, the core count and the date."""
+    import os
+    import platform
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    cpu, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not cpu:
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    cpu = cpu or platform.processor()
+    units = [u for u in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if u in flags]
+    return {"commit": commit or None, "cpu": cpu or None, "vector_units": units,
+            "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+
+
 def save_json(result: dict, path: str | None) -> dict:
-    """Write the result where --output-json says (nowhere without it); returns it."""
+    """Write the result where --output-json says (nowhere without it), with its provenance;
+    returns it."""
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({**result, "provenance": provenance()}, f, indent=2)
     return result
 
 
