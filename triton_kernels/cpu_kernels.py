@@ -31,9 +31,13 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
-    """t as [rows, last] with unit stride along the last dimension (copied only if needed)."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    """t as [rows, last] with unit stride along the last dimension (copied only if needed).
+    The model's tensors are already so: that case costs no new tensor (a view or a reshape
+    costs microseconds, and a decode step makes hundreds of these calls)."""
+    if t.dtype != torch.float32 or not t.is_cpu:
         raise TypeError(f"{name}: the CPU kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
@@ -57,18 +61,19 @@ class CpuKernels:
         self.path = path
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"cpu linear takes float32 CPU tensors, got {x.dtype} x {weight.dtype} on {x.device}")
-        if x.shape[-1] != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
-            raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
-                             f"with strides {weight.stride()}")
+        if weight.dtype != torch.float32 or not weight.is_cpu:
+            raise TypeError(f"cpu linear takes float32 CPU tensors, got {x.dtype} x {weight.dtype} on {weight.device}")
         x2 = _rows(x, "linear")
         rows, k = x2.shape
-        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        self._lib.pageserve_linear_f32(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), weight.shape[0],
+        out_features = weight.shape[0]
+        if k != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+            raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
+                             f"with strides {weight.stride()}")
+        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
+        self._lib.pageserve_linear_f32(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), out_features,
                                        weight.stride(0), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), out.stride(0))
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+                                       out.data_ptr(), out_features)
+        return out
 
     __call__ = linear
 
@@ -81,12 +86,13 @@ class CpuKernels:
             raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                              f"residual {None if residual is None else tuple(residual.shape)}")
         t, h = x2.shape
-        out = torch.empty(t, h, dtype=torch.float32)
-        res = torch.empty(t, h, dtype=torch.float32)
+        shape = tuple(x.shape)
+        out = torch.empty(shape, dtype=torch.float32)  # [t, h] in memory
+        res = torch.empty(shape, dtype=torch.float32)
         self._lib.pageserve_rms_norm(x2.data_ptr(), x2.stride(0), None if r2 is None else r2.data_ptr(),
                                      0 if r2 is None else r2.stride(0), weight.data_ptr(), eps, t, h,
                                      out.data_ptr(), res.data_ptr(), h)
-        return out.view(x.shape), res.view(x.shape)
+        return out, res
 
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """In place on q [T, H, D] and k [T, Hkv, D] (views of the fused qkv rows are fine);
@@ -128,9 +134,9 @@ class CpuKernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, "silu_and_mul")
         t, two_i = x2.shape
-        out = torch.empty(t, two_i // 2, dtype=torch.float32)
+        out = torch.empty((*x.shape[:-1], two_i // 2), dtype=torch.float32)  # [t, I] in memory
         self._lib.pageserve_silu_and_mul(x2.data_ptr(), x2.stride(0), t, two_i // 2, out.data_ptr())
-        return out.view(*x.shape[:-1], two_i // 2)
+        return out
 
 
 def _build_key() -> str:
