@@ -110,6 +110,7 @@ class DeviceConfig:
     device: torch.device
     attention_backend: Backend
     num_threads: int
+    enforce_eager: bool = False  # no compiled CPU kernels
 
     def __post_init__(self):
         object.__setattr__(self, "attention_backend", Backend(self.attention_backend))

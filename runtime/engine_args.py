@@ -42,6 +42,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    enforce_eager: bool = False  # torch ops only: no compiled CPU kernels (and no CUDA graphs)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -99,6 +100,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                        help="auto: Triton kernels on CUDA, their torch versions (triton_kernels/torch_ops.py) elsewhere")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="run torch's own ops only: on CPU, no C kernels compiled at start-up "
+                            "(triton_kernels/cpu_kernels.c); the same as PAGESERVE_NO_CPU_KERNELS=1")
         return parser
 
     @classmethod
@@ -120,7 +124,8 @@ class EngineArgs:
             raise ValueError("--attention-backend triton needs a CUDA device "
                              "(or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
         return DeviceConfig(device=device, attention_backend=backend,
-                            num_threads=self.num_threads or os.cpu_count() or 1)
+                            num_threads=self.num_threads or os.cpu_count() or 1,
+                            enforce_eager=self.enforce_eager)
 
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
         arch = hf["architectures"][0]

@@ -171,3 +171,20 @@ def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypat
     assert kernels.linear_plan is not None and all(kernels.linear_plan.use_kernel)
     assert kernels.ops.rms_norm.__self__ is kernels.linear_plan.kernel  # the C small ops too
     assert run_ours(llm, prompts, 16) == expected
+
+
+@pytest.mark.engine
+def test_enforce_eager_keeps_torch_ops(tiny_model_dir, kernel):
+    import argparse
+
+    from pageserve.app.serve import add_args
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.triton_kernels import torch_ops
+
+    eager = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, enforce_eager=True)
+    assert eager.engine.runner.kernels.linear_plan is None and eager.engine.runner.kernels.ops is torch_ops
+    compiled = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01)
+    assert compiled.engine.runner.kernels.linear_plan is not None
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager
