@@ -283,24 +283,35 @@ void pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const
         float *acc = out + b * H * D + hk * G * D;
         float mx[64], sum[64]; /* G <= 64 */
         for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
-        for (long j = 0; j < L; j++) {
+        for (long j = 0; j < L; j++) { /* scores, head by head: s[g * L + j] */
             const float *kr = k_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
             for (long g = 0; g < G; g++) {
                 float v = dot(q + b * ld_q + (hk * G + g) * D, kr, D) * scale;
-                s[j * G + g] = v;
+                s[g * L + j] = v;
                 if (v > mx[g]) mx[g] = v;
             }
         }
-        for (long j = 0; j < L; j++)
-            for (long g = 0; g < G; g++) {
-                float e = expf(s[j * G + g] - mx[g]);
-                s[j * G + g] = e;
-                sum[g] += e;
+        for (long g = 0; g < G; g++) { /* exp(s - max) and its sum */
+            float *sg = s + g * L;
+            long j = 0;
+#ifdef PS_AVX2
+            __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
+            for (; j + 8 <= L; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
+                _mm256_storeu_ps(sg + j, e);
+                tot = _mm256_add_ps(tot, e);
             }
+            sum[g] = hsum8(tot);
+#endif
+            for (; j < L; j++) {
+                sg[j] = expf(sg[j] - mx[g]);
+                sum[g] += sg[j];
+            }
+        }
         for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
         for (long j = 0; j < L; j++) {
             const float *vr = v_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
-            for (long g = 0; g < G; g++) axpy(acc + g * D, s[j * G + g] / sum[g], vr, D);
+            for (long g = 0; g < G; g++) axpy(acc + g * D, s[g * L + j] / sum[g], vr, D);
         }
         free(s);
     }
