@@ -39,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="GiB for the KV pool (default: 4 on CPU; on CUDA, what --gpu-memory-utilization leaves)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="torch's own ops only (no C kernels on CPU): the A side of an A/B")
     parser.add_argument("--skip-limits", action="store_true",
                         help="do not measure the machine's limits (bandwidth, matmul time) beside the run")
     parser.add_argument("--output-json", default=None, metavar="PATH")
@@ -127,12 +129,13 @@ def main(args: argparse.Namespace) -> dict:
             raise SystemExit(f"need 1 <= --min-{what}-len ({lo}) <= --max-{what}-len ({hi})")
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              seed=args.seed)
+              seed=args.seed, enforce_eager=args.enforce_eager)
     cfg = llm.engine.config
     args.dtype = str(cfg.model.dtype).removeprefix("torch.")  # HF loads what the engine runs
     vocab = min(cfg.model.vocab_size, len(llm.tokenizer))  # ids both the model and the tokenizer know
     work = make_workload(args, vocab, llm.tokenizer.all_special_ids)
     result = {"model": cfg.model.path, "dtype": args.dtype, "device": str(cfg.device.device),
+              "enforce_eager": args.enforce_eager,
               "num_prompts": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
               "ours": run_ours(args, llm, work), "hf": None,
               "limits": None if args.skip_limits else machine_limits.measure(llm)}
@@ -148,7 +151,8 @@ def main(args: argparse.Namespace) -> dict:
 
 def print_summary(r: dict) -> None:
     ours, hf = r["ours"], r["hf"]
-    print(f"\n== offline bench: {r['model']} ({r['dtype']}, {r['device']}) ==")
+    eager = ", --enforce-eager" if r.get("enforce_eager") else ""
+    print(f"\n== offline bench: {r['model']} ({r['dtype']}, {r['device']}{eager}) ==")
     print(f"requests: {r['num_prompts']}, prompt tokens: {r['prompt_tokens']}")
     print(f"ours: {ours['output_tokens']} output tokens in {ours['elapsed_s']:.2f} s "
           f"= {ours['tokens_per_s']:.1f} tok/s ({ours['steps']} steps)")

@@ -42,7 +42,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
-    enforce_eager: bool = False  # torch ops only: no compiled CPU kernels (and no CUDA graphs)
+    enforce_eager: bool = False  # torch ops only: no compiled CPU kernels
     debug_checks: bool = False
 
     def __post_init__(self):

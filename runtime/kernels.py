@@ -84,12 +84,14 @@ class TorchKernels(Kernels):
         self.cpu_lib: CpuKernels | None = None
 
     def use_cpu_kernels(self, lib: CpuKernels) -> None:
-        """Float32: the C versions of the small ops replace torch's, and each linear layer runs
-        the C kernel or torch's matmul as the plan says (measured once the weights are in).
-        Before the model is built: layers keep a reference to `ops`."""
-        self.ops = _CpuOps(lib)
+        """Float32: each linear layer runs the C kernel or torch's matmul as the plan says
+        (measured once the weights are in), and, where the library was built with AVX2, the
+        C versions of the small ops and of decode-only attention replace torch's. Before the
+        model is built: layers keep a reference to `ops`."""
         self.linear_plan = LinearPlan(lib)
-        self.cpu_lib = lib
+        if lib.vectorized:
+            self.ops = _CpuOps(lib)
+            self.cpu_lib = lib
 
     def linear(self, x, weight, bias=None):
         if self.linear_plan is None:

@@ -53,7 +53,7 @@ class ModelRunner:
         self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.num_heads,
                                     model_cfg.num_kv_heads)
         if isinstance(self.kernels, TorchKernels) and model_cfg.dtype == torch.float32 \
-                and not device_cfg.enforce_eager:
+                and self.device.type == "cpu" and not device_cfg.enforce_eager:
             lib = cpu_kernels.load(cache_root() / "kernels")  # None without a C compiler
             if lib is not None:
                 self.kernels.use_cpu_kernels(lib)

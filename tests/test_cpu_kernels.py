@@ -1,6 +1,8 @@
-"""The C float32 linear kernel of the CPU path (triton_kernels/cpu_kernels.c) against a float64
-matmul, the per-step-size choice between it and torch, and greedy parity with HF when every
-step runs it."""
+"""The C float32 kernels of the CPU path (triton_kernels/cpu_kernels.c): the linear layer against
+a float64 matmul, the small ops and decode attention against torch_ops, the per-step-size
+choice between the C linear and torch, and greedy parity with HF when every step runs them."""
+
+import os
 
 import pytest
 import torch
@@ -160,6 +162,31 @@ def test_the_plan_runs_the_faster_path_per_step_size(kernel):
     assert calls == [1, 3, 4]  # 5 takes the bucket of 8, 200 is past the last bucket
 
 
+def test_a_negative_slot_writes_nothing(kernel):
+    cache = torch.zeros(2, 1, 16, 8)
+    k = torch.ones(1, 1, 8)
+    kernel.paged_decode(torch.ones(1, 1, 8), k, k, cache, cache.clone(), torch.tensor([-1]),
+                        torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+    assert not cache.any()
+
+
+def test_an_unwritable_cache_keeps_torch(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only folder")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert cpu_kernels.load(ro / "kernels") is None
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_file_where_the_cache_folder_should_be_keeps_torch(tmp_path):
+    (tmp_path / "kernels").write_text("not a folder")
+    assert cpu_kernels.load(tmp_path / "kernels") is None
+
+
 def test_no_compiler_keeps_torch(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert cpu_kernels.load(tmp_path / "empty") is None
@@ -181,7 +208,8 @@ def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypat
               debug_checks=True)
     kernels = llm.engine.runner.kernels
     assert kernels.linear_plan is not None and all(kernels.linear_plan.use_kernel)
-    assert kernels.ops.rms_norm.__self__ is kernels.linear_plan.kernel  # the C small ops too
+    if kernel.vectorized:  # built with AVX2 + FMA: the C small ops and decode attention too
+        assert kernels.ops.rms_norm.__self__ is kernels.linear_plan.kernel and kernels.cpu_lib is not None
     assert run_ours(llm, prompts, 16) == expected
 
 

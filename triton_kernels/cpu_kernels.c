@@ -255,16 +255,29 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
 /* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
    rows ld_kv apart) are written at their slots; then, for each request b and query head h,
    softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
-   max pass, an exp-and-sum pass, a weighted-sum pass: the same sum torch's softmax takes).
+   max pass, an exp-and-sum pass, a weighted-sum pass, as torch's softmax; exp is exp8's
+   polynomial, within 2 ulp). A negative slot writes nothing. Returns 1 if scratch memory for
+   the scores could not be had (the output is then not to be used), else 0.
    q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
    block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
    KV head are one work item, so their K/V rows are read once from memory. */
-void pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
+/* 1 when built with AVX2 and FMA (the vectorised paths), else 0 */
+int pageserve_vectorized(void) {
+#ifdef PS_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
                             long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
                             const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
                             long H, long Hkv, long D, long block_size, float scale, float *out) {
     long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
+    int failed = 0;
     for (long b = 0; b < B; b++) {
+        if (slots[b] < 0) continue; /* a padding row: writes nowhere */
         long blk = slots[b] / block_size, off = slots[b] % block_size;
         for (long h = 0; h < Hkv; h++) {
             float *kd = k_cache + blk * tok + (h * block_size + off) * D;
@@ -279,8 +292,13 @@ void pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const
     for (long item = 0; item < B * Hkv; item++) {
         long b = item / Hkv, hk = item % Hkv, L = seq_lens[b];
         const int32_t *bt = block_tables + b * ld_bt;
-        float *s = (float *)malloc(sizeof(float) * (size_t)(L * G));
+        float *s = (float *)malloc(sizeof(float) * (size_t)(L * G > 0 ? L * G : 1));
         float *acc = out + b * H * D + hk * G * D;
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         float mx[64], sum[64]; /* G <= 64 */
         for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
         for (long j = 0; j < L; j++) { /* scores, head by head: s[g * L + j] */
@@ -315,4 +333,5 @@ void pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const
         }
         free(s);
     }
+    return failed;
 }

@@ -57,6 +57,11 @@ class CpuKernels:
                            ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
+        lib.pageserve_paged_decode.restype = ctypes.c_int
+        lib.pageserve_vectorized.restype = ctypes.c_int
+        # built with AVX2 + FMA: without them the small ops are plain loops (libm's expf a
+        # value), not worth putting in torch's place; only the timed linear is used then
+        self.vectorized = bool(lib.pageserve_vectorized())
         self._lib = lib
         self.path = path
 
@@ -66,7 +71,8 @@ class CpuKernels:
         x2 = _rows(x, "linear")
         rows, k = x2.shape
         out_features = weight.shape[0]
-        if k != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+        if k != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not (
+                bias.is_contiguous() and bias.dtype == torch.float32 and bias.is_cpu and bias.numel() == out_features)):
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
@@ -81,7 +87,7 @@ class CpuKernels:
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x2 = _rows(x, "rms_norm")
         r2 = None if residual is None else _rows(residual, "rms_norm")
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() != x2.shape[1] \
+        if weight.dtype != torch.float32 or not weight.is_cpu or not weight.is_contiguous() or weight.numel() != x2.shape[1] \
                 or (r2 is not None and r2.shape != x2.shape):
             raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                              f"residual {None if residual is None else tuple(residual.shape)}")
@@ -98,23 +104,29 @@ class CpuKernels:
         """In place on q [T, H, D] and k [T, Hkv, D] (views of the fused qkv rows are fine);
         cos and sin: the halves of one [T, D] row (torch_ops.rope_cos_sin's views)."""
         t, _, d = q.shape
-        if cos.dtype != torch.float32 or cos.stride(-1) != 1 or sin.data_ptr() != cos.data_ptr() + 4 * (d // 2) \
+        if cos.dtype != torch.float32 or not cos.is_cpu or cos.stride(-1) != 1 or cos.shape[0] != t \
+                or cos.shape[-1] != d // 2 or sin.data_ptr() != cos.data_ptr() + 4 * (d // 2) \
                 or cos.stride(0) != sin.stride(0):
             raise ValueError("rotary_embedding: cos and sin must be the two halves of one float32 row")
         for x in (q, k):
-            if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d or x.shape[0] != t:
+            if x.dtype != torch.float32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d \
+                    or x.shape[0] != t or x.shape[2] != d:
                 raise ValueError(f"rotary_embedding: {tuple(x.shape)} with strides {x.stride()}")
             self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0))
 
     def paged_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """A decode-only step (one query token per request): reshape_and_cache, then paged
-        attention straight from the cache blocks, with no gathered copy. q: [B, H, D]; k, v:
+        """A decode-only step (one query token per request): reshape_and_cache (a negative
+        slot writes nothing), then paged attention straight from the cache blocks, with no
+        gathered copy. The block tables must cover each request's seq_lens (the engine's
+        invariant; not checked here, it would cost a pass over the tables a layer). q: [B, H, D]; k, v:
         [B, Hkv, D] (views of the fused qkv rows are fine); caches [N, Hkv, block_size, D]."""
         b, h, d = q.shape
         hkv, bs = k_cache.shape[1], k_cache.shape[2]
         ok = (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+              and q.is_cpu and k.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_tables.is_cpu
+              and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
               and q.stride(2) == 1 and q.stride(1) == d and k.shape == v.shape == (b, hkv, d)
               and k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d
               and k_cache.is_contiguous() and v_cache.is_contiguous() and h % hkv == 0 and h // hkv <= 64
@@ -125,10 +137,12 @@ class CpuKernels:
             raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} {q.stride()}, k {tuple(k.shape)} "
                              f"{k.stride()}, cache {tuple(k_cache.shape)}, block tables {tuple(block_tables.shape)}")
         out = torch.empty(b, h, d, dtype=torch.float32)
-        self._lib.pageserve_paged_decode(
+        failed = self._lib.pageserve_paged_decode(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), b, h, hkv, d, bs, scale, out.data_ptr())
+        if failed:
+            raise MemoryError("paged_decode: no memory for the attention scores")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,25 +173,28 @@ def load(cache_dir: Path) -> CpuKernels | None:
     if not path.is_file():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
-            logger.info("no C compiler: the CPU path keeps torch's matmul")
+            logger.info("no C compiler: the CPU path keeps torch's ops")
             return None
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
-        os.close(fd)
+        tmp = None
         try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
+            os.close(fd)
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
                            text=True, timeout=120)
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
             os.replace(tmp, path)
         except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            logger.warning("building the CPU kernels failed; keeping torch's matmul: %s",
-                           detail.strip().splitlines()[-1] if detail.strip() else e)
-            Path(tmp).unlink(missing_ok=True)
+            detail = (getattr(e, "stderr", "") or str(e)).strip()
+            logger.warning("building the CPU kernels failed; keeping torch's ops: %s",
+                           detail.splitlines()[-1] if detail else e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             return None
     try:
         return CpuKernels(path)
     except OSError as e:
-        logger.warning("loading the CPU kernels failed; keeping torch's matmul: %s", e)
+        logger.warning("loading the CPU kernels failed; keeping torch's ops: %s", e)
         return None
 
 
@@ -203,8 +220,9 @@ class LinearPlan:
         return F.linear(x, weight, bias)
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
-        """Time both paths over `weights` (a decoder layer's and the lm_head, say) at each row
-        bucket, alternating, best of `reps`: the faster one runs steps of that size."""
+        """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
+        follows their choice) at each row bucket, alternating, best of `reps`: the faster one
+        runs steps of that size."""
         if self.kernel is None or not weights or any(w.dtype != torch.float32 for w in weights):
             return
         for i, rows in enumerate(ROW_BUCKETS):
