@@ -228,3 +228,19 @@ def test_enforce_eager_keeps_torch_ops(tiny_model_dir, kernel):
     parser = argparse.ArgumentParser()
     add_args(parser)
     assert EngineArgs.from_cli_args(parser.parse_args(["--enforce-eager"])).enforce_eager
+
+
+def test_weights_move_into_one_huge_page_buffer():
+    from pageserve.runtime.cpu_env import weights_in_huge_pages
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4096, 128), torch.nn.Linear(128, 4096), torch.nn.LayerNorm(128))
+    model[1].weight = model[0].weight  # tied, as an lm_head on its embedding
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = weights_in_huge_pages(model)
+    if moved == 0:
+        pytest.skip("madvise(MADV_HUGEPAGE) is not to be had here")
+    assert moved == 4096 * 128 * 4  # the one large parameter, once; the small ones stay
+    assert model[0].weight is model[1].weight and model[0].weight.data_ptr() % (2 << 20) == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert model[2](model[0](torch.tensor([1, 2]))).shape == (2, 128)
