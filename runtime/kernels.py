@@ -31,8 +31,9 @@ class Kernels:
     attention; `ops` holds the rest."""
     name: Backend
     compiles_kernels = False  # whether a kernel variant is compiled on its first launch
-    # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask
-    ops: types.ModuleType | types.SimpleNamespace | object
+    # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask: torch_ops, a
+    # namespace of Triton launchers, or torch_ops with C versions (_CpuOps)
+    ops: object
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         self.block_size = block_size

@@ -20,8 +20,8 @@ from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
 from pageserve.sampling.penalties import TokenCounts
-from pageserve.triton_kernels import cpu_kernels
 from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
+from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
