@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from pageserve.loadtest.common import save_json
+from pageserve.loadtest.common import distinct_prompts, save_json
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def main(args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, dtype="float32", kv_cache_memory=1.0, max_num_seqs=args.num_seqs)
     null_model(llm)
     vocab = llm.engine.config.model.vocab_size
-    prompts = [[(7 * i + j) % (vocab - 10) + 10 for j in range(args.prompt_len)] for i in range(args.num_seqs)]
+    prompts = distinct_prompts(vocab, args.num_seqs, args.prompt_len)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     step_times: list[float] = []
     engine = llm.engine

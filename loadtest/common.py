@@ -11,6 +11,12 @@ import time
 import httpx
 
 
+def distinct_prompts(vocab_size: int, num: int, length: int) -> list[list[int]]:
+    """`num` prompts of `length` token ids, no two alike (so no prefix-cache hits between
+    them), away from the first ten ids (where special tokens usually sit)."""
+    return [[(7 * i + j) % (vocab_size - 10) + 10 for j in range(length)] for i in range(num)]
+
+
 def provenance() -> dict:
     """Where a result comes from: the commit (with a mark when the tree had changes), the CPU
     and its vector units, the core count and the date."""

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from pageserve.loadtest.common import distinct_prompts
+
 GB = 1e9
 
 
@@ -87,8 +89,7 @@ def engine_decode(llm, streams: int, output_len: int = 64, prompt_len: int = 16)
     time of `output_len` tokens each minus that of one token each (the prefill), per step."""
     from pageserve.runtime import SamplingParams
 
-    vocab = llm.engine.config.model.vocab_size
-    prompts = [[(7 * i + j) % (vocab - 10) + 10 for j in range(prompt_len)] for i in range(streams)]
+    prompts = distinct_prompts(llm.engine.config.model.vocab_size, streams, prompt_len)
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -207,23 +207,22 @@ class LinearPlan:
     once at start-up on the model's own weights (`measure`); until then, and for steps above
     the largest bucket, torch's matmul."""
 
-    def __init__(self, kernel: CpuKernels | None):
+    def __init__(self, kernel: CpuKernels):
         self.kernel = kernel
         self.use_kernel = [False] * len(ROW_BUCKETS)
         self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)] \
-                and x.dtype == torch.float32 and weight.dtype == torch.float32:
-            return self.kernel(x, weight, bias)
+        if rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)]:
+            return self.kernel(x, weight, bias)  # which checks the dtypes
         return F.linear(x, weight, bias)
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
         """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
         follows their choice) at each row bucket, alternating, best of `reps`: the faster one
         runs steps of that size."""
-        if self.kernel is None or not weights or any(w.dtype != torch.float32 for w in weights):
+        if not weights or any(w.dtype != torch.float32 for w in weights):
             return
         for i, rows in enumerate(ROW_BUCKETS):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
