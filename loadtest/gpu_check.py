@@ -1,19 +1,22 @@
-"""The GPU check of the Triton kernels and the engine's GPU paths, one command meant to take
-under 8 minutes on an H200 for sections 1-4 and a few more for section 5 (estimated from
-reading; not yet timed on one; `--sections readiness` runs section 5 alone):
+"""The GPU check of the Triton kernels and the engine's GPU paths, one command, in this order
+(`--sections` picks and orders them; each writes its figures to gpu_check.json as it ends):
 
-1. the kernel test suite (tests/kernels) on CUDA;
-2. paged attention in bf16 at larger shapes against dense attention computed in float32: a
-   mixed step of ragged prefill chunks and decodes with Llama-8B's heads, decode-only steps
-   through the one-pass and split-KV paths, and a cache so large that block offsets overflow
-   int32 (float32 kernels are covered by the kernel tests);
-3. decode attention at batch 64 x context 4096 (Llama-8B: 32 query heads, 8 KV heads, head
-   dim 128, bf16, shuffled 16-token blocks): achieved HBM bandwidth as a fraction of
+1. graphs: engine decode steps with CUDA graphs (the default on CUDA) against --enforce-eager
+   on a random-weight model with Qwen2.5-0.5B's shapes in bf16, at batch 1, 5 (replayed at 8,
+   padded) and 64: step times, and the same greedy tokens at the captured sizes;
+2. tests: the kernel test suite (tests/kernels) on CUDA, bounded by --tests-timeout;
+3. shapes: paged attention in bf16 at larger shapes against dense attention computed in
+   float32: a mixed step of ragged prefill chunks and decodes with Llama-8B's heads,
+   decode-only steps through the one-pass and split-KV paths, and a cache so large that block
+   offsets overflow int32 (float32 kernels are covered by the kernel tests);
+4. decode: decode attention at batch 64 x context 4096 (Llama-8B: 32 query heads, 8 KV heads,
+   head dim 128, bf16, shuffled 16-token blocks): achieved HBM bandwidth as a fraction of
    4.8 TB/s, and the time against scaled_dot_product_attention on the same data laid out
    contiguously; a sweep of launch settings; the split path at batch 2 x context 32768;
-4. offline engine throughput on a random-weight model with Qwen2.5-0.5B's shapes against
-   HF `generate` in static batches of 8 (loadtest/bench_offline.py);
-5. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
+5. engine: offline engine throughput on a random-weight model with Qwen2.5-0.5B's shapes
+   against HF `generate` in static batches of 8 (loadtest/bench_offline.py), with the
+   device's limits measured in the same run;
+6. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
    serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
    under the worst load with the profiled peak covering the serving peak, swap-outs
    overlapping compute.
@@ -126,7 +129,7 @@ def timed(fn, iters: int) -> float:
 
 
 def section_kernel_tests(args, report):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/kernels"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "--maxfail=5", "tests/kernels"]
     if not args.smoke:
         try:
             import xdist  # noqa: F401  # Triton compiles many variants: compile them in parallel
@@ -136,7 +139,14 @@ def section_kernel_tests(args, report):
     else:
         cmd += ["-k", "test_split_heuristic or test_block_tile"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:  # a bound, so that the sections after it still run on a lent machine's short lease
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tests_timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print("\n".join(out.strip().splitlines()[-15:]))
+        report["kernel_tests"] = {"returncode": None, "seconds": time.perf_counter() - t0,
+                                  "summary": f"stopped after {args.tests_timeout} s"}
+        raise RuntimeError(f"the kernel tests took over {args.tests_timeout} s") from None
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     print("\n".join(tail))
     report["kernel_tests"] = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
@@ -317,6 +327,95 @@ def section_engine(args, report, device):
                         "ours": result["ours"], "hf": result["hf"], "shape": shape}
 
 
+def decode_steps(engine, batch: int, steps: int, prompt_len: int = 32) -> tuple[list[float], dict]:
+    """Greedy requests of `batch` distinct prompts decoding `steps` tokens together: the wall
+    time of each decode-only step (engine.step: schedule, forward, sample, detokenize) and the
+    tokens of each request."""
+    from pageserve.runtime import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    order = [engine.add_request([(7 * i + 3 * j) % 997 + 3 for j in range(prompt_len)], params)
+             for i in range(batch)]
+    times, tokens = [], {}
+    first = True
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()  # returns after sampling's copy to the host: the step is done
+        if not first:
+            times.append(time.perf_counter() - t0)
+        first = False  # the first step holds the prompts
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    return times, [tokens[rid] for rid in order]
+
+
+def section_graphs(args, report, device):
+    """Decode steps with and without CUDA graphs (the engine's default on CUDA against
+    --enforce-eager) on a random-weight model with Qwen2.5-0.5B's shapes in bf16, engine
+    steps timed end to end at batch 1, 5 (replayed at 8, padded) and 64, and their tokens
+    compared: at the captured sizes (1, 64) a replay launches what the eager step launches,
+    so the tokens must be the same; a padded batch runs its matmuls on more rows and may
+    differ in the last bits, so it is reported."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from pageserve.runtime.engine import LLMEngine
+    from pageserve.runtime.engine_args import EngineArgs
+
+    if args.smoke:
+        shape = dict(hidden_size=112, intermediate_size=256, num_hidden_layers=2, num_attention_heads=7,
+                     num_key_value_heads=1, vocab_size=1000)
+        batches, steps, dtype = (1, 5), 4, "float32"
+    else:  # Qwen2.5-0.5B
+        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6)
+        batches, steps, dtype = (1, 5, 64), 64, "bfloat16"
+    result = report["graphs"] = {"shape": shape, "dtype": dtype, "steps": steps, "batches": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(Path(tmp), arch="qwen2", tie_word_embeddings=True, initializer_range=0.02,
+                                **shape)
+        runs = {}
+        for mode in ("eager", "graphs"):
+            t0 = time.perf_counter()
+            engine = LLMEngine.from_engine_args(EngineArgs(
+                model=str(path), dtype=dtype, device=device.type, attention_backend="triton",
+                kv_cache_memory=2 if not args.smoke else 0.01,
+                max_num_seqs=64, enforce_eager=mode == "eager"))
+            graphs = engine.runner.graphs
+            result[f"{mode}_start_s"] = time.perf_counter() - t0
+            if mode == "graphs":
+                result["captured"] = sorted(graphs.graphs) if graphs is not None else []
+                if device.type == "cuda" and graphs is None:
+                    raise RuntimeError("no CUDA graphs were captured")
+            for batch in batches:
+                replays = graphs.replays if graphs is not None else 0
+                times, tokens = decode_steps(engine, batch, steps)
+                times.sort()
+                runs[mode, batch] = tokens
+                entry = result["batches"].setdefault(str(batch), {})
+                entry[f"{mode}_step_ms_p50"] = times[len(times) // 2] * 1e3
+                entry[f"{mode}_step_ms_min"] = times[0] * 1e3
+                if graphs is not None:
+                    entry["replays"] = graphs.replays - replays
+            del engine, graphs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"  {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, {dtype}; captured sizes "
+          f"{result.get('captured')}; start-up eager {result['eager_start_s']:.1f} s, with graphs "
+          f"{result['graphs_start_s']:.1f} s")
+    mismatched = []
+    for batch in batches:
+        entry = result["batches"][str(batch)]
+        a, b = runs["eager", batch], runs["graphs", batch]
+        same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+        entry["same_tokens"] = same / sum(len(r) for r in a)
+        entry["speedup"] = entry["eager_step_ms_p50"] / entry["graphs_step_ms_p50"]
+        print(f"  batch {batch:3d}: decode step p50 eager {entry['eager_step_ms_p50']:.2f} ms, graphs "
+              f"{entry['graphs_step_ms_p50']:.2f} ms ({entry['speedup']:.2f}x; {entry.get('replays', 0)} "
+              f"replays); same tokens {entry['same_tokens'] * 100:.1f}%")
+        if batch in (1, 64) and entry["same_tokens"] < 1:
+            mismatched.append(batch)
+    if mismatched:
+        raise RuntimeError(f"graph replays changed greedy tokens at captured batch sizes {mismatched}")
+
+
 def section_readiness(args, report):
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pageserve.loadtest.gpu_readiness", "--out", tmp] + (["--smoke"] if args.smoke else [])
@@ -342,7 +441,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="tests,shapes,decode,engine,readiness")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness")
+    parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
     if device is None:
@@ -352,7 +452,7 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
               "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "failed": []}
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
-    sections = {"tests": section_kernel_tests, "shapes": section_large_shapes,
+    sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness}
     start = time.perf_counter()
     for name in args.sections.split(","):
@@ -361,7 +461,7 @@ def main() -> int:
         try:
             if name in ("tests", "readiness"):  # in processes of their own
                 sections[name](args, report)
-            elif name == "engine":  # the engine manages its own inference mode
+            elif name in ("engine", "graphs"):  # the engine manages its own inference mode
                 sections[name](args, report, device)
             else:
                 with torch.inference_mode():
@@ -372,9 +472,10 @@ def main() -> int:
         print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report["seconds"] = time.perf_counter() - start
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+        report["seconds"] = time.perf_counter() - start
+        # after every section, so that a run cut short keeps what it measured
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"\n== done in {report['seconds']:.0f} s; failed sections: {report['failed'] or 'none'} ==")
     return 1 if report["failed"] else 0
 

@@ -114,15 +114,17 @@ def check_memory(args, report, path):
     serving_peak = torch.cuda.max_memory_allocated() - pool
     result = report["memory"] = {
         "total_gib": total / GiB, "free_after_start_gib": free / GiB, "kv_pool_gib": pool / GiB,
-        "profiled_peak_gib": runner.profiled_peak / GiB, "serving_peak_gib": serving_peak / GiB,
+        "profiled_peak_gib": runner.profiled_peak / GiB, "graph_pool_gib": runner.profiled_graph_pool / GiB,
+        "serving_peak_gib": serving_peak / GiB,
         "reserved_peak_fraction": torch.cuda.max_memory_reserved() / total, "load_s": time.perf_counter() - t0}
     print(f"  0.95 of {total / GiB:.1f} GiB: KV pool {pool / GiB:.1f} GiB; peak besides the pool: profiled "
-          f"{result['profiled_peak_gib']:.2f} GiB, serving {result['serving_peak_gib']:.2f} GiB; reserved "
-          f"peak {result['reserved_peak_fraction']:.3f} of the device")
+          f"{result['profiled_peak_gib']:.2f} GiB + {result['graph_pool_gib']:.2f} GiB for CUDA graphs, "
+          f"serving {result['serving_peak_gib']:.2f} GiB; reserved peak {result['reserved_peak_fraction']:.3f} "
+          f"of the device")
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
-    if serving_peak > result["profiled_peak_gib"] * GiB + 64 * (1 << 20):
+    if serving_peak > (result["profiled_peak_gib"] + result["graph_pool_gib"]) * GiB + 64 * (1 << 20):
         raise RuntimeError("serving went past the profiled peak")
 
 

@@ -110,7 +110,8 @@ class DeviceConfig:
     device: torch.device
     attention_backend: Backend
     num_threads: int
-    enforce_eager: bool = False  # no compiled CPU kernels
+    enforce_eager: bool = False  # no compiled CPU kernels, no CUDA graphs
+    cuda_graph_sizes: tuple[int, ...] = ()  # --cuda-graph-sizes; empty: the default
 
     def __post_init__(self):
         object.__setattr__(self, "attention_backend", Backend(self.attention_backend))

@@ -1,6 +1,6 @@
 """What the model runner needs of its device besides tensors: streams and events (so that
-swap copies overlap the forward), host memory the device can copy from asynchronously, and
-memory statistics (for the KV-cache profile).
+swap copies overlap the forward), host memory the device can copy from asynchronously,
+memory statistics (for the KV-cache profile) and graphs (decode steps replayed as one launch).
 
 `CudaDevice` calls torch.cuda. `HostDevice` is the CPU, where work runs in program order:
 its streams and events do nothing and it measures no memory. Both have the same methods, so
@@ -64,12 +64,36 @@ class HostDevice:
 
     memory_allocated = max_memory_allocated = reset_peak_memory_stats = mem_get_info
 
+    def new_graph(self) -> "CudaGraph":
+        raise NotImplementedError("graphs are CUDA's")
+
+
+class CudaGraph:
+    """One CUDA graph: `capture(fn)` records the kernels fn launches (fn's output tensor stays
+    the graph's output), `replay()` launches them again on whatever the captured buffers hold
+    now. Graphs of one device share a memory pool: they are replayed one at a time."""
+
+    def __init__(self, pool):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+        self.output: torch.Tensor | None = None
+
+    def capture(self, fn) -> torch.Tensor:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.output = fn()
+        return self.output
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
 
 class CudaDevice:
     type = "cuda"
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._graph_pool = None
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
@@ -115,6 +139,11 @@ class CudaDevice:
 
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def new_graph(self) -> CudaGraph:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CudaGraph(self._graph_pool)
 
 
 def _unregister(cudart, ptr: int) -> None:

@@ -105,9 +105,11 @@ class LLMEngine:
         """Run the largest step the scheduler can build (a full token budget spread over the
         most sequences, each sampling), so first-use allocations and activation peaks happen
         before serving, then leave no trace in the cache or the counters. First, every kernel
-        variant serving can launch is compiled (on backends that compile)."""
-        self.runner.warm_up_kernels()
+        variant serving can launch is compiled (on backends that compile), and decode steps
+        are captured as CUDA graphs (on CUDA, without --enforce-eager)."""
         sched = self.config.scheduler
+        self.runner.warm_up_kernels()
+        self.runner.capture_cuda_graphs(sched.max_num_seqs)
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,

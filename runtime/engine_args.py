@@ -42,7 +42,8 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
-    enforce_eager: bool = False  # torch ops only: no compiled CPU kernels
+    enforce_eager: bool = False  # torch ops only: no compiled CPU kernels, no CUDA graphs
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured (CUDA)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -62,6 +63,8 @@ class EngineArgs:
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         PreemptionMode(self.preemption_mode)  # its own check, before anything loads
+        if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -101,8 +104,14 @@ class EngineArgs:
                        help="auto: Triton kernels on CUDA, their torch versions (triton_kernels/torch_ops.py) elsewhere")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
         g.add_argument("--enforce-eager", action="store_true",
-                       help="run torch's own ops only: on CPU, no C kernels compiled at start-up "
-                            "(triton_kernels/cpu_kernels.c); the same as PAGESERVE_NO_CPU_KERNELS=1")
+                       help="no compiled paths: on CPU, no C kernels compiled at start-up "
+                            "(triton_kernels/cpu_kernels.c; the same as PAGESERVE_NO_CPU_KERNELS=1); "
+                            "on CUDA, no CUDA graphs (every step launches its kernels one by one)")
+        g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                       help="decode batch sizes captured as CUDA graphs at start-up: one number is the "
+                            "largest (then 1, 2, 4 and every multiple of 8 up to it), several are the "
+                            "sizes; default: up to --max-num-seqs, at most 512. A decode step of n "
+                            "requests replays the smallest size >= n")
         return parser
 
     @classmethod
@@ -125,7 +134,8 @@ class EngineArgs:
                              "(or TRITON_INTERPRET=1, Triton's slow CPU interpreter, for tests)")
         return DeviceConfig(device=device, attention_backend=backend,
                             num_threads=self.num_threads or os.cpu_count() or 1,
-                            enforce_eager=self.enforce_eager)
+                            enforce_eager=self.enforce_eager,
+                            cuda_graph_sizes=tuple(self.cuda_graph_sizes or ()))
 
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
         arch = hf["architectures"][0]

@@ -31,6 +31,9 @@ class Kernels:
     attention; `ops` holds the rest."""
     name: Backend
     compiles_kernels = False  # whether a kernel variant is compiled on its first launch
+    # whether a decode step's launches can be captured in a CUDA graph: nothing on the host
+    # reads device data, and every launch grid follows from the batch size alone
+    graph_safe = False
     # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask: torch_ops, a
     # namespace of Triton launchers, or torch_ops with C versions (_CpuOps)
     ops: object
@@ -59,6 +62,11 @@ class Kernels:
         """(requests, context length) of the decode-only step with the largest split-KV
         partition buffers, if this backend splits."""
         return None
+
+    def decode_is_one_pass(self, num_seqs: int, max_seq_len: int, device: torch.device) -> bool:
+        """Whether a decode-only step of this shape takes the one-pass attention (the path a
+        CUDA graph captures) rather than a split over the context."""
+        return True
 
 
 class _CpuOps:
@@ -122,6 +130,7 @@ class TritonKernels(Kernels):
     for tests). Imported only when chosen: @triton.jit reads TRITON_INTERPRET when it runs."""
     name = Backend.TRITON
     compiles_kernels = True
+    graph_safe = True
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int):
         super().__init__(block_size, num_heads, num_kv_heads)
@@ -152,6 +161,9 @@ class TritonKernels(Kernels):
         if max_seq_len <= self._kernels.PARTITION_SIZE or num_seqs < 1:
             return None
         return num_seqs, max_seq_len
+
+    def decode_is_one_pass(self, num_seqs, max_seq_len, device):
+        return self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_seq_len, device) == 0
 
     def attention(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache

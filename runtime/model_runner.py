@@ -11,6 +11,7 @@ import torch
 
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
 from pageserve.runtime.cpu_env import weights_in_huge_pages
+from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
 from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
@@ -18,7 +19,7 @@ from pageserve.runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, iter_safetensors
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
-from pageserve.runtime.synthetic_steps import warm_up_steps, worst_case_steps
+from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
 from pageserve.sampling.penalties import TokenCounts
 from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
 from pageserve.triton_kernels import cpu_kernels
@@ -48,6 +49,7 @@ class ModelRunner:
                  dev: CudaDevice | HostDevice | None = None):
         """dev: streams, events, pinned memory and memory statistics (a test may pass a fake)."""
         self.model_cfg = model_cfg
+        self.device_cfg = device_cfg
         self.device = device_cfg.device
         self.dev = dev or device_for(self.device)
         self.block_size = block_size
@@ -68,6 +70,8 @@ class ModelRunner:
         self._kv_storage: torch.Tensor | None = None
         self.swapper: KVSwapper | None = None
         self.profiled_peak: int | None = None  # bytes, KV cache excluded (CUDA profile)
+        self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
+        self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
 
     def _load_model(self, path: Path) -> LlamaForCausalLM:
         cfg = self.model_cfg
@@ -120,12 +124,51 @@ class ModelRunner:
         dev.synchronize()
         # the real cache replaces the temporary one
         self.profiled_peak = dev.max_memory_allocated() - num_temp * block_bytes
+        self.profiled_graph_pool = graph_pool = self._profile_graph_pool(max_num_seqs)
         self._set_kv_storage(0)
         dev.empty_cache()
-        budget = total * gpu_memory_utilization - used_by_others - self.profiled_peak
+        budget = total * gpu_memory_utilization - used_by_others - self.profiled_peak - graph_pool
         logger.info("memory profile: worst-case step peak %.2f GiB (weights included), %.2f GiB "
-                    "used outside torch", self.profiled_peak / 2 ** 30, used_by_others / 2 ** 30)
+                    "used outside torch, %.2f GiB kept for CUDA graphs", self.profiled_peak / 2 ** 30,
+                    used_by_others / 2 ** 30, graph_pool / 2 ** 30)
         return int(budget // block_bytes)
+
+    def graph_sizes(self, max_num_seqs: int) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs; none on CPU, with --enforce-eager
+        or with kernels that cannot be captured (the torch backend reads plans on the host)."""
+        if self.dev.type != "cuda" or self.device_cfg.enforce_eager or not self.kernels.graph_safe:
+            return []
+        return capture_sizes(self.device_cfg.cuda_graph_sizes or None, max_num_seqs)
+
+    def _profile_graph_pool(self, max_num_seqs: int) -> int:
+        """Bytes the graphs' memory pool will hold for good: the activations of a decode step
+        at the largest captured size (the smaller graphs reuse that memory)."""
+        sizes = self.graph_sizes(max_num_seqs)
+        if not sizes:
+            return 0
+        step = build_step([(1, 1, 1)] * sizes[-1], [GREEDY_PARAMS] * sizes[-1], self.block_size, 1,
+                          self.model_cfg.vocab_size, self.model_cfg.eos_token_ids, "profile-graph",
+                          write=False)
+        ids, pos, meta, _ = self._prepare(step)
+        self.dev.synchronize()
+        before = self.dev.memory_allocated()
+        self.dev.reset_peak_memory_stats()
+        with torch.inference_mode():
+            self.model(ids, pos, meta, self.kv_caches)
+        self.dev.synchronize()
+        return max(0, self.dev.max_memory_allocated() - before)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """After the KV cache is allocated (the graphs hold its addresses) and the kernels are
+        warm: capture the model's decode forward at each of graph_sizes."""
+        sizes = self.graph_sizes(max_num_seqs)
+        if not sizes:
+            return
+        max_blocks = -(-self.model_cfg.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kernels, self.kv_caches, self.dev, sizes,
+                                   max_blocks, self.device)
+        self.graphs.capture()
 
     def warm_up_kernels(self) -> None:
         """Launch every kernel variant serving can launch (mixed prefill/decode attention, the
@@ -146,6 +189,7 @@ class ModelRunner:
 
     def _set_kv_storage(self, num_blocks: int) -> None:
         cfg = self.model_cfg
+        self.graphs = None  # they hold the old pool's addresses
         self.kv_caches, self._kv_storage = [], None  # the old pool is freed before the new one
         if not num_blocks:
             return
@@ -214,7 +258,11 @@ class ModelRunner:
         ids, pos, meta, logits_rows = self._prepare(out)
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        size = self.graphs.size_for(meta, self.device) if self.graphs is not None else None
+        if size is None:
+            hidden = self.model(ids, pos, meta, self.kv_caches)
+        else:
+            hidden = self.graphs.run(size, ids, pos, meta)
         starts = meta.query_start_loc.tolist()
         if any(r.pool for r in out.requests):
             result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)

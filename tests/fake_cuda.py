@@ -37,6 +37,24 @@ class FakeStream:
         return event
 
 
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: capture runs the function once and keeps its output
+    tensor; replay runs it again (on whatever the captured buffers hold now) into that tensor."""
+
+    def __init__(self, log: list):
+        self.log = log
+        self.fn = self.output = None
+
+    def capture(self, fn) -> torch.Tensor:
+        self.fn, self.output = fn, fn()
+        self.log.append(("capture", tuple(self.output.shape)))
+        return self.output
+
+    def replay(self) -> torch.Tensor:
+        self.output.copy_(self.fn())
+        return self.output
+
+
 class FakeCuda(HostDevice):
     type = "cuda"
 
@@ -89,3 +107,6 @@ class FakeCuda(HostDevice):
 
     def reset_peak_memory_stats(self) -> None:
         self.log.append(("reset_peak",))
+
+    def new_graph(self) -> FakeGraph:
+        return FakeGraph(self.log)

@@ -171,7 +171,7 @@ def max_split_seqs(num_kv_heads: int, device: torch.device) -> int:
     return (_sm_count(device) - 1) // num_kv_heads
 
 
-def _split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                      device: torch.device, partition_size: int = PARTITION_SIZE) -> int:
     """How many context partitions a decode-only step is split into, or 0 for no split: worth
     it when one program per (request, KV head) leaves most of the GPU's SMs idle."""
@@ -191,7 +191,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
-    num_partitions: None lets _split_partitions decide; 0 forces the one-pass path; more
+    num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
     forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size)).
     block_n (context tokens per inner step), num_warps and num_stages tune the GPU launch."""
     num_tokens, num_heads, head_dim = q.shape
@@ -212,7 +212,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     if num_partitions is None:
-        num_partitions = _split_partitions(num_seqs, num_kv_heads, max_query_len, max_seq_len,
+        num_partitions = split_partitions(num_seqs, num_kv_heads, max_query_len, max_seq_len,
                                           q.device, partition_size)
     split = num_partitions > 0
     if split:

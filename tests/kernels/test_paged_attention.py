@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from pageserve.triton_kernels.paged_attention import _split_partitions, paged_attention
+from pageserve.triton_kernels.paged_attention import split_partitions, paged_attention
 from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
 from pageserve.triton_kernels.rotary_embedding import rotary_embedding
 from tests.kernels import reference
@@ -98,10 +98,10 @@ def test_block_tile_wider_than_cache_block(device):
 
 def test_split_heuristic():
     cpu = torch.device("cpu")
-    assert _split_partitions(2, 8, 1, 4096, cpu) == 8  # few long decodes: split
-    assert _split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
-    assert _split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
-    assert _split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
+    assert split_partitions(2, 8, 1, 4096, cpu) == 8  # few long decodes: split
+    assert split_partitions(64, 8, 1, 4096, cpu) == 0  # enough programs already
+    assert split_partitions(2, 8, 5, 4096, cpu) == 0  # a prefill in the step
+    assert split_partitions(2, 8, 1, 300, cpu) == 0  # one partition's worth of context
 
 
 def test_sm_count_is_read_from_the_cuda_device_once(monkeypatch):
@@ -115,7 +115,7 @@ def test_sm_count_is_read_from_the_cuda_device_once(monkeypatch):
     try:
         cuda = torch.device("cuda")
         assert module.max_split_seqs(2, cuda) == 65 and module.max_split_seqs(8, cuda) == 16
-        assert _split_partitions(65, 2, 1, 4096, cuda) == 8 and _split_partitions(66, 2, 1, 4096, cuda) == 0
+        assert split_partitions(65, 2, 1, 4096, cuda) == 8 and split_partitions(66, 2, 1, 4096, cuda) == 0
         assert calls == [cuda]
     finally:
         module._sm_count.cache_clear()  # a real GPU's count is looked up again
@@ -124,7 +124,7 @@ def test_sm_count_is_read_from_the_cuda_device_once(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_launcher_chooses_the_split_path(device, dtype):
     """The launcher's own choice, default partitions (512) and tile: two long decodes."""
-    assert _split_partitions(2, 2, 1, 1100, torch.device(device)) == 3
+    assert split_partitions(2, 2, 1, 1100, torch.device(device)) == 3
     check_attention([1, 1], [1100, 70], (6, 2, 64), 16, dtype, device, 11)
 
 

@@ -51,14 +51,17 @@ def test_largest_split_decode_is_the_last_batch_that_splits():
     import torch
 
     from pageserve.runtime.kernels import TritonKernels
-    from pageserve.triton_kernels.paged_attention import _split_partitions
+    from pageserve.triton_kernels.paged_attention import split_partitions
 
     cpu = torch.device("cpu")  # 128 SMs assumed off CUDA
     backend = TritonKernels(16, 8, 2)
     num_seqs, ctx = backend.largest_split_decode(4096, cpu)
     assert (num_seqs, ctx) == (63, 4096)
-    assert _split_partitions(num_seqs, 2, 1, ctx, cpu) == 8
-    assert _split_partitions(num_seqs + 1, 2, 1, ctx, cpu) == 0
+    assert split_partitions(num_seqs, 2, 1, ctx, cpu) == 8
+    assert split_partitions(num_seqs + 1, 2, 1, ctx, cpu) == 0
     assert backend.largest_split_decode(512, cpu) is None  # one partition holds any context
     assert backend.decode_shapes(4096, cpu) == [(1, 1), (1, 513)]
     assert backend.decode_shapes(512, cpu) == [(1, 1)]
+    # CUDA graphs capture the one-pass decode: the steps that split run eagerly
+    assert not backend.decode_is_one_pass(num_seqs, ctx, cpu)
+    assert backend.decode_is_one_pass(num_seqs + 1, ctx, cpu) and backend.decode_is_one_pass(1, 512, cpu)

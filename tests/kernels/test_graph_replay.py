@@ -1,0 +1,33 @@
+"""Decode steps replayed from (fake) CUDA graphs through the Triton kernels under the
+interpreter: the static buffers, the padding rows (slot -1, one token of context) and the
+one-pass decode that a graph captures give the eager greedy tokens. tests/test_cuda_graphs.py
+covers the rest on the torch kernels; a real GPU's capture is gpu_check's graphs section."""
+
+from __future__ import annotations
+
+import pytest
+
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime import model_runner
+from tests.fake_cuda import FakeCuda
+
+pytestmark = pytest.mark.engine
+
+
+def test_triton_graph_replays_give_the_eager_tokens(tiny_model_dir, device, monkeypatch):
+    if device == "cuda":
+        pytest.skip("a real GPU captures real graphs: gpu_check's graphs section")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
+    lengths = [7, 3, 5]  # decode batches of 3, 2 and 1: 3 replays at size 4, padded
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    kw = dict(dtype="float32", device=device, attention_backend="triton", kv_cache_memory=0.004,
+              swap_space=0, max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_model_dir), **kw).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(model_runner, "device_for", lambda device: FakeCuda())
+    llm = LLM(str(tiny_model_dir), cuda_graph_sizes=[1, 2, 4], **kw)
+    graphs = llm.engine.runner.graphs
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    graphs.replays = 0
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and [len(t) for t in got] == lengths
+    assert graphs.replays >= 6  # every decode step: (7 - 1) steps hold a decode
