@@ -129,7 +129,9 @@ def timed(fn, iters: int) -> float:
 
 
 def section_kernel_tests(args, report):
-    cmd = [sys.executable, "-m", "pytest", "-q", "--maxfail=5", "tests/kernels"]
+    # -p no:benchmark: pytest-benchmark's warnings under xdist would fill the tail
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--maxfail=5", "-p", "no:benchmark",
+           "-p", "no:cacheprovider", "tests/kernels"]
     if not args.smoke:
         try:
             import xdist  # noqa: F401  # Triton compiles many variants: compile them in parallel
@@ -147,7 +149,10 @@ def section_kernel_tests(args, report):
         report["kernel_tests"] = {"returncode": None, "seconds": time.perf_counter() - t0,
                                   "summary": f"stopped after {args.tests_timeout} s"}
         raise RuntimeError(f"the kernel tests took over {args.tests_timeout} s") from None
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kernel_tests.log").write_text(proc.stdout + proc.stderr)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    tail = [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "E  "))][:40] + lines[-5:]
     print("\n".join(tail))
     report["kernel_tests"] = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
                               "summary": tail[-1] if tail else ""}

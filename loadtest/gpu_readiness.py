@@ -92,40 +92,85 @@ def check_variants(args, report, path):
 
 
 def check_memory(args, report, path):
+    """With CUDA graphs (the default) and with --enforce-eager: the profiled peak (and the
+    graphs' reserve) must cover what serving the worst load then allocates besides the pool."""
     if not torch.cuda.is_available():
         report["memory"] = "skipped: needs CUDA"
         print("  skipped: needs CUDA")
         return
-    from pageserve.runtime.model_runner import kv_block_bytes
+    report["memory"] = {}
+    over = [mode for mode in ("graphs", "eager") if not memory_in_profile(args, report["memory"], path, mode)]
+    if over:
+        raise RuntimeError(f"serving went past the profiled peak ({', '.join(over)})")
+
+
+def memory_in_profile(args, report, path, mode: str) -> bool:
+    from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
     from pageserve.runtime.synthetic_steps import WORST_CASE_PARAMS
 
     gc.collect()
     torch.cuda.empty_cache()
-    llm = engine(path, args.smoke, kv_cache_memory=None, gpu_memory_utilization=0.95, max_num_seqs=256,
-                 max_num_batched_tokens=2048)
+    steps = []  # per step: what it held, allocated before it, the running peak after it
+    real_execute = ModelRunner.execute
+
+    def traced(runner, out):
+        before = torch.cuda.memory_allocated()
+        result = real_execute(runner, out)
+        steps.append((len(out.requests), out.num_tokens, sum(r.sampling_params.logprobs is not None
+                                                             for r in out.requests),
+                      before, torch.cuda.max_memory_allocated()))
+        return result
+    ModelRunner.execute = traced
+    try:
+        llm = engine(path, args.smoke, kv_cache_memory=None, gpu_memory_utilization=0.95, max_num_seqs=256,
+                     max_num_batched_tokens=2048, enforce_eager=mode == "eager")
+    finally:
+        ModelRunner.execute = real_execute
     runner, config = llm.engine.runner, llm.engine.config
+    start_steps, steps[:] = list(steps), []
+    ModelRunner.execute = traced
     free, total = torch.cuda.mem_get_info()
     pool = config.cache.num_blocks * kv_block_bytes(config.model, config.cache.block_size)
+    at_rest = torch.cuda.memory_allocated() - pool  # weights and what start-up keeps
     worst = dataclasses.replace(WORST_CASE_PARAMS, max_tokens=4, ignore_eos=True)  # every sampling path
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": [3 + i % 900] * 8} for i in range(256)], worst, use_tqdm=False)
-    llm.generate([{"prompt_token_ids": list(range(100, 2100))}], worst, use_tqdm=False)
-    serving_peak = torch.cuda.max_memory_allocated() - pool
-    result = report["memory"] = {
+    peaks = []
+    try:
+        for prompts in ([[3 + i % 900] * 8 for i in range(256)], [list(range(100, 2100))]):
+            torch.cuda.reset_peak_memory_stats()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], worst, use_tqdm=False)
+            peaks.append(torch.cuda.max_memory_allocated() - pool)
+    finally:
+        ModelRunner.execute = real_execute
+    serving_peak = max(peaks)
+    result = report[mode] = {
         "total_gib": total / GiB, "free_after_start_gib": free / GiB, "kv_pool_gib": pool / GiB,
         "profiled_peak_gib": runner.profiled_peak / GiB, "graph_pool_gib": runner.profiled_graph_pool / GiB,
+        "at_rest_gib": at_rest / GiB, "serving_peaks_gib": [p / GiB for p in peaks],
         "serving_peak_gib": serving_peak / GiB,
-        "reserved_peak_fraction": torch.cuda.max_memory_reserved() / total, "load_s": time.perf_counter() - t0}
-    print(f"  0.95 of {total / GiB:.1f} GiB: KV pool {pool / GiB:.1f} GiB; peak besides the pool: profiled "
-          f"{result['profiled_peak_gib']:.2f} GiB + {result['graph_pool_gib']:.2f} GiB for CUDA graphs, "
-          f"serving {result['serving_peak_gib']:.2f} GiB; reserved peak {result['reserved_peak_fraction']:.3f} "
-          f"of the device")
+        "reserved_peak_fraction": torch.cuda.max_memory_reserved() / total, "load_s": time.perf_counter() - t0,
+        # (requests, tokens, requests with logprobs, allocated before, peak so far after): start-up
+        # (the profile with its temporary cache, then warm-up) and serving
+        "start_steps": start_steps, "serving_steps": list(steps)}
+    print(f"  {mode}: 0.95 of {total / GiB:.1f} GiB: KV pool {pool / GiB:.1f} GiB; besides the pool: at rest "
+          f"{result['at_rest_gib']:.2f} GiB, profiled peak {result['profiled_peak_gib']:.2f} GiB + "
+          f"{result['graph_pool_gib']:.2f} GiB for CUDA graphs, serving peaks "
+          f"{', '.join(f'{p / GiB:.2f}' for p in peaks)} GiB (256 short prompts, one of 2000 tokens); "
+          f"reserved peak {result['reserved_peak_fraction']:.3f} of the device")
+    kv = runner._kv_storage.untyped_storage().data_ptr()
+    big = sorted(((t.numel() * t.element_size(), tuple(t.shape), str(t.dtype)) for t in gc.get_objects()
+                  if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda
+                  and t.numel() * t.element_size() >= 32 << 20 and t.untyped_storage().data_ptr() != kv),
+                 reverse=True)
+    result["tensors_at_rest"] = big[:12]
+    for name, rows in (("start-up", start_steps), ("serving", steps)):
+        print(f"    {name} steps (requests, tokens, with logprobs: allocated before -> peak so far, GiB): " +
+              "; ".join(f"{n}, {t}, {lp}: {b / GiB:.2f} -> {m / GiB:.2f}" for n, t, lp, b, m in rows[:14]))
+    print("    tensors of 32 MiB and more at rest besides the KV pool: " + "; ".join(f"{s} {d} {b / GiB:.2f} GiB" for b, s, d in big[:12]))
     del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
-    if serving_peak > (result["profiled_peak_gib"] + result["graph_pool_gib"]) * GiB + 64 * (1 << 20):
-        raise RuntimeError("serving went past the profiled peak")
+    return serving_peak <= (result["profiled_peak_gib"] + result["graph_pool_gib"]) * GiB + 64 * (1 << 20)
 
 
 def check_swap(args, report, device):

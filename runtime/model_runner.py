@@ -113,14 +113,17 @@ class ModelRunner:
         block_bytes = kv_block_bytes(cfg, self.block_size)
         num_temp = -(-max_num_batched_tokens // self.block_size)  # a slot for every token
         self._set_kv_storage(num_temp)
+        # penalty rows for the most sequences that can run, at the size serving keeps them (rows
+        # grow by doubling and stay: grown inside a step, they would miss that step's peak)
+        self.counts.reserve(max_num_seqs)
         dev.reset_peak_memory_stats()
         steps = worst_case_steps(max_num_batched_tokens, max_num_seqs, cfg.max_model_len,
                                  self.kernels.largest_split_decode(cfg.max_model_len, self.device),
                                  self.block_size, num_temp, cfg.vocab_size, cfg.eos_token_ids)
-        for step in steps:
+        for step in steps:  # each step's requests finish before the next, as no more can run at once
             self.execute(step)
-        self.execute(SchedulerOutput(finished_ids=[child_id(r.request_id, i) for step in steps
-                                                   for r in step.requests for i in range(r.num_samples)]))
+            self.execute(SchedulerOutput(finished_ids=[child_id(r.request_id, i) for r in step.requests
+                                                       for i in range(r.num_samples)]))
         dev.synchronize()
         # the real cache replaces the temporary one
         self.profiled_peak = dev.max_memory_allocated() - num_temp * block_bytes
@@ -250,6 +253,8 @@ class ModelRunner:
         for rid in out.finished_ids:
             self.seeded.pop(rid, None)
             self.counts.release(rid)
+        for rid in out.preempted:  # rebuilt from its tokens when it runs again, so that rows
+            self.counts.release(rid)  # never outnumber the running sequences (its seed stays)
         if self.swapper is not None:
             self.swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
         result = StepResult()

@@ -40,6 +40,12 @@ class TokenCounts:
         torch.logical_or(self.in_prompt[row], self.counts[row] > 0, out=self.seen[row])
         return row
 
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` requests at once, allocated now (the CUDA memory profile takes the
+        rows of the most sequences a step can hold before it measures)."""
+        while self.counts.shape[0] < rows:
+            self._grow()
+
     def _grow(self) -> None:
         old = self.counts.shape[0]
         self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])

@@ -72,12 +72,15 @@ def test_profile_runs_every_path_and_leaves_the_rest_to_the_kv_cache(tiny_model_
     assert calls["apply_top_k_top_p"][0] == (16, vocab)  # all 16 rows through the full sort
     assert calls["apply_min_p"][0] == (16, vocab) and calls["apply_penalties"][0] == (16, vocab)
     assert calls["apply_token_bitmask"] == [(16, vocab)]
-    batch, prompt, release = results
+    batch, release, prompt, release_again = results  # each step's requests finish before the next
     assert len(batch.sampled) == 16 and len(batch.logprobs) == 16
     assert all(len(lp.top) == MAX_LOGPROBS for lp in batch.logprobs.values())
     assert len(prompt.prompt_logprobs["profile-prompt-0"][1]) == 63
-    assert not release.sampled
+    assert not release.sampled and not release_again.sampled
     assert not runner.seeded and not runner.counts.rows  # released after the profile
+    # penalty rows for max_num_seqs, reserved before the peak is measured, and no more (the
+    # prompt step's row would have been a 17th had the batch's rows not been released first)
+    assert runner.counts.counts.shape[0] == 16
     assert not runner.kv_caches  # the temporary cache is gone
     assert [e for e in dev.log if e[0] in ("reset_peak", "synchronize")] == [("reset_peak",), ("synchronize",)]
 

@@ -162,3 +162,31 @@ def test_same_seeded_output_under_pressure(tiny_model_dir):
         assert token_ids(tight.generate(prompts, params, use_tqdm=False)) == expected
         assert tight.engine.scheduler.num_preemptions > 0
         assert_all_free(tight)
+
+
+def test_penalty_rows_are_dropped_at_preemption_and_rebuilt(tiny_model_dir):
+    """A preempted request gives its penalty row back (rows never outnumber the running
+    sequences, which the CUDA memory profile counts on) and gets one rebuilt from its tokens
+    when it runs again: greedy outputs with every penalty match a run without pressure."""
+    prompts, _ = workload(16, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.4, frequency_penalty=0.6) for _ in prompts]
+    roomy = tiny(tiny_model_dir, blocks=2000, enable_prefix_caching=False)
+    expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
+    tight = tiny(tiny_model_dir, blocks=40, swap_blocks=14, max_num_seqs=4)
+    runner, engine = tight.engine.runner, tight.engine
+    most_rows = []
+    execute = runner.execute
+
+    def watch(out):
+        result = execute(out)
+        most_rows.append(len(runner.counts.rows))
+        running = {r.request_id for r in out.requests}
+        assert set(runner.counts.rows) <= running | set(engine.requests), "a row outlived its request"
+        assert not set(out.preempted) & set(runner.counts.rows)
+        return result
+    runner.execute = watch
+    assert token_ids(tight.generate(prompts, params, use_tqdm=False)) == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert max(most_rows) <= 4  # max_num_seqs (the last finished row goes back at the next step)
+    assert_all_free(tight)

@@ -40,8 +40,9 @@ def test_serving_compiles_nothing_after_warm_up(tiny_model_dir, device):
     assert not any(added.values()), added
 
 
-def test_warm_up_is_a_no_op_on_the_torch_backend(tiny_llm, monkeypatch):
-    runner = tiny_llm.engine.runner
+def test_warm_up_is_a_no_op_on_the_torch_backend(tiny_model_dir, device, monkeypatch):
+    runner = LLM(str(tiny_model_dir), dtype="float32", device=device, attention_backend="torch",
+                 kv_cache_memory=0.01, swap_space=0).engine.runner
     monkeypatch.setattr(runner, "execute", lambda out: pytest.fail("warm-up ran a step"))
     runner.warm_up_kernels()
     assert runner.kernels.name == "torch"
