@@ -19,7 +19,11 @@
 6. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
    serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
    under the worst load with the profiled peak covering the serving peak, swap-outs
-   overlapping compute.
+   overlapping compute;
+7. moe: the mixture-of-experts feed-forward at Mixtral-8x7B's expert shapes (8 experts, top 2,
+   hidden 4096, intermediate 14336, bf16) for 1, 16, 256 and 2048 tokens: torch_ops.fused_moe
+   against the Triton fused_moe, their agreement with a float32 computation, and the expert
+   weights the Triton version reads as a fraction of 4.8 TB/s.
 
     python -m pageserve.loadtest.gpu_check [--out DIR]   # on the GPU machine
     python -m pageserve.loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
@@ -305,6 +309,54 @@ def section_decode_bench(args, report, device):
         raise RuntimeError("decode attention differs from SDPA or between its paths")
 
 
+def moe_routing(tokens: int, experts: int, top_k: int, device, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of a softmax over random logits, the k weights normalised to sum to 1."""
+    logits = torch.randn(tokens, experts, generator=generator, device=device)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def section_moe(args, report, device):
+    from pageserve.triton_kernels import torch_ops
+    from pageserve.triton_kernels.fused_moe import default_config, fused_moe
+
+    if args.smoke:
+        experts, top_k, hidden, inter, token_counts, iters = 4, 2, 64, 96, (1, 7), 2
+    else:  # Mixtral-8x7B's experts
+        experts, top_k, hidden, inter, token_counts, iters = 8, 2, 4096, 14336, (1, 16, 256, 2048), 20
+    dtype = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=device) * inter ** -0.5).to(dtype)
+    w13_f, w2_f = w13.float(), w2.float()  # the float32 reference's weights, made once
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    cases = []
+    report["moe"] = {"experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
+                     "dtype": "bfloat16", "cases": cases}  # filled case by case: a crash keeps what ran
+    print(f"  {experts} experts, top {top_k}, hidden {hidden}, intermediate {inter}, bf16:")
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+        weights, ids = moe_routing(tokens, experts, top_k, device, g)
+        out = fused_moe(x, w13, w2, weights, ids)
+        want = torch_ops.fused_moe(x.float(), w13_f, w2_f, weights, ids)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        t_torch = timed(lambda: torch_ops.fused_moe(x, w13, w2, weights, ids), iters)
+        t_triton = timed(lambda: fused_moe(x, w13, w2, weights, ids), iters)
+        touched = ids.unique().numel()
+        hbm = touched * expert_bytes / t_triton / HBM_BYTES_PER_S
+        cases.append({"tokens": tokens, "torch_us": t_torch * 1e6, "triton_us": t_triton * 1e6,
+                      "speedup": t_torch / t_triton, "experts_touched": touched,
+                      "weight_bytes": touched * expert_bytes, "hbm_fraction": hbm, "rel_err": err,
+                      "config": default_config(tokens * top_k, experts, dtype), "ok": err < 2e-2})
+        print(f"    T {tokens:5d}: torch_ops {t_torch * 1e6:9.1f} us, Triton {t_triton * 1e6:9.1f} us "
+              f"({t_torch / t_triton:.2f}x); {touched} experts' weights at "
+              f"{touched * expert_bytes / t_triton / 1e12:.2f} TB/s = {hbm * 100:.1f}% of 4.8 TB/s; "
+              f"rel err {err:.1e} {'ok' if err < 2e-2 else 'FAILED'}")
+        del out, want
+    if not all(c["ok"] for c in cases):
+        raise RuntimeError("the Triton fused_moe differs from the float32 computation")
+
+
 def section_engine(args, report, device):
     from pageserve.loadtest import bench_offline
     from pageserve.loadtest.tiny_model import build_tiny_model
@@ -446,7 +498,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -458,7 +510,8 @@ def main() -> int:
               "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "failed": []}
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
-                "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness}
+                "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness,
+                "moe": section_moe}
     start = time.perf_counter()
     for name in args.sections.split(","):
         print(f"\n-- {name} --", flush=True)

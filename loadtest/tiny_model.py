@@ -39,22 +39,36 @@ def build_tokenizer(path: Path, vocab_size: int = 384):
     return fast
 
 
+# per architecture: the transformers classes, and what the tiny model adds to the common shape
+# (MoE: 4 experts, top 2, smaller expert MLPs; Qwen3: a head_dim that is not hidden / heads)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                   "shared_expert_intermediate_size": 80}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                   "norm_topk_prob": True, "head_dim": 24}),
+}
+
+
 def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A 2-layer model with GQA; weights drawn wide enough that greedy choices are not ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path)
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-5, initializer_range=0.15, eos_token_id=tok.eos_token_id,
                   bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, **extra)
     common.update(overrides)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common))
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     max_model_len: int
+    # config.json as read: what one architecture alone needs (expert counts, layer plans)
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -11,7 +11,8 @@ import torch
 
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ModelConfig, PreemptionMode,
                                       SchedulerConfig, parse_dtype)
-from pageserve.runtime.models.loader import SUPPORTED_ARCHITECTURES, ModelLoadError, eos_token_ids, rope_settings
+from pageserve.runtime.models import registry
+from pageserve.runtime.models.loader import ModelLoadError, eos_token_ids, rope_settings
 
 
 def triton_interpreting() -> bool:
@@ -163,10 +164,11 @@ class EngineArgs:
                 rope_scaling=scaling,
                 max_position_embeddings=model_max,
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
-                qkv_bias=hf.get("attention_bias", SUPPORTED_ARCHITECTURES[arch]),
+                qkv_bias=hf.get("attention_bias", registry.entry(arch).qkv_bias),
                 eos_token_ids=eos_token_ids(hf, tokenizer),
                 dtype=parse_dtype(self.dtype, device),
                 max_model_len=max_len,
+                hf_config=hf,
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None

@@ -34,7 +34,7 @@ class Kernels:
     # whether a decode step's launches can be captured in a CUDA graph: nothing on the host
     # reads device data, and every launch grid follows from the batch size alone
     graph_safe = False
-    # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask: torch_ops, a
+    # rms_norm, rope_cos_sin, rotary_embedding, silu_and_mul, apply_token_bitmask, fused_moe: torch_ops, a
     # namespace of Triton launchers, or torch_ops with C versions (_CpuOps)
     ops: object
 
@@ -136,6 +136,7 @@ class TritonKernels(Kernels):
         super().__init__(block_size, num_heads, num_kv_heads)
         from pageserve.triton_kernels import paged_attention as attention_module
         from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
+        from pageserve.triton_kernels.fused_moe import fused_moe
         from pageserve.triton_kernels.paged_attention import paged_attention
         from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
         from pageserve.triton_kernels.rms_norm import rms_norm
@@ -144,7 +145,7 @@ class TritonKernels(Kernels):
 
         self.ops = types.SimpleNamespace(
             rms_norm=rms_norm, rope_cos_sin=torch_ops.rope_cos_sin, rotary_embedding=rotary_embedding,
-            silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask)
+            silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask, fused_moe=fused_moe)
         self._reshape_and_cache = reshape_and_cache
         self._paged_attention = paged_attention
         self._kernels = attention_module

@@ -15,7 +15,8 @@ from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
 from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
-from pageserve.runtime.models.llama import LlamaForCausalLM, rope_cos_sin_cache
+from pageserve.runtime.models import registry
+from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, iter_safetensors
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
@@ -73,10 +74,10 @@ class ModelRunner:
         self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
 
-    def _load_model(self, path: Path) -> LlamaForCausalLM:
+    def _load_model(self, path: Path) -> CausalLM:
         cfg = self.model_cfg
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, self.kernels)
+            model = registry.model_class(cfg.architecture)(cfg, self.kernels)
         model = model.to_empty(device=self.device)
         try:
             model.load_weights(iter_safetensors(path))
@@ -97,8 +98,8 @@ class ModelRunner:
         plan = getattr(self.kernels, "linear_plan", None)
         if plan is None:
             return
-        plan.measure([m.weight for layer in self.model.layers[:2]
-                      for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)])
+        plan.measure([m.weight for layer in self.model.layers[:2] for m in layer.modules()
+                      if isinstance(m, torch.nn.Linear)])
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                            max_num_seqs: int) -> int:

