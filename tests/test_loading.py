@@ -1,6 +1,7 @@
 """Model loading: the default GGUF and its cache, and one clear error line for bad models."""
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -98,3 +99,60 @@ def test_cli_generate_prints_text(tiny_model_dir):
                    "--max-tokens", "3", "--kv-cache-memory", "0.01")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("finish_reason=length") == 2
+
+
+def hub_cache(root: Path, repo_id: str, model_dir: Path, revision: str = "main") -> Path:
+    """The Hugging Face cache layout huggingface_hub writes: blobs, a snapshot folder per
+    commit holding the files, and refs/<revision> naming the commit."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        shutil.copy(f, snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / revision).write_text(commit)
+    return snap
+
+
+def test_hub_id_is_found_in_the_hugging_face_cache(tmp_path, tiny_model_dir, monkeypatch):
+    """--model Org/Name from $HF_HOME's cache or from --download-dir, at a branch given by
+    --revision; served under the id as given."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    snap = hub_cache(tmp_path / "hf" / "hub", "tiny-org/tiny-llama", tiny_model_dir)
+    assert resolve_model("tiny-org/tiny-llama") == snap
+    other = hub_cache(tmp_path / "elsewhere", "tiny-org/tiny-llama", tiny_model_dir, revision="v2")
+    assert resolve_model("tiny-org/tiny-llama", revision="v2", download_dir=str(tmp_path / "elsewhere")) == other
+    from pageserve.runtime import LLM, SamplingParams
+
+    llm = LLM("tiny-org/tiny-llama", dtype="float32", kv_cache_memory=0.01, swap_space=0)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_hub_id_missing_from_the_cache_says_what_to_do(tmp_path, monkeypatch, offline):
+    """Not cached: with HF_HUB_OFFLINE nothing is tried; without it the download is tried and
+    fails here (no network to the hub; a mock stands in for it so the test never waits on one)."""
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        match = r"model no-org/no-model is not in the Hugging Face cache .*HF_HUB_OFFLINE is set"
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        real = huggingface_hub.snapshot_download
+
+        def no_network(**kw):
+            if kw.get("local_files_only"):
+                return real(**kw)
+            raise ConnectionError("Failed to resolve 'huggingface.co'")
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+        match = (r"model no-org/no-model is not in the Hugging Face cache .* could not be downloaded "
+                 r"\(ConnectionError: Failed to resolve 'huggingface.co'\): run `huggingface-cli download")
+    with pytest.raises(ModelLoadError, match=match):
+        resolve_model("no-org/no-model")
+    with pytest.raises(ModelLoadError, match="model not found: no-such-dir"):
+        resolve_model("no-such-dir")  # not a hub id: a missing local path

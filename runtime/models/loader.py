@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,11 +43,52 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | None) -> Path:
-    """A directory holding config.json, safetensors and tokenizer files (GGUF converted)."""
+# what a served model needs from a hub repository (not its other weight formats or docs)
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A model named by its Hugging Face hub id, from the local Hugging Face cache ($HF_HOME,
+    or `download_dir`): downloaded through huggingface_hub when it is not there and the network
+    allows it (never with HF_HUB_OFFLINE=1), else one error line saying what to do."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    # read now, not when huggingface_hub was imported (it takes its settings then)
+    home = os.environ.get("HF_HOME")
+    cache = download_dir or os.environ.get("HF_HUB_CACHE") or (str(Path(home) / "hub") if home else None)
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES)
+    try:
+        return Path(snapshot_download(local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        pass
+    where = cache or "~/.cache/huggingface/hub"
+    rev = f" at revision {revision}" if revision else ""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "false", ""):
+        raise ModelLoadError(f"model {repo_id}{rev} is not in the Hugging Face cache ({where}) and "
+                             "HF_HUB_OFFLINE is set: download it first, or give a local directory")
+    logger.info("downloading %s%s into %s", repo_id, rev, where)
+    try:
+        return Path(snapshot_download(**kw))
+    except Exception as e:  # no network, no such repository, a gated one: all the user's to fix
+        raise ModelLoadError(
+            f"model {repo_id}{rev} is not in the Hugging Face cache ({where}) and could not be "
+            f"downloaded ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): run "
+            f"`huggingface-cli download {repo_id}` where there is network and point HF_HOME or "
+            "--download-dir at that cache, or give a local model directory") from None
+
+
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A directory holding config.json, safetensors and tokenizer files (GGUF converted): a
+    local directory or .gguf file, or a hub id (Org/Name) found in or fetched into the
+    Hugging Face cache."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and model is not None and _HUB_ID.fullmatch(model):
+        path = hub_snapshot(model, revision, download_dir)
     if not path.exists():
-        raise ModelLoadError(f"model not found: {path} (give a Hugging Face directory or a .gguf file)")
+        raise ModelLoadError(f"model not found: {path} (give a Hugging Face directory, a .gguf file "
+                             "or a hub id such as Qwen/Qwen3-0.6B)")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf file")
