@@ -45,6 +45,12 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    # LongRoPE with an attention factor (max 1024 over original 256), short factors below 256
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"original_max_position_embeddings": 256,
+              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                                  "long_factor": [2.0 + i for i in range(8)]}}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,

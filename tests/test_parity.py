@@ -50,7 +50,7 @@ def test_tiny_model_parity(tmp_path, arch, overrides):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_architecture_parity_under_pressure(tmp_path, arch):
     """Each architecture of the registry against HF on its tiny model: prompt chunks of 64
     beside decodes, prompts sharing a 48-token prefix (prefix-cache hits), and a pool of 40
@@ -93,3 +93,23 @@ def test_real_model_parity():
     expected = hf_greedy(llm.engine.config.model.path, prompts, max_new_tokens=16, dtype=torch.float32)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
+
+
+def test_longrope_takes_the_long_factors_past_the_original_length(tmp_path):
+    """Below original_max_position_embeddings the short factors (what the parity test covers),
+    from it on the long ones; both scaled by sqrt(1 + ln(1024 / 256) / ln 256)."""
+    import math
+
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.models.layers import rope_cos_sin_cache
+    from pageserve.runtime.models.loader import load_tokenizer, read_config
+
+    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")
+    args = EngineArgs(model=str(model_dir), dtype="float32", device="cpu")
+    cfg = args.model_config(model_dir, read_config(model_dir), load_tokenizer(model_dir), torch.device("cpu"))
+    table = rope_cos_sin_cache(cfg)
+    scale = math.sqrt(1 + math.log(4) / math.log(256))
+    base = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    for pos, factors in ((255, [1.0 + 0.15 * i for i in range(8)]), (256, [2.0 + i for i in range(8)])):
+        angles = pos * base / torch.tensor(factors)
+        torch.testing.assert_close(table[pos], torch.cat([angles.cos(), angles.sin()]) * scale)

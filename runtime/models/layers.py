@@ -25,6 +25,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if scaling.get("partial_rotary_factor", cfg.hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -40,13 +42,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "longrope":  # the short factors; rope_cos_sin_cache switches to the long ones
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3, longrope)")
 
 
 def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
-    inv_freq = rope_inv_freq(cfg)
-    freqs = torch.arange(cfg.max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    """[max_model_len, head_dim] float32: cos of each position's D/2 angles, then their sin.
+    LongRoPE (Phi-3): positions below original_max_position_embeddings take the short factors,
+    later ones the long factors, and both are scaled by the attention factor. (HF switches the
+    whole sequence to the long factors once it is longer than that; within it they agree.)"""
+    pos = torch.arange(cfg.max_model_len, dtype=torch.float32)[:, None]
+    freqs = pos * rope_inv_freq(cfg)[None, :]
+    scale = 1.0
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "longrope":
+        original = scaling.get("original_max_position_embeddings") or cfg.hf_config["original_max_position_embeddings"]
+        long_inv = rope_inv_freq(cfg) * torch.tensor(scaling["short_factor"]) / torch.tensor(scaling["long_factor"])
+        freqs = torch.where(pos >= original, pos * long_inv[None, :], freqs)
+        factor = scaling.get("factor") or cfg.hf_config.get("max_position_embeddings", original) / original
+        scale = scaling.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
 
 
 class RMSNorm(nn.Module):

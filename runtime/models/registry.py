@@ -19,6 +19,7 @@ _MODELS = {
     "MistralForCausalLM": Entry("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
