@@ -17,14 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """a @ b accumulated in float32; UPCAST for Triton's interpreter, whose bf16 dot is wrong.
-    IEEE precision keeps float32 models off TF32, as torch's matmuls are by default."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
+from pageserve.triton_kernels.paged_attention import _dot  # float32 accumulation, IEEE precision
 
 
 # the pair count and the launch's block bound change every step, as does the input's token
