@@ -35,7 +35,7 @@ def capture_sizes(sizes: tuple[int, ...] | None, max_num_seqs: int) -> list[int]
     if sizes and len(sizes) > 1:
         chosen = set(sizes)
     else:
-        top = sizes[0] if sizes else min(max_num_seqs, MAX_CAPTURE_SIZE)
+        top = min(sizes[0], max_num_seqs) if sizes else min(max_num_seqs, MAX_CAPTURE_SIZE)
         chosen = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
     return sorted(s for s in chosen if 1 <= s <= max_num_seqs)
 

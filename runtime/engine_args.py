@@ -154,6 +154,11 @@ class EngineArgs:
         if max_len > model_max:
             raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")
         theta, scaling = rope_settings(hf)
+        partial = [f for f in (hf.get("partial_rotary_factor"), (scaling or {}).get("partial_rotary_factor"))
+                   if f not in (None, 1, 1.0)]
+        if partial:
+            raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial[0]}) "
+                                 "are not supported yet")
         try:
             return ModelConfig(
                 path=str(path),

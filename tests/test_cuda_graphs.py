@@ -28,6 +28,7 @@ pytestmark = pytest.mark.engine
     ((20,), 256, [1, 2, 4, 8, 16, 20]),
     ((3, 1, 64, 7), 32, [1, 3, 7]),  # listed sizes as given, none above max_num_seqs
     ((1,), 256, [1]),
+    ((512,), 100, [1, 2, 4] + list(range(8, 97, 8)) + [100]),  # the largest batch the scheduler builds
 ])
 def test_capture_sizes(sizes, max_num_seqs, expected):
     assert capture_sizes(sizes, max_num_seqs) == expected

@@ -151,8 +151,22 @@ def test_hub_id_missing_from_the_cache_says_what_to_do(tmp_path, monkeypatch, of
             raise ConnectionError("Failed to resolve 'huggingface.co'")
         monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
         match = (r"model no-org/no-model is not in the Hugging Face cache .* could not be downloaded "
-                 r"\(ConnectionError: Failed to resolve 'huggingface.co'\): run `huggingface-cli download")
+                 r"\(ConnectionError: Failed to resolve 'huggingface.co'\), and there is no local directory "
+                 r"no-org/no-model either: run `huggingface-cli download")
     with pytest.raises(ModelLoadError, match=match):
         resolve_model("no-org/no-model")
     with pytest.raises(ModelLoadError, match="model not found: no-such-dir"):
         resolve_model("no-such-dir")  # not a hub id: a missing local path
+
+
+def test_partial_rotary_is_refused_in_one_line(tmp_path):
+    """Phi-4-mini's partial_rotary_factor 0.75: a clear error at start-up, not a traceback."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from pageserve.runtime import LLM
+
+    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.75
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"Phi3ForCausalLM: partial rotary embeddings \(partial_rotary_factor 0.75\)"):
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01)

@@ -95,9 +95,10 @@ def test_real_model_parity():
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
 
 
-def test_longrope_takes_the_long_factors_past_the_original_length(tmp_path):
-    """Below original_max_position_embeddings the short factors (what the parity test covers),
-    from it on the long ones; both scaled by sqrt(1 + ln(1024 / 256) / ln 256)."""
+@pytest.mark.parametrize("max_model_len, factors", [(256, "short"), (512, "long")])
+def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, factors):
+    """The short factors while --max-model-len fits the original context (256), the long ones
+    for every position past it; both scaled by sqrt(1 + ln(1024 / 256) / ln 256)."""
     import math
 
     from pageserve.runtime.engine_args import EngineArgs
@@ -105,11 +106,24 @@ def test_longrope_takes_the_long_factors_past_the_original_length(tmp_path):
     from pageserve.runtime.models.loader import load_tokenizer, read_config
 
     model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")
-    args = EngineArgs(model=str(model_dir), dtype="float32", device="cpu")
+    args = EngineArgs(model=str(model_dir), dtype="float32", device="cpu", max_model_len=max_model_len)
     cfg = args.model_config(model_dir, read_config(model_dir), load_tokenizer(model_dir), torch.device("cpu"))
     table = rope_cos_sin_cache(cfg)
     scale = math.sqrt(1 + math.log(4) / math.log(256))
     base = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
-    for pos, factors in ((255, [1.0 + 0.15 * i for i in range(8)]), (256, [2.0 + i for i in range(8)])):
-        angles = pos * base / torch.tensor(factors)
+    chosen = [1.0 + 0.15 * i for i in range(8)] if factors == "short" else [2.0 + i for i in range(8)]
+    for pos in (3, 255):
+        angles = pos * base / torch.tensor(chosen)
         torch.testing.assert_close(table[pos], torch.cat([angles.cos(), angles.sin()]) * scale)
+
+
+def test_longrope_parity_past_the_original_context(tmp_path):
+    """Prompts longer than the original 256 positions, served with --max-model-len 512: HF
+    takes the long factors for such sequences, and so does every position of ours."""
+    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (257, 300, 420)]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=12)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=512,
+              max_num_batched_tokens=64, debug_checks=True)
+    assert run_ours(llm, prompts, 12) == expected

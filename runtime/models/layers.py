@@ -25,8 +25,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if scaling.get("partial_rotary_factor", cfg.hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -49,21 +47,34 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
     """[max_model_len, head_dim] float32: cos of each position's D/2 angles, then their sin.
-    LongRoPE (Phi-3): positions below original_max_position_embeddings take the short factors,
-    later ones the long factors, and both are scaled by the attention factor. (HF switches the
-    whole sequence to the long factors once it is longer than that; within it they agree.)"""
+    LongRoPE (Phi-3): Hugging Face takes the long factors for a sequence longer than
+    original_max_position_embeddings and the short ones otherwise. One table cannot do both
+    without rotating a query and its keys by different factors, so the choice is the served
+    context's: the short factors when --max-model-len fits the original context (exactly HF),
+    else the long ones for every request (exactly HF for the requests longer than it; shorter
+    ones get the long factors, which HF would not give them). Both scaled by the attention
+    factor."""
     pos = torch.arange(cfg.max_model_len, dtype=torch.float32)[:, None]
-    freqs = pos * rope_inv_freq(cfg)[None, :]
+    inv_freq = rope_inv_freq(cfg)
     scale = 1.0
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "longrope":
-        original = scaling.get("original_max_position_embeddings") or cfg.hf_config["original_max_position_embeddings"]
-        long_inv = rope_inv_freq(cfg) * torch.tensor(scaling["short_factor"]) / torch.tensor(scaling["long_factor"])
-        freqs = torch.where(pos >= original, pos * long_inv[None, :], freqs)
+        original = longrope_original_length(cfg)
+        if cfg.max_model_len > original:
+            inv_freq = inv_freq * torch.tensor(scaling["short_factor"]) / torch.tensor(scaling["long_factor"])
         factor = scaling.get("factor") or cfg.hf_config.get("max_position_embeddings", original) / original
         scale = scaling.get("attention_factor") or (
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    freqs = pos * inv_freq[None, :]
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+
+def longrope_original_length(cfg: ModelConfig) -> int:
+    """As Hugging Face reads it: the config's own original_max_position_embeddings, else the
+    RoPE parameters', else max_position_embeddings."""
+    hf, scaling = cfg.hf_config, cfg.rope_scaling or {}
+    return (hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings") or cfg.max_position_embeddings)
 
 
 class RMSNorm(nn.Module):
@@ -255,6 +266,7 @@ class CausalLM(nn.Module):
         Every element of every parameter must be written exactly once."""
         params = dict(self.named_parameters())
         written = dict.fromkeys(params, 0)
+        seen: set[tuple[str, str]] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -269,6 +281,9 @@ class CausalLM(nn.Module):
             dst = params[target][index]
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            if (target, repr(index)) in seen:
+                raise ValueError(f"weight {name} fills a part of {target} that another tensor filled")
+            seen.add((target, repr(index)))
             dst.copy_(tensor)
             written[target] += dst.numel()
         short = [n for n, p in params.items() if written[n] != p.numel()]

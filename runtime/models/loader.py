@@ -74,7 +74,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
     except Exception as e:  # no network, no such repository, a gated one: all the user's to fix
         raise ModelLoadError(
             f"model {repo_id}{rev} is not in the Hugging Face cache ({where}) and could not be "
-            f"downloaded ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): run "
+            f"downloaded ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}), and "
+            f"there is no local directory {repo_id} either: run "
             f"`huggingface-cli download {repo_id}` where there is network and point HF_HOME or "
             "--download-dir at that cache, or give a local model directory") from None
 
