@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pageserve.app.errors import bad_request
-from pageserve.app.generation import collect, request_id, sampling_params, sse_response, start, usage
+from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
+                                      stream_usage, usage)
 from pageserve.app.http import api_route, json_response, read_json, until_disconnected
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
@@ -72,8 +73,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), include_usage, parse_tools),
+        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), parse_tools),
                             stream)
     try:
         outs = await until_disconnected(request, collect(stream))
@@ -90,26 +90,29 @@ async def chat_completions(request: Request) -> Response:
             "stop_reason": c.stop_reason})
     return json_response({
         "object": "chat.completion", **head, "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
+        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs), cached_tokens(out)),
     })
 
 
-async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int, include_usage: bool,
-                  parse_tools: bool):
+async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int,
+                  usage_mode: tuple[bool, bool], parse_tools: bool):
+    include_usage, continuous = usage_mode
+    num_generated = cached = 0
+
     def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         c = {"object": "chat.completion.chunk", **head, "choices": [choice]}
         if include_usage:
-            c["usage"] = None
+            c["usage"] = usage(num_prompt, num_generated, cached) if continuous else None
         return c
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    num_generated = 0
     parsers = [StreamingToolParser() for _ in range(n)] if parse_tools else None
     async for out in stream:
+        cached = max(cached, cached_tokens(out))
         for c in out.outputs:
             num_generated += len(c.token_ids)
             logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
@@ -132,4 +135,4 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
                 yield chunk(c.index, {}, reason, c.stop_reason)
     if include_usage:
         yield {"object": "chat.completion.chunk", **head, "choices": [],
-               "usage": usage(num_prompt, num_generated)}
+               "usage": usage(num_prompt, num_generated, cached)}

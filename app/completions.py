@@ -8,7 +8,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pageserve.app.errors import bad_request
-from pageserve.app.generation import collect, request_id, sampling_params, sse_response, start, usage
+from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
+                                      stream_usage, usage)
 from pageserve.app.http import api_route, json_response, read_json, until_disconnected
 from pageserve.app.logprobs import completion_logprobs
 from pageserve.app.protocol import CompletionRequest
@@ -52,8 +53,7 @@ async def completions(request: Request) -> Response:
     num_prompt = sum(len(p) for p in ids)
     job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_chunks(job, stream, head, num_prompt, include_usage), stream)
+        return sse_response(_chunks(job, stream, head, num_prompt, stream_usage(body)), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
@@ -64,7 +64,8 @@ async def completions(request: Request) -> Response:
             num_generated += len(c.token_ids)
             choices.append(job.choice(outs[r], c, first=True, final=True))
     choices.sort(key=lambda c: c["index"])
-    return json_response({**head, "choices": choices, "usage": usage(num_prompt, num_generated)})
+    return json_response({**head, "choices": choices,
+                          "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))})
 
 
 class _Job:
@@ -92,18 +93,22 @@ class _Job:
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
-async def _chunks(job: _Job, stream, head: dict, num_prompt: int, include_usage: bool):
+async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tuple[bool, bool]):
+    include_usage, continuous = usage_mode
+    num_generated = 0
+    cached: dict[str, int] = {}  # by prompt's request
+
     def chunk(choice: dict) -> dict:
         if choice["finish_reason"] is None:
             del choice["stop_reason"]
         c = {**head, "choices": [choice]}
         if include_usage:
-            c["usage"] = None
+            c["usage"] = usage(num_prompt, num_generated, sum(cached.values())) if continuous else None
         return c
 
     started: set[int] = set()
-    num_generated = 0
     async for out in stream:
+        cached[out.request_id] = max(cached.get(out.request_id, 0), cached_tokens(out))
         for c in out.outputs:
             num_generated += len(c.token_ids)
             i = job.index[out.request_id] * job.n + c.index
@@ -112,4 +117,4 @@ async def _chunks(job: _Job, stream, head: dict, num_prompt: int, include_usage:
             if choice["text"] or choice["logprobs"] or c.finish_reason is not None:
                 yield chunk(choice)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(num_prompt, num_generated)}
+        yield {**head, "choices": [], "usage": usage(num_prompt, num_generated, sum(cached.values()))}

@@ -89,9 +89,22 @@ async def collect(stream: RequestStream) -> dict[str, RequestOutput]:
     return {out.request_id: out async for out in stream}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def stream_usage(body) -> tuple[bool, bool]:
+    """stream_options: (a usage chunk at the end, usage on every chunk as well), as vLLM."""
+    opts = body.stream_options
+    include = opts is not None and opts.include_usage
+    return include, include and opts.continuous_usage_stats
+
+
+def cached_tokens(out) -> int:
+    return out.metrics.num_cached_tokens if out.metrics is not None else 0
 
 
 def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSourceResponse:

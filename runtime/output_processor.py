@@ -35,7 +35,8 @@ def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetri
     finished = max((m.finished_time for m in members if m.finished_time is not None), default=None)
     return RequestMetrics(req.arrival_time, req.first_token_time, finished, req.scheduled_time,
                           req.num_prompt_tokens, sum(m.num_output_tokens for m in members),
-                          max(m.num_output_tokens for m in members))
+                          max(m.num_output_tokens for m in members),
+                          max(m.num_cached_tokens for m in members))
 
 
 class OutputProcessor:

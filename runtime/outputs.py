@@ -24,6 +24,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # all sequences of the request, so far
     longest_output: int = 0  # tokens of its longest sequence
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
     @property
     def queue_time(self) -> float | None:

@@ -165,6 +165,7 @@ class Scheduler:
             if req.scheduled_time is None:  # a recomputed request's own blocks are no news
                 self.kv.record_prefix_query(req.num_tokens, num_hit)
                 req.scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -54,7 +54,11 @@ def test_sse_framing_role_content_finish_usage_done(server):
     whole = httpx.post(f"{server.url}/v1/chat/completions", json=_chat_body(server, "Name a color."),
                        timeout=60).json()
     assert text == whole["choices"][0]["message"]["content"]
+    # the same counts; the cached share may differ (the second request finds the first's blocks)
+    details = [u.pop("prompt_tokens_details") for u in (usage_chunk["usage"], whole["usage"])]
     assert usage_chunk["usage"] == whole["usage"]
+    assert all(d["cached_tokens"] % 16 == 0 and d["cached_tokens"] < whole["usage"]["prompt_tokens"]
+               for d in details)
     u = whole["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     # the prompt count is the templated prompt's length, as /tokenize tells it
