@@ -20,11 +20,18 @@ from pageserve.app.structured import structured_outputs
 from pageserve.app.tools import StreamingToolParser, chat_dicts, parse_tool_calls, plan_tools
 
 
+# chat_template_kwargs that would overwrite what render_chat passes itself
+_RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+             "continue_final_message", "return_dict", "chat_template"}
+
+
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list | None = None) -> str:
+                continue_final_message: bool = False, tools: list | None = None,
+                template_kwargs: dict | None = None) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        raise bad_request("this model has no chat template: start the server with --chat-template "
+                          "(a Jinja file or string), or use /v1/completions", "messages")
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "messages")
     dicts, template_tools = chat_dicts(messages, tools, template if isinstance(template, str) else "")
@@ -32,14 +39,15 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         return tokenizer.apply_chat_template(
             dicts, tools=template_tools, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message,
+            **{k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED})
     except Exception as e:  # the template's own raise_exception, or a jinja error
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
 async def chat_prompt_ids(state: ServerState, body) -> list[int]:
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-            getattr(body, "tools", None))
+            getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None))
     # a big conversation renders off the loop, so that streams go on meanwhile
     if len(body.messages) > 64 or sum(len(m.text()) for m in body.messages) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
@@ -67,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             structured=grammar)
+                             structured=grammar, defaults=state.sampling_defaults)
     rid = request_id("chatcmpl", request)
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages")
     created = int(time.time())

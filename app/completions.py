@@ -40,7 +40,7 @@ async def completions(request: Request) -> Response:
     ids = await prompt_token_ids(state, prompts)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs,
-                             structured=structured_outputs(body)[0])
+                             structured=structured_outputs(body)[0], defaults=state.sampling_defaults)
     rid = request_id("cmpl", request)
     stream, index = start(state, rid, ids, params, body.cache_salt, "prompt")
     try:  # after start(), which checked the token ids

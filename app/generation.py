@@ -33,17 +33,21 @@ def request_id(prefix: str, request: Request) -> str:
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                    structured: StructuredOutputsParams | None = None,
+                    defaults: dict | None = None) -> SamplingParams:
+    """defaults: the model's (generation_config.json) for the fields a request leaves unset."""
+    given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    d = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k is None else body.top_k,
-            min_p=body.min_p or 0.0,
+            temperature=d.get("temperature", 1.0),
+            top_p=d.get("top_p", 1.0),
+            top_k=d.get("top_k", -1),
+            min_p=d.get("min_p", 0.0),
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0),
             logit_bias=body.logit_bias or {},
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,

@@ -5,7 +5,7 @@ here too, so that a vLLM client works unchanged."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -173,6 +173,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
 
 class CompletionRequest(SamplingFields):

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 import orjson
 import uvicorn
@@ -49,6 +50,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "--tool-call-parser")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                    help="how tool calls are written in the model's output (hermes: <tool_call> tags)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) for models that ship "
+                        "none or a wrong one; it replaces the model's own")
+    g.add_argument("--generation-config", default="auto",
+                   help="auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
+                        "for requests that leave them unset come from the model's generation_config.json; "
+                        "a folder: from its generation_config.json; vllm: the API's own defaults")
     g.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at /")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -98,7 +106,21 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           max_num_queued_reqs=ns.max_num_queued_reqs,
                           log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts,
                           enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                          enable_frontend=not ns.disable_frontend)
+                          enable_frontend=not ns.disable_frontend,
+                          chat_template=read_chat_template(ns.chat_template),
+                          generation_config=ns.generation_config)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the value itself when it is a template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{%" in value or "{{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 class GracefulServer(uvicorn.Server):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pageserve.app.errors import APIError
@@ -14,6 +17,29 @@ from pageserve.runtime.async_engine import AsyncEngine
 
 # a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
 LONG_TEXT = 4096
+# what a model's generation_config.json may set for requests that leave it unset (as vLLM)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+logger = logging.getLogger(__name__)
+
+
+def generation_defaults(source: str, model_generation_config: dict) -> dict:
+    """--generation-config: `auto` takes the model's generation_config.json, a folder that
+    folder's, `vllm` none (the API's own defaults)."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        gen, where = model_generation_config, "the model's generation_config.json"
+    else:
+        path = Path(source) / "generation_config.json"
+        try:
+            gen, where = json.loads(path.read_text()), str(path)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--generation-config {source}: cannot read {path}: {e}") from None
+    defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+    if defaults:
+        logger.info("sampling defaults from %s for requests that do not set them: %s", where,
+                    ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults
 
 
 @dataclass(frozen=True)
@@ -28,6 +54,8 @@ class ServerSettings:
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice auto (with --tool-call-parser)
     enable_frontend: bool = True  # the chat page at / (--disable-frontend)
+    chat_template: str | None = None  # --chat-template, read: replaces the model's own
+    generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -47,8 +75,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText = field(init=False)
 
+    sampling_defaults: dict = field(init=False)
+
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
+        if self.settings.chat_template is not None:
+            self.tokenizer.chat_template = self.settings.chat_template
+        self.sampling_defaults = generation_defaults(self.settings.generation_config,
+                                                     self.engine.generation_config)
 
     @property
     def model_name(self) -> str:

@@ -193,6 +193,11 @@ class AsyncEngine:
         return self.engine.config.model.vocab_size
 
     @property
+    def generation_config(self) -> dict:
+        """The model's generation_config.json, as read ({} without one)."""
+        return self.engine.config.model.hf_config.get("_generation", {})
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
