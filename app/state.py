@@ -14,6 +14,7 @@ from pageserve.app.errors import APIError
 from pageserve.app.logprobs import TokenText
 from pageserve.grammar.vocabulary import token_byte_table
 from pageserve.runtime.async_engine import AsyncEngine
+from pageserve.sampling.params import SamplingParams
 
 # a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
 LONG_TEXT = 4096
@@ -36,6 +37,12 @@ def generation_defaults(source: str, model_generation_config: dict) -> dict:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--generation-config {source}: cannot read {path}: {e}") from None
     defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+    if defaults.get("top_k") == 0:  # transformers' "no top-k"
+        defaults["top_k"] = -1
+    try:  # checked once here rather than failing every request that leaves them unset
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the sampling defaults of {where} are not valid: {e}") from None
     if defaults:
         logger.info("sampling defaults from %s for requests that do not set them: %s", where,
                     ", ".join(f"{k}={v}" for k, v in defaults.items()))

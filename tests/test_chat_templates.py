@@ -86,6 +86,16 @@ def test_generation_config_supplies_what_a_request_omits(bare_model, tmp_path):
         srv.stop()
 
 
+def test_generation_defaults_are_checked_at_start_up():
+    from pageserve.app.state import generation_defaults
+
+    assert generation_defaults("auto", {"top_k": 0, "temperature": 0.7, "do_sample": True}) == {
+        "top_k": -1, "temperature": 0.7}  # transformers' top_k 0 is "none"
+    with pytest.raises(ValueError, match="sampling defaults of the model's generation_config.json are not valid"):
+        generation_defaults("auto", {"top_p": 1.5})
+    assert generation_defaults("vllm", {"temperature": 0.7}) == {}
+
+
 def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages }}")
