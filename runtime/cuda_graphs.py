@@ -31,7 +31,7 @@ MAX_CAPTURE_SIZE = 512  # vLLM's default cap: larger decode batches gain little 
 def capture_sizes(sizes: tuple[int, ...] | None, max_num_seqs: int) -> list[int]:
     """The batch sizes to capture, ascending. `sizes`: --cuda-graph-sizes; one number is the
     largest size (then 1, 2, 4 and every multiple of 8 up to it), several are the sizes
-    themselves. None: up to max_num_seqs, at most MAX_CAPTURE_SIZE. None exceeds max_num_seqs."""
+    themselves. None: up to max_num_seqs, at most MAX_CAPTURE_SIZE. No size exceeds max_num_seqs."""
     if sizes and len(sizes) > 1:
         chosen = set(sizes)
     else:
