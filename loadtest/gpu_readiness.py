@@ -31,12 +31,9 @@ from pathlib import Path
 import torch
 
 from pageserve.loadtest.gpu_check import check_device
+from pageserve.loadtest.gpu_engine_checks import QWEN_05B, TINY, qwen_like
 
 GiB = 1 << 30
-QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6)
-TINY = dict(hidden_size=112, intermediate_size=256, num_hidden_layers=2, num_attention_heads=7,
-            num_key_value_heads=1, vocab_size=1000)
 
 
 def engine(path: Path, smoke: bool, **kw):
@@ -228,12 +225,9 @@ def main() -> int:
     device = check_device(args.smoke)
     if device is None:
         return 2
-    from pageserve.loadtest.tiny_model import build_tiny_model
-
     report = {"failed": []}
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_tiny_model(Path(tmp), arch="qwen2", tie_word_embeddings=True, initializer_range=0.02,
-                                **(TINY if args.smoke else QWEN_05B))
+        path = qwen_like(Path(tmp), TINY if args.smoke else QWEN_05B)
         checks = {"variants": lambda: check_variants(args, report, path),
                   "memory": lambda: check_memory(args, report, path),
                   "swap": lambda: check_swap(args, report, device)}
