@@ -3,6 +3,7 @@ engine, and the SSE response."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
@@ -14,7 +15,6 @@ from starlette.requests import Request
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.http import engine_error
 from pageserve.app.json_out import dumps
-from pageserve.app.protocol import SamplingFields
 from pageserve.app.state import ServerState
 from pageserve.runtime.async_engine import RequestFailedError, RequestStream
 from pageserve.runtime.outputs import RequestOutput
@@ -31,16 +31,19 @@ def request_id(prefix: str, request: Request) -> str:
     return f"{prefix}-{given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex}"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+def sampling_params(body, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None,
                     structured: StructuredOutputsParams | None = None,
                     defaults: dict | None = None) -> SamplingParams:
-    """defaults: the model's (generation_config.json) for the fields a request leaves unset."""
+    """`body`: a chat, completions or responses request (a field a body lacks takes
+    SamplingParams' default). `defaults`: the model's (generation_config.json) for the fields a
+    request leaves unset."""
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     d = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
+    field = functools.partial(getattr, body)
     try:
         return SamplingParams(
-            n=body.n,
+            n=field("n", 1),
             temperature=d.get("temperature", 1.0),
             top_p=d.get("top_p", 1.0),
             top_k=d.get("top_k", -1),
@@ -48,16 +51,16 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=d.get("repetition_penalty", 1.0),
-            logit_bias=body.logit_bias or {},
+            logit_bias=field("logit_bias", None) or {},
             max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
+            min_tokens=field("min_tokens", 0),
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else field("prompt_logprobs", None),
             stop=body.stop or [],
-            stop_token_ids=body.stop_token_ids or [],
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            stop_token_ids=field("stop_token_ids", None) or [],
+            include_stop_str_in_output=field("include_stop_str_in_output", False),
             ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=field("skip_special_tokens", True),
             seed=body.seed,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured,
@@ -111,22 +114,44 @@ def cached_tokens(out) -> int:
     return out.metrics.num_cached_tokens if out.metrics is not None else 0
 
 
-def sse_response(events: AsyncIterator[dict], stream: RequestStream) -> EventSourceResponse:
-    """Each event is `data: <json>\\n\\n`; the stream ends with `data: [DONE]`. An error after
-    the 200 becomes an error event. A client that goes away aborts the engine requests."""
+def sse_response(events: AsyncIterator[dict], stream: RequestStream, named: bool = False) -> EventSourceResponse:
+    """Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]`. An error after
+    the 200 becomes an error event. A client that goes away aborts the engine requests.
+    `named` (the Responses API): each event also has an `event: <its type>` line, and there is
+    no [DONE]."""
     async def frames():
         try:
             async for event in events:
-                yield dumps(event).decode()
+                data = dumps(event).decode()
+                yield {"event": event["type"], "data": data} if named else data
         except Exception as e:  # the engine failed, died, timed out or is shutting down: tell the client
-            error = engine_error(e) or APIError(500, "internal error", code="internal_error")
-            if error.status == 500 and not isinstance(e, RequestFailedError):
-                logger.exception("a stream failed")
-            yield dumps(error.envelope()).decode()
+            error = failure(e)
+            if named:
+                yield {"event": "error", "data": dumps(error_event(error)).decode()}
+            else:
+                yield dumps(error.envelope()).decode()
         finally:
             stream.abort()
-        yield "[DONE]"
+        if not named:
+            yield "[DONE]"
     return _AbortingEventSource(stream, frames(), sep="\n", ping=15)
+
+
+def failure(e: Exception) -> APIError:
+    """What to tell a client whose stream failed after its 200 (logged when it is our fault)."""
+    error = engine_error(e) or APIError(500, "internal error", code="internal_error")
+    if error.status == 500 and not isinstance(e, RequestFailedError):
+        logger.exception("a stream failed")
+    return error
+
+
+def error_event(error: APIError, sequence_number: int | None = None) -> dict:
+    """The Responses API's `error` event."""
+    event = {"type": "error", "code": error.code or error.envelope()["error"]["type"],
+             "message": error.message, "param": error.param}
+    if sequence_number is not None:
+        event["sequence_number"] = sequence_number
+    return event
 
 
 class _AbortingEventSource(EventSourceResponse):

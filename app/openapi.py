@@ -3,6 +3,7 @@ protocol models (fuzzers such as schemathesis read it)."""
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import PackageNotFoundError, version
 
 from pydantic.json_schema import models_json_schema
@@ -37,6 +38,11 @@ def openapi_document(routes) -> dict:
     paths: dict[str, dict] = {}
     for r in routes:
         op = {"summary": r.summary, "responses": {"200": {"description": "OK"}}}
+        names = re.findall(r"\{(\w+)\}", r.path)
+        if names:
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in names]
+            op["responses"]["404"] = {"description": "No such item", **error}
         if r.page:
             op["responses"]["200"]["content"] = {"text/html": {"schema": {"type": "string"}}}
         if r.body is not None:

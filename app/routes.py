@@ -19,7 +19,8 @@ from pageserve.app.frontend import chat_page
 from pageserve.app.http import api_route, json_response, read_json
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    EmbeddingRequest, TokenizeRequest)
+                                    EmbeddingRequest, ResponsesRequest, TokenizeRequest)
+from pageserve.app.responses import create_response, delete_response, get_response, list_input_items
 from pageserve.app.state import ServerSettings, ServerState
 
 
@@ -87,6 +88,12 @@ ROUTES = (
               ChatCompletionRequest),
     RouteSpec("/v1/completions", "post", completions, "Text completion, whole or streamed (SSE)",
               CompletionRequest),
+    RouteSpec("/v1/responses", "post", create_response,
+              "A response (OpenAI's Responses API), whole or streamed as typed events (SSE)", ResponsesRequest),
+    RouteSpec("/v1/responses/{response_id}", "get", get_response, "A stored response"),
+    RouteSpec("/v1/responses/{response_id}", "delete", delete_response, "Delete a stored response"),
+    RouteSpec("/v1/responses/{response_id}/input_items", "get", list_input_items,
+              "The input items of a stored response"),
     RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (mean-pooled last hidden states)",
               EmbeddingRequest),
     RouteSpec("/v1/models", "get", models, "The served models"),

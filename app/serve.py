@@ -57,6 +57,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
                         "for requests that leave them unset come from the model's generation_config.json; "
                         "a folder: from its generation_config.json; vllm: the API's own defaults")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="finished /v1/responses answers kept in memory (least recently used first out) "
+                        "for previous_response_id and GET /v1/responses/{id}; 0 keeps none. They are "
+                        "never written to disk: a restart forgets them")
     g.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at /")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -108,7 +112,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           enable_auto_tool_choice=ns.enable_auto_tool_choice,
                           enable_frontend=not ns.disable_frontend,
                           chat_template=read_chat_template(ns.chat_template),
-                          generation_config=ns.generation_config)
+                          generation_config=ns.generation_config,
+                          max_stored_responses=ns.max_stored_responses)
 
 
 def read_chat_template(value: str | None) -> str | None:

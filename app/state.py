@@ -12,6 +12,7 @@ from typing import Any
 
 from pageserve.app.errors import APIError
 from pageserve.app.logprobs import TokenText
+from pageserve.app.response_store import ResponseStore
 from pageserve.grammar.vocabulary import token_byte_table
 from pageserve.runtime.async_engine import AsyncEngine
 from pageserve.sampling.params import SamplingParams
@@ -63,6 +64,7 @@ class ServerSettings:
     enable_frontend: bool = True  # the chat page at / (--disable-frontend)
     chat_template: str | None = None  # --chat-template, read: replaces the model's own
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
+    max_stored_responses: int = 1024  # finished Responses API answers kept for previous_response_id
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -71,6 +73,8 @@ class ServerSettings:
             raise ValueError("--max-request-body-mb is too small")
         if self.max_num_queued_reqs < 1:
             raise ValueError("--max-num-queued-reqs must be >= 1")
+        if self.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must be >= 0")
 
 
 @dataclass
@@ -83,6 +87,7 @@ class ServerState:
     token_text: TokenText = field(init=False)
 
     sampling_defaults: dict = field(init=False)
+    responses: ResponseStore = field(init=False)  # stored Responses API answers
 
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
@@ -90,6 +95,7 @@ class ServerState:
             self.tokenizer.chat_template = self.settings.chat_template
         self.sampling_defaults = generation_defaults(self.settings.generation_config,
                                                      self.engine.generation_config)
+        self.responses = ResponseStore(self.settings.max_stored_responses)
 
     @property
     def model_name(self) -> str:

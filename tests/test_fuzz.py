@@ -37,7 +37,7 @@ def test_fuzz_every_route(fuzz_server):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {
         "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize",
-        "/detokenize", "/health", "/version", "/metrics"}
+        "/detokenize", "/health", "/version", "/metrics", "/v1/responses", "/v1/responses/{response_id}"}
     sent: dict[str, int] = {}
     statuses: dict[int, int] = {}
 

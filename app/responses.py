@@ -1,0 +1,308 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat path: input items become chat
+messages through the model's template, the answer comes back as output items (reasoning,
+message, function calls), whole or as the documented stream of events. GET and DELETE
+/v1/responses/{id} read the in-memory store that `previous_response_id` continues from."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pageserve.app.chat import chat_prompt_ids
+from pageserve.app.errors import APIError, bad_request
+from pageserve.app.generation import (cached_tokens, collect, error_event, failure, sampling_params,
+                                      sse_response, start)
+from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.logprobs import chat_logprobs
+from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
+                                    NamedToolChoice, ResponsesRequest, ToolCall)
+from pageserve.app.response_output import ResponseOutput, item_id
+from pageserve.app.response_store import StoredResponse
+from pageserve.app.state import ServerState
+from pageserve.app.tools import StreamingToolParser, parse_tool_calls, plan_tools
+from pageserve.sampling.params import StructuredOutputsParams
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="response_not_found")
+
+
+# ---- input ----
+
+def _input_items(state: ServerState, body: ResponsesRequest) -> list[dict]:
+    """The request's input as item dicts, each with an id; item references resolved."""
+    if isinstance(body.input, str):
+        return [{"id": item_id("msg"), "type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": body.input}]}]
+    items = []
+    for i, item in enumerate(body.input):
+        if item.type == "item_reference":
+            found = state.responses.find_item(item.id)
+            if found is None:
+                raise bad_request(f"item_reference {item.id!r} names no item of a stored response", f"input.{i}.id")
+            items.append(found)
+            continue
+        d = item.model_dump(exclude_none=True)
+        if isinstance(d.get("content"), str):
+            d["content"] = [{"type": "input_text" if d.get("role") != "assistant" else "output_text",
+                             "text": d["content"]}]
+        d.setdefault("id", item_id({"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(item.type, "item")))
+        items.append(d)
+    return items
+
+
+def _text(parts) -> str:
+    return parts if isinstance(parts, str) else "".join(p.get("text", "") for p in parts)
+
+
+def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
+    """Items -> chat messages: function calls join the assistant message before them (or make
+    one), their outputs become tool messages, reasoning items are not shown to the template."""
+    messages: list[ChatMessage] = []
+    if instructions:
+        messages.append(ChatMessage(role="system", content=instructions))
+    names: dict[str, str] = {}
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append(ChatMessage(role=item["role"], content=_text(item["content"])))
+        elif kind == "function_call":
+            call = ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
+            names[item["call_id"]] = item["name"]
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            messages.append(ChatMessage(role="tool", content=_text(item["output"]), tool_call_id=item["call_id"],
+                                        name=names.get(item["call_id"])))
+    if not messages:
+        raise bad_request("the input has no message to answer", "input")
+    return messages
+
+
+def _tool_plan(state: ServerState, body: ResponsesRequest):
+    tools = [ChatTool(function=FunctionDefinition(name=t.name, description=t.description, parameters=t.parameters,
+                                                  strict=t.strict)) for t in body.tools or ()]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = NamedToolChoice(function=FunctionName(name=choice.name))
+    view = SimpleNamespace(tools=tools or None, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls)
+    return tools or None, plan_tools(view, state.settings.enable_auto_tool_choice)
+
+
+def _text_format(body: ResponsesRequest) -> StructuredOutputsParams | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True, source="text.format")
+    if fmt.schema_ is None:
+        raise bad_request("text.format of type json_schema needs a schema", "text.format.schema")
+    try:
+        return StructuredOutputsParams(json=fmt.schema_, source="text.format")
+    except ValueError as e:
+        raise bad_request(str(e), "text.format") from None
+
+
+# ---- the route ----
+
+@api_route
+async def create_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await read_json(request, ResponsesRequest, state.settings.max_request_body_bytes)
+    model = state.check_model(body.model)
+    if body.background:
+        raise bad_request("background responses are not supported: leave background unset", "background")
+    if body.truncation == "auto":
+        raise bad_request("truncation auto is not supported: a conversation longer than the model's context "
+                          "is a 400", "truncation")
+    history: tuple[dict, ...] = ()
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id)
+        if previous is None:
+            raise _not_found(body.previous_response_id)
+        history = previous.conversation
+    items = _input_items(state, body)
+    messages = chat_messages(body.instructions, [*history, *items])
+    tools, plan = _tool_plan(state, body)
+    grammar = _text_format(body)
+    if plan is not None and plan.grammar is not None:
+        if grammar is not None:
+            raise bad_request("function tools and a text.format cannot be combined; use tool_choice none",
+                              "text.format")
+        grammar = plan.grammar
+    parse_tools = plan is not None and plan.parse
+    view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
+                           tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+    prompt_ids = await chat_prompt_ids(state, view)
+    want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or ())
+    params = sampling_params(body, body.max_output_tokens, (body.top_logprobs or 0) if want_logprobs else None,
+                             structured=grammar, defaults=state.sampling_defaults)
+    rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input")
+    answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
+                     want_logprobs, history, items)
+    if body.stream:
+        return sse_response(answer.events(stream), stream, named=True)
+    try:
+        outs = await until_disconnected(request, collect(stream))
+    finally:
+        stream.abort()
+    out = next(iter(outs.values()))
+    answer.feed(out)
+    return json_response(answer.finish(out.outputs[0].finish_reason))
+
+
+class _Answer:
+    """One response as it is written: the output builder, the tool-call parsing, the response
+    object and, once finished, its place in the store."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, model: str, temperature: float,
+                 top_p: float, num_prompt: int, parse_tools: bool, want_logprobs: bool,
+                 history: tuple[dict, ...], items: list[dict]):
+        self.state, self.body, self.rid, self.model = state, body, rid, model
+        self.temperature, self.top_p = temperature, top_p
+        self.num_prompt, self.num_output, self.cached = num_prompt, 0, 0
+        self.want_logprobs = want_logprobs
+        self.created = int(time.time())
+        self.output = ResponseOutput()
+        self.tools = StreamingToolParser() if parse_tools else None
+        self.history, self.items = history, items
+
+    def feed(self, out) -> None:
+        """One engine output (a delta when streaming, the whole answer otherwise)."""
+        self.cached = max(self.cached, cached_tokens(out))
+        c = out.outputs[0]
+        self.num_output += len(c.token_ids)
+        logprobs = chat_logprobs(c.logprobs, self.state.token_text)["content"] if self.want_logprobs and c.logprobs \
+            else None
+        if self.tools is None:
+            self.output.text(c.text, logprobs)
+            return
+        deltas = self.tools.feed(c.text)
+        if c.finish_reason is not None:
+            deltas += self.tools.finish(c.finish_reason == "length")
+        for i, delta in enumerate(deltas):
+            self._delta(delta, logprobs if i == 0 else None)
+
+    def _delta(self, delta: dict, logprobs) -> None:
+        if "content" in delta:
+            self.output.text(delta["content"], logprobs)
+            return
+        for call in delta["tool_calls"]:
+            if "id" in call:
+                self.output.call(call["id"], call["function"]["name"])
+            self.output.arguments(call["function"].get("arguments", ""))
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None, incomplete: str | None = None,
+                 error: dict | None = None) -> dict:
+        b = self.body
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {"type": "text"}
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "max_tool_calls": None,
+            "model": self.model, "output": output, "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None, "summary": None},
+            "service_tier": "default", "store": b.store, "temperature": self.temperature,
+            "text": {"format": fmt}, "tool_choice": _dump(b.tool_choice) or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or ()], "top_logprobs": b.top_logprobs or 0,
+            "top_p": self.top_p, "truncation": b.truncation, "usage": usage, "user": b.user,
+            "metadata": b.metadata or {},
+        }
+
+    def usage(self) -> dict:
+        return {"input_tokens": self.num_prompt, "input_tokens_details": {"cached_tokens": self.cached},
+                "output_tokens": self.num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt + self.num_output}
+
+    def finish(self, finish_reason: str | None) -> dict:
+        """Close the output; the finished response object, stored when the request asks."""
+        cut = finish_reason == "length"
+        self.output.close("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        resp = self.response(status, self.output.items, self.usage(), "max_output_tokens" if cut else None)
+        if self.body.store:
+            self.state.responses.put(StoredResponse(resp, tuple(self.items),
+                                                    (*self.history, *self.items, *self.output.items)))
+        return resp
+
+    async def events(self, stream):
+        """The streamed events, numbered; a failure after the start ends with `error` and
+        `response.failed`."""
+        seq = 0
+
+        def numbered(event: dict) -> dict:
+            nonlocal seq
+            event["sequence_number"] = seq
+            seq += 1
+            return event
+
+        yield numbered({"type": "response.created", "response": self.response("in_progress", [])})
+        yield numbered({"type": "response.in_progress", "response": self.response("in_progress", [])})
+        finish_reason = None
+        try:
+            async for out in stream:
+                self.feed(out)
+                finish_reason = out.outputs[0].finish_reason or finish_reason
+                for event in self.output.drain():
+                    yield numbered(event)
+        except Exception as e:
+            error = failure(e)
+            yield numbered(error_event(error))
+            failed = self.response("failed", self.output.items, self.usage(),
+                                   error={"code": error.code or "server_error", "message": error.message})
+            yield numbered({"type": "response.failed", "response": failed})
+            return
+        resp = self.finish(finish_reason)
+        for event in self.output.drain():
+            yield numbered(event)
+        kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
+        yield numbered({"type": kind, "response": resp})
+
+
+def _dump(value):
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+@api_route
+async def get_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    rid = request.path_params["response_id"]
+    stored = state.responses.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    return json_response(stored.response)
+
+
+@api_route
+async def delete_response(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    rid = request.path_params["response_id"]
+    if not state.responses.delete(rid):
+        raise _not_found(rid)
+    return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+@api_route
+async def list_input_items(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    rid = request.path_params["response_id"]
+    stored = state.responses.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    data = list(stored.input_items)
+    if request.query_params.get("order", "desc") == "desc":
+        data.reverse()
+    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None, "has_more": False})
