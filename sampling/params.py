@@ -30,12 +30,18 @@ def _is_number(v) -> bool:
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """Constrain the output to a grammar: exactly one of a JSON schema (`json`, a dict or its
-    text), a regex, a choice among strings, or any JSON object (`json_object`)."""
+    text), a regex, a choice among strings, or any JSON object (`json_object`).
+
+    `reasoning_end`: the token ids that end a reasoning model's thinking (`</think>`). With it,
+    the output is free until it ends with those ids and the grammar governs what comes after
+    (as vLLM does with a reasoning parser); an output that never ends its reasoning is never
+    constrained. It does not change the compiled grammar, so it is not in the cache key."""
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     source: str | None = None  # the request field it came from, named in errors (not in the key)
+    reasoning_end: tuple[int, ...] | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
@@ -45,6 +51,12 @@ class StructuredOutputsParams:
                              f"json_object, got {given or 'none'}")
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.reasoning_end is not None:
+            end = tuple(self.reasoning_end) if isinstance(self.reasoning_end, (list, tuple)) else ()
+            if not end or any(not _is_int(t) or t < 0 for t in end):
+                raise ValueError(f"reasoning_end must be a non-empty sequence of token ids, got "
+                                 f"{self.reasoning_end!r}")
+            object.__setattr__(self, "reasoning_end", end)
 
     def cache_key(self) -> str:
         # key order kept: it is the order the output's properties come in

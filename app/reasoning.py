@@ -1,0 +1,173 @@
+"""Reasoning parsers (`--reasoning-parser`): what a reasoning model writes between its think
+tags is reasoning (`reasoning_content`), the rest is content, whole or streamed; the tags go
+to neither. The semantics are those of vLLM's parsers of the same names:
+
+- `deepseek_r1`: DeepSeek-R1's template opens `<think>` in the prompt, so the output starts in
+  reasoning (a `<think>` the model writes anyway is dropped) until `</think>`; an output with
+  no `</think>` is all reasoning.
+- `qwen3`: Qwen3 writes `<think>...</think>` itself: text before a `<think>` is content, and
+  an output with no think tag at all is all content.
+
+Both first look at where the prompt left off: a prompt whose last think tag is `<think>` with
+only whitespace after it (templates that open the block, like R1's and Qwen3-Thinking-2507's)
+starts the output in reasoning; one whose last is `</think>` (Qwen3's empty block for
+`enable_thinking: false`) starts it in content, with no reasoning. After the first `</think>`
+the output is content, verbatim, as in vLLM.
+
+Text is split on the tags' text, so a tag split across tokens or deltas is found as well. For
+the grammar of structured output and tool calls the end of reasoning is on token ids
+(`end_token_ids`), as the engine sees the output: see `after_reasoning`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from pageserve.sampling.params import StructuredOutputsParams
+
+
+class ReasoningState(enum.IntEnum):
+    REASONING = 0  # inside the think block
+    OPEN = 1  # content, but a <think> may still open a block (qwen3 before any tag)
+    CONTENT = 2  # the reasoning is over: everything is content, verbatim
+
+
+class ReasoningStream:
+    """Splits one output's text deltas into (reasoning, content) pieces. Text that may be the
+    start of a tag is held back until the next delta decides it; `finish` hands out what is
+    held at the end of the output."""
+
+    __slots__ = ("start_tag", "end_tag", "state", "held", "reasoned")
+
+    def __init__(self, start_tag: str, end_tag: str, state: ReasoningState):
+        self.start_tag, self.end_tag = start_tag, end_tag
+        self.state = state
+        self.held = ""
+        self.reasoned = state == ReasoningState.REASONING  # a think block was entered
+
+    @property
+    def reasoning_ended(self) -> bool:
+        return self.state == ReasoningState.CONTENT
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """The next piece of output text -> (reasoning, content) that it completes ("" for
+        none)."""
+        text, self.held = self.held + delta, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        while text and self.state != ReasoningState.CONTENT:
+            out = reasoning if self.state == ReasoningState.REASONING else content
+            at, tag = self._first_tag(text)
+            if tag is None:
+                keep = self._partial_tag(text)
+                out.append(text[:len(text) - keep])
+                self.held = text[len(text) - keep:]
+                return "".join(reasoning), "".join(content)
+            out.append(text[:at])
+            text = text[at + len(tag):]
+            if tag == self.start_tag:  # opens (or, inside reasoning, repeats) the think block
+                self.state, self.reasoned = ReasoningState.REASONING, True
+            else:
+                self.state = ReasoningState.CONTENT
+        content.append(text)
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """The output has ended: text held back as a possible tag start was not one."""
+        held, self.held = self.held, ""
+        return (held, "") if self.state == ReasoningState.REASONING else ("", held)
+
+    def _first_tag(self, text: str) -> tuple[int, str | None]:
+        found = [(i, tag) for tag in (self.start_tag, self.end_tag) if (i := text.find(tag)) != -1]
+        return min(found) if found else (-1, None)
+
+    def _partial_tag(self, text: str) -> int:
+        """Length of the longest end of `text` that is the beginning of a tag."""
+        longest = max(len(self.start_tag), len(self.end_tag)) - 1
+        for k in range(min(longest, len(text)), 0, -1):
+            tail = text[-k:]
+            if self.start_tag.startswith(tail) or self.end_tag.startswith(tail):
+                return k
+        return 0
+
+
+def tag_token_ids(tokenizer, tag: str) -> tuple[int, ...]:
+    """The ids a tag is written with: its own (added) token when the vocabulary has one, else
+    the tokenizer's encoding of the tag alone (a model may merge it differently with the text
+    around it; reasoning models have `</think>` as one token)."""
+    vocab = tokenizer.get_vocab()
+    if tag in vocab:
+        return (vocab[tag],)
+    encoded = tokenizer.encode(tag, add_special_tokens=False)
+    ids = tuple(getattr(encoded, "ids", encoded))
+    if not ids:
+        raise ValueError(f"the tokenizer writes {tag!r} as no tokens")
+    return ids
+
+
+class ReasoningParser:
+    """One per server, built from the model's tokenizer. Per request: `stream(prompt)` for a
+    streamed output, `extract(text, prompt)` for a whole one, `after_reasoning(spec, prompt)`
+    for its grammar. `prompt` is the text the model continues (the rendered chat template)."""
+
+    name = ""
+    start_tag = "<think>"
+    end_tag = "</think>"
+    first_state = ReasoningState.REASONING  # where an output starts when the prompt says nothing
+
+    def __init__(self, tokenizer):
+        self.end_token_ids = tag_token_ids(tokenizer, self.end_tag)  # ends reasoning in the engine
+
+    def initial_state(self, prompt: str | None = None) -> ReasoningState:
+        """Where the output starts: the prompt's last think tag decides when only whitespace
+        follows it (the template opened or closed the block), else the parser's default."""
+        if prompt:
+            start, end = prompt.rfind(self.start_tag), prompt.rfind(self.end_tag)
+            at, tag = max((start, self.start_tag), (end, self.end_tag))
+            if at != -1 and not prompt[at + len(tag):].strip():
+                return ReasoningState.REASONING if tag == self.start_tag else ReasoningState.CONTENT
+        return self.first_state
+
+    def stream(self, prompt: str | None = None) -> ReasoningStream:
+        return ReasoningStream(self.start_tag, self.end_tag, self.initial_state(prompt))
+
+    def extract(self, text: str, prompt: str | None = None) -> tuple[str | None, str | None]:
+        """A whole output -> (reasoning, content): reasoning None when no think block was
+        entered, content None when empty (as vLLM). The same split as streaming it."""
+        stream = self.stream(prompt)
+        reasoning, content = stream.feed(text)
+        r, c = stream.finish()
+        reasoning, content = reasoning + r, content + c
+        return (reasoning if stream.reasoned else None), (content or None)
+
+    def after_reasoning(self, spec: StructuredOutputsParams | None,
+                        prompt: str | None = None) -> StructuredOutputsParams | None:
+        """A request's grammar as the engine should apply it: from the end of reasoning on
+        (the engine waits for `end_token_ids` in the output), or from the first token when the
+        prompt already closed the think block."""
+        if spec is None or self.initial_state(prompt) == ReasoningState.CONTENT:
+            return spec
+        return dataclasses.replace(spec, reasoning_end=self.end_token_ids)
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    first_state = ReasoningState.REASONING
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    first_state = ReasoningState.OPEN
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+
+
+def reasoning_parser_class(name: str) -> type[ReasoningParser]:
+    """The parser named by --reasoning-parser; ValueError listing the names for another."""
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
+                         f"{', '.join(REASONING_PARSERS)}") from None
