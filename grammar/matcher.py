@@ -8,18 +8,48 @@ from outlines_core import Guide
 from pageserve.grammar.worker import CompiledGrammar
 
 
+def reasoning_end_position(output_ids: list[int], end: tuple[int, ...]) -> int | None:
+    """The output length at which `output_ids` first ends with `end` (the grammar governs the
+    tokens after it), or None: the reasoning has not ended."""
+    k = len(end)
+    for n in range(k, len(output_ids) + 1):
+        if tuple(output_ids[n - k:n]) == end:
+            return n
+    return None
+
+
 class Matcher:
     """Wraps an outlines-core Guide. `stop_ids` are the request's end tokens: allowed
     wherever the grammar may end, and the request stops by itself once nothing but them is
-    allowed (`is_terminated`)."""
+    allowed (`is_terminated`).
 
-    __slots__ = ("grammar", "guide", "stop_ids", "num_tokens")
+    With `reasoning_end` (a reasoning model's `</think>` ids) the grammar waits: `start` is
+    None until the output ends with those ids, then the output position the grammar governs
+    from; until then the caller neither masks nor advances it."""
 
-    def __init__(self, grammar: CompiledGrammar, stop_ids: tuple[int, ...], max_rollback: int = 32):
+    __slots__ = ("grammar", "guide", "stop_ids", "num_tokens", "reasoning_end", "start")
+
+    def __init__(self, grammar: CompiledGrammar, stop_ids: tuple[int, ...], max_rollback: int = 32,
+                 reasoning_end: tuple[int, ...] | None = None):
         self.grammar = grammar
         self.guide = Guide(grammar.index, max_rollback=max_rollback)
         self.stop_ids = stop_ids
         self.num_tokens = 0  # tokens accepted so far
+        self.reasoning_end = reasoning_end or None
+        self.start: int | None = None if self.reasoning_end else 0
+
+    @property
+    def active(self) -> bool:
+        """The grammar governs the next token (it is not waiting for the end of reasoning)."""
+        return self.start is not None
+
+    def ends_reasoning(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Whether the output (`token_ids` after the prompt) now ends with `reasoning_end`:
+        asked once per appended token while the grammar waits, so it looks at the tail only."""
+        end = self.reasoning_end
+        n = len(token_ids)
+        return (n - num_prompt_tokens >= len(end) and token_ids[-1] == end[-1]
+                and tuple(token_ids[n - len(end):]) == end)
 
     def advance(self, token_id: int) -> bool:
         """Accept one sampled token; False if the grammar does not allow it (the request is
@@ -58,4 +88,6 @@ class Matcher:
         """A matcher in the same state (n > 1: siblings start from the parent's state)."""
         if self.num_tokens:
             raise ValueError("fork() is for a matcher that has accepted no token yet")
-        return Matcher(self.grammar, self.stop_ids)
+        child = Matcher(self.grammar, self.stop_ids, reasoning_end=self.reasoning_end)
+        child.start = self.start
+        return child

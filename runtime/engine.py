@@ -10,7 +10,7 @@ import time
 import torch
 
 from pageserve.grammar.compiler import GrammarCompiler
-from pageserve.grammar.matcher import Matcher
+from pageserve.grammar.matcher import Matcher, reasoning_end_position
 from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.config import EngineConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
@@ -184,8 +184,10 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - reported to the request's owner
                     self._fail_request(req.output_id, e if isinstance(e, ValueError) else ValueError(str(e)))
                     continue
-                stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *req.sampling_params.stop_token_ids)))
-                req.matcher, req.grammar = Matcher(index, stop_ids), None
+                params = req.sampling_params
+                stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *params.stop_token_ids)))
+                req.matcher = Matcher(index, stop_ids, reasoning_end=params.structured_outputs.reasoning_end)
+                req.grammar = None
                 req.status = RequestStatus.WAITING
 
     def take_failures(self) -> list[tuple[str, Exception]]:
@@ -309,17 +311,30 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
         if req.matcher is not None and status is None:
-            if not req.matcher.advance(token):
-                logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.matcher.is_terminated():  # the grammar is complete: nothing more to write
-                status = RequestStatus.FINISHED_STOPPED
+            status = self._advance_grammar(req, token)
         if status is not None:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
         if out is not None and out.finished:  # the whole request (all n sequences) is done
             self.counters.count_finished(req.finish_reason)
         return [out] if out is not None else []
+
+    def _advance_grammar(self, req: Request, token: int) -> RequestStatus | None:
+        """Feed the appended token to the request's grammar. While the grammar waits for the
+        end of reasoning, the token is only compared with the end marker: the grammar governs
+        from the next token once the output ends with it (the runner masks only active
+        matchers). Returns FINISHED_STOPPED when the grammar ends the request."""
+        m = req.matcher
+        if m.start is None:
+            if m.ends_reasoning(req.token_ids, req.num_prompt_tokens):
+                m.start = req.num_output_tokens
+            return None
+        if not m.advance(token):
+            logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)
+            return RequestStatus.FINISHED_STOPPED
+        if m.is_terminated():  # the grammar is complete: nothing more to write
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _fork(self, parent: Request) -> list[Request]:
         """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
@@ -357,6 +372,10 @@ class LLMEngine:
         swap = self.scheduler.swap
         swap.check_integrity()
         assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
+        for req in self.requests.values():  # where a grammar starts follows from the tokens alone
+            m = req.matcher
+            if m is not None and m.reasoning_end is not None:
+                assert m.start == reasoning_end_position(req.output_token_ids, m.reasoning_end), req
 
     def _record_kv_waste(self) -> None:
         pool = self.kv.pool

@@ -288,7 +288,7 @@ class ModelRunner:
                     own[len(rows)] = self._request_generator(rid, p.seed + i)
                 rows.append(row)
                 sample_rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
-        logits = self.model.compute_logits(hidden[logits_rows])
+        logits = self.sample_logits(hidden[logits_rows], out)
         if len(rows) > len(logits_rows):  # n > 1 forks draw several tokens from one row
             logits = logits.repeat_interleave(torch.tensor(
                 [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
@@ -300,6 +300,11 @@ class ModelRunner:
         if smeta.logprob_rows:
             result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))
         return result
+
+    def sample_logits(self, hidden: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:
+        """[requests that sample, vocab] logits from their last hidden states, in the order of
+        `out.requests` (the seam where tests/scripted.py scripts the output)."""
+        return self.model.compute_logits(hidden)
 
     def _grammar_bitmask(self, num_rows: int, constrained: list) -> torch.Tensor:
         """[rows, ceil(V / 32)] packed int32: every bit set for free rows, each constrained

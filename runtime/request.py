@@ -81,6 +81,7 @@ class Request:
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
         # structured output: the grammar's compile future until it is ready, then its matcher
+        # (which waits for the end of the reasoning when asked to: Matcher.start)
         self.grammar = None
         self.matcher = None
 

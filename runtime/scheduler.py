@@ -36,6 +36,7 @@ class ScheduledRequest:
     num_samples: int = 1  # tokens drawn from this request's logits (n before an n > 1 fork)
     num_prompt_tokens: int = 0
     matcher: object = None  # grammar.Matcher: the runner fills its row of the token bitmask
+    # (None while the request's grammar waits for the end of its reasoning)
     request_tokens: list[int] = field(default_factory=list)  # all its tokens (read only)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -189,7 +190,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             request_tokens=req.token_ids,
             eos_token_ids=req.eos_token_ids,
-            matcher=req.matcher,
+            matcher=req.matcher if req.matcher is None or req.matcher.active else None,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new
