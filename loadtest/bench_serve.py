@@ -1,264 +1,414 @@
-"""`pageserve bench serve`: a serving benchmark against any OpenAI-compatible base URL, in the
-manner of `vllm bench serve`.
+"""`pageserve bench serve`: a serving benchmark against any OpenAI-compatible base URL, with
+`vllm bench serve`'s flags and result keys.
 
-Prompts come from a synthetic dataset (fixed seed, lengths drawn from ranges; a variant where
-every prompt starts with one shared prefix) or a JSONL file ({"prompt": ..., "output_len": ...}
-per line). Requests arrive as a Poisson process at --request-rate (inf: all at once), at most
---max-concurrency in flight. Every request streams; the report gives completed and failed,
-requests/s, output tokens/s, TTFT, TPOT, ITL and end-to-end latency (mean, median, p99), and
-goodput against the given SLOs, and is written as JSON and as a PNG (latency CDFs, output
-throughput over time)."""
+Prompts come from vLLM's datasets (`random`, `sharegpt`, `prefix_repetition`, `custom`; see
+serve_datasets.py), counted in the server's own tokens through its /tokenize: the bench loads
+no tokenizer, so vLLM's --tokenizer is not taken. Requests arrive as a Poisson process (gamma
+with --burstiness) at --request-rate (inf: all at once), at most --max-concurrency in flight,
+and every one streams. The report gives completed and failed requests, request / output / total
+token throughput, goodput against --goodput's SLOs, and mean, median, std and the
+--metric-percentiles of each --percentile-metrics metric, under vLLM's JSON keys (see
+serve_metrics.py); --save-result writes it, with a PNG of the latency CDFs beside it.
+
+pageserve's earlier flag names still work: --dataset (synthetic, shared-prefix or a JSONL
+file), --input-len / --output-len MIN:MAX, --prefix-len, --slo-ttft-ms / --slo-tpot-ms /
+--slo-e2e-ms, --output-json, --no-progress."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import datetime
 
 import httpx
 
 from pageserve.loadtest.common import save_json
+from pageserve.loadtest.serve_datasets import SampleRequest, build_dataset, probe_tokens
+from pageserve.loadtest.serve_metrics import (DETAILED, METRICS, SLO_METRICS, Outcome, metric_values, plot,
+                                              print_report, summarize)
 
-WORDS = ("time year people way day man thing woman life child world school state family student "
-         "group country problem hand part place case week company system program question work "
-         "government number night point home water room mother area money story fact month lot "
-         "right study book eye job word business issue side kind head house service friend father "
-         "power hour game line end member law car city community name president team minute idea").split()
+ENDPOINTS = {"completions": "completions", "/v1/completions": "completions",
+             "chat": "chat", "/v1/chat/completions": "chat"}
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--dataset", default="synthetic",
-                        help="synthetic, shared-prefix, or a JSONL file of {prompt, output_len}")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", default="32:256", help="words per prompt, MIN:MAX")
-    parser.add_argument("--output-len", default="32:128", help="tokens per answer, MIN:MAX")
-    parser.add_argument("--prefix-len", type=int, default=256, help="shared-prefix words")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
-    parser.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput: latency at most this")
-    parser.add_argument("--output-json", default="bench_serve.json", metavar="PATH")
-    parser.add_argument("--output-png", default="bench_serve.png", metavar="PATH")
-    parser.add_argument("--no-progress", action="store_true")
+    add = parser.add_argument
+    add("--base-url", default=None, help="the server (default: http://--host:--port)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--backend", choices=sorted(BACKENDS), default=None,
+        help="openai or vllm: /v1/completions; openai-chat: /v1/chat/completions (vLLM's other "
+        "backends are not served)")
+    add("--endpoint", choices=sorted(ENDPOINTS), default=None,
+        help="the API path (vLLM's), or pageserve's short names completions / chat")
+    add("--model", default=None, help="default: the server's first model")
+    add("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, as vLLM reads it)")
+    add("--label", default=None, help="the saved file's name prefix (default: the backend)")
+    add("--seed", type=int, default=0)
+    add("--num-prompts", type=int, default=1000)
+    add("--request-rate", type=float, default=float("inf"),
+        help="requests/s; inf sends them all at once")
+    add("--burstiness", type=float, default=1.0,
+        help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
+    add("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    add("--ignore-eos", action="store_true", help="always on for the random dataset, as vLLM")
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int)):
+        add(f"--{name}", type=kind, default=None, help="sent with every request when given "
+            "(otherwise the server's default)")
+    add("--disable-tqdm", "--no-progress", dest="disable_tqdm", action="store_true")
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix_repetition", "custom"),
+                      default=None,
+                      help="default: random. random's prompts are common English words cut to the "
+                      "token count through the server's /tokenize and /detokenize (vLLM's are random "
+                      "token ids); custom's prompts go as a user message with the chat endpoint and as "
+                      "they are with completions (vLLM applies the chat template on the client)")
+    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON or custom JSONL file")
+    data.add_argument("--dataset", default=None, metavar="NAME_OR_PATH",
+                      help="pageserve's older name: synthetic (= random), shared-prefix "
+                      "(= prefix_repetition) or a JSONL path (= custom with --dataset-path)")
+    data.add_argument("--disable-shuffle", action="store_true")
+    data.add_argument("--no-oversample", action="store_true")
+    data.add_argument("--input-len", default=None, metavar="N|MIN:MAX",
+                      help="N: --random-input-len N, as vLLM; MIN:MAX: the random dataset's "
+                      "prompts (prefix_repetition's suffixes) are uniform in [MIN, MAX] tokens")
+    data.add_argument("--output-len", default=None, metavar="N|MIN:MAX",
+                      help="N: every dataset's output length, as vLLM; MIN:MAX: uniform in "
+                      "[MIN, MAX] for random and prefix_repetition")
+    data.add_argument("--random-input-len", type=int, default=1024,
+                      help="prompt tokens, counting those the server adds (BOS)")
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="tokens of one prefix that every random prompt starts with")
+    data.add_argument("--prefix-repetition-prefix-len", "--prefix-len", dest="prefix_len", type=int,
+                      default=256)
+    data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                      help="prompts per prefix: --num-prompts // this")
+    data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="default: the reply's length in the server's tokens, without special "
+                      "tokens (vLLM counts them with its own tokenizer, BOS included)")
+    data.add_argument("--custom-output-len", type=int, default=256,
+                      help="for rows without output_tokens")
+
+    report = parser.add_argument_group("results")
+    report.add_argument("--percentile-metrics", default=None,
+                        help="comma-separated, of " + ", ".join(METRICS) + " (default ttft,tpot,itl)")
+    report.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    report.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLOs a request must all meet to count: ttft, tpot, e2el in ms")
+    for name, key in (("ttft", "ttft"), ("tpot", "tpot"), ("e2e", "e2el")):
+        report.add_argument(f"--slo-{name}-ms", type=float, default=None, help=f"= --goodput {key}:MS")
+    report.add_argument("--save-result", action="store_true",
+                        help="write the result JSON, and a PNG of it beside (vLLM writes no PNG)")
+    report.add_argument("--save-detailed", action="store_true",
+                        help="keep the per-request lists (input_lens, ttfts, itls, errors, ...); "
+                        "start_times are seconds since the start (vLLM's: perf_counter readings)")
+    report.add_argument("--result-dir", default=None)
+    report.add_argument("--result-filename", default=None,
+                        help="default: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json")
+    report.add_argument("--output-json", default=None, metavar="PATH",
+                        help="= --save-result --result-filename PATH")
+    report.add_argument("--output-png", default=None, metavar="PATH",
+                        help="the plot (default: beside a saved result; '' for none)")
     return parser
 
 
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
+@dataclass(frozen=True)
+class Settings:
+    base_url: str
+    model: str | None
+    api_key: str | None
+    endpoint: str  # "completions" or "chat"
+    backend: str  # vLLM's name for it: openai, vllm or openai-chat
+    label: str
+    seed: int
+    num_prompts: int
+    request_rate: float
+    burstiness: float
+    max_concurrency: int | None
+    ignore_eos: bool
+    sampling: tuple[tuple[str, float], ...]
+    progress: bool
+    dataset_name: str
+    dataset_path: str | None
+    shuffle: bool
+    oversample: bool
+    random_input_len: int
+    random_output_len: int
+    random_range_ratio: float
+    random_prefix_len: int
+    input_range: tuple[int, int] | None  # MIN:MAX given: instead of the length and ratio
+    output_range: tuple[int, int] | None
+    prefix_len: int
+    num_prefixes: int
+    suffix_range: tuple[int, int]
+    prefix_output_range: tuple[int, int]
+    sharegpt_output_len: int | None
+    custom_output_len: int
+    goodput: tuple[tuple[str, float], ...]
+    percentile_metrics: tuple[str, ...]
+    metric_percentiles: tuple[float, ...]
+    save_result: bool
+    save_detailed: bool
+    result_dir: str | None
+    result_filename: str | None
+    output_png: str | None  # None: beside a saved result; "": none
+
+
+def _length(text: str | None) -> tuple[int | None, tuple[int, int] | None]:
+    """--input-len / --output-len: N (vLLM's) or MIN:MAX (pageserve's range)."""
+    if text is None:
+        return None, None
+    lo, sep, hi = text.partition(":")
+    try:
+        lo, hi = int(lo), int(hi) if sep else None
+    except ValueError:
+        raise ValueError(f"a length is N or MIN:MAX, got {text!r}") from None
+    if hi is None:
+        if lo < 1:
+            raise ValueError(f"a length must be positive, got {text!r}")
+        return lo, None
     if not 0 < lo <= hi:
         raise ValueError(f"a length range is MIN:MAX with 0 < MIN <= MAX, got {text!r}")
-    return lo, hi
+    return None, (lo, hi)
 
 
-def build_dataset(args) -> list[tuple[str, int]]:
-    """(prompt, output tokens) per request, the same for a given seed."""
-    rng = random.Random(args.seed)
-    if args.dataset not in ("synthetic", "shared-prefix"):
-        items = []
-        with open(args.dataset) as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    items.append((row["prompt"], int(row.get("output_len", 128))))
-        return items[:args.num_prompts]
-    in_lo, in_hi = _range(args.input_len)
-    out_lo, out_hi = _range(args.output_len)
-    prefix = " ".join(rng.choice(WORDS) for _ in range(args.prefix_len)) + " " \
-        if args.dataset == "shared-prefix" else ""
-    return [(prefix + " ".join(rng.choice(WORDS) for _ in range(rng.randint(in_lo, in_hi))),
-             rng.randint(out_lo, out_hi)) for _ in range(args.num_prompts)]
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """vLLM's --goodput: KEY:VALUE pairs, a request-level metric and its SLO in milliseconds."""
+    slos = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or slos[name] != slos[name]:
+            raise ValueError(f"--goodput takes KEY:VALUE pairs (a metric and milliseconds), got {pair!r}")
+        if name not in SLO_METRICS:
+            raise ValueError(f"--goodput: {name!r} is not one of {', '.join(SLO_METRICS)}")
+        if slos[name] < 0:
+            raise ValueError(f"--goodput: {name} must be non-negative, got {slos[name]}")
+    return slos
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    start: float = 0.0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    itls: list[float] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # arrival of each streamed piece
+def resolve(ns: argparse.Namespace) -> Settings:
+    """The command line, old names and new, as one set of settings; errors a user made raise
+    ValueError."""
+    name, path = ns.dataset_name, ns.dataset_path
+    if ns.dataset is not None:
+        if name is not None or path is not None:
+            raise ValueError("--dataset is the older form of --dataset-name / --dataset-path: give one")
+        legacy = {"synthetic": "random", "shared-prefix": "prefix_repetition"}
+        name, path = (legacy[ns.dataset], None) if ns.dataset in legacy else ("custom", ns.dataset)
+    name = name or "random"
+    if name in ("random", "prefix_repetition") and path is not None:
+        raise ValueError(f"the {name} dataset takes no --dataset-path")
+    if name in ("sharegpt", "custom") and path is None:
+        raise ValueError(f"the {name} dataset needs --dataset-path")
+    in_n, in_range = _length(ns.input_len)
+    out_n, out_range = _length(ns.output_len)
+    endpoint = ENDPOINTS[ns.endpoint] if ns.endpoint else BACKENDS.get(ns.backend, "completions")
+    if ns.backend and BACKENDS[ns.backend] != endpoint:
+        raise ValueError(f"--backend {ns.backend} does not serve the {endpoint} endpoint")
+    backend = ns.backend or ("openai-chat" if endpoint == "chat" else "openai")
+    goodput = parse_goodput(ns.goodput or [])
+    for flag, key in (("slo_ttft_ms", "ttft"), ("slo_tpot_ms", "tpot"), ("slo_e2e_ms", "e2el")):
+        value = getattr(ns, flag)
+        if value is not None:
+            goodput.update(parse_goodput([f"{key}:{value}"]))
+    metrics = tuple((ns.percentile_metrics or "ttft,tpot,itl").split(","))
+    if unknown := [m for m in metrics if m not in METRICS]:
+        raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)} (of {', '.join(METRICS)})")
+    try:
+        percentiles = tuple(float(p) for p in ns.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles takes numbers, got {ns.metric_percentiles!r}") from None
+    if not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must be in [0, 100]")
+    if ns.output_json is not None and ns.result_filename is not None:
+        raise ValueError("--output-json is the older form of --save-result --result-filename: give one")
+    if ns.max_concurrency is not None and ns.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if not 0.0 <= ns.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ns.random_range_ratio}")
+    if not ns.request_rate > 0 or not ns.burstiness > 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    output_len = out_n or ns.prefix_repetition_output_len
+    return Settings(
+        base_url=(ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/"), model=ns.model,
+        api_key=ns.api_key or os.environ.get("OPENAI_API_KEY"), endpoint=endpoint,
+        backend=backend, label=ns.label or backend,
+        seed=ns.seed, num_prompts=ns.num_prompts, request_rate=ns.request_rate,
+        burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
+        ignore_eos=ns.ignore_eos or name == "random",
+        sampling=tuple((k, getattr(ns, k)) for k in ("temperature", "top_p", "top_k")
+                       if getattr(ns, k) is not None),
+        progress=not ns.disable_tqdm, dataset_name=name, dataset_path=path,
+        shuffle=not ns.disable_shuffle, oversample=not ns.no_oversample,
+        random_input_len=in_n or ns.random_input_len, random_output_len=out_n or ns.random_output_len,
+        random_range_ratio=ns.random_range_ratio, random_prefix_len=ns.random_prefix_len,
+        input_range=in_range, output_range=out_range, prefix_len=ns.prefix_len,
+        num_prefixes=ns.prefix_repetition_num_prefixes,
+        suffix_range=in_range or (ns.prefix_repetition_suffix_len,) * 2,
+        prefix_output_range=out_range or (output_len, output_len),
+        sharegpt_output_len=out_n or ns.sharegpt_output_len,
+        custom_output_len=out_n or ns.custom_output_len,
+        goodput=tuple(sorted(goodput.items())), percentile_metrics=metrics,
+        metric_percentiles=percentiles, save_result=ns.save_result or ns.output_json is not None,
+        save_detailed=ns.save_detailed, result_dir=ns.result_dir,
+        result_filename=ns.output_json if ns.output_json is not None else ns.result_filename,
+        output_png=ns.output_png)
 
-    @property
-    def tpot(self) -> float | None:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
-
-async def one_request(client: httpx.AsyncClient, args, model: str, prompt: str, output_len: int) -> Result:
-    body = {"model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if args.endpoint == "chat":
-        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+async def send(client: httpx.AsyncClient, cfg: Settings, model: str, req: SampleRequest,
+               began: float) -> Outcome:
+    body = {"model": model, "max_tokens": req.output_len, "stream": True,
+            "stream_options": {"include_usage": True}, **dict(cfg.sampling)}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    if cfg.endpoint == "chat":
+        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": req.prompt}]
     else:
-        url, body["prompt"] = "/v1/completions", prompt
-    res = Result(start=time.perf_counter())
-    last = None
-    pieces = 0
+        url, body["prompt"] = "/v1/completions", req.prompt
+    out = Outcome(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    out.start = start - began
+    last, pieces = None, 0
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    res.ok = True
+                if line == "data: [DONE]":
+                    out.success = True
                     break
-                chunk = json.loads(data)
+                chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    res.error = str(chunk["error"].get("message"))
+                    out.error = str(chunk["error"].get("message"))
                     break
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("usage"):  # the server's own counts
+                    out.output_tokens = chunk["usage"]["completion_tokens"]
+                    out.prompt_len = chunk["usage"]["prompt_tokens"]
                 for c in chunk.get("choices", []):
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if text:
+                    delta = c.get("delta") or {}
+                    text = c.get("text") if "text" in c else delta.get("content")
+                    if text or delta.get("reasoning_content") or delta.get("reasoning"):
                         now = time.perf_counter()
                         if last is None:
-                            res.ttft = now - res.start
+                            out.ttft = now - start
                         else:
-                            res.itls.append(now - last)
-                        res.token_times.append(now)
+                            out.itl.append(now - last)
                         last = now
                         pieces += 1
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-    res.e2e = time.perf_counter() - res.start
-    res.output_tokens = res.output_tokens or pieces
-    if res.ok and last is None:
-        res.ok, res.error = False, "no text streamed"
-    return res
+                        out.generated_text += text or ""
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    out.latency = time.perf_counter() - start
+    out.output_tokens = out.output_tokens or pieces
+    if out.success and last is None:
+        out.success, out.error = False, "no text streamed"
+    return out
 
 
-async def run(args, dataset) -> tuple[list[Result], float]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(dataset) or 1)
-    timeout = httpx.Timeout(600, connect=30)  # a stuck request fails instead of hanging the run
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout, limits=limits) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        gate = asyncio.Semaphore(args.max_concurrency or len(dataset) or 1)
-        rng = random.Random(args.seed + 1)
+def arrival_times(cfg: Settings, n: int) -> list[float]:
+    """vLLM's schedule: gamma gaps (Poisson at burstiness 1), scaled so the last request is due
+    at n / rate."""
+    if cfg.request_rate == float("inf") or n == 0:
+        return [0.0] * n
+    rng = random.Random(cfg.seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        t += rng.gammavariate(cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness))
+        times.append(t)
+    return [x * (n / cfg.request_rate) / times[-1] for x in times]
+
+
+async def run(cfg: Settings) -> tuple[str, str | None, list[SampleRequest], list[Outcome], float]:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.max_concurrency or max(cfg.num_prompts, 1))
+    timeout = httpx.Timeout(6 * 3600, connect=30)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, limits=limits) as client:
+        model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        tokens = await probe_tokens(client, model)
+        dataset = await build_dataset(cfg, tokens)
+        gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
         bar = None
-        if not args.no_progress:
+        if cfg.progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(dataset), desc="requests", unit="req")
 
-        async def limited(prompt, n):
+        async def limited(req: SampleRequest, due: float) -> Outcome:
             async with gate:
-                res = await one_request(client, args, model, prompt, n)
+                out = await send(client, cfg, model, req, began)
+            out.queue_time = max(0.0, out.start - due)
             if bar is not None:
                 bar.update(1)
-            return res
+            return out
 
-        start = time.perf_counter()
+        began = time.perf_counter()
         tasks = []
-        for i, (prompt, n) in enumerate(dataset):
-            tasks.append(asyncio.create_task(limited(prompt, n)))
-            if args.request_rate != float("inf") and i + 1 < len(dataset):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = [r if isinstance(r, Result) else Result(error=f"{type(r).__name__}: {r}", start=start)
-                   for r in await asyncio.gather(*tasks, return_exceptions=True)]
-        duration = time.perf_counter() - start
+        for req, due in zip(dataset, arrival_times(cfg, len(dataset))):
+            wait = due - (time.perf_counter() - began)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(limited(req, time.perf_counter() - began)))
+        outcomes = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - began
         if bar is not None:
             bar.close()
-    return results, duration
+    return model, tokens.name, dataset, outcomes, duration
 
 
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
-    p99 = statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
-    return {"mean_ms": round(statistics.mean(values) * 1000, 2),
-            "median_ms": round(statistics.median(values) * 1000, 2),
-            "p99_ms": round(p99 * 1000, 2)}
+def result_path(cfg: Settings, model: str, date: str) -> str:
+    name = cfg.result_filename
+    if not name:
+        concurrency = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency is not None else ""
+        name = f"{cfg.label}-{cfg.request_rate}qps{concurrency}-{model.split('/')[-1]}-{date}.json"
+    if cfg.result_dir:
+        os.makedirs(cfg.result_dir, exist_ok=True)
+        name = os.path.join(cfg.result_dir, name)
+    return name
 
 
-def summarize(args, results: list[Result], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-
-    def good(r: Result) -> bool:
-        return ((args.slo_ttft_ms is None or r.ttft * 1000 <= args.slo_ttft_ms)
-                and (args.slo_tpot_ms is None or (r.tpot or 0) * 1000 <= args.slo_tpot_ms)
-                and (args.slo_e2e_ms is None or r.e2e * 1000 <= args.slo_e2e_ms))
-    start = min((r.start for r in results), default=0.0)
-    timeline: dict[int, int] = {}
-    for r in ok:
-        for t in r.token_times:
-            timeline[int(t - start)] = timeline.get(int(t - start), 0) + 1
-    return {
-        "base_url": args.base_url, "endpoint": args.endpoint, "dataset": args.dataset,
-        "num_prompts": len(results), "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:10],
-        "duration_s": round(duration, 3),
-        "request_throughput": round(len(ok) / duration, 3),
-        "output_throughput": round(out_tokens / duration, 2),
-        "total_output_tokens": out_tokens,
-        "ttft": _stats([r.ttft for r in ok]), "tpot": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl": _stats([x for r in ok for x in r.itls]), "e2el": _stats([r.e2e for r in ok]),
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "e2e_ms": args.slo_e2e_ms},
-        "goodput": round(sum(1 for r in ok if good(r)) / duration, 3),
-        "throughput_timeline": [timeline.get(s, 0) for s in range(int(duration) + 1)],
-        "_raw": {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-                 "itl": [x for r in ok for x in r.itls], "e2el": [r.e2e for r in ok]},
-    }
-
-
-def plot(summary: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (cdf, tput) = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
-    for name, values in summary["_raw"].items():
-        if values:
-            xs = sorted(v * 1000 for v in values)
-            cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name.upper())
-    cdf.set_xscale("log")
-    cdf.set_xlabel("latency (ms)")
-    cdf.set_ylabel("fraction of requests / gaps")
-    cdf.set_title("latency CDFs")
-    cdf.legend(fontsize=8)
-    tput.plot(range(len(summary["throughput_timeline"])), summary["throughput_timeline"])
-    tput.set_xlabel("seconds since start")
-    tput.set_ylabel("streamed pieces / s (about tokens / s)")
-    tput.set_title(f"output over time ({summary['output_throughput']:.0f} tok/s mean)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def main(args) -> dict:
-    dataset = build_dataset(args)
-    results, duration = asyncio.run(run(args, dataset))
-    summary = summarize(args, results, duration)
-    if args.output_png:
-        plot(summary, args.output_png)
-    summary.pop("_raw")
-    print(f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']} s: "
-          f"{summary['request_throughput']} req/s, {summary['output_throughput']} output tok/s, "
-          f"goodput {summary['goodput']} req/s")
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        s = summary[name]
-        print(f"  {name.upper():5s} mean {s['mean_ms']} ms, median {s['median_ms']} ms, p99 {s['p99_ms']} ms")
-    return save_json(summary, args.output_json)
+def main(ns: argparse.Namespace) -> dict:
+    cfg = resolve(ns)
+    model, tokenizer_id, _, outs, duration = asyncio.run(run(cfg))
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    result = {"date": date, "endpoint_type": cfg.backend, "backend": cfg.backend, "label": cfg.label,
+              "model_id": model, "tokenizer_id": tokenizer_id, "num_prompts": cfg.num_prompts,
+              "request_rate": cfg.request_rate if cfg.request_rate < float("inf") else "inf",
+              "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
+              "base_url": cfg.base_url, "endpoint": cfg.endpoint, "dataset_name": cfg.dataset_name,
+              "goodput_slos_ms": dict(cfg.goodput) or None,
+              **summarize(outs, duration, dict(cfg.goodput), cfg.percentile_metrics, cfg.metric_percentiles)}
+    print_report(result, cfg.percentile_metrics, cfg.metric_percentiles)
+    for o in [o for o in outs if not o.success][:10]:
+        print(f"error: {o.error}")
+    path = result_path(cfg, model, date) if cfg.save_result else None
+    png = cfg.output_png if cfg.output_png is not None else (
+        os.path.splitext(path)[0] + ".png" if path else "")
+    if png:
+        plot(result, metric_values(outs), png)
+    if not cfg.save_detailed:
+        for key in DETAILED:
+            result.pop(key)
+    return save_json(result, path)
 
 
 if __name__ == "__main__":
