@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import cached_property
 
 from pageserve.runtime.engine import LLMEngine
 from pageserve.runtime.engine_args import EngineArgs
-from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime.outputs import Logprob, RequestOutput
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 # a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt"}
@@ -82,7 +83,41 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [results[rid] for rid in ids]
+        return [self._vllm_logprobs(results[rid]) for rid in ids]
+
+    def _vllm_logprobs(self, out: RequestOutput) -> RequestOutput:
+        """The engine's TokenLogprobs become vLLM's shape: per position a dict token id ->
+        Logprob, the sampled (or prompt) token first, then the top ones ranked 1, 2, ... (a
+        sampled token among them keeps the top entry, as in vLLM). A rank is 1 + the tokens more
+        likely than it; vLLM also counts exact ties ahead of it. Done here, not in the engine, so
+        the server's path keeps its compact entries."""
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = [self._logprob_dict(e) for e in out.prompt_logprobs]
+        for completion in out.outputs:
+            if completion.logprobs is not None:
+                completion.logprobs = [self._logprob_dict(e) for e in completion.logprobs]
+        return out
+
+    def _logprob_dict(self, entry) -> dict[int, Logprob] | None:
+        if entry is None:  # the first prompt token has nothing before it
+            return None
+        texts = self._token_texts
+
+        def text(token: int) -> str:
+            return texts[token] if 0 <= token < len(texts) else ""
+
+        position = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id))}
+        for rank, (token, logprob) in enumerate(entry.top, 1):
+            position[token] = Logprob(logprob, rank, text(token))
+        return position
+
+    @cached_property
+    def _token_texts(self) -> list[str]:
+        """Each token's own text, as the server's logprobs show it (an incomplete UTF-8
+        sequence as U+FFFD)."""
+        from pageserve.grammar.vocabulary import token_byte_table
+
+        return [b.decode("utf-8", errors="replace") for b in token_byte_table(self.tokenizer)]
 
 
 def _is_single_prompt(prompts) -> bool:

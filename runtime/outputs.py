@@ -6,13 +6,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log-probability at a position, as vLLM's offline API gives it."""
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token of the model's own distribution
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
-    logprobs: list | None = None  # TokenLogprobs per output token, when asked for
+    # per output token, when asked for: the engine's TokenLogprobs; LLM.generate hands out vLLM's
+    # dict[token_id, Logprob] (the sampled token, then the top ones)
+    logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -55,4 +65,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None  # embedding requests: the pooled, normalized vector
-    prompt_logprobs: list | None = None  # None for the first token, then TokenLogprobs
+    prompt_logprobs: list | None = None  # None for the first token, then as CompletionOutput.logprobs

@@ -237,19 +237,23 @@ def test_logprobs_match_hf_log_softmax_on_the_default_model():
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    # vLLM's shape: per position {token id: Logprob}, the prompt / sampled token first
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for pos in range(1, len(prompt)):
-        e = out.prompt_logprobs[pos]
-        assert e.token_id == prompt[pos]
-        assert abs(e.logprob - ref[pos - 1, prompt[pos]].item()) < 2e-3
-        assert [t for t, _ in e.top] == ref[pos - 1].topk(3).indices.tolist()
-    for j, e in enumerate(out.outputs[0].logprobs):
+        d = out.prompt_logprobs[pos]
+        assert next(iter(d)) == prompt[pos]
+        assert abs(d[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 2e-3
+        top3 = ref[pos - 1].topk(3).indices.tolist()
+        assert {t: d[t].rank for t in top3} == {t: r for r, t in enumerate(top3, 1)}
+    for j, d in enumerate(out.outputs[0].logprobs):
         row = ref[len(prompt) - 1 + j]
-        assert e.token_id == ids[len(prompt) + j] and e.rank == 1  # greedy: the top token
-        assert abs(e.logprob - row[e.token_id].item()) < 2e-3
+        token = ids[len(prompt) + j]
+        assert next(iter(d)) == token and d[token].rank == 1  # greedy: the top token
+        assert abs(d[token].logprob - row[token].item()) < 2e-3
         top = row.topk(5)
-        assert [t for t, _ in e.top] == top.indices.tolist()
-        assert max(abs(lp - r) for (_, lp), r in zip(e.top, top.values.tolist())) < 2e-3
+        assert len(d) == 5 and {t: d[t].rank for t in top.indices.tolist()} == {
+            t: r for r, t in enumerate(top.indices.tolist(), 1)}
+        assert max(abs(d[t].logprob - r) for t, r in zip(top.indices.tolist(), top.values.tolist())) < 2e-3
 
 
 def test_seeded_row_draws_the_same_beside_any_batch():
