@@ -19,10 +19,12 @@ from pageserve.app.http import api_route, json_response, read_json, until_discon
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
                                     NamedToolChoice, ResponsesRequest, ToolCall)
+from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.response_output import ResponseOutput, item_id
 from pageserve.app.response_store import StoredResponse
 from pageserve.app.state import ServerState
 from pageserve.app.tools import StreamingToolParser, parse_tool_calls, plan_tools
+from pageserve.grammar.matcher import reasoning_end_position
 from pageserve.sampling.params import StructuredOutputsParams
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -143,13 +145,18 @@ async def create_response(request: Request) -> Response:
     view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
                            tools=tools, chat_template_kwargs=body.chat_template_kwargs)
     prompt_ids = await chat_prompt_ids(state, view)
+    thinking = None
+    if state.reasoning is not None:  # the parser reads where the template left the think block
+        prompt_text = state.detokenize(prompt_ids)
+        grammar = state.reasoning.after_reasoning(grammar, prompt_text)
+        thinking = state.reasoning.stream(prompt_text)
     want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or ())
     params = sampling_params(body, body.max_output_tokens, (body.top_logprobs or 0) if want_logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
     rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input")
     answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
-                     want_logprobs, history, items)
+                     want_logprobs, thinking, history, items)
     if body.stream:
         return sse_response(answer.events(stream), stream, named=True)
     try:
@@ -167,7 +174,7 @@ class _Answer:
 
     def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, model: str, temperature: float,
                  top_p: float, num_prompt: int, parse_tools: bool, want_logprobs: bool,
-                 history: tuple[dict, ...], items: list[dict]):
+                 thinking: ReasoningStream | None, history: tuple[dict, ...], items: list[dict]):
         self.state, self.body, self.rid, self.model = state, body, rid, model
         self.temperature, self.top_p = temperature, top_p
         self.num_prompt, self.num_output, self.cached = num_prompt, 0, 0
@@ -175,6 +182,8 @@ class _Answer:
         self.created = int(time.time())
         self.output = ResponseOutput()
         self.tools = StreamingToolParser() if parse_tools else None
+        self.thinking = thinking  # the reasoning parser's split of this answer, when one is on
+        self.token_ids: list[int] = []  # the whole output's, to count its reasoning tokens
         self.history, self.items = history, items
 
     def feed(self, out) -> None:
@@ -184,10 +193,20 @@ class _Answer:
         self.num_output += len(c.token_ids)
         logprobs = chat_logprobs(c.logprobs, self.state.token_text)["content"] if self.want_logprobs and c.logprobs \
             else None
+        text = c.text
+        if self.thinking is not None:
+            self.token_ids.extend(c.token_ids)
+            reasoning, text = self.thinking.feed(c.text)
+            if c.finish_reason is not None:
+                more, rest = self.thinking.finish()
+                reasoning, text = reasoning + more, text + rest
+            self.output.reasoning(reasoning)
+            if not text:
+                logprobs = None  # a delta that was all thinking: no output_text to carry them
         if self.tools is None:
-            self.output.text(c.text, logprobs)
+            self.output.text(text, logprobs)
             return
-        deltas = self.tools.feed(c.text)
+        deltas = self.tools.feed(text)
         if c.finish_reason is not None:
             deltas += self.tools.finish(c.finish_reason == "length")
         for i, delta in enumerate(deltas):
@@ -223,8 +242,16 @@ class _Answer:
 
     def usage(self) -> dict:
         return {"input_tokens": self.num_prompt, "input_tokens_details": {"cached_tokens": self.cached},
-                "output_tokens": self.num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": self.num_output, "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
                 "total_tokens": self.num_prompt + self.num_output}
+
+    def _reasoning_tokens(self) -> int:
+        """Output tokens up to the end of the thinking (its end marker included), all of them
+        while it has not ended; 0 without thinking."""
+        if self.thinking is None or not self.thinking.reasoned:
+            return 0
+        end = reasoning_end_position(self.token_ids, self.state.reasoning.end_token_ids)
+        return len(self.token_ids) if end is None else end
 
     def finish(self, finish_reason: str | None) -> dict:
         """Close the output; the finished response object, stored when the request asks."""

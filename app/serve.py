@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import uvicorn
 
+from pageserve.app.reasoning import REASONING_PARSERS
 from pageserve.app.state import ServerSettings
 from pageserve.app.tools import TOOL_PARSERS
 
@@ -57,6 +58,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
                         "for requests that leave them unset come from the model's generation_config.json; "
                         "a folder: from its generation_config.json; vllm: the API's own defaults")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="a reasoning model's thinking (between <think> tags) goes to reasoning_content / "
+                        "reasoning (chat) and reasoning items (responses), never to content; structured "
+                        "output and tool grammars apply from the end of the thinking on")
     g.add_argument("--max-stored-responses", type=int, default=1024,
                    help="finished /v1/responses answers kept in memory (least recently used first out) "
                         "for previous_response_id and GET /v1/responses/{id}; 0 keeps none. They are "
@@ -113,7 +118,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           enable_frontend=not ns.disable_frontend,
                           chat_template=read_chat_template(ns.chat_template),
                           generation_config=ns.generation_config,
-                          max_stored_responses=ns.max_stored_responses)
+                          max_stored_responses=ns.max_stored_responses,
+                          reasoning_parser=ns.reasoning_parser)
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pageserve.app.errors import APIError
 from pageserve.app.logprobs import TokenText
+from pageserve.app.reasoning import ReasoningParser, reasoning_parser_class
 from pageserve.app.response_store import ResponseStore
 from pageserve.grammar.vocabulary import token_byte_table
 from pageserve.runtime.async_engine import AsyncEngine
@@ -65,6 +66,7 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template, read: replaces the model's own
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
     max_stored_responses: int = 1024  # finished Responses API answers kept for previous_response_id
+    reasoning_parser: str | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -75,6 +77,8 @@ class ServerSettings:
             raise ValueError("--max-num-queued-reqs must be >= 1")
         if self.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)  # the names it knows, for a wrong one
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ServerState:
 
     sampling_defaults: dict = field(init=False)
     responses: ResponseStore = field(init=False)  # stored Responses API answers
+    reasoning: ReasoningParser | None = field(init=False)  # splits thinking from the answer
 
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
@@ -96,6 +101,8 @@ class ServerState:
         self.sampling_defaults = generation_defaults(self.settings.generation_config,
                                                      self.engine.generation_config)
         self.responses = ResponseStore(self.settings.max_stored_responses)
+        name = self.settings.reasoning_parser
+        self.reasoning = reasoning_parser_class(name)(self.tokenizer) if name is not None else None
 
     @property
     def model_name(self) -> str:
