@@ -17,7 +17,7 @@ from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
 from pageserve.app.state import LONG_TEXT, ServerState
 from pageserve.app.structured import structured_outputs
-from pageserve.app.tools import StreamingToolParser, chat_dicts, parse_tool_calls, plan_tools
+from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 
 
 # chat_template_kwargs that would overwrite what render_chat passes itself
@@ -27,14 +27,17 @@ _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_pr
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
-                template_kwargs: dict | None = None) -> str:
+                template_kwargs: dict | None = None, tool_parser: ToolFormat | None = None) -> str:
+    """`tool_parser`: the tool-call format the prompt describes tools and earlier calls in
+    (hermes when None), for a template that does not render them itself."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model has no chat template: start the server with --chat-template "
                           "(a Jinja file or string), or use /v1/completions", "messages")
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "messages")
-    dicts, template_tools = chat_dicts(messages, tools, template if isinstance(template, str) else "")
+    dicts, template_tools = (tool_parser or tool_format(None)).chat_dicts(
+        messages, tools, template if isinstance(template, str) else "")
     try:
         return tokenizer.apply_chat_template(
             dicts, tools=template_tools, tokenize=False,
@@ -47,7 +50,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 
 async def chat_prompt_ids(state: ServerState, body) -> list[int]:
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-            getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None))
+            getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None),
+            tool_format(state.settings.tool_call_parser))
     # a big conversation renders off the loop, so that streams go on meanwhile
     if len(body.messages) > 64 or sum(len(m.text()) for m in body.messages) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
@@ -65,13 +69,14 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is served by /v1/completions (with echo)", "prompt_logprobs")
-    plan = plan_tools(body, state.settings.enable_auto_tool_choice)
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                      state.settings.enable_auto_tool_choice, tool_format(state.settings.tool_call_parser))
     grammar, source = structured_outputs(body)
     if plan is not None and plan.grammar is not None:
         if grammar is not None:
             raise bad_request(f"tool calls and {source} cannot be combined; use tool_choice none", source)
         grammar = plan.grammar
-    parse_tools = plan is not None and plan.parse
+    tool_parser = plan.format if plan is not None and plan.parse else None
     prompt_ids = await chat_prompt_ids(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
@@ -81,7 +86,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:
-        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), parse_tools),
+        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), tool_parser),
                             stream)
     try:
         outs = await until_disconnected(request, collect(stream))
@@ -90,7 +95,7 @@ async def chat_completions(request: Request) -> Response:
     out = next(iter(outs.values()))
     choices = []
     for c in out.outputs:
-        content, calls = parse_tool_calls(c.text, c.finish_reason == "length") if parse_tools else (c.text, [])
+        content, calls = tool_parser.parse(c.text, c.finish_reason == "length") if tool_parser else (c.text, [])
         choices.append({
             "index": c.index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
             "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
@@ -103,7 +108,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int,
-                  usage_mode: tuple[bool, bool], parse_tools: bool):
+                  usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None):
     include_usage, continuous = usage_mode
     num_generated = cached = 0
 
@@ -118,7 +123,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    parsers = [StreamingToolParser() for _ in range(n)] if parse_tools else None
+    parsers = [tool_parser.stream_parser() for _ in range(n)] if tool_parser else None
     async for out in stream:
         cached = max(cached, cached_tokens(out))
         for c in out.outputs:

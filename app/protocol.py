@@ -202,6 +202,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None  # rendered with messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

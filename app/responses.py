@@ -23,7 +23,7 @@ from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.response_output import ResponseOutput, item_id
 from pageserve.app.response_store import StoredResponse
 from pageserve.app.state import ServerState
-from pageserve.app.tools import StreamingToolParser, parse_tool_calls, plan_tools
+from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 from pageserve.grammar.matcher import reasoning_end_position
 from pageserve.sampling.params import StructuredOutputsParams
 
@@ -96,8 +96,8 @@ def _tool_plan(state: ServerState, body: ResponsesRequest):
     choice = body.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = NamedToolChoice(function=FunctionName(name=choice.name))
-    view = SimpleNamespace(tools=tools or None, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls)
-    return tools or None, plan_tools(view, state.settings.enable_auto_tool_choice)
+    return tools or None, plan_tools(tools, choice, body.parallel_tool_calls, state.settings.enable_auto_tool_choice,
+                                     tool_format(state.settings.tool_call_parser))
 
 
 def _text_format(body: ResponsesRequest) -> StructuredOutputsParams | None:
@@ -141,7 +141,7 @@ async def create_response(request: Request) -> Response:
             raise bad_request("function tools and a text.format cannot be combined; use tool_choice none",
                               "text.format")
         grammar = plan.grammar
-    parse_tools = plan is not None and plan.parse
+    parse_tools = plan.format if plan is not None and plan.parse else None
     view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
                            tools=tools, chat_template_kwargs=body.chat_template_kwargs)
     prompt_ids = await chat_prompt_ids(state, view)
@@ -173,7 +173,7 @@ class _Answer:
     object and, once finished, its place in the store."""
 
     def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, model: str, temperature: float,
-                 top_p: float, num_prompt: int, parse_tools: bool, want_logprobs: bool,
+                 top_p: float, num_prompt: int, parse_tools: ToolFormat | None, want_logprobs: bool,
                  thinking: ReasoningStream | None, history: tuple[dict, ...], items: list[dict]):
         self.state, self.body, self.rid, self.model = state, body, rid, model
         self.temperature, self.top_p = temperature, top_p
@@ -181,7 +181,7 @@ class _Answer:
         self.want_logprobs = want_logprobs
         self.created = int(time.time())
         self.output = ResponseOutput()
-        self.tools = StreamingToolParser() if parse_tools else None
+        self.tools = parse_tools.stream_parser() if parse_tools else None
         self.thinking = thinking  # the reasoning parser's split of this answer, when one is on
         self.token_ids: list[int] = []  # the whole output's, to count its reasoning tokens
         self.history, self.items = history, items

@@ -15,7 +15,7 @@ import uvicorn
 
 from pageserve.app.reasoning import REASONING_PARSERS
 from pageserve.app.state import ServerSettings
-from pageserve.app.tools import TOOL_PARSERS
+from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="let the model decide when to call tools (tool_choice auto); needs "
                         "--tool-call-parser")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
-                   help="how tool calls are written in the model's output (hermes: <tool_call> tags)")
+                   help="how tool calls are written in the model's output, as vLLM's parsers of the same "
+                        "names: hermes (<tool_call> tags), llama3_json (Llama 3.1/3.2 JSON calls), mistral "
+                        "([TOOL_CALLS] and a JSON list), pythonic ([f(x=1)], Llama 3.2/4); hermes if unset")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) for models that ship "
                         "none or a wrong one; it replaces the model's own")
@@ -106,7 +108,7 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     if not ns.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
@@ -115,6 +117,7 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           max_num_queued_reqs=ns.max_num_queued_reqs,
                           log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts,
                           enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                          tool_call_parser=ns.tool_call_parser or DEFAULT_TOOL_PARSER,
                           enable_frontend=not ns.disable_frontend,
                           chat_template=read_chat_template(ns.chat_template),
                           generation_config=ns.generation_config,

@@ -13,6 +13,7 @@ from typing import Any
 from pageserve.app.errors import APIError
 from pageserve.app.logprobs import TokenText
 from pageserve.app.reasoning import ReasoningParser, reasoning_parser_class
+from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from pageserve.app.response_store import ResponseStore
 from pageserve.grammar.vocabulary import token_byte_table
 from pageserve.runtime.async_engine import AsyncEngine
@@ -62,6 +63,7 @@ class ServerSettings:
     log_requests: bool = True
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice auto (with --tool-call-parser)
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser: how tool calls are written
     enable_frontend: bool = True  # the chat page at / (--disable-frontend)
     chat_template: str | None = None  # --chat-template, read: replaces the model's own
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
@@ -75,6 +77,8 @@ class ServerSettings:
             raise ValueError("--max-request-body-mb is too small")
         if self.max_num_queued_reqs < 1:
             raise ValueError("--max-num-queued-reqs must be >= 1")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
         if self.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.reasoning_parser is not None:

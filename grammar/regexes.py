@@ -1,13 +1,16 @@
 """Regexes for the other structured-output kinds: a choice among strings, any JSON object,
-and Hermes-style tool calls (forced, or lazily after free text)."""
+and the pieces that tool-call grammars are made of (app/tool_parsers/ puts them together, one
+format each): a call as a JSON object or as a Python call with literal arguments, calls in a
+row, free text that never writes a word, free text that does not start with one."""
 
 from __future__ import annotations
 
+import keyword
 import re
 
 from pageserve.grammar.json_schema import UnsupportedSchema, schema_to_regex
 
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+ANY = r"[\s\S]"  # any character, newlines too
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -19,21 +22,6 @@ def choice_regex(choices: list[str]) -> str:
 def json_object_regex() -> str:
     """Any JSON object (nesting to the depth outlines-core allows)."""
     return schema_to_regex({"type": "object"})
-
-
-def call_schema(name: str, parameters: dict | None) -> dict:
-    """One call of function `name`: {"name": name, "arguments": <its parameters>}."""
-    params = parameters if parameters else {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def tool_calls_regex(functions: list[tuple[str, dict | None]], parallel: bool) -> str:
-    """One `<tool_call>{...}</tool_call>` block calling one of `functions` (with arguments that
-    match its parameters), or several when `parallel`."""
-    calls = "|".join(f"({schema_to_regex(call_schema(n, p))})" for n, p in functions)
-    block = f"{re.escape(TOOL_CALL_OPEN)}\\n?({calls})\\n?{re.escape(TOOL_CALL_CLOSE)}"
-    return f"{block}(\\n?{block})*" if parallel else block
 
 
 def avoiding(word: str) -> tuple[str, str]:
@@ -53,13 +41,138 @@ def avoiding(word: str) -> tuple[str, str]:
     return chunk, tail
 
 
-def lazy_tool_calls_regex(functions: list[tuple[str, dict | None]]) -> str:
-    """tool_choice auto: free text, but a `<tool_call>` the model starts must go on as a valid
-    call of one of the tools (then free text again)."""
-    chunk, tail = avoiding(TOOL_CALL_OPEN)
-    free = f"{chunk}*{tail}?"
-    calls = "|".join(f"({schema_to_regex(call_schema(n, p))})" for n, p in functions)
-    block = f"{re.escape(TOOL_CALL_OPEN)}\\n?({calls})\\n?{re.escape(TOOL_CALL_CLOSE)}"
-    # never empty (at least one character, or a call): the compiler anchors every regex with
-    # `$`, which outlines-core cannot do for a regex that matches the empty string
-    return f"(?:{chunk}+{tail}?|{tail}|{block}{free})({block}{free})*"
+def free_text_and_calls(word: str, region: str, again: bool) -> str:
+    """tool_choice auto where calls may follow free text: text that never writes `word`, except
+    as the start of `region` (the calls); after a region, free text and more regions when
+    `again`, else nothing. Never empty: the compiler anchors every regex with `$`, which
+    outlines-core cannot do for a regex that matches the empty string."""
+    chunk, tail = avoiding(word)
+    if again:
+        free = f"{chunk}*{tail}?"
+        return f"(?:{chunk}+{tail}?|{tail}|{region}{free})({region}{free})*"
+    return f"(?:{chunk}+(?:{tail}|{region})?|{tail}|{region})"
+
+
+def not_starting_with(starts: tuple[str, ...]) -> str:
+    """Free text (at least one character) that starts with none of `starts`, each one or two
+    characters long (a longer word is kept out by its first two: the automaton that tracks a long
+    one compiles too slowly)."""
+    firsts = "".join(dict.fromkeys(s[0] for s in starts))
+    ways = [f"[^{re.escape(firsts)}]{ANY}*"]
+    for first in firsts:
+        if first not in starts:  # only longer starts begin so: the first character alone is text
+            seconds = "".join(s[1] for s in starts if len(s) == 2 and s[0] == first)
+            ways.append(f"{re.escape(first)}(?:[^{re.escape(seconds)}]{ANY}*)?")
+    return "|".join(f"(?:{w})" for w in ways)
+
+
+def in_a_row(call: str, separator: str, parallel: bool) -> str:
+    """One `call`, or several separated by `separator` when `parallel`."""
+    return f"(?:{call})(?:{separator}(?:{call}))*" if parallel else f"(?:{call})"
+
+
+def call_schema(name: str, parameters: dict | None, arguments_key: str = "arguments") -> dict:
+    """One call of function `name`: {"name": name, <arguments_key>: <its parameters>}."""
+    params = parameters if parameters else {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: params},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def json_call_regex(functions: list[tuple[str, dict | None]], arguments_key: str = "arguments") -> str:
+    """One JSON call object of one of `functions`, with arguments that match its parameters."""
+    return "|".join(f"({schema_to_regex(call_schema(n, p, arguments_key))})" for n, p in functions)
+
+
+# ---- Python calls: name(key=value, ...) with Python literals ----
+
+# booleans and null become placeholder strings in the schema, and Python's words in the regex
+_PY_WORDS = {"PSPYTRUE": "True", "PSPYFALSE": "False", "PSPYNONE": "None", "PSPYBOOL": "(True|False)"}
+_PY_CONST = {True: "PSPYTRUE", False: "PSPYFALSE", None: "PSPYNONE"}
+_SCHEMAS = ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems")
+_PARAMETER_KEYS = {"type", "properties", "required", "additionalProperties", "title", "description",
+                   "$defs", "definitions", "$schema", "strict"}
+
+
+def python_call_regex(functions: list[tuple[str, dict | None]]) -> str:
+    """One Python call `name(key=value, ...)` of one of `functions`: keyword arguments in the
+    order of the parameters' properties (those not required may be left out), values written as
+    Python literals (True, False, None; strings, lists and dicts as in JSON) that match their
+    schemas."""
+    return "|".join(f"({_one_python_call(n, p)})" for n, p in functions)
+
+
+def _one_python_call(name: str, parameters: dict | None) -> str:
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UnsupportedSchema(f"the function name {name!r} is not a Python identifier, which pythonic "
+                                f"tool calls need")
+    params = parameters or {"type": "object", "properties": {}}
+    if params.get("type", "object") != "object" or set(params) - _PARAMETER_KEYS:
+        raise UnsupportedSchema(f"pythonic tool calls need the parameters of {name!r} to be an object "
+                                f"with properties (keyword arguments)")
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    required = set(params.get("required", ()))
+    arguments = []
+    for key, schema in (params.get("properties") or {}).items():
+        if not key.isidentifier() or keyword.iskeyword(key):
+            raise UnsupportedSchema(f"the parameter {key!r} of {name!r} is not a Python identifier, which "
+                                    f"pythonic tool calls need")
+        schema = {**schema, **defs} if isinstance(schema, dict) else {}
+        arguments.append((f"{key}=({python_literal_regex(schema)})", key in required))
+    return f"{re.escape(name)}\\({_in_order(arguments, ',[ ]?')}\\)"
+
+
+def _in_order(items: list[tuple[str, bool]], separator: str) -> str:
+    """The items in order, separated, each optional one present or not."""
+    if not items:
+        return ""
+    tails = [""] * (len(items) + 1)  # tails[i]: items i.. each with its separator before it
+    for i in reversed(range(len(items))):
+        regex, required = items[i]
+        tails[i] = (f"{separator}{regex}" if required else f"(?:{separator}{regex})?") + tails[i + 1]
+    firsts = []
+    for i, (regex, required) in enumerate(items):
+        firsts.append(regex + tails[i + 1])
+        if required:
+            break
+    else:
+        firsts.append("")  # every argument optional: none at all
+    return "(?:" + "|".join(firsts) + ")"
+
+
+def python_literal_regex(schema: dict) -> str:
+    """The Python literals of the JSON values `schema` accepts."""
+    regex = schema_to_regex(_pythonic(schema))
+    for marker, word in _PY_WORDS.items():
+        regex = regex.replace(f'"{marker}"', word)
+    # outlines-core's "any value" (untyped parts of the schema) spells these as one alternation
+    return regex.replace("(true|false)|null", "(True|False)|None")
+
+
+def _pythonic(node):
+    """The schema with JSON's true, false and null swapped for placeholders."""
+    if isinstance(node, list):
+        return [_pythonic(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if isinstance(kind, list):
+        return {"anyOf": [_pythonic({**node, "type": t}) for t in kind]}
+    out = {}
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {k: _pythonic(v) for k, v in value.items()}
+        elif key in _SCHEMAS:
+            out[key] = _pythonic(value)
+        elif key == "enum" and isinstance(value, list):
+            out[key] = [_PY_CONST.get(v, v) if v is None or isinstance(v, bool) else v for v in value]
+        elif key == "const":
+            out[key] = _PY_CONST.get(value, value) if value is None or isinstance(value, bool) else value
+        else:
+            out[key] = value
+    if "enum" in out or "const" in out:
+        out.pop("type", None)
+    elif kind == "boolean":
+        return {"const": "PSPYBOOL"}
+    elif kind == "null":
+        return {"const": "PSPYNONE"}
+    return out

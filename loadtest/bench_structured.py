@@ -43,7 +43,8 @@ def _run(llm, conversations, params) -> tuple[float, int]:
 
 def compile_times(tokenizer) -> dict:
     from pageserve.grammar.compiler import GrammarCompiler
-    from pageserve.grammar.regexes import json_object_regex, tool_calls_regex
+    from pageserve.app.tool_parsers import tool_format
+    from pageserve.grammar.regexes import json_object_regex
     from pageserve.sampling.params import StructuredOutputsParams
 
     compiler = GrammarCompiler(tokenizer)
@@ -60,8 +61,9 @@ def compile_times(tokenizer) -> dict:
         compiler.submit(compiler.regex(spec)).result()
         cached.append(time.perf_counter() - t0)
     extra = {}
+    weather = [("get_weather", fifty_schemas()[3][1])]
     for name, regex in (("json_object", json_object_regex()),
-                        ("tool_call", tool_calls_regex([("get_weather", fifty_schemas()[3][1])], True))):
+                        ("tool_call", tool_format("hermes").forced_regex(weather, True))):
         t0 = time.perf_counter()
         compiler.submit(regex).result()
         extra[name] = round(time.perf_counter() - t0, 3)

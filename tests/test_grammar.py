@@ -14,14 +14,15 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pageserve.app.tools import StreamingToolParser, parse_tool_calls
+from pageserve.app.tool_parsers import tool_format
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
 from pageserve.grammar.matcher import Matcher
-from pageserve.grammar.regexes import avoiding, lazy_tool_calls_regex, tool_calls_regex
+from pageserve.grammar.regexes import avoiding
 from pageserve.sampling.params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.unit
+HERMES = tool_format("hermes")
 
 RANGES = [
     {"type": "integer", "minimum": -15, "maximum": 120},
@@ -165,8 +166,8 @@ def test_a_state_that_could_end_keeps_its_continuations(compiler):
     assert not m.is_terminated()
     two = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
            '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>')
-    index = compiler.submit(tool_calls_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
-                                                     "required": ["a"]})], True)).result()
+    index = compiler.submit(HERMES.forced_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                         "required": ["a"]})], True)).result()
     m = Matcher(index, (tok.eos_token_id,))
     assert all(m.advance(t) for t in tok.encode(two, add_special_tokens=False))
 
@@ -186,8 +187,8 @@ def test_matcher_rollback_and_fork(compiler):
 
 def test_lazy_tool_grammar_holds_a_started_call_to_the_schema(compiler):
     tok = compiler.tokenizer
-    regex = lazy_tool_calls_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
-                                          "required": ["a"]})])
+    regex = HERMES.lazy_regex([("f", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                      "required": ["a"]})], True)
     index = compiler.submit(regex).result()
     m = Matcher(index, (tok.eos_token_id,))
     assert all(m.advance(t) for t in tok.encode("Free text, then <tool_call>\n", add_special_tokens=False))
@@ -255,27 +256,27 @@ def test_a_compiler_child_that_dies_says_how(tiny_model_dir, monkeypatch):
 
 
 def test_a_call_cut_short_streams_what_was_written():
-    parser = StreamingToolParser()
+    parser = HERMES.stream_parser()
     deltas = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') + parser.finish()
     assert deltas[0]["tool_calls"][0]["function"]["name"] == "f"
     assert "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas) == '{"a": [1, 2'
-    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') == (None, [])
+    assert HERMES.parse('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2') == (None, [])
     # cut short before the call's name: no call, and none of its markup in the content
-    parser = StreamingToolParser()
+    parser = HERMES.stream_parser()
     deltas = parser.feed('ok <tool_call>\n{"na') + parser.finish()
     assert "".join(d["content"] for d in deltas) == "ok "
-    assert parse_tool_calls('ok <tool_call>\n{"na') == ("ok", [])
+    assert HERMES.parse('ok <tool_call>\n{"na') == ("ok", [])
 
 
 def test_streamed_tool_calls_match_the_whole_parse():
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "nested": {"x": [1, {}]}}}'
             '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
-    content, calls = parse_tool_calls(text)
+    content, calls = HERMES.parse(text)
     assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
     rng = random.Random(0)
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
-        parser, deltas = StreamingToolParser(), []
+        parser, deltas = HERMES.stream_parser(), []
         for a, b in zip([0] + cuts, cuts + [len(text)]):
             deltas += parser.feed(text[a:b])
         deltas += parser.finish()
@@ -307,12 +308,12 @@ def test_tool_call_markup_never_reaches_content():
              (f"{call}\n<tool_", True): None, (f"{call}\n</tool_", True): None,
              (f"Done.</tool_call> {call}</tool_call>\nBye", False): "Done. Bye"}
     for (text, cut_short), expected in cases.items():
-        content, calls = parse_tool_calls(text, cut_short)
+        content, calls = HERMES.parse(text, cut_short)
         assert (content and " ".join(content.split())) == expected, text
         assert len(calls) == text.count(call)
         rng = random.Random(len(text))
         cuts = sorted(rng.sample(range(1, len(text)), min(5, len(text) - 1)))
-        parser, deltas = StreamingToolParser(), []
+        parser, deltas = HERMES.stream_parser(), []
         for a, b in zip([0] + cuts, cuts + [len(text)]):
             deltas += parser.feed(text[a:b])
         deltas += parser.finish(cut_short)

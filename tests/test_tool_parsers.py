@@ -1,0 +1,263 @@
+"""Tool-call formats (app/tool_parsers/): each format's parser on hand-written outputs, whole
+and streamed in every split; its forced grammar walked at random and parsed back to valid
+calls; its lazy grammar (tool_choice auto) free until the call start, then held to a call; its
+prompt for templates that do not render tools."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from pageserve.app.errors import APIError
+from pageserve.app.protocol import ChatCompletionRequest
+from pageserve.app.tool_parsers import TOOL_PARSERS, tool_format
+from pageserve.app.tools import plan_tools
+from pageserve.grammar.matcher import Matcher
+from pageserve.grammar.regexes import python_literal_regex
+from tests.test_grammar import _allowed, _walk, compiler  # noqa: F401 - compiler is a fixture
+
+pytestmark = pytest.mark.unit
+
+WEATHER = ("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]})
+FLAGS = ("set_flags", {"type": "object", "properties": {
+    "on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0, "maximum": 9},
+    "note": {"type": ["string", "null"], "maxLength": 6},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", True, None]}, "maxItems": 2}},
+    "required": ["on", "level"]})
+FUNCTIONS = [WEATHER, FLAGS]
+SCHEMAS = dict(FUNCTIONS)
+
+# per format: an output with text (where the format allows it) and two calls, and the calls in it
+TWO_CALLS = {
+    "hermes": 'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+              '\n</tool_call>\n<tool_call>\n{"name": "set_flags", "arguments": {"on": true, "level": 3, '
+              '"tags": ["a", {"x": "}]"}]}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                   '{"name": "set_flags", "parameters": {"on": true, "level": 3, "tags": ["a", {"x": "}]"}]}}',
+    "mistral": 'Let me see. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+               '{"name": "set_flags", "arguments": {"on": true, "level": 3, "tags": ["a", {"x": "}]"}]}}]',
+    "pythonic": '[get_weather(city="Paris", unit=\'celsius\'), set_flags(on=True, level=3, '
+                'tags=["a", {"x": "}]"}])]',
+}
+EXPECTED = [("get_weather", {"city": "Paris", "unit": "celsius"}),
+            ("set_flags", {"on": True, "level": 3, "tags": ["a", {"x": "}]"}]})]
+MARKUP = ("<tool_call", "tool_call>", "TOOL_CALLS", "python_tag", "[get_weather", '"name"')
+
+
+def stream(fmt, pieces: list[str], cut_short: bool = False) -> tuple[str, list[tuple[str, str, str]]]:
+    """Content and calls (id, name, arguments) from streaming `pieces`; checks the delta shapes."""
+    parser, content, calls = fmt.stream_parser(), "", {}
+    deltas = [d for p in pieces for d in parser.feed(p)] + parser.finish(cut_short)
+    for d in deltas:
+        assert set(d) in ({"content"}, {"tool_calls"}), d
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            if c["index"] not in calls:  # the first piece: index, id, type and name
+                assert c["index"] == len(calls) and c["type"] == "function" and c["id"] and c["function"]["name"]
+                calls[c["index"]] = [c["id"], c["function"]["name"], ""]
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}, c
+            calls[c["index"]][2] += c["function"].get("arguments", "")
+    assert parser.num_calls == len(calls)
+    return content, [tuple(c) for c in calls.values()]
+
+
+def splits(text: str, rng: random.Random):
+    yield [text]
+    yield list(text)  # one character at a time
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_two_calls_whole_and_streamed_in_every_split(name):
+    fmt, text = tool_format(name), TWO_CALLS[name]
+    content, calls = fmt.parse(text)
+    assert content == ("Let me see." if fmt.starts.keys().isdisjoint("{[") else None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == EXPECTED
+    assert len({c["id"] for c in calls}) == 2
+    if name == "mistral":
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls)
+    for cut in range(1, len(text)):  # every split in two
+        got_content, got = stream(fmt, [text[:cut], text[cut:]])
+        assert got_content.strip() == (content or "") and not any(m in got_content for m in MARKUP), cut
+        assert [(n, json.loads(a)) for _, n, a in got] == EXPECTED, (cut, got)
+    for pieces in splits(text, random.Random(name)):
+        got_content, got = stream(fmt, pieces)
+        assert got_content.strip() == (content or "")
+        assert [(n, json.loads(a)) for _, n, a in got] == EXPECTED
+
+
+@pytest.mark.parametrize("name, text, cut_short, content, names", [
+    # text, and a stray closing tag, around a call; a lone "<" is text
+    ("hermes", 'a < b </tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call> bye', False, "a < b bye",
+     ["f"]),
+    ("hermes", 'ok <tool_call>\n{"name": "f", "arguments": {"a": [1', True, "ok", []),  # cut inside a call
+    ("hermes", "x <tool_ca", True, "x", []),  # cut inside the tag
+    ("hermes", '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', False, None, ["f"]),  # name last
+    ("hermes", "<tool_call>not json</tool_call> after", False, "after", []),
+    ("llama3_json", '<|python_tag|>{"name": "f", "arguments": {"a": 1}}', False, None, ["f"]),
+    ("llama3_json", 'Paris is sunny. {"name": "f", "parameters": {}}', False, 'Paris is sunny. {"name": "f", '
+                                                                             '"parameters": {}}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "param', True, None, ["f"]),
+    ("llama3_json", "<|python_t", True, None, []),
+    ("llama3_json", "<|python_t", False, "<|python_t", []),
+    ("mistral", "Sure [TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}]", False, "Sure", ["f"]),
+    ("mistral", "Sure [TOOL_CA", True, "Sure", []),
+    ("mistral", "[TOOL_CALLS] no list", False, None, []),
+    ("pythonic", "Paris [is] sunny", False, "Paris [is] sunny", []),
+    ("pythonic", '[f(a=1), g(b="x', True, None, ["f"]),
+    ("pythonic", "[f(1)]", False, None, []),  # positional arguments are not a call
+    ("pythonic", '[f(a=g(1))]', False, None, []),  # nor are values that are not literals
+])
+def test_markup_never_reaches_content(name, text, cut_short, content, names):
+    """Whole or streamed one character at a time: the content holds no markup, a call cut short
+    (max_tokens) or not valid is left out of the whole parse."""
+    fmt = tool_format(name)
+    got_content, calls = fmt.parse(text, cut_short)
+    assert (got_content and " ".join(got_content.split())) == content, got_content
+    assert [c["function"]["name"] for c in calls] == names, calls
+    streamed, announced = stream(fmt, list(text), cut_short)
+    assert " ".join(streamed.split()) == (content or "")
+    assert [n for _, n, _ in announced][:len(names)] == names
+
+
+def _calls_of(fmt, text: str) -> list[tuple[str, dict]]:
+    content, calls = fmt.parse(text)
+    assert content is None, text
+    streamed_content, streamed = stream(fmt, list(text))
+    assert not streamed_content.strip()
+    assert [(n, json.loads(a)) for _, n, a in streamed] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+FORCED_START = {"hermes": r'<tool_call>\n?\{ ?"name"', "llama3_json": r'\{ ?"name" ?: ?"\w+" ?, ?"parameters"',
+                "mistral": r'\[TOOL_CALLS\] ?\[\{ ?"name"', "pythonic": r"\[\w+\("}
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_forced_grammar_walks_parse_to_valid_calls(compiler, name):
+    """tool_choice required (parallel) and a named tool: random walks through the grammar always
+    parse back to calls of the tools, with arguments that match their schemas."""
+    fmt, rng, stop = tool_format(name), random.Random(1), compiler.tokenizer.eos_token_id
+    ended = 0
+    for _ in range(12):
+        text, done = _walk(compiler, fmt.forced_regex(FUNCTIONS, True), rng, stop, max_steps=600)
+        if not done:
+            continue
+        ended += 1
+        assert re.match(FORCED_START[name], text), text
+        calls = _calls_of(fmt, text)
+        assert calls, text
+        for fn, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[fn])
+    assert ended >= 6
+    for _ in range(4):
+        text, done = _walk(compiler, fmt.forced_regex([FLAGS], False), rng, stop, max_steps=600)
+        assert done
+        [(fn, arguments)] = _calls_of(fmt, text)
+        assert fn == "set_flags"
+        jsonschema.validate(arguments, FLAGS[1])
+
+
+# per format: free text then the start of a call, under tool_choice auto
+LAZY = {"hermes": ("Let me check. ", "<tool_call>\n"), "mistral": ("Let me check. ", "[TOOL_CALLS] ["),
+        "llama3_json": ("", '{"name": "'), "pythonic": ("", "[")}
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_lazy_grammar_is_free_until_a_call_starts(compiler, name):
+    fmt, tok = tool_format(name), compiler.tokenizer
+    index = compiler.submit(fmt.lazy_regex(FUNCTIONS, True)).result()
+    words = -(-compiler.vocab_len // 32)
+    free, start = LAZY[name]
+    m = Matcher(index, (tok.eos_token_id,))
+    assert all(m.advance(t) for t in tok.encode(free + start, add_special_tokens=False))
+    allowed = {tok.decode([t]) for t in _allowed(m, words)}
+    # inside the call: only what a call of one of the tools can go on with
+    if name == "pythonic":
+        assert allowed and all(re.fullmatch(r"[gs]\w*", a) for a in allowed), allowed
+    else:
+        assert allowed and all(set(a) <= set('{"name: gt_wehrsfl') for a in allowed), allowed
+    assert tok.decode([tok.eos_token_id]) not in allowed
+    # plain text is free, with the format's brackets later on, and may end at any point
+    m = Matcher(index, (tok.eos_token_id,))
+    text = "Hello there, {1} [2] < 3 and some more"
+    assert all(m.advance(t) for t in tok.encode(text, add_special_tokens=False))
+    assert tok.eos_token_id in _allowed(m, words)
+    assert fmt.parse(text) == (text, [])
+    if fmt.at_start_only:  # the call start, first, is a call: text may not start so
+        m = Matcher(index, (tok.eos_token_id,))
+        bad = tok.encode(start + "x", add_special_tokens=False)
+        assert not all(m.advance(t) for t in bad)
+
+
+def test_python_literals_follow_the_schema():
+    rx = re.compile(python_literal_regex(FLAGS[1]["properties"]["tags"]))
+    assert rx.fullmatch('["a", True]') and rx.fullmatch("[None]") and not rx.fullmatch("[true]")
+    rx = re.compile(python_literal_regex({"type": "object"}))  # any object: Python's words inside
+    assert rx.fullmatch('{"a": [True, None, 1.5]}') and not rx.fullmatch('{"a": null}')
+    rx = re.compile(python_literal_regex({"enum": ["true", False, None]}))
+    assert rx.fullmatch('"true"') and rx.fullmatch("False") and rx.fullmatch("None") and not rx.fullmatch("false")
+
+
+def test_plan_refuses_what_a_format_cannot_write():
+    pythonic = tool_format("pythonic")
+    for tool, words in (({"name": "get.weather"}, "not a Python identifier"),
+                        ({"name": "f", "parameters": {"type": "object", "properties": {"class": {}}}},
+                         "'class' of 'f' is not a Python identifier"),
+                        ({"name": "f", "parameters": {"anyOf": [{"type": "object"}]}}, "object with properties")):
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                     "tools": [{"type": "function", "function": tool}]})
+        with pytest.raises(APIError, match=words) as e:
+            plan_tools(body.tools, "required", True, False, pythonic)
+        assert e.value.status == 400 and e.value.param == "tools"
+    plan = plan_tools(body.tools, "none", True, False, pythonic)  # shown, never constrained
+    assert plan.grammar is None and not plan.parse
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_abcdef123456", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_abcdef123456", "content": "21 C, sunny"}]
+WRITTEN = {  # the earlier call and its result, as each format writes them for a plain template
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+               "<tool_response>\n21 C, sunny\n</tool_response>", "<tools>"),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+                    '{"output": "21 C, sunny"}', '"parameters"'),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, '
+                '"id": "def123456"}]', '[TOOL_RESULTS]{"content": "21 C, sunny", "call_id": "def123456"}'
+                '[/TOOL_RESULTS]', "[AVAILABLE_TOOLS]"),
+    "pythonic": ('[get_weather(city="Paris", unit="celsius")]', '{"output": "21 C, sunny"}', "Python list"),
+}
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_prompt_for_a_template_without_tools(name):
+    body = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": [
+        {"type": "function", "function": {"name": n, "parameters": p}} for n, p in FUNCTIONS]})
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    dicts, tools = tool_format(name).chat_dicts(body.messages, body.tools, plain)
+    call, result, hint = WRITTEN[name]
+    assert tools is None and dicts[0]["role"] == "system"
+    assert hint in dicts[0]["content"] and '"set_flags"' in dicts[0]["content"]
+    assert dicts[2] == {"role": "assistant", "content": call}
+    assert dicts[3] == {"role": "user", "content": result}
+    assert tool_format(name).parse(call)[1][0]["function"]["name"] == "get_weather"  # it reads its own writing
+    # a template that renders tools gets them, and the calls with their arguments as objects
+    dicts, tools = tool_format(name).chat_dicts(body.messages, body.tools, "{{ tools }} {{ m.tool_calls }}")
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "set_flags"]
+    assert dicts[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    assert dicts[2]["name"] == "get_weather"
+    assert dicts[2]["tool_call_id"] == dicts[1]["tool_calls"][0]["id"] == (
+        "def123456" if name == "mistral" else "call_abcdef123456")
