@@ -15,6 +15,7 @@ from pageserve.app.generation import (cached_tokens, collect, request_id, sampli
 from pageserve.app.http import api_route, json_response, read_json, until_disconnected
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
+from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.state import LONG_TEXT, ServerState
 from pageserve.app.structured import structured_outputs
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
@@ -48,7 +49,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
-async def chat_prompt_ids(state: ServerState, body) -> list[int]:
+async def chat_prompt(state: ServerState, body) -> tuple[str, list[int]]:
+    """The rendered conversation (what a reasoning parser reads) and its token ids."""
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
             getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None),
             tool_format(state.settings.tool_call_parser))
@@ -57,7 +59,7 @@ async def chat_prompt_ids(state: ServerState, body) -> list[int]:
         text = await asyncio.to_thread(render_chat, *args)
     else:
         text = render_chat(*args)
-    return await state.tokenize(text, add_special_tokens=False)  # the template wrote them
+    return text, await state.tokenize(text, add_special_tokens=False)  # the template wrote them
 
 
 @api_route
@@ -77,7 +79,10 @@ async def chat_completions(request: Request) -> Response:
             raise bad_request(f"tool calls and {source} cannot be combined; use tool_choice none", source)
         grammar = plan.grammar
     tool_parser = plan.format if plan is not None and plan.parse else None
-    prompt_ids = await chat_prompt_ids(state, body)
+    prompt_text, prompt_ids = await chat_prompt(state, body)
+    thinking = state.reasoning
+    if thinking is not None:
+        grammar = thinking.after_reasoning(grammar, prompt_text)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
@@ -86,8 +91,9 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:
-        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), tool_parser),
-                            stream)
+        streams = [thinking.stream(prompt_text) for _ in range(body.n)] if thinking is not None else None
+        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), tool_parser,
+                                    streams), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
@@ -95,9 +101,15 @@ async def chat_completions(request: Request) -> Response:
     out = next(iter(outs.values()))
     choices = []
     for c in out.outputs:
-        content, calls = tool_parser.parse(c.text, c.finish_reason == "length") if tool_parser else (c.text, [])
+        message = {"role": "assistant"}
+        text = c.text
+        if thinking is not None:  # vLLM's field and its newer name
+            reasoning, text = thinking.extract(c.text, prompt_text)
+            message.update(reasoning_content=reasoning, reasoning=reasoning)
+        content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
+        message.update(content=content, tool_calls=calls)
         choices.append({
-            "index": c.index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "index": c.index, "message": message,
             "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
             "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
             "stop_reason": c.stop_reason})
@@ -108,7 +120,9 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int,
-                  usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None):
+                  usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None,
+                  thinking: list[ReasoningStream] | None):
+    """`thinking`: each choice's reasoning split, when a reasoning parser is on."""
     include_usage, continuous = usage_mode
     num_generated = cached = 0
 
@@ -129,12 +143,21 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
         for c in out.outputs:
             num_generated += len(c.token_ids)
             logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
+            text = c.text
+            if thinking is not None:
+                reasoning, text = thinking[c.index].feed(c.text)
+                if c.finish_reason is not None:
+                    more, rest = thinking[c.index].finish()
+                    reasoning, text = reasoning + more, text + rest
+                if reasoning:
+                    yield chunk(c.index, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=logprobs)
+                    logprobs = None
             if parsers is None:
-                if c.text or logprobs:
-                    yield chunk(c.index, {"content": c.text}, logprobs=logprobs)
+                if text or logprobs:
+                    yield chunk(c.index, {"content": text}, logprobs=logprobs)
             else:
                 parser = parsers[c.index]
-                deltas = parser.feed(c.text)
+                deltas = parser.feed(text)
                 if c.finish_reason is not None:
                     deltas += parser.finish(c.finish_reason == "length")
                 for i, delta in enumerate(deltas):

@@ -78,6 +78,8 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's thinking (vLLM's field; `reasoning` too)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:

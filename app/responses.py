@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pageserve.app.chat import chat_prompt_ids
+from pageserve.app.chat import chat_prompt
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import (cached_tokens, collect, error_event, failure, sampling_params,
                                       sse_response, start)
@@ -65,14 +65,18 @@ def _text(parts) -> str:
 
 def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
     """Items -> chat messages: function calls join the assistant message before them (or make
-    one), their outputs become tool messages, reasoning items are not shown to the template."""
+    one), their outputs become tool messages, a reasoning item becomes the next assistant
+    message's reasoning_content (for templates that show past thinking)."""
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage(role="system", content=instructions))
     names: dict[str, str] = {}
+    thought = None
     for item in items:
         kind = item["type"]
-        if kind == "message":
+        if kind == "reasoning":
+            thought = "".join(p["text"] for p in item.get("content") or item.get("summary") or ())
+        elif kind == "message":
             messages.append(ChatMessage(role=item["role"], content=_text(item["content"])))
         elif kind == "function_call":
             call = ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
@@ -85,6 +89,10 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", content=_text(item["output"]), tool_call_id=item["call_id"],
                                         name=names.get(item["call_id"])))
+        if kind != "reasoning":  # a thought belongs to the assistant turn right after it
+            if thought and messages[-1].role == "assistant":
+                messages[-1].reasoning_content = thought
+            thought = None
     if not messages:
         raise bad_request("the input has no message to answer", "input")
     return messages
@@ -144,10 +152,9 @@ async def create_response(request: Request) -> Response:
     parse_tools = plan.format if plan is not None and plan.parse else None
     view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
                            tools=tools, chat_template_kwargs=body.chat_template_kwargs)
-    prompt_ids = await chat_prompt_ids(state, view)
+    prompt_text, prompt_ids = await chat_prompt(state, view)
     thinking = None
     if state.reasoning is not None:  # the parser reads where the template left the think block
-        prompt_text = state.detokenize(prompt_ids)
         grammar = state.reasoning.after_reasoning(grammar, prompt_text)
         thinking = state.reasoning.stream(prompt_text)
     want_logprobs = body.top_logprobs is not None or LOGPROBS_INCLUDE in (body.include or ())

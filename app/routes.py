@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pageserve.app.chat import chat_completions, chat_prompt_ids
+from pageserve.app.chat import chat_completions, chat_prompt
 from pageserve.app.completions import completions
 from pageserve.app.embeddings import embeddings
 from pageserve.app.errors import APIError
@@ -60,7 +60,7 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
     if body.messages is not None:
-        ids = await chat_prompt_ids(state, body)
+        _, ids = await chat_prompt(state, body)
     else:
         ids = await state.tokenize(body.prompt, body.add_special_tokens)
     return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})

@@ -26,7 +26,7 @@ YES_NO = {"type": "object", "properties": {"a": {"type": "string", "enum": ["yes
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     path = build_scripted_model(tmp_path_factory.mktemp("qwen3-think"), SCRIPT, chat_template=QWEN3_STYLE_TEMPLATE)
-    srv = scripted_server(path, reasoning_parser="qwen3", enable_auto_tool_choice=True)
+    srv = scripted_server(path, {"max_model_len": 1024, "kv_cache_memory": 0.02}, reasoning_parser="qwen3")
     yield srv
     srv.stop()
 
@@ -100,3 +100,77 @@ def test_responses_text_format_applies_after_the_thinking(qwen3):
     assert r["output"][0]["content"][0]["text"] == THOUGHT  # the thinking is as scripted, unconstrained
     assert json.loads(r["output"][1]["content"][0]["text"])["a"] in ("yes", "no")  # the answer obeys
     qwen3.wait_idle()
+
+
+def test_chat_reasoning_whole_and_streamed(qwen3):
+    whole = post(qwen3, "chat/completions", {"messages": USER})
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == THOUGHT
+    assert message["content"] == ANSWER and whole["choices"][0]["finish_reason"] == "stop"
+
+    chunks = events(qwen3, "chat/completions", {"messages": USER, "n": 2, "seed": 1})
+    for index in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        thought = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+        assert [d["reasoning"] for d in deltas if "reasoning" in d] == thought
+        content = [d["content"] for d in deltas if d.get("content")]
+        assert "".join(thought) == THOUGHT and "".join(content) == ANSWER
+        assert len(thought) > 1 and no_tags(*thought, *content)
+        assert not any("reasoning_content" in d and d.get("content") for d in deltas)  # one kind per delta
+    qwen3.wait_idle()
+
+
+def test_chat_grammars_apply_after_the_thinking(qwen3):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}
+    message = post(qwen3, "chat/completions", {"messages": USER, "response_format": fmt,
+                                               "max_tokens": 60})["choices"][0]["message"]
+    assert message["reasoning_content"] == THOUGHT and json.loads(message["content"])["a"] in ("yes", "no")
+
+    tools = [{"type": "function", "function": {"name": "decide", "parameters": YES_NO}}]
+    choice = post(qwen3, "chat/completions", {"messages": USER, "tools": tools, "tool_choice": "required",
+                                              "parallel_tool_calls": False, "max_tokens": 120})["choices"][0]
+    assert choice["message"]["reasoning_content"] == THOUGHT and choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "decide" and json.loads(call["arguments"])["a"] in ("yes", "no")
+    assert no_tags(choice["message"]["content"])
+
+    # enable_thinking false: the template closes the think block in the prompt, so the grammar
+    # governs from the first token and there is no reasoning at all
+    off = post(qwen3, "chat/completions", {"messages": USER, "response_format": fmt, "max_tokens": 60,
+                                           "chat_template_kwargs": {"enable_thinking": False}})
+    message = off["choices"][0]["message"]
+    assert message["reasoning_content"] is None and json.loads(message["content"])["a"] in ("yes", "no")
+    qwen3.wait_idle()
+
+
+def test_r1_template_opens_the_thinking(r1):
+    message = post(r1, "chat/completions", {"messages": USER})["choices"][0]["message"]
+    assert message["reasoning_content"] == THOUGHT and message["content"] == ANSWER
+    chunks = events(r1, "chat/completions", {"messages": USER})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
+    assert "".join(d.get("content", "") for d in deltas) == ANSWER
+    r = post(r1, "responses", {"input": "Is it?"})
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == THOUGHT
+    r1.wait_idle()
+
+
+@pytest.mark.unit
+def test_past_thinking_reaches_the_template_as_reasoning_content():
+    from pageserve.app.protocol import ChatMessage
+    from pageserve.app.responses import chat_messages
+    from pageserve.app.tools import tool_format
+
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Is it?"}]},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ANSWER}]},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "lost"}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Sure?"}]}]
+    messages = chat_messages(None, items)
+    assert [(m.role, m.reasoning_content) for m in messages] == [("user", None), ("assistant", THOUGHT),
+                                                                ("user", None)]
+    dicts, _ = tool_format(None).chat_dicts(
+        [*messages, ChatMessage(role="assistant", content="x", reasoning="newer name")], None, "")
+    assert dicts[1]["reasoning_content"] == THOUGHT and dicts[3]["reasoning_content"] == "newer name"
+    assert "reasoning_content" not in dicts[0]

@@ -81,6 +81,8 @@ class ToolFormat:
             d = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.reasoning_content or m.reasoning:  # templates that show past thinking read this name
+                d["reasoning_content"] = m.reasoning_content or m.reasoning
             if m.tool_calls:
                 calls = [{"id": c.id, "name": c.function.name, "arguments": _arguments(c.function.arguments)}
                          for c in m.tool_calls]
