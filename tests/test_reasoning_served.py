@@ -8,6 +8,9 @@ the end of the thinking on, so the thinking stays as scripted while the answer o
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +19,7 @@ from tests.scripted import QWEN3_STYLE_TEMPLATE, R1_STYLE_TEMPLATE, build_script
 
 pytestmark = pytest.mark.server
 
+NODE_DIR = Path(__file__).resolve().parent / "node"
 THOUGHT = "I should answer in JSON"
 ANSWER = "maybe"  # what the grammars below forbid
 SCRIPT = f"<think>{THOUGHT}</think>{ANSWER}"
@@ -174,3 +178,14 @@ def test_past_thinking_reaches_the_template_as_reasoning_content():
         [*messages, ChatMessage(role="assistant", content="x", reasoning="newer name")], None, "")
     assert dicts[1]["reasoning_content"] == THOUGHT and dicts[3]["reasoning_content"] == "newer name"
     assert "reasoning_content" not in dicts[0]
+
+
+def test_ai_sdk_reads_the_thinking(qwen3):
+    node = shutil.which("node")
+    assert node, "node is needed for this test (make test installs the npm packages)"
+    proc = subprocess.run([node, str(NODE_DIR / "reasoning.mjs"), f"{qwen3.url}/v1", qwen3.model],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"streamedReasoning": THOUGHT, "streamedText": ANSWER, "reasoning": THOUGHT, "text": ANSWER}
+    qwen3.wait_idle()
