@@ -54,6 +54,9 @@ class ModelConfig:
     max_model_len: int
     # config.json as read: what one architecture alone needs (expert counts, layer plans)
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+    # tensor parallelism: this process holds rank tp_rank's part of every split layer
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -61,6 +64,27 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.tp_size > 1:
+            kv, tp = self.num_kv_heads, self.tp_size
+            splits = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size,
+                      "vocab_size": self.vocab_size}
+            for name, value in splits.items():
+                if value % tp:
+                    raise ValueError(f"{name} ({value}) must be divisible by --tensor-parallel-size ({tp})")
+            if kv % tp and tp % kv:  # fewer KV heads than ranks: each is replicated on tp // kv ranks
+                raise ValueError(f"num_key_value_heads ({kv}) and --tensor-parallel-size ({tp}) must "
+                                 "divide one another")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """Split across ranks, or one replicated KV head per rank when there are fewer."""
+        return max(1, self.num_kv_heads // self.tp_size)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_model_len > self.max_position_embeddings:
@@ -119,6 +143,27 @@ class DeviceConfig:
         object.__setattr__(self, "attention_backend", Backend(self.attention_backend))
 
 
+class ExecutorBackend(_Choice):
+    """distributed_executor_backend: how ranks above one run"""
+    MP = "mp"  # one worker process per rank on this machine (multiprocessing)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend = ExecutorBackend.MP
+    master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous (MASTER_ADDR)
+    master_port: int = 0  # MASTER_PORT; 0: a free port on this machine
+
+    def __post_init__(self):
+        object.__setattr__(self, "distributed_executor_backend",
+                           ExecutorBackend(self.distributed_executor_backend))
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"MASTER_PORT must be a port number, got {self.master_port}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -127,6 +172,7 @@ class EngineConfig:
     device: DeviceConfig
     seed: int
     debug_checks: bool  # check pool integrity after every step (tests)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def parse_dtype(name: str, device: torch.device) -> torch.dtype:

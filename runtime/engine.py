@@ -15,7 +15,8 @@ from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.config import EngineConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
-from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
+from pageserve.runtime.engine_args import GiB, EngineArgs
+from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
@@ -26,6 +27,7 @@ from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.stats import EngineStats, IterationCounters
 from pageserve.runtime.swap_space import SwapSpace
+from pageserve.runtime.worker import kv_pool_blocks
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,11 +51,11 @@ class RequestFailedError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer, runner: ModelRunner):
+    def __init__(self, config: EngineConfig, tokenizer, executor: UniProcExecutor | MultiprocExecutor):
         self.config = config
         self.tokenizer = tokenizer
         self._tokenizer = backend_tokenizer(tokenizer)
-        self.runner = runner
+        self.executor = executor
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
@@ -68,10 +70,17 @@ class LLMEngine:
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
 
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The model runner in this process (--tensor-parallel-size 1); None above (the ranks'
+        runners are in their worker processes)."""
+        return self.executor.runner
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         device = args.resolve_device()
-        if device.device.type == "cpu":
+        parallel = args.parallel_config()
+        if device.device.type == "cpu" and parallel.tensor_parallel_size == 1:
             torch.set_num_threads(device.num_threads)
             keep_freed_memory()
             bound_onednn_cache()
@@ -79,27 +88,33 @@ class LLMEngine:
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
-        runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
-        block_bytes = kv_block_bytes(model_cfg, args.block_size)
-        if device.device.type == "cuda":
-            num_blocks = runner.profile_num_blocks(args.gpu_memory_utilization,
-                                                   sched_cfg.max_num_batched_tokens,
-                                                   sched_cfg.max_num_seqs)
-            if args.kv_cache_memory is not None:
-                num_blocks = min(num_blocks, int(args.kv_cache_memory * GiB // block_bytes))
-        else:
-            num_blocks = int((args.kv_cache_memory or CPU_KV_CACHE_GIB) * GiB // block_bytes)
-        num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
-        cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
-        runner.allocate_kv_cache(cache_cfg)
-        config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                              seed=args.seed, debug_checks=args.debug_checks)
-        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB)", model_cfg.architecture,
-                    model_cfg.dtype, num_blocks, args.block_size,
-                    num_blocks * block_bytes / GiB)
-        engine = cls(config, tokenizer, runner)
-        engine.warm_up()
+        if parallel.tensor_parallel_size == 1:
+            runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
+            executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
+        else:  # the workers load their parts and size their pools; one block table must fit them all
+            executor = MultiprocExecutor(args, parallel, model_cfg, device, sched_cfg)
+            num_blocks = executor.num_blocks
+        try:
+            block_bytes = kv_block_bytes(model_cfg, args.block_size)  # per rank
+            num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
+            cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
+            executor.allocate_kv_cache(cache_cfg)
+            config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
+                                  seed=args.seed, debug_checks=args.debug_checks, parallel=parallel)
+            logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
+                        model_cfg.dtype, num_blocks, args.block_size, num_blocks * block_bytes / GiB,
+                        f" per rank, {parallel.tensor_parallel_size} ranks" if parallel.tensor_parallel_size > 1
+                        else "")
+            engine = cls(config, tokenizer, executor)
+            engine.warm_up()
+        except BaseException:
+            executor.shutdown()
+            raise
         return engine
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        self.executor.shutdown()
 
     def warm_up(self) -> None:
         """Run the largest step the scheduler can build (a full token budget spread over the
@@ -108,8 +123,7 @@ class LLMEngine:
         variant serving can launch is compiled (on backends that compile), and decode steps
         are captured as CUDA graphs (on CUDA, without --enforce-eager)."""
         sched = self.config.scheduler
-        self.runner.warm_up_kernels()
-        self.runner.capture_cuda_graphs(sched.max_num_seqs)
+        self.executor.warm_up(sched.max_num_seqs)
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
@@ -245,7 +259,9 @@ class LLMEngine:
             self._resolve_grammars()
         sched = self.scheduler.schedule()
         try:
-            result = self.runner.execute(sched)  # also runs the step's swaps and copies
+            result = self.executor.execute(sched)  # also runs the step's swaps and copies
+        except ExecutorDeadError:  # the ranks are gone: no step can run again
+            raise
         except Exception as e:
             raise StepFailed(self._fail_step(sched), e) from e
         if sched.is_empty:
@@ -348,7 +364,7 @@ class LLMEngine:
         self.outputs.groups[parent.output_id].extend(children)
         copies = self.scheduler.fork(parent, children)
         if copies:
-            self.runner.copy_blocks(copies)
+            self.executor.copy_blocks(copies)
         return children
 
     def _fail_step(self, sched) -> list[str]:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ModelConfig, PreemptionMode,
-                                      SchedulerConfig, parse_dtype)
+from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
+                                      ParallelConfig, PreemptionMode, SchedulerConfig, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, eos_token_ids, rope_settings
 
@@ -47,6 +47,8 @@ class EngineArgs:
     num_threads: int | None = None
     enforce_eager: bool = False  # torch ops only: no compiled CPU kernels, no CUDA graphs
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured (CUDA)
+    tensor_parallel_size: int = 1  # ranks each layer is split over (one worker process each above 1)
+    distributed_executor_backend: str = "mp"
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -66,6 +68,7 @@ class EngineArgs:
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         PreemptionMode(self.preemption_mode)  # its own check, before anything loads
+        self.parallel_config()
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
 
@@ -119,11 +122,27 @@ class EngineArgs:
                             "largest (then 1, 2, 4 and every multiple of 8 up to it), several are the "
                             "sizes; default: up to --max-num-seqs, at most 512. A decode step of n "
                             "requests replays the smallest size >= n")
+        g = parser.add_argument_group("parallelism")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split every layer over this many devices (one worker process each; on CPU, "
+                            "processes sharing the cores); the rendezvous is MASTER_ADDR:MASTER_PORT "
+                            "(default 127.0.0.1 and a free port)")
+        g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
+                       help="mp: one worker process per rank on this machine")
         return parser
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    def parallel_config(self) -> ParallelConfig:
+        """--tensor-parallel-size and the rendezvous from torch.distributed's environment."""
+        port = os.environ.get("MASTER_PORT", "0")
+        if not port.isdigit():
+            raise ValueError(f"MASTER_PORT must be a port number, got {port!r}")
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              distributed_executor_backend=ExecutorBackend(self.distributed_executor_backend),
+                              master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(port))
 
     def resolve_device(self) -> DeviceConfig:
         if self.device == "auto":
@@ -180,6 +199,7 @@ class EngineArgs:
                 dtype=parse_dtype(self.dtype, device),
                 max_model_len=max_len,
                 hf_config=hf,
+                tp_size=self.tensor_parallel_size,
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None

@@ -15,7 +15,7 @@ from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
 from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
-from pageserve.runtime.models import registry
+from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, iter_safetensors
 from pageserve.runtime.request import child_id
@@ -40,9 +40,9 @@ class StepResult:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
-    """Bytes of one block across all layers, K and V."""
+    """Bytes of one block across all layers, K and V (of one rank's KV heads)."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+    return 2 * model.num_layers * block_size * model.kv_heads_per_rank * model.head_dim * elem
 
 
 class ModelRunner:
@@ -54,8 +54,8 @@ class ModelRunner:
         self.device = device_cfg.device
         self.dev = dev or device_for(self.device)
         self.block_size = block_size
-        self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.num_heads,
-                                    model_cfg.num_kv_heads)
+        self.kernels = make_kernels(device_cfg.attention_backend, block_size, model_cfg.heads_per_rank,
+                                    model_cfg.kv_heads_per_rank)
         if isinstance(self.kernels, TorchKernels) and model_cfg.dtype == torch.float32 \
                 and self.device.type == "cpu" and not device_cfg.enforce_eager:
             lib = cpu_kernels.load(cache_root() / "kernels")  # None without a C compiler
@@ -78,6 +78,7 @@ class ModelRunner:
         cfg = self.model_cfg
         with torch.device("meta"):
             model = registry.model_class(cfg.architecture)(cfg, self.kernels)
+        parallel.check_supported(model, cfg)
         model = model.to_empty(device=self.device)
         try:
             model.load_weights(iter_safetensors(path))
@@ -197,7 +198,7 @@ class ModelRunner:
         self.kv_caches, self._kv_storage = [], None  # the old pool is freed before the new one
         if not num_blocks:
             return
-        shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks, cfg.kv_heads_per_rank, self.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
         self._kv_storage = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
@@ -289,6 +290,8 @@ class ModelRunner:
                 rows.append(row)
                 sample_rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
         logits = self.sample_logits(hidden[logits_rows], out)
+        if self.model_cfg.tp_rank:  # the logits were gathered on rank 0, which samples
+            return result
         if len(rows) > len(logits_rows):  # n > 1 forks draw several tokens from one row
             logits = logits.repeat_interleave(torch.tensor(
                 [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
@@ -339,6 +342,8 @@ class ModelRunner:
         entries = []
         for i in range(0, len(rows), _LOGPROB_ROWS):  # [rows, vocab] logits, a piece at a time
             logits = self.model.compute_logits(hidden[rows[i:i + _LOGPROB_ROWS]])
+            if self.model_cfg.tp_rank:  # gathered on rank 0
+                continue
             piece = torch.tensor(targets[i:i + _LOGPROB_ROWS], device=self.device)
             entries += topk_logprobs(logits, piece, ks[i:i + _LOGPROB_ROWS], max(ks))
         return {rid: (first, entries[at:at + n]) for rid, (first, at, n) in spans.items()}

@@ -18,6 +18,7 @@ from torch import nn
 
 from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import AttentionMetadata, Kernels
+from pageserve.runtime.models import parallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -94,7 +95,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.kernels, self.ops = cfg, kernels, kernels.ops
         d = cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.num_heads, self.num_kv_heads = cfg.heads_per_rank, cfg.kv_heads_per_rank  # this rank's heads
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = d ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -111,29 +113,31 @@ class Attention(nn.Module):
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(t, self.num_heads, cfg.head_dim)
+        k = k.reshape(t, self.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, self.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:  # written back into qkv: q, k and v stay views of one tensor,
             q.copy_(self._head_norm(q, self.q_norm))  # with the token stride the kernels
             k.copy_(self._head_norm(k, self.k_norm))  # expect of all three
         self.ops.rotary_embedding(q, k, *rope)
         attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale)
-        return linear(attn.reshape(t, self.q_size), self.o_proj.weight)
+        return parallel.all_reduce(linear(attn.reshape(t, self.q_size), self.o_proj.weight), cfg.tp_size)
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels):
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, tp_size: int = 1):
+        """tp_size > 1: this rank's slice of the intermediate size (runtime/models/parallel.py)."""
         super().__init__()
-        self.kernels, self.ops = kernels, kernels.ops
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.kernels, self.ops, self.tp_size = kernels, kernels.ops, tp_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size // tp_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.kernels.linear
-        return linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        out = linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return parallel.all_reduce(out, self.tp_size)
 
 
 class Experts(nn.Module):
@@ -210,15 +214,16 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
         self.cfg, self.ops, self.kernels = cfg, kernels.ops, kernels
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = parallel.embedding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, self.mlp(cfg, i), self.qk_norm)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size,
+                                                                      bias=False)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg), persistent=False)
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels, cfg.tp_size)
 
     @staticmethod
     def rename(name: str) -> str:
@@ -238,7 +243,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.kernels.linear(hidden, weight).float()
+        return parallel.gather_logits(self.kernels.linear(hidden, weight).float(), self.cfg)
 
     def _target(self, name: str) -> tuple[str, tuple]:
         """Our parameter and the index inside it that a checkpoint tensor fills."""
@@ -273,7 +278,9 @@ class CausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             try:
-                target, index = self._target(self.rename(name.removeprefix("model.")))
+                renamed = self.rename(name.removeprefix("model."))
+                tensor = parallel.shard(renamed, tensor, self.cfg)  # this rank's part (all of it at TP 1)
+                target, index = self._target(renamed)
             except AttributeError:  # a prefix naming no module of ours
                 raise ValueError(f"unexpected weight {name}") from None
             if target not in params:

@@ -1,0 +1,228 @@
+"""Between the engine and the model: the engine hands each step's SchedulerOutput to an
+executor and gets the sampled tokens back.
+
+- UniProcExecutor (--tensor-parallel-size 1): today's ModelRunner in this process; every call
+  passes straight through.
+- MultiprocExecutor (above 1, --distributed-executor-backend mp): one worker process per rank
+  (runtime/worker.py), started together so that they load their parts and warm up in
+  parallel. Each step is pickled once and the same bytes are written to every worker's pipe;
+  rank 0 answers with the StepResult. Block swaps and copies are in the step (or a message of
+  their own) and so run on every rank. A worker that dies, raises or does not answer in time
+  stops them all, and the engine gets an ExecutorDeadError (it cannot go on: the ranks would
+  be out of step); no worker outlives the executor or the engine process."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import time
+import weakref
+
+import numpy as np
+
+from pageserve.runtime import worker
+from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.model_runner import ModelRunner, StepResult
+from pageserve.runtime.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# as vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: a step no rank answers in this long is a hang
+EXECUTE_TIMEOUT_S = float(os.environ.get("PAGESERVE_EXECUTE_TIMEOUT_S", "300"))
+START_TIMEOUT_S = float(os.environ.get("PAGESERVE_WORKER_START_TIMEOUT_S", "1800"))  # load, profile, compile
+
+
+class ExecutorDeadError(RuntimeError):
+    """A tensor-parallel worker died, failed or hung; every worker has been stopped and the
+    engine cannot run another step."""
+
+
+class UniProcExecutor:
+    """One rank, in this process: the runner itself."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.runner.execute(out)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def allocate_kv_cache(self, cache: CacheConfig) -> None:
+        self.runner.allocate_kv_cache(cache)
+
+    def warm_up(self, max_num_seqs: int) -> None:
+        self.runner.warm_up_kernels()
+        self.runner.capture_cuda_graphs(max_num_seqs)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _MaskRow:
+    """A grammar matcher's row of the token bitmask, filled in the engine process (where the
+    matchers live and advance) and shipped in its place: the runner calls fill_bitmask alike."""
+    __slots__ = ("words",)
+
+    def __init__(self, matcher, vocab_size: int):
+        row = np.full((1, -(-vocab_size // 32)), -1, dtype=np.int32)
+        matcher.fill_bitmask(row, 0)
+        self.words = row[0]
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = self.words
+
+
+class MultiprocExecutor:
+    """N ranks, one worker process each. `num_blocks` is the smallest KV pool any rank can
+    hold, so that one block table fits every rank."""
+    runner = None  # no model in this process
+
+    def __init__(self, args: EngineArgs, parallel: ParallelConfig, model_cfg: ModelConfig,
+                 device_cfg: DeviceConfig, sched_cfg: SchedulerConfig):
+        n = parallel.tensor_parallel_size
+        self.vocab_size = model_cfg.vocab_size
+        port = parallel.master_port or _free_port(parallel.master_addr)
+        if device_cfg.device.type == "cpu" and args.num_threads is None:  # the ranks share the cores
+            device_cfg = dataclasses.replace(device_cfg, num_threads=max(1, device_cfg.num_threads // n))
+        ctx = multiprocessing.get_context("spawn")
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._dead = False
+        self.execute_timeout = EXECUTE_TIMEOUT_S
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        try:
+            for rank in range(n):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=worker.run_worker, name=f"pageserve-tp{rank}", daemon=True,
+                                   args=(rank, n, parallel.master_addr, port, args, model_cfg, device_cfg,
+                                         sched_cfg, child, os.getpid()))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            start = time.perf_counter()
+            blocks = self._collect(START_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = min(blocks)
+        logger.info("%d tensor-parallel workers (pids %s) ready in %.1f s, rendezvous %s:%d; KV blocks per "
+                    "rank %s", n, ", ".join(str(p.pid) for p in self._procs), time.perf_counter() - start,
+                    parallel.master_addr, port, blocks)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        return self._call("execute", self._for_workers(out))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._call("copy_blocks", pairs)
+
+    def allocate_kv_cache(self, cache: CacheConfig) -> None:
+        self._call("allocate_kv_cache", cache, timeout=START_TIMEOUT_S)
+
+    def warm_up(self, max_num_seqs: int) -> None:
+        self._call("warm_up", max_num_seqs, timeout=START_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        self._dead = True
+        self._finalizer()
+
+    def _for_workers(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step as the workers get it: grammar matchers replaced by their bitmask rows."""
+        if not any(r.matcher is not None for r in out.requests):
+            return out
+        requests = [r if r.matcher is None else dataclasses.replace(r, matcher=_MaskRow(r.matcher, self.vocab_size))
+                    for r in out.requests]
+        return dataclasses.replace(out, requests=requests)
+
+    def _call(self, method: str, *call_args, timeout: float | None = None):
+        if self._dead:
+            raise ExecutorDeadError("the tensor-parallel workers have been stopped")
+        payload = pickle.dumps((method, call_args), pickle.HIGHEST_PROTOCOL)  # once, for every rank
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError as e:
+                self._fail(f"tensor-parallel worker rank {rank} (pid {self._procs[rank].pid}) is gone "
+                           f"({e!r}, exit code {self._procs[rank].exitcode})")
+        return self._collect(timeout or self.execute_timeout)[0]
+
+    def _collect(self, timeout: float) -> list:
+        """Every rank's answer to the last message; a rank that raised, died or stayed silent
+        for `timeout` seconds stops them all."""
+        answers: list = [None] * len(self._conns)
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            sentinels = {self._procs[rank].sentinel: rank for rank in pending.values()}
+            ready = multiprocessing.connection.wait([*pending, *sentinels], max(0.0, left))
+            if not ready:
+                ranks = sorted(pending.values())
+                self._fail(f"tensor-parallel worker rank(s) {ranks} did not answer within {timeout:g} s "
+                           f"(hung; PAGESERVE_EXECUTE_TIMEOUT_S sets the limit)")
+            for conn in [c for c in ready if c in pending]:  # answers before deaths: a last word counts
+                rank = pending.pop(conn)
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail(self._death(rank))
+                if status == "error":
+                    self._fail(f"tensor-parallel worker rank {rank} failed:\n{value}")
+                answers[rank] = value
+            for s in ready:
+                if s in sentinels and sentinels[s] in pending.values():
+                    self._fail(self._death(sentinels[s]))
+        return answers
+
+    def _death(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(1.0)
+        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+
+    def _fail(self, message: str):
+        logger.error("%s; stopping every worker", message)
+        for proc in self._procs:  # the others may be blocked in a collective with the lost rank
+            if proc.is_alive():
+                proc.terminate()
+        self.shutdown()
+        raise ExecutorDeadError(message)
+
+
+def _stop(procs: list, conns: list) -> None:
+    """Ask every worker to exit, then terminate and kill what is left (a rank blocked in a
+    collective whose peer died does not read its pipe)."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("shutdown", ())))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,188 @@
+"""Tensor parallelism on CPU (gloo, two worker processes of one thread each): the same greedy
+tokens as one rank in float32 under chunked prefill, prefix hits, swap, recompute, n > 1 block
+copies and a grammar, with 4 KV heads (split) and 1 (replicated); how checkpoint tensors are
+split; a worker that dies or hangs stops the engine and leaves no process behind."""
+
+import os
+import random
+import signal
+
+import psutil
+import pytest
+import torch
+
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.config import ModelConfig
+from pageserve.runtime.executor import ExecutorDeadError
+from pageserve.runtime.models import parallel
+from pageserve.sampling.params import StructuredOutputsParams
+from tests.conftest import assert_pool_clean
+
+pytestmark = pytest.mark.engine
+
+GiB = 1 << 30
+
+
+def block_bytes(kv_heads_per_rank: int) -> int:
+    return 2 * 2 * kv_heads_per_rank * 16 * 16 * 4  # layers, K/V, heads, block size, head dim, fp32
+
+
+def engine(model_dir, tp, kv_heads, blocks, swap_blocks, **kw):
+    """The same number of blocks (and swap blocks) at any tp: the memory flags are per rank."""
+    per_rank = block_bytes(max(1, kv_heads // tp))
+    return LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=512,
+               kv_cache_memory=blocks * per_rank / GiB, swap_space=swap_blocks * per_rank / GiB,
+               max_num_batched_tokens=128, debug_checks=True, **kw)
+
+
+def workload(seed=0):
+    """Long prompts (chunked at 128 tokens), half of them behind one shared 96-token prefix,
+    greedy; an n = 2 seeded request (its fork copies a partial block) and a choice grammar."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 384) for _ in range(96)]
+    prompts, params = [], []
+    for i in range(20):
+        own = [rng.randrange(3, 384) for _ in range(rng.randrange(60, 300))]
+        prompts.append(shared + own if i % 2 else own)
+        params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(8, 40), ignore_eos=True))
+    prompts.append(shared + [7, 8, 9])
+    params.append(SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True))
+    prompts.append([11, 12, 13])
+    params.append(SamplingParams(temperature=0, max_tokens=10,
+                                 structured_outputs=StructuredOutputsParams(choice=("yes", "no", "maybe"))))
+    return prompts, params
+
+
+def run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module", params=[4, 1], ids=["kv4-split", "kv1-replicated"])
+def model(request, tmp_path_factory):
+    kv = request.param
+    return kv, build_tiny_model(tmp_path_factory.mktemp(f"tiny-kv{kv}"), num_key_value_heads=kv)
+
+
+def test_tp2_same_tokens_as_tp1_under_pressure(model):
+    kv, path = model
+    prompts, params = workload()
+    results, stats = {}, {}
+    for tp in (1, 2):
+        # room for about two long requests; the swap space for one short one, so that long ones
+        # fall back to recompute
+        llm = engine(path, tp, kv, blocks=44, swap_blocks=14)
+        try:
+            results[tp] = run(llm, prompts, params)
+            sched = llm.engine.scheduler
+            stats[tp] = (sched.num_preemptions, sched.num_swapped_out_blocks, sched.num_recomputed,
+                         llm.engine.kv.prefix_hits)
+            assert_pool_clean(llm.engine)
+        finally:
+            llm.engine.shutdown()
+    assert results[2] == results[1]
+    preemptions, swapped, recomputed, hits = stats[2]
+    assert preemptions > 0 and swapped > 0 and recomputed > 0, stats
+    assert hits > 0, stats
+    assert stats[2] == stats[1]  # the same schedule: the ranks' pools are the same size as one rank's
+    assert results[2][-2][0] != results[2][-2][1]  # n = 2 drew two different sequences
+
+
+def _children() -> set[int]:
+    """This process's children, but multiprocessing's resource tracker (started with the first
+    spawned process, it lives as long as this process)."""
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())}
+
+
+def test_killed_worker_stops_the_engine_and_leaves_no_process(model):
+    kv, path = model
+    before = _children()
+    llm = engine(path, 2, kv, blocks=200, swap_blocks=0)
+    pids = llm.engine.executor.pids
+    assert len(pids) == 2 and set(pids) <= _children()
+    eng = llm.engine
+    for i in range(4):
+        eng.add_request([5 + i] * 50, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(ExecutorDeadError, match=r"rank 1 \(pid \d+\) died"):
+        for _ in range(100):
+            eng.step()
+    assert not any(psutil.pid_exists(p) for p in pids)
+    assert _children() <= before
+    with pytest.raises(ExecutorDeadError, match="stopped"):  # no step runs again
+        eng.step()
+
+
+def test_hung_worker_stops_the_engine(tiny_model_dir):
+    llm = engine(tiny_model_dir, 2, 2, blocks=200, swap_blocks=0)
+    pids = llm.engine.executor.pids
+    eng = llm.engine
+    eng.executor.execute_timeout = 3.0
+    eng.add_request([5] * 50, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    eng.step()
+    os.kill(pids[0], signal.SIGSTOP)  # rank 1 then waits for it in the first all-reduce
+    with pytest.raises(ExecutorDeadError, match=r"rank\(s\) \[0, 1\] did not answer within 3 s"):
+        eng.step()
+    assert not any(psutil.pid_exists(p) for p in pids)
+
+
+def test_moe_is_refused_under_tp(tmp_path):
+    path = build_tiny_model(tmp_path / "moe", arch="mixtral")
+    before = _children()
+    with pytest.raises(ExecutorDeadError, match="mixture-of-experts layers are not split"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=0.01, max_model_len=256)
+    assert _children() <= before
+
+
+def _cfg(tp, rank, heads=8, kv=2, d=4, vocab=64):
+    return ModelConfig(path="", architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=heads * d,
+                       intermediate_size=48, num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                       rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                       tie_word_embeddings=False, qkv_bias=False, eos_token_ids=(0,), dtype=torch.float32,
+                       max_model_len=64, tp_size=tp, tp_rank=rank)
+
+
+def test_shards_cover_each_weight_once_and_replicate_kv_heads():
+    full = {"layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
+            "layers.0.self_attn.k_proj.weight": torch.randn(8, 32),
+            "layers.0.self_attn.o_proj.weight": torch.randn(32, 32),
+            "layers.0.mlp.gate_proj.weight": torch.randn(48, 32),
+            "layers.0.mlp.down_proj.weight": torch.randn(32, 48),
+            "embed_tokens.weight": torch.randn(64, 32), "norm.weight": torch.randn(32)}
+    rows = {"q_proj": 0, "gate_proj": 0, "embed_tokens": 0, "o_proj": 1, "down_proj": 1}
+    for tp in (2, 4):
+        parts = {n: [parallel.shard(n, t, _cfg(tp, r)) for r in range(tp)] for n, t in full.items()}
+        for name, t in full.items():
+            dim = next((d for key, d in rows.items() if key in name), None)
+            if dim is not None:  # split: the ranks' parts in order are the tensor
+                assert torch.equal(torch.cat(parts[name], dim=dim), t), name
+            elif "k_proj" not in name:  # replicated
+                assert all(torch.equal(p, t) for p in parts[name]), name
+        k = full["layers.0.self_attn.k_proj.weight"]
+        # 2 KV heads: split at tp 2; at tp 4 ranks 0, 1 read head 0 and ranks 2, 3 head 1
+        expect = [k[0:4], k[4:8]] if tp == 2 else [k[0:4], k[0:4], k[4:8], k[4:8]]
+        assert all(torch.equal(a, b) for a, b in zip(parts["layers.0.self_attn.k_proj.weight"], expect)), tp
+        # rank r's query heads read the KV head that rank holds (GQA group of 4 query heads)
+        for r in range(tp):
+            q_heads = range(r * 8 // tp, (r + 1) * 8 // tp)
+            assert {h // 4 for h in q_heads} == {r * 2 // tp}
+    # Phi-3 stores q/k/v (and gate/up) fused: split alike
+    fused = torch.cat([full["layers.0.self_attn.q_proj.weight"], k, torch.randn(8, 32)])
+    for r in range(2):
+        cfg = _cfg(2, r)
+        part = parallel.shard("layers.0.self_attn.qkv_proj.weight", fused, cfg)
+        q, kk, v = fused.split([32, 8, 8])
+        assert torch.equal(part, torch.cat([parallel.shard("a.q_proj.weight", q, cfg),
+                                            parallel.shard("a.k_proj.weight", kk, cfg),
+                                            parallel.shard("a.v_proj.weight", v, cfg)]))
+
+
+def test_sizes_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) and --tensor-parallel-size \(3\)"):
+        _cfg(3, 0, heads=6, vocab=66)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(8\) must be divisible"):
+        _cfg(3, 0, kv=1)
