@@ -1,0 +1,95 @@
+"""The real server with --tensor-parallel-size 2 on CPU (two gloo worker processes): the
+OpenAI client's streaming, n = 2 and JSON-schema requests; a worker killed mid-stream ends the
+stream with an error, turns /health to 503 and takes the server down with a non-zero status,
+leaving no process behind."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import psutil
+import pytest
+
+from tests.live_server import SubprocessServer
+
+pytestmark = pytest.mark.server
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def workers(proc) -> list[psutil.Process]:
+    """The server's rank processes (spawned by multiprocessing; not its resource tracker, nor
+    the grammar compiler's subprocess)."""
+    cmds = {p: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)}
+    return [p for p, cmd in cmds.items() if "spawn_main" in cmd and "resource_tracker" not in cmd]
+
+
+def start(model_dir):
+    return SubprocessServer(str(model_dir), "--dtype", "float32", "--kv-cache-memory", "0.01",
+                            "--max-model-len", "512", "--tensor-parallel-size", "2")
+
+
+def test_openai_client_against_tp2(tiny_model_dir):
+    srv = start(tiny_model_dir)
+    try:
+        ranks = workers(srv.proc)
+        assert len(ranks) == 2
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        msg = [{"role": "user", "content": "write some code"}]
+        whole = client.chat.completions.create(model=model, messages=msg, max_tokens=24, temperature=0)
+        stream = client.chat.completions.create(model=model, messages=msg, max_tokens=24, temperature=0,
+                                                stream=True)
+        pieces = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert pieces == whole.choices[0].message.content and pieces
+        two = client.completions.create(model=model, prompt="def add(a, b):", n=2, max_tokens=16,
+                                        temperature=1.0, seed=5)
+        assert sorted(c.index for c in two.choices) == [0, 1] and two.choices[0].text != two.choices[1].text
+        js = client.chat.completions.create(model=model, messages=msg, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "person", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(js.choices[0].message.content), SCHEMA)
+    finally:
+        assert srv.stop() == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+
+
+def test_killed_worker_takes_the_server_down(tiny_model_dir):
+    srv = start(tiny_model_dir)
+    ranks = workers(srv.proc)
+    health: list[int | str] = []
+
+    def watch_health():
+        while srv.proc.poll() is None:
+            try:
+                health.append(httpx.get(f"{srv.url}/health", timeout=5).status_code)
+            except httpx.HTTPError as e:
+                health.append(type(e).__name__)
+            time.sleep(0.002)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=400,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        watcher = threading.Thread(target=watch_health)
+        with pytest.raises(Exception) as failed:
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    watcher.start()
+                    os.kill(ranks[1].pid, signal.SIGKILL)
+        assert "rank 1" in str(failed.value) and "died" in str(failed.value), failed.value
+        srv.proc.wait(timeout=60)
+        watcher.join()
+    finally:
+        code = srv.stop()
+    assert code not in (0, None)
+    assert 503 in health, health
+    assert "died" in srv.output()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
