@@ -97,6 +97,7 @@ class MultiprocExecutor:
         self._conns: list[multiprocessing.connection.Connection] = []
         self._dead = False
         self.execute_timeout = EXECUTE_TIMEOUT_S
+        self._sent: dict[str, int] = {}  # request id -> how many of its tokens the workers hold
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         try:
             for rank in range(n):
@@ -139,11 +140,17 @@ class MultiprocExecutor:
         self._finalizer()
 
     def _for_workers(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The step as the workers get it: grammar matchers replaced by their bitmask rows."""
-        if not any(r.matcher is not None for r in out.requests):
-            return out
-        requests = [r if r.matcher is None else dataclasses.replace(r, matcher=_MaskRow(r.matcher, self.vocab_size))
-                    for r in out.requests]
+        """The step as the workers get it: of each request's tokens only those they do not hold
+        yet (a request's tokens only grow; the workers keep them until it finishes), grammar
+        matchers replaced by their bitmask rows."""
+        for rid in out.finished_ids:
+            self._sent.pop(rid, None)
+        requests = []
+        for r in out.requests:
+            held = self._sent.get(r.request_id, 0)
+            self._sent[r.request_id] = len(r.request_tokens)
+            mask = None if r.matcher is None else _MaskRow(r.matcher, self.vocab_size)
+            requests.append(dataclasses.replace(r, request_tokens=r.request_tokens[held:], matcher=mask))
         return dataclasses.replace(out, requests=requests)
 
     def _call(self, method: str, *call_args, timeout: float | None = None):

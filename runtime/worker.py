@@ -24,7 +24,8 @@ import torch.distributed as dist
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
-from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from pageserve.runtime.model_runner import ModelRunner, StepResult, kv_block_bytes
+from pageserve.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,17 @@ def _start(rank, world_size, master_addr, master_port, args, model_cfg, device_c
 
 
 def _serve(rank: int, runner: ModelRunner, conn) -> None:
+    tokens: dict[str, list[int]] = {}  # each unfinished request's tokens, grown by what each step adds
+
+    def execute(out: SchedulerOutput) -> StepResult:
+        for rid in out.finished_ids:
+            tokens.pop(rid, None)
+        for r in out.requests:
+            held = tokens.setdefault(r.request_id, [])
+            held.extend(r.request_tokens)
+            r.request_tokens = held
+        return runner.execute(out)
+
     def allocate(cache: CacheConfig) -> None:
         runner.allocate_kv_cache(cache)
 
@@ -95,7 +107,7 @@ def _serve(rank: int, runner: ModelRunner, conn) -> None:
         runner.warm_up_kernels()
         runner.capture_cuda_graphs(max_num_seqs)
 
-    methods = {"execute": runner.execute, "copy_blocks": runner.copy_blocks,
+    methods = {"execute": execute, "copy_blocks": runner.copy_blocks,
                "allocate_kv_cache": allocate, "warm_up": warm_up}
     while True:
         try:

@@ -38,7 +38,8 @@ def engine(model_dir, tp, kv_heads, blocks, swap_blocks, **kw):
 
 def workload(seed=0):
     """Long prompts (chunked at 128 tokens), half of them behind one shared 96-token prefix,
-    greedy; an n = 2 seeded request (its fork copies a partial block) and a choice grammar."""
+    greedy; an n = 2 seeded request (its fork copies a partial block), a choice grammar, and
+    requests that read all their tokens on rank 0 (penalties, prompt logprobs)."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 384) for _ in range(96)]
     prompts, params = [], []
@@ -51,12 +52,18 @@ def workload(seed=0):
     prompts.append([11, 12, 13])
     params.append(SamplingParams(temperature=0, max_tokens=10,
                                  structured_outputs=StructuredOutputsParams(choice=("yes", "no", "maybe"))))
+    prompts.append([rng.randrange(3, 40) for _ in range(200)])  # few distinct tokens: penalties bite
+    params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.5,
+                                 frequency_penalty=0.7))
+    prompts.append([rng.randrange(3, 384) for _ in range(150)])
+    params.append(SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3))
     return prompts, params
 
 
 def run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    return [([c.token_ids for c in o.outputs], [None if p is None else sorted(p) for p in o.prompt_logprobs or []])
+            for o in outs]
 
 
 @pytest.fixture(scope="module", params=[4, 1], ids=["kv4-split", "kv1-replicated"])
@@ -86,14 +93,22 @@ def test_tp2_same_tokens_as_tp1_under_pressure(model):
     assert preemptions > 0 and swapped > 0 and recomputed > 0, stats
     assert hits > 0, stats
     assert stats[2] == stats[1]  # the same schedule: the ranks' pools are the same size as one rank's
-    assert results[2][-2][0] != results[2][-2][1]  # n = 2 drew two different sequences
+    n2, _ = results[2][-4]
+    assert n2[0] != n2[1]  # n = 2 drew two different sequences
+    assert len(results[2][-1][1]) == 150  # prompt logprobs compared at every position
 
 
 def _children() -> set[int]:
-    """This process's children, but multiprocessing's resource tracker (started with the first
-    spawned process, it lives as long as this process)."""
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())}
+    """This process's live children, but multiprocessing's resource tracker (started with the
+    first spawned process, it lives as long as this process)."""
+    alive = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                alive.add(p.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return alive
 
 
 def test_killed_worker_stops_the_engine_and_leaves_no_process(model):
