@@ -201,3 +201,21 @@ def test_sizes_that_do_not_split_are_refused():
         _cfg(3, 0, heads=6, vocab=66)
     with pytest.raises(ValueError, match=r"num_attention_heads \(8\) must be divisible"):
         _cfg(3, 0, kv=1)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_same_tokens_as_tp1():
+    """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings): TP 3 splits it (TP 2 cannot)."""
+    text = ("PagedAttention stores the key-value cache in fixed-size blocks, like pages of virtual "
+            "memory, so that requests of any length share one pool. ")
+    prompts = [text * k for k in (1, 3, 6)] + ["The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for tp in (1, 3):
+        llm = LLM(None, dtype="float32", tensor_parallel_size=tp, kv_cache_memory=0.05, swap_space=0,
+                  max_model_len=1024, max_num_batched_tokens=64)
+        try:
+            results[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+    assert results[3] == results[1]
