@@ -139,9 +139,12 @@ class ModelRunner:
         return int(budget // block_bytes)
 
     def graph_sizes(self, max_num_seqs: int) -> list[int]:
-        """The decode batch sizes captured as CUDA graphs; none on CPU, with --enforce-eager
-        or with kernels that cannot be captured (the torch backend reads plans on the host)."""
+        """The decode batch sizes captured as CUDA graphs; none on CPU, with --enforce-eager,
+        with kernels that cannot be captured (the torch backend reads plans on the host), or
+        under tensor parallelism (for now)."""
         if self.dev.type != "cuda" or self.device_cfg.enforce_eager or not self.kernels.graph_safe:
+            return []
+        if self.model_cfg.tp_size > 1:  # NCCL all-reduces captured inside graphs: not checked on GPUs yet
             return []
         return capture_sizes(self.device_cfg.cuda_graph_sizes or None, max_num_seqs)
 
