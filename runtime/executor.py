@@ -24,6 +24,7 @@ import time
 import weakref
 
 import numpy as np
+import torch
 
 from pageserve.runtime import worker
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -88,6 +89,9 @@ class MultiprocExecutor:
     def __init__(self, args: EngineArgs, parallel: ParallelConfig, model_cfg: ModelConfig,
                  device_cfg: DeviceConfig, sched_cfg: SchedulerConfig):
         n = parallel.tensor_parallel_size
+        if device_cfg.device.type == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs (one per rank); this machine "
+                             f"has {torch.cuda.device_count()}")
         self.vocab_size = model_cfg.vocab_size
         port = parallel.master_port or _free_port(parallel.master_addr)
         if device_cfg.device.type == "cpu" and args.num_threads is None:  # the ranks share the cores

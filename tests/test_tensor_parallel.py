@@ -219,3 +219,16 @@ def test_default_model_tp3_same_tokens_as_tp1():
         finally:
             llm.engine.shutdown()
     assert results[3] == results[1]
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    from pageserve.runtime.config import DeviceConfig, ParallelConfig, SchedulerConfig
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.executor import MultiprocExecutor
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    before = _children()
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs .* has 1"):
+        MultiprocExecutor(EngineArgs(), ParallelConfig(tensor_parallel_size=2), _cfg(2, 0),
+                          DeviceConfig(torch.device("cuda"), "triton", 1), SchedulerConfig(8, 64, 64, True))
+    assert _children() <= before
