@@ -57,13 +57,15 @@ def workload(seed=0):
                                  frequency_penalty=0.7))
     prompts.append([rng.randrange(3, 384) for _ in range(150)])
     params.append(SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3))
+    prompts.append([rng.randrange(3, 384) for _ in range(30)])
+    params.append(SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True))
     return prompts, params
 
 
 def run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [([c.token_ids for c in o.outputs], [None if p is None else sorted(p) for p in o.prompt_logprobs or []])
-            for o in outs]
+    return [([c.token_ids for c in o.outputs], [None if p is None else sorted(p) for p in o.prompt_logprobs or []],
+             [sorted(p) for c in o.outputs for p in c.logprobs or []]) for o in outs]
 
 
 @pytest.fixture(scope="module", params=[4, 1], ids=["kv4-split", "kv1-replicated"])
@@ -93,9 +95,10 @@ def test_tp2_same_tokens_as_tp1_under_pressure(model):
     assert preemptions > 0 and swapped > 0 and recomputed > 0, stats
     assert hits > 0, stats
     assert stats[2] == stats[1]  # the same schedule: the ranks' pools are the same size as one rank's
-    n2, _ = results[2][-4]
+    n2 = results[2][-5][0]
     assert n2[0] != n2[1]  # n = 2 drew two different sequences
-    assert len(results[2][-1][1]) == 150  # prompt logprobs compared at every position
+    assert len(results[2][-2][1]) == 150  # prompt logprobs compared at every position
+    assert len(results[2][-1][2]) == 12  # and sample logprobs at every output token
 
 
 def _children() -> set[int]:
