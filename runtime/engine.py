@@ -279,6 +279,8 @@ class LLMEngine:
                 continue
             try:
                 outputs.extend(self._update_request(sr, req, result, tokens, part))
+            except ExecutorDeadError:  # a fork's block copy found the ranks gone: the engine's end
+                raise
             except Exception as e:  # noqa: BLE001 - one request's fault, not the engine's
                 logger.exception("request %s failed after the model step", req.output_id)
                 self._fail_request(req.output_id, RequestFailedError(

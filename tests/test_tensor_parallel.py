@@ -235,3 +235,18 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         MultiprocExecutor(EngineArgs(), ParallelConfig(tensor_parallel_size=2), _cfg(2, 0),
                           DeviceConfig(torch.device("cuda"), "triton", 1), SchedulerConfig(8, 64, 64, True))
     assert _children() <= before
+
+
+def test_ranks_lost_during_a_fork_end_the_engine_not_the_request(tiny_model_dir):
+    """An n > 1 fork copies its partial block on every rank after the step; ExecutorDeadError
+    there is the engine's end, not a failure of that one request."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256, swap_space=0)
+
+    def dead(pairs):
+        raise ExecutorDeadError("tensor-parallel worker rank 1 (pid 1) died (exit code -9)")
+    llm.engine.executor.copy_blocks = dead
+    llm.engine.add_request(list(range(3, 23)), SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=4))
+    with pytest.raises(ExecutorDeadError, match="died"):
+        for _ in range(10):
+            llm.engine.step()
+    assert not llm.engine.take_failures()
