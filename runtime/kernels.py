@@ -5,7 +5,7 @@ attention metadata of one step that they are given as an argument."""
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: object = None  # backend-specific, built once per step
+    window_plans: dict = field(default_factory=dict)  # sliding window -> its plan, built on first use
 
 
 class Kernels:
@@ -50,7 +51,10 @@ class Kernels:
         """Every linear layer's matmul, the lm_head's included."""
         return F.linear(x, weight, bias)
 
-    def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                  sliding_window: int = 0) -> torch.Tensor:
+        """sliding_window: the layer's window (0: full attention); blocks wholly before it are
+        not read."""
         raise NotImplementedError
 
     def decode_shapes(self, max_seq_len: int, device: torch.device) -> list[tuple[int, int]]:
@@ -114,15 +118,22 @@ class TorchKernels(Kernels):
             meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
             self.num_heads, self.num_kv_heads)
 
-    def attention(self, q, k, v, kv_cache, meta, scale):
+    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0):
         k_cache, v_cache = kv_cache
-        if self.cpu_lib is not None and meta.max_query_len == 1:
+        if self.cpu_lib is not None and meta.max_query_len == 1 and not sliding_window:
             return self.cpu_lib.paged_decode(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, scale)
         torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.plan
+        if sliding_window:  # one plan per window, shared by the layers that have it
+            plan = meta.window_plans.get(sliding_window)
+            if plan is None:
+                plan = meta.window_plans[sliding_window] = torch_ops.plan_paged_attention(
+                    meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
+                    self.num_heads, self.num_kv_heads, sliding_window)
         return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
-                                         meta.query_start_loc, meta.seq_lens, scale, meta.plan,
-                                         self.workspace)
+                                         meta.query_start_loc, meta.seq_lens, scale, plan,
+                                         self.workspace, sliding_window)
 
 
 class TritonKernels(Kernels):
@@ -166,11 +177,12 @@ class TritonKernels(Kernels):
     def decode_is_one_pass(self, num_seqs, max_seq_len, device):
         return self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_seq_len, device) == 0
 
-    def attention(self, q, k, v, kv_cache, meta, scale):
+    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0):
         k_cache, v_cache = kv_cache
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len)
+                                     meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
+                                     sliding_window)
 
 
 def make_kernels(backend: Backend, block_size: int, num_heads: int, num_kv_heads: int) -> Kernels:

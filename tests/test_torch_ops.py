@@ -46,6 +46,26 @@ def test_paged_attention_matches_loop(group, block_size, dtype):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [5, 16, 40, 1000])
+@pytest.mark.parametrize("group, block_size", [(1, 16), (3, 16), (8, 32)])
+def test_sliding_window_gathers_only_the_window(window, group, block_size):
+    """Per-request windows over ragged prefill chunks and decodes (shuffled tables, GQA): the
+    result matches the loop, and the blocks wholly before each window are NaN while it runs
+    (a gather that took one would spread NaN into the output)."""
+    rng = random.Random(window * 10 + group)
+    torch.manual_seed(window)
+    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 30, block_size, 700, 2, group, 64, torch.float32)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.paged_attention(q, kc, vc, bt, qsl, seq_lens, 0.125, window)
+    poisoned = reference.poison_out_of_window(kc, vc, bt, qsl, seq_lens, window)
+    assert (poisoned > 0) == (window < 1000)
+    plan = torch_ops.plan_paged_attention(bt, qsl, seq_lens, block_size, 2 * group, 2, window)
+    got = torch_ops.paged_attention(q, kc, vc, bt, qsl, seq_lens, 0.125, plan, sliding_window=window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if window < block_size:  # a decode gathers at most the two blocks its window spans
+        assert all(g.num_blocks <= 2 for g in plan if g.q_len == 1)
+
+
 def test_decode_groups_trade_padding_for_calls():
     assert torch_ops.decode_group_sizes([100] * 64, 16) == [64]  # equal lengths: one group
     assert torch_ops.decode_group_sizes([7], 16) == [1]

@@ -46,16 +46,16 @@ def _dot(a, b, UPCAST: tl.constexpr):
 # each specialized integer compiles a variant per divisibility by 16: batch size, partitions and
 # table width change every step, one token's q/out views report other token strides (head and
 # cache strides are fixed for the server's life and stay specialized)
-@triton.jit(do_not_specialize=["num_seqs", "num_parts", "stride_qt", "stride_ot", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_parts", "stride_qt", "stride_ot", "stride_bt", "window"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts,
+        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_bt,
         G: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-        DECODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+        DECODE: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:  # every request has one query token: one tile each
@@ -86,6 +86,9 @@ def _paged_attention_kernel(
     if SPLIT:
         kv_begin = tl.program_id(2) * PARTITION
         kv_end = tl.minimum(kv_end, kv_begin + PARTITION)
+    if SLIDING:  # start at the first cache block the tile's first query can still see
+        first_seen = tl.maximum(ctx - q_len + q_tile * BLOCK_Q - window + 1, 0)
+        kv_begin = tl.maximum(kv_begin, first_seen // BLOCK_SIZE * BLOCK_SIZE)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -101,7 +104,10 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
-        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:  # a query at p sees the `window` positions up to p
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         p = tl.exp2(s - base[:, None])
@@ -149,9 +155,10 @@ def _reduce_partitions_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, que
         l = tl.load(part_l_ptr + first + parts, mask=ok, other=0.0)
         acc = tl.load(part_acc_ptr + (first + parts)[:, None] * HEAD_PAD + d[None, :],
                       mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))  # finite: every used partition saw a token
-        w = tl.where(ok, tl.exp2(m - m_new), 0.0)
-        rescale = tl.exp2(m_run - m_new)
+        m_new = tl.maximum(m_run, tl.max(m, 0))  # -inf while only partitions before a window
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # (which saw nothing) came by
+        w = tl.where(ok, tl.exp2(m - base), 0.0)
+        rescale = tl.exp2(m_run - base)
         l_run = l_run * rescale + tl.sum(l * w, 0)
         acc_run = acc_run * rescale + tl.sum(acc * w[:, None], 0)
         m_run = m_new
@@ -185,12 +192,14 @@ def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_s
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                    num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
+                    sliding_window: int = 0, num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same contract as torch_ops.paged_attention: q [T, H, D] (head rows contiguous),
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
+    sliding_window: a query at position p sees only positions p - sliding_window + 1 .. p, and
+    cache blocks wholly before that are not read (0: the whole context).
     num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
     forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size)).
     block_n (context tokens per inner step), num_warps and num_stages tune the GPU launch."""
@@ -207,6 +216,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert block_tables.shape[0] == num_seqs and block_tables.shape[1] * block_size >= max_seq_len
     assert len({t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}) == 1
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two, at least 16"
+    assert sliding_window >= 0
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if num_tokens == 0:
@@ -232,13 +242,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_tiles, num_kv_heads, num_partitions) if split else (num_tiles, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *parts,
-        scale * LOG2E, num_seqs, max(num_partitions, 1),
+        scale * LOG2E, num_seqs, max(num_partitions, 1), sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         G=group, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size,
-        DECODE=max_query_len == 1, SPLIT=split,
+        DECODE=max_query_len == 1, SPLIT=split, SLIDING=sliding_window > 0,
         UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret,
         num_warps=num_warps, num_stages=num_stages)
     if split:

@@ -49,14 +49,21 @@ class AttentionGroup:
 
 def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int, num_kv_heads: int,
-                group_size: int) -> AttentionGroup:
+                group_size: int, sliding_window: int = 0) -> AttentionGroup:
     q_start = query_start_loc[:-1][sel].long()
     q_lens = query_start_loc[1:][sel].long() - q_start
     ctx = seq_lens[sel].long()
     b, dev = sel.numel(), block_tables.device
     max_q, max_l = int(q_lens.max()), int(ctx.max())
     num_blocks = -(-max_l // block_size)
-    bt = block_tables[sel, :num_blocks].long()
+    first = None  # [b, 1] each request's first block that its window can see
+    if sliding_window:
+        first = ((ctx - q_lens - sliding_window + 1).clamp(min=0) // block_size)[:, None]
+        num_blocks = int((-(-ctx // block_size) - first[:, 0]).max())
+        cols = (first + torch.arange(num_blocks, device=dev)[None, :]).clamp(max=block_tables.shape[1] - 1)
+        bt = block_tables[sel][torch.arange(b, device=dev)[:, None], cols].long()
+    else:
+        bt = block_tables[sel, :num_blocks].long()
     heads = torch.arange(num_kv_heads, device=dev)[:, None, None]
     tiles = (bt[None] * num_kv_heads + heads).reshape(-1)  # [Hkv, b, nb] order
     qi = torch.minimum(torch.arange(max_q, device=dev)[None, :], (q_lens - 1)[:, None])  # [b, Q]
@@ -64,7 +71,11 @@ def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: 
     # query i of a request sits at position ctx - q_len + i and sees every position up to it
     q_pos = (ctx - q_lens)[:, None] + qi
     pos = torch.arange(num_blocks * block_size, device=dev)
-    allowed = pos[None, None, :] <= q_pos[:, :, None]  # [b, Q, L]
+    if first is None:
+        allowed = pos[None, None, :] <= q_pos[:, :, None]  # [b, Q, L]
+    else:  # gathered slot j of request r holds position first[r] * block_size + j
+        seq_pos = (first * block_size + pos[None, :])[:, None, :]
+        allowed = (seq_pos <= q_pos[:, :, None]) & (seq_pos > q_pos[:, :, None] - sliding_window)
     if group_size > 1:
         allowed = allowed[:, :, None, :].expand(b, max_q, group_size, pos.numel())
     allowed = allowed.reshape(1, b, max_q * group_size, pos.numel())
@@ -96,12 +107,15 @@ def decode_group_sizes(ctx_lens: list[int], block_size: int) -> list[int]:
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                          seq_lens: torch.Tensor, block_size: int, num_heads: int,
-                         num_kv_heads: int) -> list[AttentionGroup]:
+                         num_kv_heads: int, sliding_window: int = 0) -> list[AttentionGroup]:
     """Index tensors for one step, built once and shared by every layer. Decodes (one query
     token) are sorted by context length and padded in a few groups; prefill chunks form their
-    own group, so a decode is never padded to a chunk's length."""
+    own group, so a decode is never padded to a chunk's length. sliding_window: each request
+    gathers only the blocks from the first one its window can see (the plan is then that
+    window's; layers with another window need their own)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    args = (block_tables, query_start_loc, seq_lens, block_size, num_kv_heads, num_heads // num_kv_heads)
+    args = (block_tables, query_start_loc, seq_lens, block_size, num_kv_heads, num_heads // num_kv_heads,
+            sliding_window)
     groups = []
     decodes = (q_lens == 1).nonzero().squeeze(1)
     if decodes.numel():
@@ -131,17 +145,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
                     plan: list[AttentionGroup] | None = None,
-                    workspace: Workspace | None = None) -> torch.Tensor:
+                    workspace: Workspace | None = None, sliding_window: int = 0) -> torch.Tensor:
     """Varlen attention for a mixed step. q: [T, H, D], the step's query tokens, request by
     request (query_start_loc[b]:query_start_loc[b+1]); seq_lens[b]: the request's context
     length including this step's tokens, whose K/V are already in the cache. Queries are
-    causal inside their chunk and see the whole cached context before it."""
+    causal inside their chunk and see the whole cached context before it (or, with
+    sliding_window, its last sliding_window positions; a given plan must be that window's)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     if plan is None:
         plan = plan_paged_attention(block_tables, query_start_loc, seq_lens, block_size,
-                                    num_heads, num_kv_heads)
+                                    num_heads, num_kv_heads, sliding_window)
     workspace = workspace or Workspace()
     k_tiles = k_cache.view(-1, block_size, head_dim)
     v_tiles = v_cache.view(-1, block_size, head_dim)

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=0):
     """One request at a time, in float32: K and V gathered slot by slot through the block
-    table, causal over each request's whole context. Cache layout [blocks, Hkv, block size, D]."""
+    table, causal over each request's whole context (or, with sliding_window, over the
+    window's last positions). Cache layout [blocks, Hkv, block size, D]."""
     bs = k_cache.shape[2]
     group = q.shape[1] // k_cache.shape[1]
     qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
@@ -26,6 +27,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         q_pos = torch.arange(ctx - (end - start), ctx)[:, None]
         scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, -math.inf)
+        if sliding_window:
+            scores = scores.masked_fill(torch.arange(ctx)[None, :] <= q_pos - sliding_window, -math.inf)
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -78,3 +81,18 @@ def apply_token_bitmask(logits, bitmask) -> None:
         for token in range(logits.shape[1]):
             if not (words[row][token // 32] >> (token % 32)) & 1:
                 logits[row, token] = float("-inf")
+
+
+def poison_out_of_window(k_cache, v_cache, block_tables, query_start_loc, seq_lens, window) -> int:
+    """NaN into every cache block that lies wholly before the window of each request's first
+    query in the step (a kernel that read one would return NaN); returns how many."""
+    bs = k_cache.shape[2]
+    qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
+    poisoned = 0
+    for b, ctx in enumerate(lens):
+        first_seen = max(ctx - (qsl[b + 1] - qsl[b]) - window + 1, 0)
+        for i in range(first_seen // bs):
+            k_cache[tables[b][i]] = float("nan")
+            v_cache[tables[b][i]] = float("nan")
+            poisoned += 1
+    return poisoned

@@ -53,7 +53,9 @@ def random_lengths(num_seqs, max_q, max_ctx, seed):
     return q_lens, ctx
 
 
-def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, **kwargs):
+def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, sliding_window=0, **kwargs):
+    """With a sliding window, the blocks wholly before it are NaN when the kernel runs (so a
+    kernel that read one fails); returns the output and how many blocks were poisoned."""
     num_heads, num_kv_heads, head_dim = heads
     k_cache, v_cache, bt, qsl, sl = make_batch(q_lens, ctx_lens, num_kv_heads, head_dim,
                                                block_size, dtype, device, seed)
@@ -61,11 +63,15 @@ def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, **
                       generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)  # token stride > H * D
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_cache, v_cache, bt, qsl, sl, scale, max(q_lens), max(ctx_lens), **kwargs)
     want = reference.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), bt.cpu(), qsl.cpu(),
-                                     sl.cpu(), scale)
+                                     sl.cpu(), scale, sliding_window)
+    poisoned = 0
+    if sliding_window:
+        poisoned = reference.poison_out_of_window(k_cache, v_cache, bt.cpu(), qsl.cpu(), sl.cpu(), sliding_window)
+        kwargs["sliding_window"] = sliding_window
+    out = paged_attention(q, k_cache, v_cache, bt, qsl, sl, scale, max(q_lens), max(ctx_lens), **kwargs)
     torch.testing.assert_close(out.cpu(), want, **TOL[dtype])
-    return out
+    return out, poisoned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,6 +100,31 @@ def test_decode_one_pass_and_split(device, dtype, heads, num_partitions, partiti
 def test_block_tile_wider_than_cache_block(device):
     """A KV tile of 128 tokens gathers from four 32-token blocks at once."""
     check_attention([5, 1, 20], [300, 128, 20], (8, 2, 64), 32, torch.float32, device, 3, block_n=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [5, 16, 40, 1000])
+@pytest.mark.parametrize("block_size, heads", [(16, (6, 2, 64)), (8, (4, 4, 64)), (32, (8, 1, 128))])
+def test_sliding_window_mixed_step(device, dtype, window, block_size, heads):
+    """Windows smaller and larger than a block (and than every context) over prefill chunks
+    and decodes; the blocks before each window are NaN, so reading one fails."""
+    seed = window + block_size + heads[0]
+    q_lens, ctx = random_lengths(5, 37, 200, seed)
+    q_lens += [1, 37, 1, 3]
+    ctx += [200, 37, 1, 150]
+    _, poisoned = check_attention(q_lens, ctx, heads, block_size, dtype, device, seed, sliding_window=window)
+    assert (poisoned > 0) == (window < 100)
+
+
+@pytest.mark.parametrize("num_partitions, partition_size", [(0, 64), (5, 64), (19, 16)])
+def test_sliding_window_decode_one_pass_and_split(device, num_partitions, partition_size):
+    """Split-KV decodes whose first partitions lie wholly before the window (they see no
+    token; the reduce must skip them, also across its chunks of 16)."""
+    ctx = [1, 300, 64, 65, 129, 17, 250]
+    _, poisoned = check_attention([1] * len(ctx), ctx, (6, 2, 64), 16, torch.float32, device, num_partitions,
+                                  sliding_window=20, num_partitions=num_partitions,
+                                  partition_size=partition_size, block_n=16)
+    assert poisoned > 20
 
 
 def test_split_heuristic():
