@@ -58,6 +58,20 @@ ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "norm_topk_prob": True, "head_dim": 24}),
+    # windows of 12 tokens (under a 16-token block) on the sliding layers, which the tests'
+    # 40+-token prompts overrun; a query scale that is not head_dim's; tied embeddings; caps low
+    # enough to bend the random weights' scores and logits
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
+                "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 5.0, "tie_word_embeddings": True}),
+    # the global layer's RoPE: its own base with linear scaling; the sliding one's: the local base
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
+                     "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 1000000.0}}}),
 }
 
 
@@ -72,7 +86,8 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   rms_norm_eps=1e-5, initializer_range=0.15, eos_token_id=tok.eos_token_id,
                   bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                  tie_word_embeddings=False, **extra)
+                  tie_word_embeddings=False)
+    common.update(extra)
     common.update(overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common))

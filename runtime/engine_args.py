@@ -167,8 +167,9 @@ class EngineArgs:
         arch = hf["architectures"][0]
         heads = hf["num_attention_heads"]
         model_max = hf.get("max_position_embeddings", 2048)
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
-            model_max = min(model_max, hf["sliding_window"])  # no sliding-window attention yet
+        windowed = hf.get("sliding_window") and hf.get("use_sliding_window", True)
+        if windowed and arch in registry.supported() and not registry.entry(arch).sliding_window:
+            model_max = min(model_max, hf["sliding_window"])  # this model's sliding window is not served yet
         max_len = model_max if self.max_model_len is None else self.max_model_len
         if max_len > model_max:
             raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")

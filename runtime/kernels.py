@@ -52,9 +52,9 @@ class Kernels:
         return F.linear(x, weight, bias)
 
     def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                  sliding_window: int = 0) -> torch.Tensor:
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """sliding_window: the layer's window (0: full attention); blocks wholly before it are
-        not read."""
+        not read. softcap: scores become softcap * tanh(score / softcap) (0: none)."""
         raise NotImplementedError
 
     def decode_shapes(self, max_seq_len: int, device: torch.device) -> list[tuple[int, int]]:
@@ -118,9 +118,9 @@ class TorchKernels(Kernels):
             meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
             self.num_heads, self.num_kv_heads)
 
-    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0):
+    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
-        if self.cpu_lib is not None and meta.max_query_len == 1 and not sliding_window:
+        if self.cpu_lib is not None and meta.max_query_len == 1 and not sliding_window and not softcap:
             return self.cpu_lib.paged_decode(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, scale)
         torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -133,7 +133,7 @@ class TorchKernels(Kernels):
                     self.num_heads, self.num_kv_heads, sliding_window)
         return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                          meta.query_start_loc, meta.seq_lens, scale, plan,
-                                         self.workspace, sliding_window)
+                                         self.workspace, sliding_window, softcap)
 
 
 class TritonKernels(Kernels):
@@ -177,12 +177,12 @@ class TritonKernels(Kernels):
     def decode_is_one_pass(self, num_seqs, max_seq_len, device):
         return self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_seq_len, device) == 0
 
-    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0):
+    def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
-                                     sliding_window)
+                                     sliding_window, softcap)
 
 
 def make_kernels(backend: Backend, block_size: int, num_heads: int, num_kv_heads: int) -> Kernels:

@@ -66,6 +66,20 @@ def test_sliding_window_gathers_only_the_window(window, group, block_size):
         assert all(g.num_blocks <= 2 for g in plan if g.q_len == 1)
 
 
+@pytest.mark.parametrize("window", [0, 20])
+def test_softcap_matches_loop(window):
+    """Soft-capped scores on prefill chunks (which leave SDPA for the explicit path) and decodes."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    q, kc, vc, bt, tables, q_lens, ctx, qsl = make_batch(rng, 20, 16, 500, 2, 3, 64, torch.float32)
+    seq_lens = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.paged_attention(q, kc, vc, bt, qsl, seq_lens, 0.125, window, softcap=0.5)
+    got = torch_ops.paged_attention(q, kc, vc, bt, qsl, seq_lens, 0.125, sliding_window=window, softcap=0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    uncapped = torch_ops.paged_attention(q, kc, vc, bt, qsl, seq_lens, 0.125, sliding_window=window)
+    assert not torch.allclose(got, uncapped, atol=1e-3)
+
+
 def test_decode_groups_trade_padding_for_calls():
     assert torch_ops.decode_group_sizes([100] * 64, 16) == [64]  # equal lengths: one group
     assert torch_ops.decode_group_sizes([7], 16) == [1]

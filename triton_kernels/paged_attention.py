@@ -46,16 +46,17 @@ def _dot(a, b, UPCAST: tl.constexpr):
 # each specialized integer compiles a variant per divisibility by 16: batch size, partitions and
 # table width change every step, one token's q/out views report other token strides (head and
 # cache strides are fixed for the server's life and stay specialized)
-@triton.jit(do_not_specialize=["num_seqs", "num_parts", "stride_qt", "stride_ot", "stride_bt", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_parts", "stride_qt", "stride_ot", "stride_bt", "window", "softcap"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts, window,
+        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, num_seqs, num_parts, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_bt,
         G: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-        DECODE: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr):
+        DECODE: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+        UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:  # every request has one query token: one tile each
@@ -104,6 +105,8 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
+        if SOFTCAP:  # cap * tanh(x / cap), the cap in the log2 domain too (as qk_scale)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:  # a query at p sees the `window` positions up to p
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
@@ -192,14 +195,15 @@ def split_partitions(num_seqs: int, num_kv_heads: int, max_query_len: int, max_s
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                    sliding_window: int = 0, num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
+                    sliding_window: int = 0, softcap: float = 0.0, num_partitions: int | None = None, partition_size: int = PARTITION_SIZE,
                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Same contract as torch_ops.paged_attention: q [T, H, D] (head rows contiguous),
     caches [num_blocks, Hkv, block_size, D], block_tables [B, max_blocks] int32,
     query_start_loc [B + 1] int32, seq_lens [B] int32 (context including this step's tokens,
     already cached). max_query_len and max_seq_len are the host-side maxima of the batch.
     sliding_window: a query at position p sees only positions p - sliding_window + 1 .. p, and
-    cache blocks wholly before that are not read (0: the whole context).
+    cache blocks wholly before that are not read (0: the whole context). softcap: scores
+    (after the scale) become softcap * tanh(score / softcap) (Gemma 2; 0: none).
     num_partitions: None lets split_partitions decide; 0 forces the one-pass path; more
     forces the split path (decode-only steps, at least cdiv(max_seq_len, partition_size)).
     block_n (context tokens per inner step), num_warps and num_stages tune the GPU launch."""
@@ -242,13 +246,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_tiles, num_kv_heads, num_partitions) if split else (num_tiles, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, *parts,
-        scale * LOG2E, num_seqs, max(num_partitions, 1), sliding_window,
+        scale * LOG2E, num_seqs, max(num_partitions, 1), sliding_window, softcap * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         G=group, NUM_HEADS=num_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, PARTITION=partition_size,
-        DECODE=max_query_len == 1, SPLIT=split, SLIDING=sliding_window > 0,
+        DECODE=max_query_len == 1, SPLIT=split, SLIDING=sliding_window > 0, SOFTCAP=softcap > 0,
         UPCAST=q.dtype != torch.float32 and triton.knobs.runtime.interpret,
         num_warps=num_warps, num_stages=num_stages)
     if split:

@@ -145,12 +145,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float,
                     plan: list[AttentionGroup] | None = None,
-                    workspace: Workspace | None = None, sliding_window: int = 0) -> torch.Tensor:
+                    workspace: Workspace | None = None, sliding_window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Varlen attention for a mixed step. q: [T, H, D], the step's query tokens, request by
     request (query_start_loc[b]:query_start_loc[b+1]); seq_lens[b]: the request's context
     length including this step's tokens, whose K/V are already in the cache. Queries are
     causal inside their chunk and see the whole cached context before it (or, with
-    sliding_window, its last sliding_window positions; a given plan must be that window's)."""
+    sliding_window, its last sliding_window positions; a given plan must be that window's).
+    softcap: scores (after the scale) become softcap * tanh(score / softcap) (0: none)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
@@ -172,10 +174,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         vg = torch.index_select(v_tiles, 0, g.tiles, out=vbuf.view(shape))
         kg = kg.view(num_kv_heads, b, length, head_dim)
         vg = vg.view(num_kv_heads, b, length, head_dim)
-        if max_q == 1:
+        if max_q == 1 or softcap:
             # decode: a handful of query rows per KV head, where SDPA's tiling is mostly
-            # overhead; scores in the model dtype, softmax in float32 (as HF's eager path)
+            # overhead; scores in the model dtype, softmax in float32 (as HF's eager path).
+            # Soft-capped scores take this path whatever the step: SDPA has no cap
             scores = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)
+            if softcap:
+                scores = scores.div_(softcap).tanh_().mul_(softcap)
             scores.masked_fill_(g.blocked, float("-inf"))
             og = torch.matmul(scores.softmax(-1).to(q.dtype), vg)
         else:

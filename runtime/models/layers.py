@@ -98,6 +98,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.heads_per_rank, cfg.kv_heads_per_rank  # this rank's heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = d ** -0.5
+        self.sliding_window = 0  # this layer's window (0: full attention); an architecture sets it
+        self.softcap = 0.0  # attention logit soft-capping (Gemma 2)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
@@ -120,7 +122,7 @@ class Attention(nn.Module):
             q.copy_(self._head_norm(q, self.q_norm))  # with the token stride the kernels
             k.copy_(self._head_norm(k, self.k_norm))  # expect of all three
         self.ops.rotary_embedding(q, k, *rope)
-        attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale)
+        attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return parallel.all_reduce(linear(attn.reshape(t, self.q_size), self.o_proj.weight), cfg.tp_size)
 
 

@@ -151,6 +151,7 @@ def read_config(path: Path) -> dict:
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from either the transformers 4 or the transformers 5 config layout."""
     params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # per layer type (Gemma 3): the global layers'
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     return float(theta), scaling

@@ -12,6 +12,7 @@ class Entry(NamedTuple):
     module: str  # under pageserve.runtime.models
     cls: str
     qkv_bias: bool = False  # the q/k/v projections' bias when config.json does not say
+    sliding_window: bool = False  # serves config.json's sliding_window (else the context is capped at it)
 
 
 _MODELS = {
@@ -23,6 +24,8 @@ _MODELS = {
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
+    "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
 }
 
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=0):
+def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=0,
+                    softcap=0.0):
     """One request at a time, in float32: K and V gathered slot by slot through the block
     table, causal over each request's whole context (or, with sliding_window, over the
-    window's last positions). Cache layout [blocks, Hkv, block size, D]."""
+    window's last positions; softcap: scores capped as cap * tanh(s / cap)). Cache layout [blocks, Hkv, block size, D]."""
     bs = k_cache.shape[2]
     group = q.shape[1] // k_cache.shape[1]
     qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
@@ -25,6 +26,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
         k = k_cache[blocks, :, offsets].float().repeat_interleave(group, 1)  # [ctx, H, D]
         v = v_cache[blocks, :, offsets].float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - (end - start), ctx)[:, None]
         scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, -math.inf)
         if sliding_window:

@@ -53,7 +53,8 @@ def random_lengths(num_seqs, max_q, max_ctx, seed):
     return q_lens, ctx
 
 
-def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, sliding_window=0, **kwargs):
+def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, sliding_window=0, softcap=0.0,
+                    **kwargs):
     """With a sliding window, the blocks wholly before it are NaN when the kernel runs (so a
     kernel that read one fails); returns the output and how many blocks were poisoned."""
     num_heads, num_kv_heads, head_dim = heads
@@ -64,8 +65,10 @@ def check_attention(q_lens, ctx_lens, heads, block_size, dtype, device, seed, sl
     q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)  # token stride > H * D
     scale = head_dim ** -0.5
     want = reference.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), bt.cpu(), qsl.cpu(),
-                                     sl.cpu(), scale, sliding_window)
+                                     sl.cpu(), scale, sliding_window, softcap)
     poisoned = 0
+    if softcap:
+        kwargs["softcap"] = softcap
     if sliding_window:
         poisoned = reference.poison_out_of_window(k_cache, v_cache, bt.cpu(), qsl.cpu(), sl.cpu(), sliding_window)
         kwargs["sliding_window"] = sliding_window
@@ -125,6 +128,22 @@ def test_sliding_window_decode_one_pass_and_split(device, num_partitions, partit
                                   sliding_window=20, num_partitions=num_partitions,
                                   partition_size=partition_size, block_n=16)
     assert poisoned > 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_partitions", [0, 5])
+def test_softcap(device, dtype, num_partitions):
+    """Gemma 2's attention-logit cap (cap * tanh(s / cap)), low enough to change every score,
+    with and without a window, on a mixed step and on split decodes."""
+    if num_partitions:
+        check_attention([1] * 4, [300, 64, 129, 17], (6, 2, 64), 16, dtype, device, 5, softcap=0.5,
+                        num_partitions=num_partitions, partition_size=64, block_n=16)
+    else:
+        q_lens, ctx = random_lengths(5, 37, 200, 9)
+        check_attention(q_lens, ctx, (6, 2, 64), 16, dtype, device, 9, softcap=0.5)
+    q_lens = [1, 1, 1] if num_partitions else [1, 20, 1]  # the split path takes decodes only
+    check_attention(q_lens, [150, 40, 9], (8, 2, 64), 16, dtype, device, 4, sliding_window=10,
+                    softcap=0.5, num_partitions=num_partitions, partition_size=64, block_n=16)
 
 
 def test_split_heuristic():

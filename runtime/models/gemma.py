@@ -1,0 +1,124 @@
+"""Gemma 2 and Gemma 3 (text): Llama's shape with the embedding scaled by sqrt(hidden), RMSNorms
+that scale by (1 + w) (folded into the weights at load), a norm after attention and after the
+MLP as well as before each (four per layer), a GeLU-tanh gated MLP, the attention scale from
+query_pre_attn_scalar, and sliding-window attention on the layers config.json's layer_types
+marks "sliding_attention". Gemma 2 soft-caps the attention scores and the final logits
+(cap * tanh(x / cap)). Gemma 3 adds a per-head
+q/k norm and its own RoPE base for the sliding layers (rope_local_base_freq)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pageserve.runtime.config import ModelConfig
+from pageserve.runtime.kernels import AttentionMetadata, Kernels
+from pageserve.runtime.models import parallel
+from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
+
+
+def layer_windows(cfg: ModelConfig, pattern: int) -> list[int]:
+    """Each layer's sliding window (0: full attention): config.json's layer_types, else every
+    `pattern`-th layer global (Gemma 2: 2, Gemma 3: sliding_window_pattern, 6)."""
+    hf = cfg.hf_config
+    window = hf.get("sliding_window") or 0
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or pattern
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.num_layers)]
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+def local_rope_config(cfg: ModelConfig) -> ModelConfig:
+    """The sliding layers' RoPE: their own base, no scaling (Gemma 3)."""
+    hf = cfg.hf_config
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    theta = local.get("rope_theta") or hf.get("rope_local_base_freq") or cfg.rope_theta
+    return dataclasses.replace(cfg, rope_theta=float(theta), rope_scaling=None)
+
+
+class GeluTanhMLP(GatedMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.kernels.linear
+        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, dim=-1)
+        out = linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
+        return parallel.all_reduce(out, self.tp_size)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, qk_norm: bool, window: int):
+        super().__init__()
+        self.cfg, self.ops, self.window = cfg, kernels.ops, window
+        eps, size = cfg.rms_norm_eps, cfg.hidden_size
+        self.self_attn = Attention(cfg, kernels, qk_norm)
+        self.self_attn.scale = cfg.hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5
+        self.self_attn.sliding_window = window
+        self.self_attn.softcap = cfg.hf_config.get("attn_logit_softcapping") or 0.0
+        self.mlp = GeluTanhMLP(size, cfg.intermediate_size, kernels, cfg.tp_size)
+        self.input_layernorm = RMSNorm(size, eps)
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps)
+        self.post_feedforward_layernorm = RMSNorm(size, eps)
+
+    def forward(self, x, residual, meta, kv_cache, rope):
+        rms_norm, eps = self.ops.rms_norm, self.cfg.rms_norm_eps
+        x, residual = rms_norm(x, self.input_layernorm.weight, eps, residual)
+        x, _ = rms_norm(self.self_attn(x, meta, kv_cache, rope), self.post_attention_layernorm.weight, eps)
+        x, residual = rms_norm(x, self.pre_feedforward_layernorm.weight, eps, residual)
+        x, _ = rms_norm(self.mlp(x), self.post_feedforward_layernorm.weight, eps)
+        return x, residual
+
+
+class GemmaCausalLM(CausalLM):
+    """The Gemma shell; Gemma2ForCausalLM and Gemma3ForCausalLM set what differs."""
+    window_pattern = 2
+    local_rope = False
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+        super().__init__(cfg, kernels)
+        windows = layer_windows(cfg, self.window_pattern)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, kernels, self.qk_norm, w) for w in windows)
+        self.final_softcap = cfg.hf_config.get("final_logit_softcapping") or 0.0
+        self.local_cos_sin_cache = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # rounded to the dtype, as HF
+        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)
+        local = rope
+        if self.local_cos_sin_cache is not None and any(layer.window for layer in self.layers):
+            local = self.ops.rope_cos_sin(positions, self.local_cos_sin_cache, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, meta, kv_cache, local if layer.window else rope)
+        x, _ = self.ops.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        for module in self.modules():  # Gemma's norms scale by (1 + w)
+            if isinstance(module, RMSNorm):
+                module.weight.add_(1.0)
+        if self.local_rope:  # a plain attribute, float32: the runner's dtype cast leaves it alone
+            self.local_cos_sin_cache = rope_cos_sin_cache(local_rope_config(self.cfg)).to(self.norm.weight.device)
+
+
+class Gemma2ForCausalLM(GemmaCausalLM):
+    pass
+
+
+class Gemma3ForCausalLM(GemmaCausalLM):
+    qk_norm = True
+    window_pattern = 6
+    local_rope = True
