@@ -44,6 +44,7 @@ def build_tokenizer(path: Path, vocab_size: int = 384):
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12}),  # every layer, cut by the prompts
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
     # LongRoPE with an attention factor (max 1024 over original 256), short factors below 256
     "phi3": ("Phi3Config", "Phi3ForCausalLM",

@@ -51,7 +51,7 @@ def test_tiny_model_parity(tmp_path, arch, overrides):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                  "gemma2", "gemma3_text"])
+                                  "gemma2", "gemma3_text", "mistral"])
 def test_architecture_parity_under_pressure(tmp_path, arch):
     """Each architecture of the registry against HF on its tiny model: prompt chunks of 64
     beside decodes, prompts sharing a 48-token prefix (prefix-cache hits), and a pool of 40

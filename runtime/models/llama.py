@@ -1,8 +1,16 @@
-"""Llama, and the architectures that are Llama under another name: Mistral (without a
-sliding window) and Qwen2 (q/k/v with a bias, which the config's registry line sets)."""
+"""Llama, and the architectures that are Llama under another name: Mistral (with config.json's
+sliding_window on every layer, when it has one) and Qwen2 (q/k/v with a bias, which the
+config's registry line sets)."""
 
 from pageserve.runtime.models.layers import CausalLM
 
 
 class LlamaForCausalLM(CausalLM):
     pass
+
+
+class MistralForCausalLM(CausalLM):
+    def __init__(self, cfg, kernels):
+        super().__init__(cfg, kernels)
+        for layer in self.layers:
+            layer.self_attn.sliding_window = cfg.hf_config.get("sliding_window") or 0

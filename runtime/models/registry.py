@@ -17,7 +17,7 @@ class Entry(NamedTuple):
 
 _MODELS = {
     "LlamaForCausalLM": Entry("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": Entry("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Entry("llama", "MistralForCausalLM", sliding_window=True),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM"),
