@@ -145,8 +145,9 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)  # no step runs after this: the workers can be told to stop
         self.engine.grammar.shutdown()
+        self.engine.shutdown()
 
     async def drain(self, timeout: float) -> int:
         """Graceful shutdown: refuse new requests from now on, let those in flight finish for up

@@ -66,8 +66,8 @@ class ModelConfig:
             )
         if self.tp_size > 1:
             kv, tp = self.num_kv_heads, self.tp_size
-            splits = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size,
-                      "vocab_size": self.vocab_size}
+            # the vocabulary need not divide: runtime/models/parallel.py pads it
+            splits = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size}
             for name, value in splits.items():
                 if value % tp:
                     raise ValueError(f"{name} ({value}) must be divisible by --tensor-parallel-size ({tp})")

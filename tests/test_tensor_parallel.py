@@ -148,14 +148,6 @@ def test_hung_worker_stops_the_engine(tiny_model_dir):
     assert not any(psutil.pid_exists(p) for p in pids)
 
 
-def test_moe_is_refused_under_tp(tmp_path):
-    path = build_tiny_model(tmp_path / "moe", arch="mixtral")
-    before = _children()
-    with pytest.raises(ExecutorDeadError, match="mixture-of-experts layers are not split"):
-        LLM(str(path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=0.01, max_model_len=256)
-    assert _children() <= before
-
-
 def _cfg(tp, rank, heads=8, kv=2, d=4, vocab=64):
     return ModelConfig(path="", architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=heads * d,
                        intermediate_size=48, num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=d,
@@ -250,3 +242,31 @@ def test_ranks_lost_during_a_fork_end_the_engine_not_the_request(tiny_model_dir)
         for _ in range(10):
             llm.engine.step()
     assert not llm.engine.take_failures()
+
+
+def test_stopping_the_async_engine_stops_the_workers(tiny_model_dir):
+    """The server's shutdown (AsyncEngine.stop) ends the rank processes itself, while this
+    process lives on: not left to the interpreter's exit."""
+    import asyncio
+
+    from pageserve.runtime.async_engine import AsyncEngine
+    from pageserve.runtime.engine_args import EngineArgs
+
+    before = _children()
+
+    async def serve_one() -> tuple[list[int], list[int]]:
+        eng = AsyncEngine.build(EngineArgs(model=str(tiny_model_dir), dtype="float32", tensor_parallel_size=2,
+                                           kv_cache_memory=0.01, max_model_len=256, swap_space=0))
+        pids = eng.engine.executor.pids
+        eng.start()
+        stream = eng.new_stream()
+        eng.add_request(stream, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        tokens = [out.outputs[0].token_ids async for out in stream][-1]
+        assert set(pids) <= _children()
+        await eng.stop()
+        return pids, tokens
+
+    pids, tokens = asyncio.run(serve_one())
+    assert len(tokens) == 4
+    assert not any(psutil.pid_exists(p) for p in pids)
+    assert _children() <= before

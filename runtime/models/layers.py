@@ -129,10 +129,13 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, tp_size: int = 1):
-        """tp_size > 1: this rank's slice of the intermediate size (runtime/models/parallel.py)."""
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, tp_size: int = 1,
+                 reduce: bool = True):
+        """tp_size > 1: this rank's slice of the intermediate size (runtime/models/parallel.py);
+        reduce=False leaves the partial sums to the caller's all-reduce (a shared expert)."""
         super().__init__()
-        self.kernels, self.ops, self.tp_size = kernels, kernels.ops, tp_size
+        self.kernels, self.ops = kernels, kernels.ops
+        self.tp_size = tp_size if reduce else 1
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size // tp_size, hidden_size, bias=False)
 
@@ -143,7 +146,8 @@ class GatedMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's gated MLP stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]."""
+    """Every expert's gated MLP stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I];
+    under tensor parallelism I is this rank's slice of each expert's intermediate size."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -155,18 +159,21 @@ class SparseMoE(nn.Module):
     """A router picks top_k of num_experts per token (softmax over all experts, then the top
     k; `normalize` rescales their weights to sum to one, as Mixtral and Qwen3-MoE do), the
     experts run through the kernels' fused_moe; an optional shared expert, scaled by a
-    sigmoid gate of its own, is added (Qwen2-MoE)."""
+    sigmoid gate of its own, is added (Qwen2-MoE). With tp_size > 1 each rank holds every
+    expert's slice of the intermediate size and the whole router, so every rank routes alike;
+    the experts' and the shared expert's partial sums are all-reduced once, at the end."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 normalize: bool, kernels: Kernels, shared_intermediate_size: int = 0):
+                 normalize: bool, kernels: Kernels, shared_intermediate_size: int = 0, tp_size: int = 1):
         super().__init__()
         self.kernels, self.ops = kernels, kernels.ops
-        self.top_k, self.normalize = top_k, normalize
+        self.top_k, self.normalize, self.tp_size = top_k, normalize, tp_size
+        self.intermediate_size, self.shared_intermediate_size = intermediate_size, shared_intermediate_size
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size // tp_size)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, kernels)
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, kernels, tp_size, reduce=False)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +185,7 @@ class SparseMoE(nn.Module):
         out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
-        return out
+        return parallel.all_reduce(out, self.tp_size)
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +227,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, self.mlp(cfg, i), self.qk_norm)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size,
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, parallel.vocab_rows(cfg),
                                                                       bias=False)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg), persistent=False)
 

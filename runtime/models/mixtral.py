@@ -13,7 +13,7 @@ class MixtralForCausalLM(CausalLM):
     def mlp(self, cfg, layer):
         hf = cfg.hf_config
         return SparseMoE(cfg.hidden_size, hf["num_local_experts"], hf["num_experts_per_tok"],
-                         cfg.intermediate_size, True, self.kernels)
+                         cfg.intermediate_size, True, self.kernels, tp_size=cfg.tp_size)
 
     @staticmethod
     def rename(name):

@@ -7,9 +7,12 @@ The split follows Megatron as vLLM does: q/k/v (by heads) and gate/up are column
 o_proj and down_proj are row-parallel (each rank multiplies its slice of the inputs and the
 partial sums are all-reduced: one all-reduce per attention and one per MLP, per layer). KV
 heads are split like query heads; with fewer KV heads than ranks each rank holds one, the
-one its query heads read (replicated on tp / kv ranks). The embedding and lm_head are split
-by vocabulary rows. The ranks' process group is torch.distributed's default one, set up by
-runtime/worker.py."""
+one its query heads read (replicated on tp / kv ranks). A mixture of experts splits every
+expert as a gated MLP (gate/up by column, down by row), keeps the router whole on every rank,
+splits its shared expert like a dense MLP, and all-reduces once after the whole block. The
+embedding and lm_head are split by vocabulary rows; a vocabulary that does not divide by the
+ranks is padded (as vLLM pads it) with zero rows whose logits are cut off after the gather.
+The ranks' process group is torch.distributed's default one, set up by runtime/worker.py."""
 
 from __future__ import annotations
 
@@ -30,9 +33,21 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
+VOCAB_PADDING = 64  # as vLLM's DEFAULT_VOCAB_PADDING_SIZE: padded rows per rank stay aligned for matmuls
+
+
+def vocab_rows(cfg: ModelConfig) -> int:
+    """Vocabulary rows each rank holds: an exact share when the vocabulary divides by the
+    ranks, else its share rounded up to a multiple of 64 (the last ranks' tail is padding)."""
+    if cfg.vocab_size % cfg.tp_size == 0:
+        return cfg.vocab_size // cfg.tp_size
+    share = -(-cfg.vocab_size // cfg.tp_size)
+    return -(-share // VOCAB_PADDING) * VOCAB_PADDING
+
+
 def gather_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """[rows, vocab / tp] on each rank -> [rows, vocab] on rank 0, which samples; the other
-    ranks get [rows, 0] (they sample nothing)."""
+    """[rows, vocab_rows] on each rank -> [rows, vocab] on rank 0, which samples (the padded
+    rows' logits cut off); the other ranks get [rows, 0] (they sample nothing)."""
     if cfg.tp_size == 1:
         return logits
     logits = logits.contiguous()
@@ -41,17 +56,18 @@ def gather_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         return logits.new_empty((logits.shape[0], 0))
     parts = [torch.empty_like(logits) for _ in range(cfg.tp_size)]
     dist.gather(logits, parts, dst=0)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1)[:, :cfg.vocab_size]
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the embedding (vocab / tp consecutive ids): ids elsewhere look up
-    zeros, and the all-reduce gives every rank every token's row."""
+    """This rank's rows of the embedding (vocab_rows consecutive ids, the padding past the
+    vocabulary included): ids elsewhere look up zeros, and the all-reduce gives every rank
+    every token's row."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tp_size = cfg.tp_size
-        rows = cfg.vocab_size // cfg.tp_size
+        rows = vocab_rows(cfg)
         self.start, self.end = cfg.tp_rank * rows, (cfg.tp_rank + 1) * rows
         self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size))
 
@@ -69,22 +85,28 @@ def embedding(cfg: ModelConfig) -> nn.Module:
 
 
 def check_supported(model: nn.Module, cfg: ModelConfig) -> None:
-    """Refuse, before any weight loads, what tensor parallelism does not split yet."""
+    """Refuse, before any weight loads, expert MLPs that do not split over the ranks."""
     if cfg.tp_size == 1:
         return
     from pageserve.runtime.models.layers import SparseMoE  # layers imports this module
 
-    if any(isinstance(m, SparseMoE) for m in model.modules()):
-        raise ModelLoadError(f"{cfg.architecture}: mixture-of-experts layers are not split across ranks "
-                             "yet; serve this model with --tensor-parallel-size 1")
+    for m in model.modules():
+        if not isinstance(m, SparseMoE):
+            continue
+        for name, size in (("the experts' intermediate size", m.intermediate_size),
+                           ("the shared expert's intermediate size", m.shared_intermediate_size)):
+            if size % cfg.tp_size:
+                raise ModelLoadError(f"{cfg.architecture}: {name} ({size}) must be divisible by "
+                                     f"--tensor-parallel-size ({cfg.tp_size})")
 
 
 # checkpoint names (in CausalLM's layout, without "model.") and how each is split
 _HEADS = re.compile(r".+\.([qkv])_proj\.(?:weight|bias)")
 _FUSED_QKV = re.compile(r".+\.qkv_proj\.(?:weight|bias)")  # Phi-3 stores q/k/v as one tensor
-_COLUMN = re.compile(r".+\.(?:gate|up)_proj\.weight|embed_tokens\.weight|lm_head\.weight")
+_COLUMN = re.compile(r".+\.(?:gate|up)_proj\.weight")  # dense, shared-expert and each expert's
+_VOCAB = re.compile(r"embed_tokens\.weight|lm_head\.weight")
 _FUSED_GATE_UP = re.compile(r".+\.gate_up_proj\.weight")
-_ROW = re.compile(r".+\.(?:o|down)_proj\.weight")
+_ROW = re.compile(r".+\.(?:o|down)_proj\.weight")  # the router (mlp.gate) matches nothing: replicated
 
 
 def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -100,6 +122,8 @@ def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         return torch.cat([_head_rows(q, "q", cfg), _head_rows(k, "k", cfg), _head_rows(v, "v", cfg)])
     if _COLUMN.fullmatch(name):
         return _part(tensor, 0, cfg)
+    if _VOCAB.fullmatch(name):
+        return _vocab_part(tensor, cfg)
     if _FUSED_GATE_UP.fullmatch(name):
         gate, up = tensor.chunk(2)
         return torch.cat([_part(gate, 0, cfg), _part(up, 0, cfg)])
@@ -122,3 +146,14 @@ def _part(tensor: torch.Tensor, dim: int, cfg: ModelConfig) -> torch.Tensor:
     if rem:
         raise ValueError(f"a dimension of {tensor.shape[dim]} does not split over {cfg.tp_size} ranks")
     return tensor.narrow(dim, cfg.tp_rank * size, size)
+
+
+def _vocab_part(tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """This rank's vocab_rows rows; past the vocabulary's end, zero rows (a copy, only on the
+    ranks that hold padding)."""
+    rows = vocab_rows(cfg)
+    start = min(cfg.tp_rank * rows, tensor.shape[0])
+    part = tensor.narrow(0, start, min(rows, tensor.shape[0] - start))
+    if part.shape[0] == rows:
+        return part
+    return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])

@@ -18,7 +18,7 @@ class Qwen2MoeForCausalLM(CausalLM):
     def mlp(self, cfg, layer):
         hf = cfg.hf_config
         if not is_sparse(hf, layer):
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels, cfg.tp_size)
         return SparseMoE(cfg.hidden_size, num_experts(hf), hf["num_experts_per_tok"],
                          hf["moe_intermediate_size"], hf.get("norm_topk_prob", False), self.kernels,
-                         hf.get("shared_expert_intermediate_size", 0))
+                         hf.get("shared_expert_intermediate_size", 0), cfg.tp_size)
