@@ -145,10 +145,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
             logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
             text = c.text
             if thinking is not None:
-                reasoning, text = thinking[c.index].feed(c.text)
-                if c.finish_reason is not None:
-                    more, rest = thinking[c.index].finish()
-                    reasoning, text = reasoning + more, text + rest
+                reasoning, text = thinking[c.index].feed(c.text, last=c.finish_reason is not None)
                 if reasoning:
                     yield chunk(c.index, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=logprobs)
                     logprobs = None

@@ -5,8 +5,9 @@ to neither. The semantics are those of vLLM's parsers of the same names:
 - `deepseek_r1`: DeepSeek-R1's template opens `<think>` in the prompt, so the output starts in
   reasoning (a `<think>` the model writes anyway is dropped) until `</think>`; an output with
   no `</think>` is all reasoning.
-- `qwen3`: Qwen3 writes `<think>...</think>` itself: text before a `<think>` is content, and
-  an output with no think tag at all is all content.
+- `qwen3`: Qwen3 writes `<think>...</think>` itself, first thing: a think block opens only at
+  the start of the output (after whitespace at most), so an output that starts otherwise is
+  all content, verbatim, tags written later (say in a tool call's arguments) included.
 
 Both first look at where the prompt left off: a prompt whose last think tag is `<think>` with
 only whitespace after it (templates that open the block, like R1's and Qwen3-Thinking-2507's)
@@ -28,14 +29,13 @@ from pageserve.sampling.params import StructuredOutputsParams
 
 class ReasoningState(enum.IntEnum):
     REASONING = 0  # inside the think block
-    OPEN = 1  # content, but a <think> may still open a block (qwen3 before any tag)
+    OPEN = 1  # the output's start: a <think> there opens a block, anything else is content (qwen3)
     CONTENT = 2  # the reasoning is over: everything is content, verbatim
 
 
 class ReasoningStream:
     """Splits one output's text deltas into (reasoning, content) pieces. Text that may be the
-    start of a tag is held back until the next delta decides it; `finish` hands out what is
-    held at the end of the output."""
+    start of a tag is held back until the next delta decides it, or the output ends."""
 
     __slots__ = ("start_tag", "end_tag", "state", "held", "reasoned")
 
@@ -49,33 +49,49 @@ class ReasoningStream:
     def reasoning_ended(self) -> bool:
         return self.state == ReasoningState.CONTENT
 
-    def feed(self, delta: str) -> tuple[str, str]:
+    def feed(self, delta: str, last: bool = False) -> tuple[str, str]:
         """The next piece of output text -> (reasoning, content) that it completes ("" for
-        none)."""
+        none). `last`: the output ends with this piece, so nothing is held back."""
         text, self.held = self.held + delta, ""
         reasoning: list[str] = []
         content: list[str] = []
         while text and self.state != ReasoningState.CONTENT:
-            out = reasoning if self.state == ReasoningState.REASONING else content
+            if self.state == ReasoningState.OPEN:
+                text = self._start(text)
+                if self.state == ReasoningState.OPEN:  # not decided yet: all of it is held
+                    break
+                continue
             at, tag = self._first_tag(text)
             if tag is None:
                 keep = self._partial_tag(text)
-                out.append(text[:len(text) - keep])
+                reasoning.append(text[:len(text) - keep])
                 self.held = text[len(text) - keep:]
-                return "".join(reasoning), "".join(content)
-            out.append(text[:at])
+                break
+            reasoning.append(text[:at])
             text = text[at + len(tag):]
-            if tag == self.start_tag:  # opens (or, inside reasoning, repeats) the think block
-                self.state, self.reasoned = ReasoningState.REASONING, True
-            else:
+            if tag == self.end_tag:  # a repeated start tag inside the block is dropped
                 self.state = ReasoningState.CONTENT
-        content.append(text)
+        else:
+            content.append(text)
+        if last and self.held:
+            (reasoning if self.state == ReasoningState.REASONING else content).append(self.held)
+            self.held = ""
         return "".join(reasoning), "".join(content)
 
-    def finish(self) -> tuple[str, str]:
-        """The output has ended: text held back as a possible tag start was not one."""
-        held, self.held = self.held, ""
-        return (held, "") if self.state == ReasoningState.REASONING else ("", held)
+    def _start(self, text: str) -> str:
+        """At the start of an output that may open a think block: a block opens only there
+        (after whitespace at most), so a tag written later, say inside a tool call's arguments,
+        stays content. Returns the text left after the decision, or holds it all."""
+        body = text.lstrip()
+        for tag, state in ((self.start_tag, ReasoningState.REASONING), (self.end_tag, ReasoningState.CONTENT)):
+            if body.startswith(tag):
+                self.state, self.reasoned = state, self.reasoned or state == ReasoningState.REASONING
+                return body[len(tag):]
+        if self.start_tag.startswith(body) or self.end_tag.startswith(body):  # whitespace or a tag's start
+            self.held = text
+            return ""
+        self.state = ReasoningState.CONTENT
+        return text
 
     def _first_tag(self, text: str) -> tuple[int, str | None]:
         found = [(i, tag) for tag in (self.start_tag, self.end_tag) if (i := text.find(tag)) != -1]
@@ -135,9 +151,7 @@ class ReasoningParser:
         """A whole output -> (reasoning, content): reasoning None when no think block was
         entered, content None when empty (as vLLM). The same split as streaming it."""
         stream = self.stream(prompt)
-        reasoning, content = stream.feed(text)
-        r, c = stream.finish()
-        reasoning, content = reasoning + r, content + c
+        reasoning, content = stream.feed(text, last=True)
         return (reasoning if stream.reasoned else None), (content or None)
 
     def after_reasoning(self, spec: StructuredOutputsParams | None,

@@ -14,13 +14,21 @@ def item_id(prefix: str) -> str:
 
 class ResponseOutput:
     """Feed it `reasoning`, `text` and `call` / `arguments` pieces, then `close`; `items` holds
-    the output items, `drain()` the events (without sequence numbers) since the last drain."""
+    the output items (the open one's text written at its close: see `snapshot`), `drain()` the
+    events (without sequence numbers) since the last drain. A call whose id is put in
+    `failed_calls` before it closes (its arguments are not a valid call) closes `incomplete`."""
 
     def __init__(self):
         self.items: list[dict] = []
+        self.failed_calls: set[str] = set()
         self._events: list[dict] = []
         self._open: dict | None = None  # the item being written
-        self._arguments: list[str] = []  # the open function call's argument pieces
+        self._pieces: list[str] = []  # the open item's text or argument pieces, joined at its close
+
+    def snapshot(self) -> list[dict]:
+        """The output items as far as they are written."""
+        self._write_open()
+        return self.items
 
     def drain(self) -> list[dict]:
         events, self._events = self._events, []
@@ -46,23 +54,25 @@ class ResponseOutput:
         item = {"id": item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call_id,
                 "name": name, "arguments": ""}
         self._add(item)
-        self._arguments = []
 
     def arguments(self, text: str) -> None:
-        assert self._open is not None and self._open["type"] == "function_call", "arguments before a call"
+        if self._open is None or self._open["type"] != "function_call":
+            raise RuntimeError("function call arguments with no call open")  # a bug of ours, never input
         if text:
-            self._arguments.append(text)
+            self._pieces.append(text)
             self._emit("response.function_call_arguments.delta", item_id=self._open["id"],
                        output_index=len(self.items) - 1, delta=text)
 
     def close(self, status: str = "completed") -> None:
         """Finish the open item (`incomplete` when the answer was cut short inside it)."""
-        item, self._open = self._open, None
-        if item is None:
+        if self._open is None:
             return
+        self._write_open()
+        item, self._open = self._open, None
         index = len(self.items) - 1
         if item["type"] == "function_call":
-            item["arguments"] = "".join(self._arguments)
+            if item["call_id"] in self.failed_calls:
+                status = "incomplete"
             self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                        name=item["name"], arguments=item["arguments"])
         else:
@@ -89,13 +99,24 @@ class ResponseOutput:
                    content_index=0, part=_copy(part))
         return part
 
+    def _write_open(self) -> None:
+        if self._open is None:
+            return
+        text = "".join(self._pieces)
+        self._pieces = [text]
+        if self._open["type"] == "function_call":
+            self._open["arguments"] = text
+        else:
+            self._open["content"][0]["text"] = text
+
     def _add(self, item: dict) -> None:
         self.items.append(item)
         self._open = item
+        self._pieces = []
         self._emit("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))
 
     def _delta(self, kind: str, part: dict, text: str, **extra) -> None:
-        part["text"] += text
+        self._pieces.append(text)
         self._emit(kind, item_id=self._open["id"], output_index=len(self.items) - 1, content_index=0,
                    delta=text, **extra)
 

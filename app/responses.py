@@ -30,11 +30,6 @@ from pageserve.sampling.params import StructuredOutputsParams
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-def _not_found(response_id: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                    code="response_not_found")
-
-
 # ---- input ----
 
 def _input_items(state: ServerState, body: ResponsesRequest) -> list[dict]:
@@ -54,6 +49,7 @@ def _input_items(state: ServerState, body: ResponsesRequest) -> list[dict]:
         if isinstance(d.get("content"), str):
             d["content"] = [{"type": "input_text" if d.get("role") != "assistant" else "output_text",
                              "text": d["content"]}]
+        d.pop("encrypted_content", None)  # never rendered: not worth its room in the store
         d.setdefault("id", item_id({"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(item.type, "item")))
         items.append(d)
     return items
@@ -134,14 +130,11 @@ async def create_response(request: Request) -> Response:
     if body.truncation == "auto":
         raise bad_request("truncation auto is not supported: a conversation longer than the model's context "
                           "is a 400", "truncation")
-    history: tuple[dict, ...] = ()
+    previous = None
     if body.previous_response_id is not None:
-        previous = state.responses.get(body.previous_response_id)
-        if previous is None:
-            raise _not_found(body.previous_response_id)
-        history = previous.conversation
+        previous = _stored(state, body.previous_response_id)
     items = _input_items(state, body)
-    messages = chat_messages(body.instructions, [*history, *items])
+    messages = chat_messages(body.instructions, [*(previous.conversation() if previous else ()), *items])
     tools, plan = _tool_plan(state, body)
     grammar = _text_format(body)
     if plan is not None and plan.grammar is not None:
@@ -163,7 +156,7 @@ async def create_response(request: Request) -> Response:
     rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input")
     answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
-                     want_logprobs, thinking, history, items)
+                     want_logprobs, thinking, previous, items)
     if body.stream:
         return sse_response(answer.events(stream), stream, named=True)
     try:
@@ -181,7 +174,7 @@ class _Answer:
 
     def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, model: str, temperature: float,
                  top_p: float, num_prompt: int, parse_tools: ToolFormat | None, want_logprobs: bool,
-                 thinking: ReasoningStream | None, history: tuple[dict, ...], items: list[dict]):
+                 thinking: ReasoningStream | None, previous: StoredResponse | None, items: list[dict]):
         self.state, self.body, self.rid, self.model = state, body, rid, model
         self.temperature, self.top_p = temperature, top_p
         self.num_prompt, self.num_output, self.cached = num_prompt, 0, 0
@@ -190,8 +183,9 @@ class _Answer:
         self.output = ResponseOutput()
         self.tools = parse_tools.stream_parser() if parse_tools else None
         self.thinking = thinking  # the reasoning parser's split of this answer, when one is on
-        self.token_ids: list[int] = []  # the whole output's, to count its reasoning tokens
-        self.history, self.items = history, items
+        self.token_ids: list[int] = []  # the whole output's, to tell its reasoning tokens
+        self.reasoning_end: int | None = None  # where the thinking ended in token_ids, once it has
+        self.previous, self.items = previous, items
 
     def feed(self, out) -> None:
         """One engine output (a delta when streaming, the whole answer otherwise)."""
@@ -202,22 +196,38 @@ class _Answer:
             else None
         text = c.text
         if self.thinking is not None:
-            self.token_ids.extend(c.token_ids)
-            reasoning, text = self.thinking.feed(c.text)
-            if c.finish_reason is not None:
-                more, rest = self.thinking.finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text = self.thinking.feed(c.text, last=c.finish_reason is not None)
             self.output.reasoning(reasoning)
-            if not text:
-                logprobs = None  # a delta that was all thinking: no output_text to carry them
+            thought = self._track_reasoning(c.token_ids)
+            if logprobs:  # output_text carries the logprobs of the answer's tokens only
+                logprobs = logprobs[thought:] or None
         if self.tools is None:
             self.output.text(text, logprobs)
             return
         deltas = self.tools.feed(text)
         if c.finish_reason is not None:
             deltas += self.tools.finish(c.finish_reason == "length")
+        self.output.failed_calls.update(self._failed_calls())
         for i, delta in enumerate(deltas):
             self._delta(delta, logprobs if i == 0 else None)
+
+    def _track_reasoning(self, token_ids) -> int:
+        """Adds a delta's tokens; how many of them are thinking (the end marker included)."""
+        before = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        if not self.thinking.reasoned:
+            return 0
+        if self.reasoning_end is None:
+            end = self.state.reasoning.end_token_ids
+            self.reasoning_end = reasoning_end_position(self.token_ids, end, max(0, before - len(end) + 1))
+        end = len(self.token_ids) if self.reasoning_end is None else self.reasoning_end
+        return max(0, end - before)
+
+    def _failed_calls(self) -> list[str]:
+        """Ids of the calls read to their end that are not valid (an open one may still be)."""
+        calls = self.tools.calls
+        done = calls if self.tools.region is None else calls[:-1]
+        return [c["id"] for c in done if c["arguments"] is None]
 
     def _delta(self, delta: dict, logprobs) -> None:
         if "content" in delta:
@@ -257,8 +267,7 @@ class _Answer:
         while it has not ended; 0 without thinking."""
         if self.thinking is None or not self.thinking.reasoned:
             return 0
-        end = reasoning_end_position(self.token_ids, self.state.reasoning.end_token_ids)
-        return len(self.token_ids) if end is None else end
+        return len(self.token_ids) if self.reasoning_end is None else self.reasoning_end
 
     def finish(self, finish_reason: str | None) -> dict:
         """Close the output; the finished response object, stored when the request asks."""
@@ -267,8 +276,7 @@ class _Answer:
         status = "incomplete" if cut else "completed"
         resp = self.response(status, self.output.items, self.usage(), "max_output_tokens" if cut else None)
         if self.body.store:
-            self.state.responses.put(StoredResponse(resp, tuple(self.items),
-                                                    (*self.history, *self.items, *self.output.items)))
+            self.state.responses.put(StoredResponse.build(resp, tuple(self.items), self.previous))
         return resp
 
     async def events(self, stream):
@@ -294,7 +302,7 @@ class _Answer:
         except Exception as e:
             error = failure(e)
             yield numbered(error_event(error))
-            failed = self.response("failed", self.output.items, self.usage(),
+            failed = self.response("failed", self.output.snapshot(), self.usage(),
                                    error={"code": error.code or "server_error", "message": error.message})
             yield numbered({"type": "response.failed", "response": failed})
             return
@@ -309,13 +317,21 @@ def _dump(value):
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="response_not_found")
+
+
+def _stored(state: ServerState, response_id: str) -> StoredResponse:
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
 @api_route
 async def get_response(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    rid = request.path_params["response_id"]
-    stored = state.responses.get(rid)
-    if stored is None:
-        raise _not_found(rid)
+    stored = _stored(request.app.state.server, request.path_params["response_id"])
     return json_response(stored.response)
 
 
@@ -330,11 +346,7 @@ async def delete_response(request: Request) -> Response:
 
 @api_route
 async def list_input_items(request: Request) -> Response:
-    state: ServerState = request.app.state.server
-    rid = request.path_params["response_id"]
-    stored = state.responses.get(rid)
-    if stored is None:
-        raise _not_found(rid)
+    stored = _stored(request.app.state.server, request.path_params["response_id"])
     data = list(stored.input_items)
     if request.query_params.get("order", "desc") == "desc":
         data.reverse()

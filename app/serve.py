@@ -68,6 +68,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="finished /v1/responses answers kept in memory (least recently used first out) "
                         "for previous_response_id and GET /v1/responses/{id}; 0 keeps none. They are "
                         "never written to disk: a restart forgets them")
+    g.add_argument("--max-stored-responses-mb", type=float, default=256,
+                   help="the memory stored responses may take, counting each with the whole "
+                        "conversation it continues (a response over it alone is not stored)")
     g.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at /")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -122,6 +125,7 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           chat_template=read_chat_template(ns.chat_template),
                           generation_config=ns.generation_config,
                           max_stored_responses=ns.max_stored_responses,
+                          max_stored_responses_mb=ns.max_stored_responses_mb,
                           reasoning_parser=ns.reasoning_parser)
 
 

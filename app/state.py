@@ -68,6 +68,7 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template, read: replaces the model's own
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
     max_stored_responses: int = 1024  # finished Responses API answers kept for previous_response_id
+    max_stored_responses_mb: float = 256  # ... and the bytes they may take
     reasoning_parser: str | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
     def __post_init__(self):
@@ -81,6 +82,8 @@ class ServerSettings:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
         if self.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
+        if self.max_stored_responses_mb < 0:
+            raise ValueError("--max-stored-responses-mb must be >= 0")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)  # the names it knows, for a wrong one
 
@@ -104,7 +107,8 @@ class ServerState:
             self.tokenizer.chat_template = self.settings.chat_template
         self.sampling_defaults = generation_defaults(self.settings.generation_config,
                                                      self.engine.generation_config)
-        self.responses = ResponseStore(self.settings.max_stored_responses)
+        self.responses = ResponseStore(self.settings.max_stored_responses,
+                                       int(self.settings.max_stored_responses_mb * 2**20))
         name = self.settings.reasoning_parser
         self.reasoning = reasoning_parser_class(name)(self.tokenizer) if name is not None else None
 

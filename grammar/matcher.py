@@ -8,11 +8,12 @@ from outlines_core import Guide
 from pageserve.grammar.worker import CompiledGrammar
 
 
-def reasoning_end_position(output_ids: list[int], end: tuple[int, ...]) -> int | None:
+def reasoning_end_position(output_ids: list[int], end: tuple[int, ...], start: int = 0) -> int | None:
     """The output length at which `output_ids` first ends with `end` (the grammar governs the
-    tokens after it), or None: the reasoning has not ended."""
+    tokens after it), or None: the reasoning has not ended. `start`: where `end` may begin at
+    the earliest (the caller looked before it already)."""
     k = len(end)
-    for n in range(k, len(output_ids) + 1):
+    for n in range(start + k, len(output_ids) + 1):
         if tuple(output_ids[n - k:n]) == end:
             return n
     return None

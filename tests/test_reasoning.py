@@ -56,8 +56,12 @@ QWEN3_CASES = [
     ("<think>\n\n</think>\n\nAnswer", ("\n\n", "\n\nAnswer")),
     ("Answer only", (None, "Answer only")),  # no think block: all content
     ("<think>cut short", ("cut short", None)),
-    ("Hi <think>r</think> there", ("r", "Hi  there")),
-    ("stray</think>text", (None, "straytext")),  # the tags reach neither
+    ("Hi <think>r</think> there", (None, "Hi <think>r</think> there")),  # a block opens first or never
+    ("stray</think>text", (None, "stray</think>text")),
+    ("</think>text", (None, "text")),
+    ("\n <think>r</think>a", ("r", "a")),  # whitespace before the block is dropped
+    ("  Hi", (None, "  Hi")),
+    ('<tool_call>{"a": "<think>x</think>"}', (None, '<tool_call>{"a": "<think>x</think>"}')),
     ("<think>a</think>b<think>c</think>", ("a", "b<think>c</think>")),
     ("<thin>k</think", (None, "<thin>k</think")),
     ("", (None, None)),
@@ -71,7 +75,7 @@ def _streamed(parser, text: str, pieces: list[str], prompt: str | None = None) -
     stream = parser.stream(prompt)
     reasoning, content = [], []
     for piece in pieces + [None]:
-        r, c = stream.feed(piece) if piece is not None else stream.finish()
+        r, c = stream.feed(piece) if piece is not None else stream.feed("", last=True)
         reasoning.append(r)
         content.append(c)
     joined_r, joined_c = "".join(reasoning), "".join(content)
@@ -100,15 +104,17 @@ def test_whole_and_streamed_at_every_split(name, cases, request):
 
 def _reference(name: str, text: str) -> tuple[str | None, str | None]:
     """The split written out plainly, for random texts: R1 reasons until the first </think>
-    (dropping <think> tags); Qwen3 is content until a first tag, and reasons only after <think>."""
-    pre = ""
+    (dropping <think> tags); Qwen3 reasons only when the output starts with <think> (whitespace
+    before it dropped), an output starting with </think> drops it, any other is all content."""
     if name == "qwen3":
-        starts, ends = text.find("<think>"), text.find("</think>")
-        if starts == -1 or -1 < ends < starts:  # no think block: all content, a stray end dropped
-            return None, text.replace("</think>", "", 1) or None
-        pre, text = text[:starts], text[starts + len("<think>"):]
+        body = text.lstrip()
+        if body.startswith("</think>"):
+            return None, body[len("</think>"):] or None
+        if not body.startswith("<think>"):
+            return None, text or None
+        text = body[len("<think>"):]
     reasoning, found, content = text.partition("</think>")
-    return reasoning.replace("<think>", ""), (pre + content) or None
+    return reasoning.replace("<think>", ""), content or None
 
 
 @pytest.mark.parametrize("name", ["r1", "qwen3"])
@@ -136,7 +142,7 @@ def test_held_text_waits_for_the_next_delta(r1):
     assert stream.feed("x<") == ("x", "")
     assert stream.feed("y") == ("<y", "")
     assert stream.feed("</") == ("", "")
-    assert stream.finish() == ("</", "")  # the output ended: it was text after all
+    assert stream.feed("", last=True) == ("</", "")  # the output ended: it was text after all
 
 
 def test_the_prompt_decides_where_the_output_starts(r1, qwen3):

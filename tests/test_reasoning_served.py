@@ -160,6 +160,65 @@ def test_r1_template_opens_the_thinking(r1):
     r1.wait_idle()
 
 
+def test_output_text_logprobs_and_reasoning_tokens_leave_the_thinking_out(qwen3):
+    """The thinking's tokens are counted as reasoning_tokens and carry no output_text logprobs,
+    whole or streamed."""
+    body = {"input": "Is it?", "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    whole = post(qwen3, "responses", body)
+    part = whole["output"][1]["content"][0]
+    usage = whole["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == thinking_tokens(qwen3)
+    # one per answer token, the end-of-turn token included
+    assert part["text"] == ANSWER and len(part["logprobs"]) == usage["output_tokens"] - thinking_tokens(qwen3)
+    assert "".join(lp["token"] for lp in part["logprobs"]).startswith(ANSWER)
+    evs = events(qwen3, "responses", body)
+    streamed = [lp for e in evs if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [lp["token"] for lp in streamed] == [lp["token"] for lp in part["logprobs"]]
+    assert evs[-1]["response"]["usage"] == whole["usage"]
+    qwen3.wait_idle()
+
+
+TAGGED_CALL = '{"name": "note", "arguments": {"text": "<think>not a thought</think>"}}'
+
+
+@pytest.fixture(scope="module")
+def qwen3_tools(tmp_path_factory):
+    """Qwen3 answering with a tool call (no thinking) whose arguments hold the think tags."""
+    script = f"<tool_call>\n{TAGGED_CALL}\n</tool_call>"
+    path = build_scripted_model(tmp_path_factory.mktemp("qwen3-tools"), script, chat_template=QWEN3_STYLE_TEMPLATE)
+    srv = scripted_server(path, {"max_model_len": 1024, "kv_cache_memory": 0.02}, reasoning_parser="qwen3",
+                          tool_call_parser="hermes", enable_auto_tool_choice=True)
+    yield srv
+    srv.stop()
+
+
+NOTE = [{"type": "function", "name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}]
+
+
+def test_think_tags_inside_a_tool_call_stay_in_its_arguments(qwen3_tools):
+    """A think block opens only at the start of the output: tags inside a call's arguments are
+    arguments, whole and streamed."""
+    body = {"input": "Note it", "tools": NOTE, "max_output_tokens": 200}
+    whole = post(qwen3_tools, "responses", body)
+    assert whole["status"] == "completed", whole["usage"]
+    assert [(o["type"], o["status"]) for o in whole["output"]] == [("function_call", "completed")]
+    assert json.loads(whole["output"][0]["arguments"]) == json.loads(TAGGED_CALL)["arguments"]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+    evs = events(qwen3_tools, "responses", body)
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert [(d["type"], d["status"], d["arguments"]) for d in done] == [
+        (o["type"], o["status"], o["arguments"]) for o in whole["output"]]
+    assert evs[-1]["type"] == "response.completed"
+
+    tools = [{"type": "function", "function": {k: v for k, v in NOTE[0].items() if k != "type"}}]
+    chat = post(qwen3_tools, "chat/completions", {"messages": USER, "tools": tools, "max_tokens": 200})
+    message = chat["choices"][0]["message"]
+    assert message["reasoning_content"] is None and not message["content"]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        json.loads(TAGGED_CALL)["arguments"]]
+    qwen3_tools.wait_idle()
+
+
 @pytest.mark.unit
 def test_past_thinking_reaches_the_template_as_reasoning_content():
     from pageserve.app.protocol import ChatMessage

@@ -17,7 +17,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from pageserve.app.response_store import ResponseStore, StoredResponse
 from pageserve.runtime.engine_args import EngineArgs
 from tests.live_server import InProcessServer
 
@@ -201,22 +200,6 @@ def test_store_get_delete_and_input_items(srv, client):
     assert httpx.delete(f"{srv.url}/v1/responses/resp_nothing").status_code == 404
 
 
-@pytest.mark.unit
-def test_the_store_forgets_the_least_recently_used():
-    store = ResponseStore(2)
-
-    def put(rid):
-        store.put(StoredResponse({"id": rid}, (), ({"id": f"item-{rid}"},)))
-    put("a"), put("b")
-    assert store.get("a") is not None  # a is now the most recent
-    put("c")
-    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
-    assert store.find_item("item-c") == {"id": "item-c"} and store.find_item("item-b") is None
-    none = ResponseStore(0)
-    none.put(StoredResponse({"id": "x"}, (), ()))
-    assert len(none) == 0
-
-
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
@@ -276,3 +259,31 @@ def test_node_clients_ai_sdk_and_openai_package(srv):
     assert out["openai"]["streamed"] == first["text"]
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
     srv.wait_idle()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pieces", [[None], list("abcdefghij")], ids=["whole", "streamed"])
+def test_a_call_that_is_not_valid_closes_incomplete(pieces):
+    """Without a grammar a model may write a call whose arguments are not JSON: its item closes
+    `incomplete` (the whole chat answer leaves such a call out), the valid one `completed`."""
+    from types import SimpleNamespace
+
+    from pageserve.app.protocol import ResponsesRequest
+    from pageserve.app.responses import _Answer
+    from pageserve.app.tools import tool_format
+
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>')
+    body = ResponsesRequest(model="m", input="hi", store=False)
+    answer = _Answer(SimpleNamespace(), body, "resp_1", "m", 1.0, 1.0, 3, tool_format("hermes"), False, None,
+                     None, [])
+    cuts = [None] if pieces == [None] else [len(text) * i // len(pieces) for i in range(len(pieces))]
+    chunks = [text] if cuts == [None] else [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        answer.feed(SimpleNamespace(metrics=None, outputs=[SimpleNamespace(
+            text=chunk, token_ids=[0], logprobs=None, finish_reason="stop" if last else None)]))
+    resp = answer.finish("stop")
+    assert [(o["type"], o["status"]) for o in resp["output"]] == [("function_call", "completed"),
+                                                                 ("function_call", "incomplete")]
+    assert json.loads(resp["output"][0]["arguments"]) == {"a": 1} and resp["status"] == "completed"
