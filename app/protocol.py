@@ -250,9 +250,6 @@ class MessageItem(_Body):
     content: str | list[InputTextPart]
     id: str | None = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
@@ -268,9 +265,6 @@ class FunctionCallOutputItem(_Body):
     output: str | list[InputTextPart]
     id: str | None = None
 
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
-
 
 class ReasoningItem(_Body):
     type: Literal["reasoning"]
@@ -278,9 +272,6 @@ class ReasoningItem(_Body):
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-
-    def text(self) -> str:
-        return "".join(p.text for p in self.content or self.summary)
 
 
 class ItemReference(_Body):
