@@ -18,6 +18,11 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
+# Stands in a block table for a block that was given back because no layer's window reaches
+# it any more; the attention never reads it (id 0, as the padding of block tables)
+NULL_BLOCK = KVBlock(0)
+
+
 class FreeBlockQueue:
     """Doubly linked list of free blocks in eviction order, with O(1) removal from the middle."""
 

@@ -57,8 +57,20 @@ class ModelConfig:
     # tensor parallelism: this process holds rank tp_rank's part of every split layer
     tp_size: int = 1
     tp_rank: int = 0
+    # the window every layer attends within (the widest, where they differ), so that KV wholly
+    # before it is never read again; 0 when any layer attends to the whole context
+    sliding_window: int = 0
 
     def __post_init__(self):
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's own limit "
+                f"(max_position_embeddings = {self.max_position_embeddings})"
+            )
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -85,13 +97,6 @@ class ModelConfig:
     def kv_heads_per_rank(self) -> int:
         """Split across ranks, or one replicated KV head per rank when there are fewer."""
         return max(1, self.num_kv_heads // self.tp_size)
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_model_len > self.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's own limit "
-                f"(max_position_embeddings = {self.max_position_embeddings})"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +106,14 @@ class CacheConfig:
     enable_prefix_caching: bool
     num_swap_blocks: int = 0
     preemption_mode: PreemptionMode = PreemptionMode.SWAP
+    # every layer's window (ModelConfig.sliding_window): a request's blocks wholly before the
+    # window of its next token go back to the pool; 0 keeps them all
+    sliding_window: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_swap_blocks < 0:
             raise ValueError(f"the swap space cannot be negative ({self.num_swap_blocks} blocks)")
         if self.block_size not in (8, 16, 32):

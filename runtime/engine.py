@@ -57,7 +57,7 @@ class LLMEngine:
         self._tokenizer = backend_tokenizer(tokenizer)
         self.executor = executor
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching, config.cache.sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
                                    config.cache.preemption_mode)
         self.requests: dict[str, Request] = {}
@@ -97,7 +97,8 @@ class LLMEngine:
         try:
             block_bytes = kv_block_bytes(model_cfg, args.block_size)  # per rank
             num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
-            cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len)
+            cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len,
+                                          model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
             executor.allocate_kv_cache(cache_cfg)
             config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                                   seed=args.seed, debug_checks=args.debug_checks, parallel=parallel)

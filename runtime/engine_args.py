@@ -201,6 +201,8 @@ class EngineArgs:
                 max_model_len=max_len,
                 hf_config=hf,
                 tp_size=self.tensor_parallel_size,
+                sliding_window=registry.kv_sliding_window(arch, hf, hf["num_hidden_layers"])
+                if windowed else 0,
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
@@ -221,11 +223,27 @@ class EngineArgs:
     def swap_space_gib(self, device: torch.device) -> float:
         return SWAP_SPACE_GIB[device.type] if self.swap_space is None else self.swap_space
 
-    def cache_config(self, num_blocks: int, num_swap_blocks: int, max_model_len: int) -> CacheConfig:
+    def cache_config(self, num_blocks: int, num_swap_blocks: int, max_model_len: int,
+                     sliding_window: int = 0, max_num_batched_tokens: int = 0) -> CacheConfig:
+        """sliding_window: every layer's (ModelConfig.sliding_window). A request then holds at
+        most the blocks of its window and one step's tokens at once (its older blocks go back to
+        the pool), so max_model_len may exceed the pool; otherwise the pool must hold it whole."""
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            num_swap_blocks=num_swap_blocks, preemption_mode=self.preemption_mode)
-        if num_blocks * self.block_size < max_model_len:
+                            num_swap_blocks=num_swap_blocks, preemption_mode=self.preemption_mode,
+                            sliding_window=sliding_window)
+        bs = self.block_size
+        need = -(-max_model_len // bs)
+        if sliding_window and max_num_batched_tokens:
+            live = -(-(sliding_window - 1 + max_num_batched_tokens) // bs) + 1
+            if live < need and num_blocks < live:
+                raise ValueError(
+                    f"the KV cache holds {num_blocks * bs} tokens, fewer than one request may hold "
+                    f"at once ({live * bs}: its sliding window of {sliding_window} tokens and a step "
+                    f"of {max_num_batched_tokens}): raise --kv-cache-memory / "
+                    f"--gpu-memory-utilization or lower --max-num-batched-tokens")
+            need = min(need, live)
+        if num_blocks < need:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "
                 f"({max_model_len}): raise --kv-cache-memory / --gpu-memory-utilization or lower "

@@ -23,8 +23,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
-    plan: object = None  # backend-specific, built once per step
-    window_plans: dict = field(default_factory=dict)  # sliding window -> its plan, built on first use
+    # torch backend: sliding window (0: full attention) -> its plan, built on first use, so that
+    # a model whose every layer has a window never plans the whole context
+    window_plans: dict = field(default_factory=dict)
 
 
 class Kernels:
@@ -111,26 +112,17 @@ class TorchKernels(Kernels):
             return F.linear(x, weight, bias)
         return self.linear_plan(x, weight, bias)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        if self.cpu_lib is not None and meta.max_query_len == 1:
-            return  # the C decode reads the block tables as they are
-        meta.plan = torch_ops.plan_paged_attention(
-            meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
-            self.num_heads, self.num_kv_heads)
-
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
         if self.cpu_lib is not None and meta.max_query_len == 1 and not sliding_window and not softcap:
             return self.cpu_lib.paged_decode(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens, scale)
         torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan = meta.plan
-        if sliding_window:  # one plan per window, shared by the layers that have it
-            plan = meta.window_plans.get(sliding_window)
-            if plan is None:
-                plan = meta.window_plans[sliding_window] = torch_ops.plan_paged_attention(
-                    meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
-                    self.num_heads, self.num_kv_heads, sliding_window)
+        plan = meta.window_plans.get(sliding_window)  # one plan per window, shared by its layers
+        if plan is None:
+            plan = meta.window_plans[sliding_window] = torch_ops.plan_paged_attention(
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
+                self.num_heads, self.num_kv_heads, sliding_window)
         return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                          meta.query_start_loc, meta.seq_lens, scale, plan,
                                          self.workspace, sliding_window, softcap)

@@ -1,4 +1,7 @@
-"""Block tables per request on top of the BlockPool, with chained-hash prefix caching."""
+"""Block tables per request on top of the BlockPool, with chained-hash prefix caching. Where
+every layer attends within a sliding window, a request's blocks wholly before the window of
+its next token go back to the pool and leave NULL_BLOCK in their place (as vLLM's
+sliding-window manager does), so its live KV is bounded by the window, not by its length."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import array
 import hashlib
 import os
 
-from pageserve.runtime.block_pool import BlockPool, KVBlock
+from pageserve.runtime.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from pageserve.runtime.request import Request
 
 # a per-process key: nobody can search offline for token blocks whose digests collide
@@ -25,8 +28,10 @@ def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int = 0):
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's (0: some layer sees everything)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -44,6 +49,25 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks that no query from position `num_computed` on reads: they end before
+        its window (a query at p sees p - window + 1 .. p), in every layer."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _remove_skipped(self, blocks: list[KVBlock], num_skipped: int) -> None:
+        """Give the first `num_skipped` blocks back to the pool (still findable by the prefix
+        cache until reused), NULL_BLOCK in their place. Placeholders are always a prefix, so
+        the walk back stops at the first one; the latest block is freed first, evicted first."""
+        freed = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] is NULL_BLOCK:
+                break
+            freed.append(blocks[i])
+            blocks[i] = NULL_BLOCK
+        self.pool.free_blocks(freed)
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = self.req_hashes.setdefault(request.request_id, [])
@@ -85,23 +109,31 @@ class KVCacheManager:
                        new_computed_blocks: list[KVBlock] = (), keep_free: int = 0) -> bool:
         """Give the request room for `num_new_tokens` more tokens after its computed ones (and
         after `new_computed_blocks`, prefix-cache hits of a request being admitted), leaving at
-        least `keep_free` blocks free. Returns False, changing nothing, when the pool is too
-        short."""
+        least `keep_free` blocks free. Under a sliding window, blocks before the window of the
+        first new token are given back first (hits there are not taken, and a request coming
+        back from the swap space gets placeholders there). Returns False when the pool is too
+        short, changing nothing but that giving back."""
         rid = request.request_id
         blocks = self.req_blocks.setdefault(rid, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        hits = list(new_computed_blocks)
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        skip = self.num_skipped_blocks(num_computed)
+        self._remove_skipped(blocks, skip)
         total = num_computed + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_dropped_hits = min(max(0, skip - len(blocks)), len(hits))
+        kept_hits = hits[num_dropped_hits:]
+        num_needed = cdiv(total, self.block_size) - max(len(blocks) + len(hits), skip)
         # hits sitting in the free queue stop being free once we reference them
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in kept_hits if b.ref_cnt == 0)
         if num_needed + num_evictable_hits + keep_free > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[rid]
             return False
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+        if hits:
+            self.pool.touch(kept_hits)
+            blocks.extend([NULL_BLOCK] * num_dropped_hits + kept_hits)
             self.req_num_cached[rid] = len(blocks)
+        blocks.extend([NULL_BLOCK] * (skip - len(blocks)))
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         return True
@@ -122,7 +154,8 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.token_ids
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+            if blocks[i] is not NULL_BLOCK:
+                self.pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
         self.req_num_cached[rid] = num_full
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
@@ -133,8 +166,8 @@ class KVCacheManager:
         (its num_computed_tokens is lowered to match)."""
         blocks = self.req_blocks[parent.request_id]
         num_full = parent.num_computed_tokens // self.block_size
-        shared = blocks[:num_full]
-        self.pool.touch(shared)
+        shared = blocks[:num_full]  # the placeholders before the window included
+        self.pool.touch([b for b in shared if b is not NULL_BLOCK])
         mine = self.req_blocks[child.request_id] = list(shared)
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
         self.req_num_cached[child.request_id] = min(self.req_num_cached.get(parent.request_id, 0), num_full)
@@ -151,18 +184,21 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
         # tail blocks first: they are the least likely to be shared, so the first evicted
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
         self.req_num_cached.pop(rid, None)
         self.req_hashes.pop(rid, None)
 
     def num_allocated_slots(self) -> int:
-        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+        return sum(b is not NULL_BLOCK for blocks in self.req_blocks.values() for b in blocks) * self.block_size
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
-            for b in blocks:
+        for rid, blocks in self.req_blocks.items():
+            live = [b for b in blocks if b is not NULL_BLOCK]
+            assert blocks[:len(blocks) - len(live)] == [NULL_BLOCK] * (len(blocks) - len(live)), (
+                f"{rid}: a placeholder after a live block")
+            for b in live:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == held.get(block.block_id, 0), (

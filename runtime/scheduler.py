@@ -135,9 +135,9 @@ class Scheduler:
                 break
             self.swapped.popleft()
             swap_ids = self.swap.free(req.request_id)
-            valid = -(-req.num_computed_tokens // self.block_size)  # blocks holding tokens
-            out.swap_in.extend(zip(swap_ids[:valid], self.kv.block_ids(req.request_id)[:valid]))
-            self.num_swapped_in_blocks += valid
+            first, valid = self._live_blocks(req)
+            out.swap_in.extend(zip(swap_ids, self.kv.block_ids(req.request_id)[first:valid]))
+            self.num_swapped_in_blocks += valid - first
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append((req, num_new))
@@ -195,13 +195,19 @@ class Scheduler:
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new
 
+    def _live_blocks(self, req: Request) -> tuple[int, int]:
+        """[first, end) of the request's blocks that hold KV it will read again: those holding
+        computed tokens, less those before its sliding window (placeholders, or about to be)."""
+        return (self.kv.num_skipped_blocks(req.num_computed_tokens),
+                -(-req.num_computed_tokens // self.block_size))
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         block_ids = self.kv.block_ids(req.request_id)
-        valid = -(-req.num_computed_tokens // self.block_size)
-        if self.preemption_mode == PreemptionMode.SWAP and self.swap.can_hold(valid):
-            swap_ids = self.swap.allocate(req.request_id, valid)
-            out.swap_out.extend(zip(block_ids[:valid], swap_ids))
-            self.num_swapped_out_blocks += valid
+        first, valid = self._live_blocks(req)
+        if self.preemption_mode == PreemptionMode.SWAP and self.swap.can_hold(valid - first):
+            swap_ids = self.swap.allocate(req.request_id, valid - first)
+            out.swap_out.extend(zip(block_ids[first:valid], swap_ids))
+            self.num_swapped_out_blocks += valid - first
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
         else:  # recompute: nothing kept but the tokens

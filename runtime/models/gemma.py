@@ -20,15 +20,14 @@ from pageserve.runtime.models import parallel
 from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
 
 
-def layer_windows(cfg: ModelConfig, pattern: int) -> list[int]:
+def layer_windows(hf: dict, num_layers: int, pattern: int) -> list[int]:
     """Each layer's sliding window (0: full attention): config.json's layer_types, else every
     `pattern`-th layer global (Gemma 2: 2, Gemma 3: sliding_window_pattern, 6)."""
-    hf = cfg.hf_config
     window = hf.get("sliding_window") or 0
     types = hf.get("layer_types")
     if types is None:
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or pattern
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.num_layers)]
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     return [window if t == "sliding_attention" else 0 for t in types]
 
 
@@ -77,9 +76,13 @@ class GemmaCausalLM(CausalLM):
     window_pattern = 2
     local_rope = False
 
+    @classmethod
+    def layer_windows(cls, hf: dict, num_layers: int) -> list[int]:
+        return layer_windows(hf, num_layers, cls.window_pattern)
+
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__(cfg, kernels)
-        windows = layer_windows(cfg, self.window_pattern)
+        windows = self.layer_windows(cfg.hf_config, cfg.num_layers)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, kernels, self.qk_norm, w) for w in windows)
         self.final_softcap = cfg.hf_config.get("final_logit_softcapping") or 0.0
         self.local_cos_sin_cache = None

@@ -10,7 +10,11 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(CausalLM):
+    @classmethod
+    def layer_windows(cls, hf: dict, num_layers: int) -> list[int]:
+        return [hf.get("sliding_window") or 0] * num_layers
+
     def __init__(self, cfg, kernels):
         super().__init__(cfg, kernels)
-        for layer in self.layers:
-            layer.self_attn.sliding_window = cfg.hf_config.get("sliding_window") or 0
+        for layer, window in zip(self.layers, self.layer_windows(cfg.hf_config, cfg.num_layers)):
+            layer.self_attn.sliding_window = window

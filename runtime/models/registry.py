@@ -42,3 +42,17 @@ def entry(architecture: str) -> Entry:
 def model_class(architecture: str) -> type:
     e = entry(architecture)
     return getattr(importlib.import_module(f"pageserve.runtime.models.{e.module}"), e.cls)
+
+
+def layer_windows(architecture: str, hf: dict, num_layers: int) -> list[int]:
+    """Each layer's sliding window as the model class sets it (0: full attention); a class
+    without a `layer_windows` classmethod attends fully everywhere."""
+    windows = getattr(model_class(architecture), "layer_windows", None)
+    return windows(hf, num_layers) if windows is not None else [0] * num_layers
+
+
+def kv_sliding_window(architecture: str, hf: dict, num_layers: int) -> int:
+    """The window every layer attends within (the widest, where they differ): KV wholly before
+    it is never read again. 0 when any layer attends to the whole context."""
+    windows = layer_windows(architecture, hf, num_layers)
+    return max(windows) if windows and all(windows) else 0
