@@ -71,6 +71,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-responses-mb", type=float, default=256,
                    help="the memory stored responses may take, counting each with the whole "
                         "conversation it continues (a response over it alone is not stored)")
+    g.add_argument("--headless", action="store_true",
+                   help="with --nnodes above 1, on nodes 1..: run only this node's tensor-parallel ranks "
+                        "(no engine, no API); give the same model and engine flags as node 0")
     g.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at /")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -168,6 +171,10 @@ def run(ns: argparse.Namespace) -> int:
     if ns.model_tag is not None:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
+    if ns.headless:
+        from pageserve.runtime.engine import run_headless
+
+        return run_headless(args)
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,

@@ -164,6 +164,8 @@ class ParallelConfig:
     distributed_executor_backend: ExecutorBackend = ExecutorBackend.MP
     master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous (MASTER_ADDR)
     master_port: int = 0  # MASTER_PORT; 0: a free port on this machine
+    nnodes: int = 1  # machines the ranks span; node 0 runs the engine, the others only workers
+    node_rank: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "distributed_executor_backend",
@@ -172,6 +174,23 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"MASTER_PORT must be a port number, got {self.master_port}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"--nnodes ({self.nnodes}): every node runs as many ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("--nnodes above 1 needs the rendezvous port that every node is given: "
+                             "--master-port (or MASTER_PORT)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks that run on this node."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,10 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured (CUDA)
     tensor_parallel_size: int = 1  # ranks each layer is split over (one worker process each above 1)
     distributed_executor_backend: str = "mp"
+    nnodes: int = 1  # machines the ranks span (ranks per node: tensor_parallel_size / nnodes)
+    node_rank: int = 0  # 0 runs the engine; the others run only workers (`serve --headless`)
+    master_addr: str | None = None  # the rendezvous: node 0's address (default $MASTER_ADDR, else 127.0.0.1)
+    master_port: int | None = None  # default $MASTER_PORT, else a free port (one node only)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -125,10 +129,19 @@ class EngineArgs:
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many devices (one worker process each; on CPU, "
-                            "processes sharing the cores); the rendezvous is MASTER_ADDR:MASTER_PORT "
-                            "(default 127.0.0.1 and a free port)")
+                            "processes sharing the cores), in all, over every node")
         g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
-                       help="mp: one worker process per rank on this machine")
+                       help="mp: one worker process per rank of this node")
+        g.add_argument("--nnodes", type=int, default=1,
+                       help="machines the ranks span, each running --tensor-parallel-size / --nnodes of "
+                            "them; node 0 runs the engine and the API, the others `serve --headless`")
+        g.add_argument("--node-rank", type=int, default=0, help="this machine's place among the --nnodes")
+        g.add_argument("--master-addr", default=None,
+                       help="torch.distributed's rendezvous: node 0's address, reachable from every node "
+                            "(default $MASTER_ADDR, else 127.0.0.1)")
+        g.add_argument("--master-port", type=int, default=None,
+                       help="the rendezvous port on node 0 (default $MASTER_PORT, else a free port; "
+                            "needed with --nnodes above 1)")
         return parser
 
     @classmethod
@@ -136,13 +149,18 @@ class EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
     def parallel_config(self) -> ParallelConfig:
-        """--tensor-parallel-size and the rendezvous from torch.distributed's environment."""
-        port = os.environ.get("MASTER_PORT", "0")
-        if not port.isdigit():
-            raise ValueError(f"MASTER_PORT must be a port number, got {port!r}")
+        """--tensor-parallel-size, the nodes, and the rendezvous: the flags, else
+        torch.distributed's environment (MASTER_ADDR, MASTER_PORT)."""
+        port = self.master_port
+        if port is None:
+            env = os.environ.get("MASTER_PORT", "0")
+            if not env.isdigit():
+                raise ValueError(f"MASTER_PORT must be a port number, got {env!r}")
+            port = int(env)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               distributed_executor_backend=ExecutorBackend(self.distributed_executor_backend),
-                              master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(port))
+                              master_addr=self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              master_port=port, nnodes=self.nnodes, node_rank=self.node_rank)
 
     def resolve_device(self) -> DeviceConfig:
         if self.device == "auto":

@@ -4,12 +4,17 @@ executor and gets the sampled tokens back.
 - UniProcExecutor (--tensor-parallel-size 1): today's ModelRunner in this process; every call
   passes straight through.
 - MultiprocExecutor (above 1, --distributed-executor-backend mp): one worker process per rank
-  (runtime/worker.py), started together so that they load their parts and warm up in
-  parallel. Each step is pickled once and the same bytes are written to every worker's pipe;
-  rank 0 answers with the StepResult. Block swaps and copies are in the step (or a message of
-  their own) and so run on every rank. A worker that dies, raises or does not answer in time
-  stops them all, and the engine gets an ExecutorDeadError (it cannot go on: the ranks would
-  be out of step); no worker outlives the executor or the engine process."""
+  of this node (runtime/worker.py), started together so that they load their parts and warm
+  up in parallel. Each step is pickled once and the same bytes are written to every worker's
+  pipe; rank 0 answers with the StepResult. Block swaps and copies are in the step (or a
+  message of their own) and so run on every rank. A worker that dies, raises or does not
+  answer in time stops them all, and the engine gets an ExecutorDeadError (it cannot go on:
+  the ranks would be out of step); no worker outlives the executor or the engine process.
+- run_headless_node (--nnodes above 1, on nodes 1..): that node's ranks and nothing else.
+  They join the same process group and get every message from rank 0, which relays the
+  pipe's bytes to them over torch.distributed (runtime/worker.py's Relay). A node exits when
+  its ranks do: cleanly when the engine stops them, non-zero when one fails or the engine's
+  node goes away."""
 
 from __future__ import annotations
 
@@ -88,15 +93,11 @@ class MultiprocExecutor:
 
     def __init__(self, args: EngineArgs, parallel: ParallelConfig, model_cfg: ModelConfig,
                  device_cfg: DeviceConfig, sched_cfg: SchedulerConfig):
-        n = parallel.tensor_parallel_size
-        if device_cfg.device.type == "cuda" and n > torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs (one per rank); this machine "
-                             f"has {torch.cuda.device_count()}")
+        if parallel.node_rank != 0:
+            raise ValueError(f"--node-rank {parallel.node_rank} runs only workers: start that node with "
+                             "`pageserve serve --headless` (node 0 runs the engine)")
         self.vocab_size = model_cfg.vocab_size
         port = parallel.master_port or _free_port(parallel.master_addr)
-        if device_cfg.device.type == "cpu" and args.num_threads is None:  # the ranks share the cores
-            device_cfg = dataclasses.replace(device_cfg, num_threads=max(1, device_cfg.num_threads // n))
-        ctx = multiprocessing.get_context("spawn")
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._dead = False
@@ -104,24 +105,17 @@ class MultiprocExecutor:
         self._sent: dict[str, int] = {}  # request id -> how many of its tokens the workers hold
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         try:
-            for rank in range(n):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker.run_worker, name=f"pageserve-tp{rank}", daemon=True,
-                                   args=(rank, n, parallel.master_addr, port, args, model_cfg, device_cfg,
-                                         sched_cfg, child, os.getpid()))
-                proc.start()
-                child.close()
-                self._procs.append(proc)
-                self._conns.append(parent)
             start = time.perf_counter()
+            spawn_ranks(parallel, port, args, model_cfg, device_cfg, sched_cfg, self._procs, self._conns)
             blocks = self._collect(START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks = min(blocks)
-        logger.info("%d tensor-parallel workers (pids %s) ready in %.1f s, rendezvous %s:%d; KV blocks per "
-                    "rank %s", n, ", ".join(str(p.pid) for p in self._procs), time.perf_counter() - start,
-                    parallel.master_addr, port, blocks)
+        self.num_blocks = min(blocks)  # rank 0's answer is already the least of the other nodes' too
+        logger.info("%d tensor-parallel workers on this node (pids %s; %d ranks over %d node(s)) ready in %.1f s, "
+                    "rendezvous %s:%d; KV blocks per rank %s", len(self._procs),
+                    ", ".join(str(p.pid) for p in self._procs), parallel.tensor_parallel_size, parallel.nnodes,
+                    time.perf_counter() - start, parallel.master_addr, port, blocks)
 
     @property
     def pids(self) -> list[int]:
@@ -209,6 +203,58 @@ class MultiprocExecutor:
                 proc.terminate()
         self.shutdown()
         raise ExecutorDeadError(message)
+
+
+def spawn_ranks(parallel: ParallelConfig, port: int, args: EngineArgs, model_cfg: ModelConfig,
+                device_cfg: DeviceConfig, sched_cfg: SchedulerConfig, procs: list, conns: list | None) -> None:
+    """Start this node's ranks (appended to `procs` as they start, so that a failure part way
+    leaves them to the caller's cleanup), with a pipe each into `conns` on the engine's node,
+    none (None) on the others."""
+    local = parallel.ranks_per_node
+    if device_cfg.device.type == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size} needs {local} GPUs "
+                         f"{'on each node ' if parallel.nnodes > 1 else ''}(one per rank); this machine has "
+                         f"{torch.cuda.device_count()}")
+    if device_cfg.device.type == "cpu" and args.num_threads is None:  # the ranks share the cores
+        device_cfg = dataclasses.replace(device_cfg, num_threads=max(1, device_cfg.num_threads // local))
+    ctx = multiprocessing.get_context("spawn")
+    for rank in parallel.node_ranks:
+        parent, child = ctx.Pipe() if conns is not None else (None, None)
+        proc = ctx.Process(target=worker.run_worker, name=f"pageserve-tp{rank}", daemon=True,
+                           args=(rank, parallel, port, args, model_cfg, device_cfg, sched_cfg, child, os.getpid()))
+        proc.start()
+        procs.append(proc)
+        if conns is not None:
+            child.close()
+            conns.append(parent)
+
+
+def run_headless_node(args: EngineArgs, parallel: ParallelConfig, model_cfg: ModelConfig,
+                      device_cfg: DeviceConfig, sched_cfg: SchedulerConfig) -> int:
+    """Run this node's ranks (node_rank above 0) until they end: 0 when every one exits
+    cleanly (the engine stopped them), 1 as soon as one fails (the others are stopped)."""
+    if parallel.node_rank == 0:
+        raise ValueError("--headless runs the workers of a node other than the engine's: give --node-rank "
+                         f"1..{parallel.nnodes - 1}")
+    procs: list[multiprocessing.process.BaseProcess] = []
+    try:
+        spawn_ranks(parallel, parallel.master_port, args, model_cfg, device_cfg, sched_cfg, procs, None)
+        logger.info("node %d of %d: ranks %d..%d (pids %s) joining %s:%d", parallel.node_rank, parallel.nnodes,
+                    parallel.node_ranks[0], parallel.node_ranks[-1], ", ".join(str(p.pid) for p in procs),
+                    parallel.master_addr, parallel.master_port)
+        alive = list(procs)
+        while alive:
+            multiprocessing.connection.wait([p.sentinel for p in alive])
+            for proc in [p for p in alive if not p.is_alive()]:
+                alive.remove(proc)
+                if proc.exitcode != 0:
+                    logger.error("%s (pid %d) exited with code %s (a failure here, or the engine's node is "
+                                 "gone); stopping this node", proc.name, proc.pid, proc.exitcode)
+                    return 1
+        logger.info("node %d: every rank has stopped", parallel.node_rank)
+        return 0
+    finally:
+        _stop(procs, [])
 
 
 def _stop(procs: list, conns: list) -> None:

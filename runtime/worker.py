@@ -1,10 +1,13 @@
 """One tensor-parallel rank in its own process: joins torch.distributed, loads its part of the
 model into a ModelRunner, sizes its KV pool over its own heads, then runs what the executor
-sends (runtime/executor.py) until told to stop or until the engine process is gone.
+sends (runtime/executor.py) until told to stop or until the process that started it is gone.
 
-Messages on the pipe are pickled (method, args) tuples; every rank answers each one with
-("ok", value) or ("error", traceback), and only rank 0's value carries anything (its sampled
-tokens); the others answer None, which tells the executor they are alive and in step."""
+Messages are pickled (method, args) tuples. The ranks of the engine's node read them from
+their pipes and answer each with ("ok", value) or ("error", traceback); only rank 0's value
+carries anything (its sampled tokens), the others answer None, which tells the executor they
+are alive and in step. With more than one node, rank 0 relays every message's bytes to the
+ranks of the other nodes by a broadcast over a gloo group of its own (`Relay`); those ranks
+answer nothing: one that fails exits, and the collectives it leaves fail the engine's ranks."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.model_runner import ModelRunner, StepResult, kv_block_bytes
@@ -30,6 +33,36 @@ from pageserve.runtime.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
+_ENGINE_GONE = pickle.dumps(("engine_gone", ()))  # the pipe closed without a "shutdown": the engine died
+# the relay's receivers wait between steps for as long as the server idles: no timeout there
+# (a dead head still ends the wait, as gloo's connection to it closes)
+_RELAY_TIMEOUT = datetime.timedelta(days=365)
+
+
+class Relay:
+    """Rank 0 -> the ranks of the other nodes: each message as bytes, broadcast (its length,
+    then the bytes) over a gloo group of rank 0 and those ranks, so that a message crosses
+    machines through torch.distributed whatever the device backend (NCCL included)."""
+
+    def __init__(self, parallel: ParallelConfig):
+        remote = range(parallel.ranks_per_node, parallel.tensor_parallel_size)  # every rank makes the group
+        self.group = dist.new_group([0, *remote], backend="gloo", timeout=_RELAY_TIMEOUT)
+
+    def send(self, payload: bytes) -> None:
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+
+    def recv(self) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        return data.numpy().tobytes()
+
+    def min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t)
 
 
 def kv_pool_blocks(runner: ModelRunner, args: EngineArgs, sched: SchedulerConfig) -> int:
@@ -56,25 +89,31 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_worker(rank: int, world_size: int, master_addr: str, master_port: int, args: EngineArgs,
+def run_worker(rank: int, parallel: ParallelConfig, master_port: int, args: EngineArgs,
                model_cfg: ModelConfig, device_cfg: DeviceConfig, sched_cfg: SchedulerConfig,
                conn, parent_pid: int) -> None:
-    """The process's entry point (multiprocessing, spawned)."""
+    """The process's entry point (multiprocessing, spawned). `conn`: the pipe to the engine on
+    node 0; None on the other nodes, whose ranks follow rank 0's relay."""
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    relay = None
     try:
-        runner = _start(rank, world_size, master_addr, master_port, args, model_cfg, device_cfg, sched_cfg)
-        conn.send_bytes(pickle.dumps(("ok", kv_pool_blocks(runner, args, sched_cfg))))
+        runner, relay = _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg)
+        blocks = kv_pool_blocks(runner, args, sched_cfg)
+        if relay is not None and (rank == 0 or conn is None):  # rank 0 answers for the other nodes too
+            blocks = relay.min(blocks)
+        if conn is not None:
+            conn.send_bytes(pickle.dumps(("ok", blocks)))
     except BaseException:  # noqa: BLE001 - reported to the engine, which stops every rank
         _report(conn)
-    _serve(rank, runner, conn)
+    _serve(rank, runner, conn, relay)
     dist.destroy_process_group()
 
 
-def _start(rank, world_size, master_addr, master_port, args, model_cfg, device_cfg, sched_cfg) -> ModelRunner:
+def _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg) -> tuple[ModelRunner, Relay | None]:
     device = device_cfg.device
     if device.type == "cuda":
-        local = rank % torch.cuda.device_count()  # one process per GPU of this machine
+        local = rank % parallel.ranks_per_node  # one process per GPU of its machine
         torch.cuda.set_device(local)
         device_cfg = dataclasses.replace(device_cfg, device=torch.device("cuda", local))
     else:
@@ -82,13 +121,28 @@ def _start(rank, world_size, master_addr, master_port, args, model_cfg, device_c
         keep_freed_memory()
         bound_onednn_cache()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(minutes=30))
+                            init_method=f"tcp://{parallel.master_addr}:{master_port}", rank=rank,
+                            world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(minutes=30))
+    relay = Relay(parallel) if parallel.nnodes > 1 else None
     cfg = dataclasses.replace(model_cfg, tp_rank=rank)
-    return ModelRunner(cfg, device_cfg, args.block_size, args.seed)
+    return ModelRunner(cfg, device_cfg, args.block_size, args.seed), relay
 
 
-def _serve(rank: int, runner: ModelRunner, conn) -> None:
+def _receive(rank: int, conn, relay: Relay | None) -> bytes:
+    """The next message: from the pipe on the engine's node (rank 0 relays it on), from rank 0's
+    relay on the others. The pipe closing without a "shutdown" means the engine died."""
+    if conn is None:
+        return relay.recv()
+    try:
+        payload = conn.recv_bytes()
+    except EOFError:
+        payload = _ENGINE_GONE
+    if relay is not None and rank == 0:
+        relay.send(payload)
+    return payload
+
+
+def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
     tokens: dict[str, list[int]] = {}  # each unfinished request's tokens, grown by what each step adds
 
     def execute(out: SchedulerOutput) -> StepResult:
@@ -111,20 +165,25 @@ def _serve(rank: int, runner: ModelRunner, conn) -> None:
                "allocate_kv_cache": allocate, "warm_up": warm_up}
     while True:
         try:
-            method, call_args = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the engine closed its end
-            return
-        if method == "shutdown":
-            return
-        try:
+            method, call_args = pickle.loads(_receive(rank, conn, relay))
+            if method == "shutdown":
+                return
+            if method == "engine_gone":  # every rank, on every node, exits non-zero
+                logger.error("the engine's process is gone; exiting")
+                os._exit(1)
             value = methods[method](*call_args)
-            conn.send_bytes(pickle.dumps(("ok", value if rank == 0 else None), pickle.HIGHEST_PROTOCOL))
+            if conn is not None:
+                conn.send_bytes(pickle.dumps(("ok", value if rank == 0 else None), pickle.HIGHEST_PROTOCOL))
         except BaseException:  # noqa: BLE001 - the ranks are out of step now: the engine stops them all
             _report(conn)
 
 
 def _report(conn) -> None:
-    """Send the exception being handled to the engine, then exit (the engine stops the others)."""
-    with contextlib.suppress(OSError):
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    """Send the exception being handled to the engine (or, on another node than the engine's,
+    write it to stderr), then exit (the engine stops the others)."""
+    if conn is None:
+        traceback.print_exc()
+    else:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     os._exit(1)

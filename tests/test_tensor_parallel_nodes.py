@@ -1,0 +1,180 @@
+"""Tensor parallelism across nodes, on one machine: two processes act as two nodes (--nnodes 2,
+--tensor-parallel-size 2, one rank each, gloo on 127.0.0.1). Node 0 runs the engine (the
+offline API, or the real server) and rank 0; node 1 runs `pageserve serve --headless` and
+rank 1, which gets every step from rank 0 over torch.distributed. The tokens are those of one
+rank; a clean stop of node 0 ends node 1 with status 0; a node 0 killed outright ends node 1
+(non-zero) within seconds; no process is left behind either way."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+
+from pageserve.runtime import LLM, SamplingParams
+from tests.live_server import ROOT, SubprocessServer, free_socket
+from tests.test_tensor_parallel import _children
+from tests.test_tensor_parallel_models import prompts
+
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "0.01", "--swap-space", "0",
+                "--max-num-batched-tokens", "64"]
+
+
+def free_port() -> int:
+    with free_socket() as sock:
+        return sock.getsockname()[1]
+
+
+class HeadlessNode:
+    """`pageserve serve --headless` as node 1 of 2, its log in a file."""
+
+    def __init__(self, model_dir, port: int, log_name: str):
+        self.log_path = ROOT / ".cache" / log_name
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pageserve.app.cli", "serve", str(model_dir), "--headless", "--nnodes", "2",
+             "--node-rank", "1", "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), *ENGINE_FLAGS], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def ranks(self) -> list[psutil.Process]:
+        """Its rank processes (spawned by multiprocessing; not the resource tracker)."""
+        procs = psutil.Process(self.proc.pid).children(recursive=True)
+        return [p for p in procs if "resource_tracker" not in " ".join(p.cmdline())]
+
+    def wait_for_ranks(self, timeout: float = 60) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if ranks := self.ranks():
+                return ranks
+            time.sleep(0.1)
+        raise AssertionError(f"node 1 started no rank:\n{self.output()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+
+def gone(procs: list[psutil.Process]) -> bool:
+    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+
+
+@pytest.mark.engine
+def test_two_nodes_same_tokens_as_one_rank_and_clean_stop(tiny_model_dir):
+    ps = prompts()  # chunked at 64 tokens, a shared prefix
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="float32", max_model_len=512, kv_cache_memory=0.01, swap_space=0, max_num_batched_tokens=64)
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, [sorted(p) for p in o.outputs[0].logprobs])
+                for o in llm.generate(ps, params, use_tqdm=False)]
+    one = LLM(str(tiny_model_dir), **kw)
+    expected = run(one)
+    before = _children()
+    port = free_port()
+    node1 = HeadlessNode(tiny_model_dir, port, f"headless-{port}.log")
+    try:
+        llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                  master_port=port, debug_checks=True, **kw)
+        ranks1 = node1.ranks()
+        assert len(llm.engine.executor.pids) == 1 and len(ranks1) == 1  # one rank on each node
+        assert run(llm) == expected
+        assert llm.engine.kv.prefix_hits > 0
+        llm.engine.shutdown()
+        assert node1.wait(30) == 0, node1.output()
+    finally:
+        if node1.proc.poll() is None:
+            node1.wait(0)
+    assert gone(ranks1)
+    assert _children() <= before
+    assert "every rank has stopped" in node1.output()
+
+
+@pytest.mark.server
+def test_served_across_two_nodes_then_node0_killed(tiny_model_dir):
+    """The real server as node 0: the OpenAI client gets one rank's greedy text; SIGTERM stops
+    both nodes with status 0. A second pair: node 0 killed with SIGKILL, node 1 exits non-zero
+    on its own and leaves no rank."""
+    prompt = "def add(a, b):"
+    one = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512, kv_cache_memory=0.01, swap_space=0)
+    expected = one.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    for kill in (False, True):
+        port = free_port()
+        node1 = HeadlessNode(tiny_model_dir, port, f"headless-{port}.log")
+        try:
+            ranks1 = node1.wait_for_ranks()
+            srv = SubprocessServer(str(tiny_model_dir), *ENGINE_FLAGS, "--tensor-parallel-size", "2", "--nnodes", "2",
+                                   "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port))
+            ranks0 = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                      if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+            assert len(ranks0) == 1
+            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+            model = client.models.list().data[0].id
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == expected
+            if kill:
+                os.kill(srv.proc.pid, signal.SIGKILL)
+                srv.proc.wait()
+                assert node1.wait(60) not in (0, None), node1.output()
+                assert "the engine's process is gone" in node1.output()
+                srv.stop()
+            else:
+                assert srv.stop() == 0, srv.output()
+                assert node1.wait(30) == 0, node1.output()
+        finally:
+            if node1.proc.poll() is None:
+                node1.wait(0)
+        deadline = time.monotonic() + 10  # node 0's rank follows its killed parent within a second
+        while not gone(ranks0 + ranks1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(ranks0 + ranks1), kill
+
+
+@pytest.mark.unit
+def test_node_flags_resolve_and_refuse_what_cannot_run(monkeypatch):
+    from pageserve.app.cli import build_parser
+    from pageserve.runtime.config import ParallelConfig
+    from pageserve.runtime.engine_args import EngineArgs
+
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    ns = build_parser().parse_args(["serve", "m", "-tp", "16", "--nnodes", "2", "--node-rank", "1",
+                                    "--master-port", "29500", "--headless"])
+    assert ns.headless
+    parallel = EngineArgs.from_cli_args(ns).parallel_config()
+    # the flag beats the environment, the environment fills what no flag gives
+    assert (parallel.master_addr, parallel.master_port) == ("10.9.9.9", 29500)
+    assert parallel.ranks_per_node == 8 and list(parallel.node_ranks) == list(range(8, 16))
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ValueError, match="--nnodes above 1 needs .* --master-port"):
+        EngineArgs(tensor_parallel_size=4, nnodes=2)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size \(3\) must be a multiple of --nnodes \(2\)"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1)
+    with pytest.raises(ValueError, match=r"--node-rank must be in 0\.\.1, got 2"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1)
+
+
+@pytest.mark.unit
+def test_a_node_above_0_runs_only_headless_and_node_0_never_does(tiny_model_dir):
+    from pageserve.runtime.engine import run_headless
+    from pageserve.runtime.engine_args import EngineArgs
+
+    before = _children()
+    with pytest.raises(ValueError, match="--node-rank 1 runs only workers: .* --headless"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1)
+    with pytest.raises(ValueError, match="--headless runs the workers of a node other than the engine's"):
+        run_headless(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, master_port=1))
+    assert _children() <= before
