@@ -1,16 +1,25 @@
 """Regexes for the other structured-output kinds: a choice among strings, any JSON object,
 and the pieces that tool-call grammars are made of (app/tool_parsers/ puts them together, one
 format each): a call as a JSON object or as a Python call with literal arguments, calls in a
-row, free text that never writes a word, free text that does not start with one."""
+row, free text that never writes a word, free text that does not start with one; and the
+limits past which tools are refused rather than made into a grammar."""
 
 from __future__ import annotations
 
+import json
 import keyword
 import re
 
 from pageserve.grammar.json_schema import UnsupportedSchema, schema_to_regex
 
 ANY = r"[\s\S]"  # any character, newlines too
+SPACE = " \t\r\n"  # whitespace a model may write before calls that open its output
+_SPACE = "[ \\t\\r\\n]"
+
+# Tools past these limits are refused with a 400 naming `tools`, rather than compiled for minutes.
+# The test suites' tools take under 1,000 characters and give calls of under 3,000.
+MAX_TOOLS_SCHEMA_CHARS = 64_000  # the functions' names and parameters, written as JSON
+MAX_TOOL_REGEX_CHARS = 200_000  # the regex of one call; a format's grammar holds it up to 3 times
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -53,17 +62,24 @@ def free_text_and_calls(word: str, region: str, again: bool) -> str:
     return f"(?:{chunk}+(?:{tail}|{region})?|{tail}|{region})"
 
 
+def opening_calls(calls: str, starts: tuple[str, ...]) -> str:
+    """tool_choice auto where calls may only open the output: `calls` after any whitespace (a
+    model often writes a newline or two first, as after a think block), or free text that does
+    not start so (see not_starting_with)."""
+    return f"{_SPACE}*(?:{calls})|{not_starting_with(starts)}"
+
+
 def not_starting_with(starts: tuple[str, ...]) -> str:
-    """Free text (at least one character) that starts with none of `starts`, each one or two
-    characters long (a longer word is kept out by its first two: the automaton that tracks a long
-    one compiles too slowly)."""
+    """Free text (at least one character) that, after any whitespace, starts with none of
+    `starts`, each one or two characters long (a longer word is kept out by its first two: the
+    automaton that tracks a long one compiles too slowly). Whitespace alone is text too."""
     firsts = "".join(dict.fromkeys(s[0] for s in starts))
-    ways = [f"[^{re.escape(firsts)}]{ANY}*"]
+    ways = [f"[^{re.escape(firsts)}{_SPACE[1:-1]}]{ANY}*"]
     for first in firsts:
         if first not in starts:  # only longer starts begin so: the first character alone is text
             seconds = "".join(s[1] for s in starts if len(s) == 2 and s[0] == first)
             ways.append(f"{re.escape(first)}(?:[^{re.escape(seconds)}]{ANY}*)?")
-    return "|".join(f"(?:{w})" for w in ways)
+    return f"{_SPACE}*(?:{'|'.join(f'(?:{w})' for w in ways)})|{_SPACE}+"
 
 
 def in_a_row(call: str, separator: str, parallel: bool) -> str:
@@ -80,7 +96,76 @@ def call_schema(name: str, parameters: dict | None, arguments_key: str = "argume
 
 def json_call_regex(functions: list[tuple[str, dict | None]], arguments_key: str = "arguments") -> str:
     """One JSON call object of one of `functions`, with arguments that match its parameters."""
-    return "|".join(f"({schema_to_regex(call_schema(n, p, arguments_key))})" for n, p in functions)
+    return _one_of(functions, lambda n, p: schema_to_regex(call_schema(n, p, arguments_key)))
+
+
+def _one_of(functions: list[tuple[str, dict | None]], one) -> str:
+    """`one(name, parameters)` of each function, as alternatives; UnsupportedSchema (a 400 naming
+    `tools`) past MAX_TOOLS_SCHEMA_CHARS or MAX_TOOL_REGEX_CHARS."""
+    try:
+        size = len(json.dumps(functions, ensure_ascii=False, default=str))
+        bounds = [_regex_chars_bound(p or {"properties": {}}) for _, p in functions]
+    except RecursionError:
+        raise UnsupportedSchema("the tools' parameters are nested too deeply") from None
+    if size > MAX_TOOLS_SCHEMA_CHARS:
+        raise UnsupportedSchema(f"the tools' names and parameters take {size} characters as JSON, more than "
+                                f"the {MAX_TOOLS_SCHEMA_CHARS} that can be made into a grammar; send fewer tools "
+                                f"or smaller parameter schemas")
+    pieces, total = [], 0
+    for (name, parameters), bound in zip(functions, bounds):
+        # a few KB of JSON can ask outlines-core for gigabytes: what is surely too large is never built
+        if total + bound > 8 * MAX_TOOL_REGEX_CHARS:
+            total = 8 * MAX_TOOL_REGEX_CHARS
+        else:
+            pieces.append(f"({one(name, parameters)})")
+            total += len(pieces[-1]) + 1
+        if total > MAX_TOOL_REGEX_CHARS:
+            raise UnsupportedSchema(f"the tools make a grammar of more than {MAX_TOOL_REGEX_CHARS} regex "
+                                    f"characters per call (at {name!r}), too large to compile; send fewer "
+                                    f"tools, or fewer optional properties (their regex grows as their square)")
+    return "|".join(pieces)
+
+
+_ANY_VALUE_CHARS = 14_000  # outlines-core's regex for an untyped value, as a property writes it
+_NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
+                  "deprecated", "readOnly", "writeOnly", "nullable"}
+
+
+def _regex_chars_bound(schema, defs: dict | None = None, refs: tuple = ()) -> int:
+    """Roughly the most regex characters `schema` can take (as a call's parameters, or as a JSON
+    literal in a Python call): each optional property repeats the object's other properties, so
+    an object costs (optional properties + 1) times the sum of its properties. Any JSON is
+    taken: what is not a valid schema is refused later, when it is built."""
+    if not isinstance(schema, dict):
+        return _ANY_VALUE_CHARS
+    defs = {**(defs or {}), **{k: v for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+                               for k, v in schema[key].items()}}
+    if "$ref" in schema:
+        ref = str(schema["$ref"])
+        if ref in refs:
+            return 256  # outlines-core cuts recursion short
+        return _regex_chars_bound(defs.get(ref.rsplit("/", 1)[-1]), defs, (*refs, ref))
+    if "enum" in schema or "const" in schema:
+        return len(json.dumps(schema.get("enum", schema.get("const")), default=str)) + 16
+    if not schema.keys() - _NO_CONSTRAINT:
+        return _ANY_VALUE_CHARS
+    total = 64 + len(str(schema.get("pattern", "")))
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        total += sum(_regex_chars_bound(s, defs, refs) for s in _list(schema.get(key)))
+    if "items" in schema:
+        total += _regex_chars_bound(schema["items"], defs, refs)
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and properties:
+        required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
+        optional = len(properties.keys() - required)
+        total += (optional + 1) * sum(len(k) + 16 + _regex_chars_bound(v, defs, refs) for k, v in properties.items())
+    elif properties is None and (schema.get("type") == "object" or "additionalProperties" in schema):
+        total += _ANY_VALUE_CHARS  # any object
+    return total
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 # ---- Python calls: name(key=value, ...) with Python literals ----
@@ -98,7 +183,7 @@ def python_call_regex(functions: list[tuple[str, dict | None]]) -> str:
     order of the parameters' properties (those not required may be left out), values written as
     Python literals (True, False, None; strings, lists and dicts as in JSON) that match their
     schemas."""
-    return "|".join(f"({_one_python_call(n, p)})" for n, p in functions)
+    return _one_of(functions, _one_python_call)
 
 
 def _one_python_call(name: str, parameters: dict | None) -> str:

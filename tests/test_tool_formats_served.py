@@ -120,7 +120,7 @@ def test_the_prompt_shows_tools_and_history_in_the_format(tool_server):
 
 def test_forced_calls_whole_and_streamed(tool_server):
     """tool_choice required (one call) and a named tool: the same seeded output parsed whole and
-    streamed gives the same call, with arguments that match the schema and no content."""
+    streamed gives the same call, with the same arguments text, matching the schema, and no content."""
     for seed, choice in ((0, "required"), (1, "required"), (2, {"type": "function", "function": {"name": "add"}})):
         body = dict(model=tool_server.model, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
                     parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=300)
@@ -134,8 +134,8 @@ def test_forced_calls_whole_and_streamed(tool_server):
             assert call.function.name == "add"
         content, calls, finish = streamed(tool_server, **body)
         assert finish == "tool_calls" and content == ""
-        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-            (call.function.name, json.loads(call.function.arguments))]
+        # the very text the model wrote, whole and streamed alike
+        assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name, call.function.arguments)]
         check_call(tool_server, calls[0]["name"], calls[0]["arguments"], calls[0]["id"])
     tool_server.wait_idle()
 
@@ -183,3 +183,15 @@ def test_auto_leaves_no_markup_in_content(tool_server):
         for call in r.choices[0].message.tool_calls:
             check_call(tool_server, call.function.name, call.function.arguments, call.id)
     tool_server.wait_idle()
+
+
+def test_tools_too_large_for_a_grammar_are_a_400(tool_server):
+    """Optional properties grow a call's regex as their square: refused up front, in the OpenAI
+    error envelope naming `tools`, instead of compiled for minutes."""
+    wide = {"type": "function", "function": {"name": "wide", "parameters": {
+        "type": "object", "properties": {f"p{i}": {} for i in range(16)}}}}
+    r = httpx.post(f"{tool_server.url}/v1/chat/completions", timeout=60, json={
+        "model": tool_server.model, "messages": ASK, "tools": [WEATHER, wide], "tool_choice": "auto"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "regex characters" in error["message"], error

@@ -168,6 +168,14 @@ def test_forced_grammar_walks_parse_to_valid_calls(compiler, name):
         jsonschema.validate(arguments, FLAGS[1])
 
 
+def _held_to_a_call(fmt, allowed: set[str]) -> None:
+    """Inside a call: only what a call of one of the tools can go on with."""
+    if fmt.name == "pythonic":
+        assert allowed and all(re.fullmatch(r"[gs]\w*", a) for a in allowed), allowed
+    else:
+        assert allowed and all(set(a) <= set('{"name: gt_wehrsfl') for a in allowed), allowed
+
+
 # per format: free text then the start of a call, under tool_choice auto
 LAZY = {"hermes": ("Let me check. ", "<tool_call>\n"), "mistral": ("Let me check. ", "[TOOL_CALLS] ["),
         "llama3_json": ("", '{"name": "'), "pythonic": ("", "[")}
@@ -182,11 +190,7 @@ def test_lazy_grammar_is_free_until_a_call_starts(compiler, name):
     m = Matcher(index, (tok.eos_token_id,))
     assert all(m.advance(t) for t in tok.encode(free + start, add_special_tokens=False))
     allowed = {tok.decode([t]) for t in _allowed(m, words)}
-    # inside the call: only what a call of one of the tools can go on with
-    if name == "pythonic":
-        assert allowed and all(re.fullmatch(r"[gs]\w*", a) for a in allowed), allowed
-    else:
-        assert allowed and all(set(a) <= set('{"name: gt_wehrsfl') for a in allowed), allowed
+    _held_to_a_call(fmt, allowed)
     assert tok.decode([tok.eos_token_id]) not in allowed
     # plain text is free, with the format's brackets later on, and may end at any point
     m = Matcher(index, (tok.eos_token_id,))
@@ -198,6 +202,67 @@ def test_lazy_grammar_is_free_until_a_call_starts(compiler, name):
         m = Matcher(index, (tok.eos_token_id,))
         bad = tok.encode(start + "x", add_special_tokens=False)
         assert not all(m.advance(t) for t in bad)
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_calls_after_leading_whitespace(compiler, name):
+    """A model often writes a newline or two before its calls (as after "</think>\n\n"): the
+    parser still reads them, whole and streamed, and the auto grammar still holds them to calls."""
+    fmt, tok = tool_format(name), compiler.tokenizer
+    calls = TWO_CALLS[name].removeprefix("Let me see. ")
+    for space in ("\n\n", " \n\t "):
+        content, got = fmt.parse(space + calls)
+        assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                    for c in got] == EXPECTED
+        for pieces in splits(space + calls, random.Random(name)):
+            streamed_content, streamed = stream(fmt, pieces)
+            assert not streamed_content.strip()
+            assert [(n, json.loads(a)) for _, n, a in streamed] == EXPECTED
+    assert stream(fmt, list("\n\nHi [x] {y}")) == ("\n\nHi [x] {y}", [])  # text keeps its whitespace
+    assert stream(fmt, ["\n", "\n"]) == ("\n\n", []) and fmt.parse("\n\n") == (None, [])
+    index = compiler.submit(fmt.lazy_regex(FUNCTIONS, True)).result()
+    words, stop = -(-compiler.vocab_len // 32), tok.eos_token_id
+    m = Matcher(index, (stop,))
+    prefix = "\n\n" + LAZY[name][1]
+    assert all(m.advance(t) for t in tok.encode(prefix, add_special_tokens=False))
+    _held_to_a_call(fmt, {tok.decode([t]) for t in _allowed(m, words)})
+    rng, out = random.Random(3), []
+    for _ in range(800):  # on to the end of the call: it parses back to a valid one
+        token = int(rng.choice(_allowed(m, words)))
+        if token == stop:
+            break
+        assert m.advance(token)
+        out.append(token)
+        if m.is_terminated() or fmt.parse(prefix + tok.decode(out), True)[1]:
+            break
+    [call, *_] = fmt.parse(prefix + tok.decode(out), True)[1]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    m = Matcher(index, (stop,))  # whitespace alone, or before text, is text
+    assert all(m.advance(t) for t in tok.encode("\n\n", add_special_tokens=False)) and stop in _allowed(m, words)
+    assert all(m.advance(t) for t in tok.encode("Hi {1}", add_special_tokens=False)) and stop in _allowed(m, words)
+
+
+# per format: calls whose arguments are not written as json.dumps would write them
+RAW = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Par\\u00eds" ,  "unit": "celsius"}}\n'
+                 '</tool_call><tool_call>{"arguments": {"a":  [1,2]}, "name": "f"}</tool_call>',
+       "llama3_json": '{"name": "get_weather", "parameters": {"city":"Par\\u00eds" ,  "unit": "celsius"}};'
+                      '{"parameters": {"a":  [1,2]}, "name": "f"}',
+       "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city":"Par\\u00eds" ,  "unit": "celsius"}},'
+                  '{"arguments": {"a":  [1,2]}, "name": "f"}]',
+       "pythonic": "[get_weather(città='Parí', unit=\"celsius\"), f(a=[1,2])]"}
+RAW_ARGUMENTS = {"pythonic": ['{"città": "Parí", "unit": "celsius"}', '{"a": [1, 2]}']}
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_whole_arguments_are_the_streamed_ones(name):
+    """A call's whole `function.arguments` is exactly the concatenation of its streamed pieces:
+    the text the model wrote (JSON formats, when the name comes first), not a re-serialisation."""
+    fmt, text = tool_format(name), RAW[name]
+    _, calls = fmt.parse(text)
+    whole = [c["function"]["arguments"] for c in calls]
+    assert whole == RAW_ARGUMENTS.get(name, ['{"city":"Par\\u00eds" ,  "unit": "celsius"}', '{"a": [1, 2]}'])
+    for pieces in splits(text, random.Random(name)):
+        assert [a for _, _, a in stream(fmt, pieces)[1]] == whole
 
 
 def test_python_literals_follow_the_schema():

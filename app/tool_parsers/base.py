@@ -5,9 +5,9 @@ The interface the chat and Responses routes use (through `plan_tools` in app/too
 - `forced_regex(functions, parallel)` / `lazy_regex(functions, parallel)`: the grammar for
   tool_choice required or a named function, and for auto (free text until the format's call
   start, then held to a valid call). `functions`: [(name, parameters schema)]. ValueError (an
-  UnsupportedSchema) for what the format cannot enforce.
-- `parse(text, cut_short) -> (content, calls)`: a whole output; calls as OpenAI `tool_calls`;
-  a call cut short or not valid is left out.
+  UnsupportedSchema) for what the format cannot enforce, or tools too large for a grammar.
+- `parse(text, cut_short) -> (content, calls)`: a whole output; calls as OpenAI `tool_calls`,
+  their arguments the text streamed for them; a call cut short or not valid is left out.
 - `stream_parser()`: a StreamParser with `feed(text) -> deltas`, `finish(cut_short) -> deltas`
   and `num_calls`; deltas are chat `delta` objects (`content`, or `tool_calls` with index, id,
   type and function.name first, then function.arguments fragments).

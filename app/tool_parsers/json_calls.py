@@ -68,16 +68,17 @@ class _CallObject:
     """One JSON object, character by character: depth, strings, and where the arguments are."""
 
     def __init__(self):
-        self.text = ""
+        self.chars: list[str] = []  # the object's text so far (joined only to read it)
         self.depth = 0
         self.in_string = self.escape = False
-        self.args_at: int | None = None  # where the arguments begin, once the name is announced
+        self.colons = 0  # colons between keys and values of the object itself
+        self.named = False  # the name came first and is announced; the arguments stream as written
         self.args_state = "before"  # before / streaming / done / scalar
         self.streamed = False
 
     def feed(self, c: str, parser: StreamParser) -> bool:
         """Takes one character; True once the object is complete."""
-        self.text += c
+        self.chars.append(c)
         before = self.depth
         if self.in_string:
             self.escape, self.in_string = (False, True) if self.escape else (c == "\\", c != '"')
@@ -87,12 +88,14 @@ class _CallObject:
             self.depth += 1
         elif c in "}]":
             self.depth -= 1
-        if self.args_at is None:
+        if not self.named:
             if c == ":" and self.depth == 1 and not self.in_string:
-                m = _HEAD.match(self.text)
+                self.colons += 1
+                # a name-first head ends at the second such colon: the only place it can match
+                m = _HEAD.match("".join(self.chars)) if self.colons == 2 else None
                 if m:
                     parser.open_call(json.loads(f'"{m.group(1)}"'))
-                    self.args_at = len(self.text)
+                    self.named = True
         elif self.args_state == "before" and not c.isspace():
             self.args_state = "streaming" if c in "{[" else "scalar"
         if self.args_state == "streaming" and max(before, self.depth) >= 2:
@@ -107,15 +110,15 @@ class _CallObject:
 
     def _close(self, parser: StreamParser) -> None:
         try:
-            obj = json.loads(self.text)
+            obj = json.loads("".join(self.chars))
         except json.JSONDecodeError:
             obj = None
         key = next((k for k in ("arguments", "parameters") if isinstance(obj, dict) and k in obj), None)
         valid = key is not None and isinstance(obj.get("name"), str)
-        if self.args_at is None and valid:  # the name was not first: announced now, whole
+        if not self.named and valid:  # the name was not first: announced now, whole
             parser.open_call(obj["name"])
-        if self.args_at is None and not valid:
+        if not self.named and not valid:
             return  # never announced: nothing to take back
         if valid and not self.streamed:
             parser.add_arguments(json.dumps(obj[key], ensure_ascii=False))
-        parser.close_call(obj[key] if valid else None)
+        parser.close_call(valid and obj[key] is not None)

@@ -1,5 +1,6 @@
 """Llama 3.1 / 3.2 JSON calls: the output is `{"name": ..., "parameters": {...}}` (optionally
-after `<|python_tag|>`), several separated by `; `. Output that does not start so is text."""
+after `<|python_tag|>`), several separated by `; `, after any whitespace. Output that does not
+start so is text."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 from pageserve.app.tool_parsers.base import ToolFormat
 from pageserve.app.tool_parsers.json_calls import JsonCalls
-from pageserve.grammar.regexes import in_a_row, json_call_regex, not_starting_with
+from pageserve.grammar.regexes import in_a_row, json_call_regex, opening_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -26,7 +27,7 @@ class Llama3Json(ToolFormat):
         return in_a_row(json_call_regex(functions, "parameters"), ";[ ]?", parallel)
 
     def lazy_regex(self, functions, parallel):
-        return f"(?:{self.forced_regex(functions, parallel)})|{not_starting_with(('{', PYTHON_TAG[:2]))}"
+        return opening_calls(self.forced_regex(functions, parallel), ("{", PYTHON_TAG[:2]))
 
     def region(self):
         return JsonCalls(separator=";")

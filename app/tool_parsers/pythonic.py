@@ -1,6 +1,6 @@
 """Pythonic calls (Llama 3.2, Llama 4): the output is a Python list of calls with literal
 keyword arguments, `[get_weather(city="Paris"), add(a=1, b=2)]`. Output that does not start
-with `[` is text."""
+with `[` (after any whitespace) is text."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 from pageserve.app.tool_parsers.base import ToolFormat
 from pageserve.app.tool_parsers.stream import StreamParser
-from pageserve.grammar.regexes import in_a_row, not_starting_with, python_call_regex
+from pageserve.grammar.regexes import in_a_row, opening_calls, python_call_regex
 
 _SYSTEM = (
     "You can call functions to answer. To call them, reply with nothing but a Python list of the "
@@ -26,7 +26,7 @@ class Pythonic(ToolFormat):
         return f"\\[{in_a_row(python_call_regex(functions), ',[ ]?', parallel)}\\]"
 
     def lazy_regex(self, functions, parallel):
-        return f"(?:{self.forced_regex(functions, parallel)})|{not_starting_with(('[',))}"
+        return opening_calls(self.forced_regex(functions, parallel), ("[",))
 
     def region(self):
         return PythonCalls()
@@ -59,7 +59,7 @@ class PythonCalls:
 
     def __init__(self):
         self.state = "open"  # open / name / args / after / skip
-        self.name = ""
+        self.name: list[str] = []  # the call's name so far
 
     def feed(self, text: str, parser: StreamParser) -> str | None:
         for i, c in enumerate(text):
@@ -72,12 +72,12 @@ class PythonCalls:
             elif self.state == "open":
                 self.state = "name" if c == "[" else "skip"
             elif self.state == "name" and (c.isalnum() or c == "_"):
-                self.name += c
-            elif self.state == "name" and c == "(" and self.name.isidentifier():
-                parser.open_call(self.name)
-                self.state, self.arg, self.args, self.depth, self.quote, self.escape = "args", "", {}, 0, None, False
+                self.name.append(c)
+            elif self.state == "name" and c == "(" and "".join(self.name).isidentifier():
+                parser.open_call("".join(self.name))
+                self.state, self.arg, self.args, self.depth, self.quote, self.escape = "args", [], {}, 0, None, False
             elif self.state == "after" and c == ",":
-                self.state, self.name = "name", ""
+                self.state, self.name = "name", []
             elif self.state in ("after", "name") and c == "]" and not self.name:
                 return text[i + 1:]
             else:
@@ -95,29 +95,30 @@ class PythonCalls:
         elif c in ")]}" and self.depth:
             self.depth -= 1
         elif c in ",)" and not self.depth:  # the end of a keyword argument, or of the call
-            if self.arg.strip() and not self._argument(parser):
-                parser.close_call(None)
+            arg = "".join(self.arg)
+            if arg.strip() and not self._argument(arg, parser):
+                parser.close_call(False)
                 self.state = "skip"
                 return
             if c == ")":
                 parser.add_arguments("}" if self.args else "{}")
-                parser.close_call(self.args)
-                self.state, self.name = "after", ""
-            self.arg = ""
+                parser.close_call(True)
+                self.state, self.name = "after", []
+            self.arg = []
             return
-        self.arg += c
+        self.arg.append(c)
 
-    def _argument(self, parser: StreamParser) -> bool:
-        key, eq, value = self.arg.partition("=")
+    def _argument(self, arg: str, parser: StreamParser) -> bool:
+        key, eq, value = arg.partition("=")
         key = key.strip()
         try:
             if not eq or not key.isidentifier():
-                raise ValueError(self.arg)
+                raise ValueError(arg)
             source = value.strip()
             value = _value(ast.parse(source, mode="eval").body, source)
         except (SyntaxError, ValueError):
             return False
-        parser.add_arguments(("{" if not self.args else ", ") + json.dumps(key) + ": " +
+        parser.add_arguments(("{" if not self.args else ", ") + json.dumps(key, ensure_ascii=False) + ": " +
                              json.dumps(value, ensure_ascii=False))
         self.args[key] = value
         return True
