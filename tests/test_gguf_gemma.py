@@ -1,0 +1,138 @@
+"""Gemma 2 and Gemma 3 from GGUF files: a tiny random-weight model written with the `gguf`
+package under llama.cpp's tensor names and keys (norms stored as 1 + w, as llama.cpp's
+converter writes them), converted once through transformers into the safetensors cache, then
+served with greedy parity against HF on the same dense weights."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.models.loader import resolve_model
+from tests.conftest import assert_pool_clean
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.engine
+
+gguf = pytest.importorskip("gguf")
+
+
+def sentencepiece_vocab(size: int) -> tuple[list[str], list[int]]:
+    """Gemma's layout in small: <pad> <eos> <bos> <unk>, the 256 byte tokens, letters and a few
+    words (merges are derived from them), then unused slots up to `size`."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.UNKNOWN] + [gguf.TokenType.BYTE] * 256
+    words = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        "he", "ll", "llo", "hello", "\u2581w", "or", "orl", "orld", "\u2581world", "\u2581h", "\u2581hello", "th",
+        "\u2581th", "\u2581the", "in", "an", "er", "on", "re", "at"]
+    for word in words:
+        if word not in tokens:
+            tokens.append(word)
+            types.append(gguf.TokenType.NORMAL)
+    while len(tokens) < size:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(gguf.TokenType.USER_DEFINED)
+    return tokens, types
+
+
+def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
+    """The HF model in `model_dir` as a float32 GGUF file of llama.cpp architecture `arch`, with
+    a Gemma-style sentencepiece vocabulary of its size."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch=arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens, types = sentencepiece_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")  # Gemma's files: a sentencepiece vocabulary, no merges
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    from safetensors.torch import load_file
+
+    names = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        assert gguf_name, f"no GGUF name for {name}"
+        if name.endswith("norm.weight"):
+            tensor = tensor + 1  # Gemma's (1 + w) norms, stored shifted by llama.cpp
+        w.add_tensor(gguf_name, tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def hf_from_gguf(path: Path):
+    """HF's model read from the GGUF, dequantized (the dense form both sides compute with)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                quantization_config=GgufConfig(dequantize=True))
+
+
+# GGUF keeps no query_pre_attn_scalar, soft-caps or layer plan: transformers reads the configs'
+# defaults for them (scalar 256; Gemma 2 caps 50 and 30; Gemma 3 five sliding layers to one
+# global, so both of a 2-layer model slide). The tiny Gemma 2 takes those values, so that its
+# GGUF is the same model; Gemma 3's GGUF is a model of its own, its reference read from it.
+CASES = {
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", dict(query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                                                   final_logit_softcapping=30.0)),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gemma_gguf_greedy_parity(tmp_path, monkeypatch, arch):
+    tiny, architecture, overrides = CASES[arch]
+    model_dir = build_tiny_model(tmp_path / "hf", arch=tiny, **overrides)
+    path = write_gguf(model_dir, tmp_path / f"tiny-{arch}.gguf", arch)
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 384) for _ in range(40)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(15 + 30 * i)] for i in range(5)]
+    hf = hf_from_gguf(path)
+    expected = hf_greedy(None, prompts, max_new_tokens=16, hf_model=hf)
+    if arch == "gemma2":  # lossless: the same tokens as the safetensors model it was written from
+        assert expected == hf_greedy(model_dir, prompts, max_new_tokens=16)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64, debug_checks=True)
+    converted = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
+    cfg = json.loads((converted[0] / "config.json").read_text())
+    assert cfg["architectures"] == [architecture] and llm.engine.config.model.architecture == architecture
+    assert resolve_model(str(path)) == converted[0]  # later starts read the cache
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert_pool_clean(llm.engine)
+    assert llm.engine.kv.prefix_hits > 0
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"{arch}: prompt {i} ({len(prompts[i])} tokens) diverges"
+    # the tokenizer came through the GGUF and the cache too
+    text = "hello world, the end"
+    assert llm.engine.tokenizer(text).input_ids == hf_tokenizer_ids(path, text)
+    assert llm.engine.tokenizer.decode(hf_tokenizer_ids(path, text), skip_special_tokens=True) == text
+
+
+def hf_tokenizer_ids(path: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
