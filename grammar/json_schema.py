@@ -31,7 +31,10 @@ _SUPPORTED = {
 }
 _FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-MAX_SCHEMA_CHARS = 64_000
+MAX_SCHEMA_CHARS = 64_000  # a schema written as JSON
+# a schema's regex; outlines-core's grows with the square of an object's optional properties, so
+# a schema of a few KB could take minutes of the grammar worker (every request's grammar waits)
+MAX_REGEX_CHARS = 200_000
 
 
 class UnsupportedSchema(ValueError):
@@ -52,6 +55,7 @@ def schema_to_regex(schema: dict | bool | str) -> str:
         schema = {"type": "object"}  # "anything": an object, as json_object mode gives
     if not isinstance(schema, dict):
         raise UnsupportedSchema("the JSON schema must be an object")
+    check_size(schema)
     ranges: dict[str, str] = {}
     counter = itertools.count()
     rewritten = _rewrite(schema, ranges, counter, "#")
@@ -61,7 +65,69 @@ def schema_to_regex(schema: dict | bool | str) -> str:
         raise UnsupportedSchema(f"the JSON schema cannot be compiled: {str(e).splitlines()[0]}") from None
     for marker, sub in ranges.items():  # (one in an unused $defs entry is simply absent)
         regex = regex.replace(f'"{marker}"', f"({sub})")
+    if len(regex) > MAX_REGEX_CHARS:
+        raise UnsupportedSchema(f"the JSON schema makes a regex of {len(regex)} characters, more than the "
+                                f"{MAX_REGEX_CHARS} that can be compiled; use fewer optional properties (their "
+                                f"regex grows as their square)")
     return regex
+
+
+def check_size(schema: dict) -> None:
+    """UnsupportedSchema for a schema too long, or whose regex would surely be too large (never
+    built: a few KB of JSON can ask outlines-core for gigabytes)."""
+    try:
+        size = len(json.dumps(schema, ensure_ascii=False, default=str))
+        bound = regex_size_bound(schema)
+    except RecursionError:
+        raise UnsupportedSchema("the JSON schema is nested too deeply") from None
+    if size > MAX_SCHEMA_CHARS:
+        raise UnsupportedSchema(f"the JSON schema takes {size} characters, more than {MAX_SCHEMA_CHARS}")
+    if bound > 8 * MAX_REGEX_CHARS:
+        raise UnsupportedSchema(f"the JSON schema would make a regex of more than {MAX_REGEX_CHARS} characters, "
+                                f"too large to compile; use fewer optional properties (their regex grows as "
+                                f"their square)")
+
+
+_ANY_VALUE_CHARS = 14_000  # outlines-core's regex for an untyped value, as a property writes it
+_NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
+                  "deprecated", "readOnly", "writeOnly", "nullable"}
+
+
+def regex_size_bound(schema, defs: dict | None = None, refs: tuple = ()) -> int:
+    """Roughly the most regex characters `schema` can take (as a call's parameters, or as a JSON
+    literal in a Python call): each optional property repeats the object's other properties, so
+    an object costs (optional properties + 1) times the sum of its properties. Any JSON is
+    taken: what is not a valid schema is refused later, when it is built."""
+    if not isinstance(schema, dict):
+        return _ANY_VALUE_CHARS
+    defs = {**(defs or {}), **{k: v for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+                               for k, v in schema[key].items()}}
+    if "$ref" in schema:
+        ref = str(schema["$ref"])
+        if ref in refs:
+            return 256  # outlines-core cuts recursion short
+        return regex_size_bound(defs.get(ref.rsplit("/", 1)[-1]), defs, (*refs, ref))
+    if "enum" in schema or "const" in schema:
+        return len(json.dumps(schema.get("enum", schema.get("const")), default=str)) + 16
+    if not schema.keys() - _NO_CONSTRAINT:
+        return _ANY_VALUE_CHARS
+    total = 64 + len(str(schema.get("pattern", "")))
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        total += sum(regex_size_bound(s, defs, refs) for s in _list(schema.get(key)))
+    if "items" in schema:
+        total += regex_size_bound(schema["items"], defs, refs)
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and properties:
+        required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
+        optional = len(properties.keys() - required)
+        total += (optional + 1) * sum(len(k) + 16 + regex_size_bound(v, defs, refs) for k, v in properties.items())
+    elif properties is None and (schema.get("type") == "object" or "additionalProperties" in schema):
+        total += _ANY_VALUE_CHARS  # any object
+    return total
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _rewrite(node, ranges: dict[str, str], counter, path: str):

@@ -10,7 +10,7 @@ import json
 import keyword
 import re
 
-from pageserve.grammar.json_schema import UnsupportedSchema, schema_to_regex
+from pageserve.grammar.json_schema import MAX_REGEX_CHARS, UnsupportedSchema, regex_size_bound, schema_to_regex
 
 ANY = r"[\s\S]"  # any character, newlines too
 SPACE = " \t\r\n"  # whitespace a model may write before calls that open its output
@@ -19,7 +19,7 @@ _SPACE = "[ \\t\\r\\n]"
 # Tools past these limits are refused with a 400 naming `tools`, rather than compiled for minutes.
 # The test suites' tools take under 1,000 characters and give calls of under 3,000.
 MAX_TOOLS_SCHEMA_CHARS = 64_000  # the functions' names and parameters, written as JSON
-MAX_TOOL_REGEX_CHARS = 200_000  # the regex of one call; a format's grammar holds it up to 3 times
+MAX_TOOL_REGEX_CHARS = MAX_REGEX_CHARS  # the regex of one call; a format's grammar holds it up to 3 times
 
 
 def choice_regex(choices: list[str]) -> str:
@@ -89,9 +89,11 @@ def in_a_row(call: str, separator: str, parallel: bool) -> str:
 
 def call_schema(name: str, parameters: dict | None, arguments_key: str = "arguments") -> dict:
     """One call of function `name`: {"name": name, <arguments_key>: <its parameters>}."""
-    params = parameters if parameters else {"type": "object", "properties": {}}
+    params = dict(parameters) if parameters else {"type": "object", "properties": {}}
+    # "#/$defs/X" in the parameters points at the document's root: their $defs go there
+    defs = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     return {"type": "object", "properties": {"name": {"const": name}, arguments_key: params},
-            "required": ["name", arguments_key], "additionalProperties": False}
+            "required": ["name", arguments_key], "additionalProperties": False, **defs}
 
 
 def json_call_regex(functions: list[tuple[str, dict | None]], arguments_key: str = "arguments") -> str:
@@ -104,7 +106,7 @@ def _one_of(functions: list[tuple[str, dict | None]], one) -> str:
     `tools`) past MAX_TOOLS_SCHEMA_CHARS or MAX_TOOL_REGEX_CHARS."""
     try:
         size = len(json.dumps(functions, ensure_ascii=False, default=str))
-        bounds = [_regex_chars_bound(p or {"properties": {}}) for _, p in functions]
+        bounds = [regex_size_bound(p or {"properties": {}}) for _, p in functions]
     except RecursionError:
         raise UnsupportedSchema("the tools' parameters are nested too deeply") from None
     if size > MAX_TOOLS_SCHEMA_CHARS:
@@ -124,48 +126,6 @@ def _one_of(functions: list[tuple[str, dict | None]], one) -> str:
                                     f"characters per call (at {name!r}), too large to compile; send fewer "
                                     f"tools, or fewer optional properties (their regex grows as their square)")
     return "|".join(pieces)
-
-
-_ANY_VALUE_CHARS = 14_000  # outlines-core's regex for an untyped value, as a property writes it
-_NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
-                  "deprecated", "readOnly", "writeOnly", "nullable"}
-
-
-def _regex_chars_bound(schema, defs: dict | None = None, refs: tuple = ()) -> int:
-    """Roughly the most regex characters `schema` can take (as a call's parameters, or as a JSON
-    literal in a Python call): each optional property repeats the object's other properties, so
-    an object costs (optional properties + 1) times the sum of its properties. Any JSON is
-    taken: what is not a valid schema is refused later, when it is built."""
-    if not isinstance(schema, dict):
-        return _ANY_VALUE_CHARS
-    defs = {**(defs or {}), **{k: v for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
-                               for k, v in schema[key].items()}}
-    if "$ref" in schema:
-        ref = str(schema["$ref"])
-        if ref in refs:
-            return 256  # outlines-core cuts recursion short
-        return _regex_chars_bound(defs.get(ref.rsplit("/", 1)[-1]), defs, (*refs, ref))
-    if "enum" in schema or "const" in schema:
-        return len(json.dumps(schema.get("enum", schema.get("const")), default=str)) + 16
-    if not schema.keys() - _NO_CONSTRAINT:
-        return _ANY_VALUE_CHARS
-    total = 64 + len(str(schema.get("pattern", "")))
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        total += sum(_regex_chars_bound(s, defs, refs) for s in _list(schema.get(key)))
-    if "items" in schema:
-        total += _regex_chars_bound(schema["items"], defs, refs)
-    properties = schema.get("properties")
-    if isinstance(properties, dict) and properties:
-        required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
-        optional = len(properties.keys() - required)
-        total += (optional + 1) * sum(len(k) + 16 + _regex_chars_bound(v, defs, refs) for k, v in properties.items())
-    elif properties is None and (schema.get("type") == "object" or "additionalProperties" in schema):
-        total += _ANY_VALUE_CHARS  # any object
-    return total
-
-
-def _list(value) -> list:
-    return value if isinstance(value, list) else []
 
 
 # ---- Python calls: name(key=value, ...) with Python literals ----

@@ -363,3 +363,40 @@ def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):
                 done[out.request_id] = out
     assert done[waiting].outputs[0].text in ("yes", "no")
     assert other == "plain"
+
+
+@pytest.mark.unit
+def test_a_schema_whose_regex_would_be_huge_is_refused_before_it_is_built(monkeypatch):
+    """Optional properties grow outlines-core's regex as their square: 60 untyped ones are under
+    1 KB of JSON and tens of MB of regex. Refused from an estimate, never built; 300 optional
+    strings are built and refused by their regex's length; all required, they are fine."""
+    from pageserve.grammar import json_schema
+
+    built = []
+    real = json_schema.build_regex_from_schema
+    monkeypatch.setattr(json_schema, "build_regex_from_schema", lambda *a: built.append(a) or real(*a))
+    untyped = {"type": "object", "properties": {f"p{i}": {} for i in range(60)}}
+    with pytest.raises(UnsupportedSchema, match="optional properties"):
+        schema_to_regex(untyped)
+    assert not built
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
+    with pytest.raises(UnsupportedSchema, match=str(json_schema.MAX_REGEX_CHARS)):
+        schema_to_regex(wide)
+    wide["required"] = list(wide["properties"])
+    assert schema_to_regex(wide)
+    with pytest.raises(UnsupportedSchema, match="64000"):
+        schema_to_regex({"type": "object", "description": "d" * 70_000})
+
+
+@pytest.mark.unit
+def test_defs_in_a_tool_s_parameters_resolve():
+    """A tool's parameters with $defs and "#/$defs/..." references: the call schema nests the
+    parameters, so their $defs move to its root, where the references point."""
+    from pageserve.grammar.regexes import json_call_regex
+
+    params = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+              "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    regex = json_call_regex([("f", params)])
+    assert re.fullmatch(regex, '{"name": "f", "arguments": {"loc": {"city": "Oslo"}}}')
+    assert not re.fullmatch(regex, '{"name": "f", "arguments": {"loc": 3}}')
+    assert "$defs" in params  # the caller's schema is left as it was

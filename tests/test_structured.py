@@ -111,6 +111,10 @@ def test_guided_fields_and_completions(server):
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tools", "'not'"),
+    # under 1 KB, but tens of MB of regex: refused at once, the grammar worker never sees it
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {} for i in range(60)}}}}}, "response_format",
+     "optional properties"),
 ])
 def test_what_cannot_be_enforced_is_a_400(server, body, param, words):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
