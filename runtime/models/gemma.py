@@ -4,7 +4,9 @@ MLP as well as before each (four per layer), a GeLU-tanh gated MLP, the attentio
 query_pre_attn_scalar, and sliding-window attention on the layers config.json's layer_types
 marks "sliding_attention". Gemma 2 soft-caps the attention scores and the final logits
 (cap * tanh(x / cap)). Gemma 3 adds a per-head
-q/k norm and its own RoPE base for the sliding layers (rope_local_base_freq)."""
+q/k norm and its own RoPE base for the sliding layers (rope_local_base_freq). Gemma 3's
+multimodal checkpoint (Gemma3ForConditionalGeneration) is served as text only: its language
+model's weights, the vision tower and projector left unread."""
 
 from __future__ import annotations
 
@@ -125,3 +127,31 @@ class Gemma3ForCausalLM(GemmaCausalLM):
     qk_norm = True
     window_pattern = 6
     local_rope = True
+
+
+# the multimodal checkpoint's parts that text alone never reads
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# where its language model sits: transformers' hub layout, and the one transformers 4.5x saved
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
+def language_model_weights(weights):
+    """A multimodal checkpoint's text weights under the names of the text-only model."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+                break
+        else:
+            name = name.removeprefix("language_model.")  # language_model.lm_head.weight
+        yield name, tensor
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 with its vision tower, served as text: config.json's text_config (the loader
+    reads it) and the weights under language_model."""
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(language_model_weights(weights))

@@ -139,6 +139,8 @@ def read_config(path: Path) -> dict:
     if arch not in registry.supported():
         raise ModelLoadError(
             f"architecture {arch} is not supported (supported: {', '.join(registry.supported())})")
+    if registry.entry(arch).text_config:
+        cfg = text_part_config(path, cfg)
     gen = path / "generation_config.json"
     if gen.is_file():
         try:
@@ -146,6 +148,26 @@ def read_config(path: Path) -> dict:
         except json.JSONDecodeError:
             pass
     return cfg
+
+
+def text_part_config(path: Path, cfg: dict) -> dict:
+    """A multimodal checkpoint served as text only: its text_config, as transformers fills it in
+    (a real one leaves out what its config class defaults, heads and head_dim included), with
+    the top level's architecture and EOS ids."""
+    from transformers import AutoConfig
+
+    if not isinstance(cfg.get("text_config"), dict):
+        raise ModelLoadError(f"{path / 'config.json'} has no text_config, which {cfg['architectures'][0]} needs")
+    try:
+        text = AutoConfig.from_pretrained(str(path)).get_text_config().to_dict()
+    except Exception as e:  # transformers raises many kinds of errors on a config it cannot read
+        raise ModelLoadError(f"cannot read the text_config of {path / 'config.json'}: "
+                             f"{type(e).__name__}: {e}") from None
+    text["architectures"] = cfg["architectures"]
+    for key in ("eos_token_id", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return text
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:

@@ -13,6 +13,7 @@ class Entry(NamedTuple):
     cls: str
     qkv_bias: bool = False  # the q/k/v projections' bias when config.json does not say
     sliding_window: bool = False  # serves config.json's sliding_window (else the context is capped at it)
+    text_config: bool = False  # a multimodal checkpoint served text only: its config is config.json's text_config
 
 
 _MODELS = {
@@ -26,6 +27,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
     "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
+    "Gemma3ForConditionalGeneration": Entry("gemma", "Gemma3ForConditionalGeneration", sliding_window=True,
+                                            text_config=True),
 }
 
 
