@@ -1,7 +1,7 @@
 """The real server with --tensor-parallel-size 2 on CPU (two gloo worker processes): the
 OpenAI client's streaming, n = 2 and JSON-schema requests; a worker killed mid-stream ends the
-stream with an error, turns /health to 503 and takes the server down with a non-zero status,
-leaving no process behind."""
+stream with an error, turns /health away from 200 (503, then a closed listener) and takes the
+server down with a non-zero status, leaving no process behind."""
 
 import json
 import os
@@ -90,6 +90,11 @@ def test_killed_worker_takes_the_server_down(tiny_model_dir):
     finally:
         code = srv.stop()
     assert code not in (0, None)
-    assert 503 in health, health
+    # between the engine's death and the listener closing (one tick of uvicorn's loop, ~0.1 s)
+    # /health says 503; a loaded machine may poll through that window without a hit, so what is
+    # checked is that nothing after the first 503 or closed connection says 200 (a dead engine's
+    # /health is 503 in-process: tests/test_server_errors.py)
+    after = next((i for i, h in enumerate(health) if h != 200), len(health))
+    assert after < len(health) and 200 not in health[after:], health
     assert "died" in srv.output()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
