@@ -77,11 +77,11 @@ def check_size(schema: dict) -> None:
     built: a few KB of JSON can ask outlines-core for gigabytes)."""
     try:
         size = len(json.dumps(schema, ensure_ascii=False, default=str))
+        if size > MAX_SCHEMA_CHARS:
+            raise UnsupportedSchema(f"the JSON schema takes {size} characters, more than {MAX_SCHEMA_CHARS}")
         bound = regex_size_bound(schema)
     except RecursionError:
         raise UnsupportedSchema("the JSON schema is nested too deeply") from None
-    if size > MAX_SCHEMA_CHARS:
-        raise UnsupportedSchema(f"the JSON schema takes {size} characters, more than {MAX_SCHEMA_CHARS}")
     if bound > 8 * MAX_REGEX_CHARS:
         raise UnsupportedSchema(f"the JSON schema would make a regex of more than {MAX_REGEX_CHARS} characters, "
                                 f"too large to compile; use fewer optional properties (their regex grows as "
@@ -93,35 +93,48 @@ _NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id
                   "deprecated", "readOnly", "writeOnly", "nullable"}
 
 
-def regex_size_bound(schema, defs: dict | None = None, refs: tuple = ()) -> int:
+def regex_size_bound(schema) -> int:
     """Roughly the most regex characters `schema` can take (as a call's parameters, or as a JSON
     literal in a Python call): each optional property repeats the object's other properties, so
-    an object costs (optional properties + 1) times the sum of its properties. Any JSON is
-    taken: what is not a valid schema is refused later, when it is built."""
+    an object costs (optional properties + 1) times the sum of its properties, and a `$ref` its
+    definition each time it is used (outlines-core writes it out in place). In time linear in
+    the schema: a definition is sized once. Any JSON is taken: what is not a valid schema is
+    refused later, when it is built."""
+    return _size_bound(schema, {}, {}, ())
+
+
+def _size_bound(schema, defs: dict, memo: dict, refs: tuple) -> int:
     if not isinstance(schema, dict):
         return _ANY_VALUE_CHARS
-    defs = {**(defs or {}), **{k: v for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
-                               for k, v in schema[key].items()}}
+    own = [schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)]
+    if own:
+        defs = {**defs, **{k: v for d in own for k, v in d.items()}}
     if "$ref" in schema:
         ref = str(schema["$ref"])
         if ref in refs:
             return 256  # outlines-core cuts recursion short
-        return regex_size_bound(defs.get(ref.rsplit("/", 1)[-1]), defs, (*refs, ref))
+        if ref not in memo:
+            memo[ref] = _size_bound(defs.get(ref.rsplit("/", 1)[-1]), defs, memo, (*refs, ref))
+        return memo[ref]
     if "enum" in schema or "const" in schema:
         return len(json.dumps(schema.get("enum", schema.get("const")), default=str)) + 16
     if not schema.keys() - _NO_CONSTRAINT:
         return _ANY_VALUE_CHARS
     total = 64 + len(str(schema.get("pattern", "")))
     for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        total += sum(regex_size_bound(s, defs, refs) for s in _list(schema.get(key)))
+        total += sum(_size_bound(s, defs, memo, refs) for s in _list(schema.get(key)))
+    kind = schema.get("type")
     if "items" in schema:
-        total += regex_size_bound(schema["items"], defs, refs)
+        total += _size_bound(schema["items"], defs, memo, refs)
+    elif kind == "array" or (isinstance(kind, list) and "array" in kind):
+        total += _ANY_VALUE_CHARS  # items of any kind
     properties = schema.get("properties")
     if isinstance(properties, dict) and properties:
         required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
         optional = len(properties.keys() - required)
-        total += (optional + 1) * sum(len(k) + 16 + regex_size_bound(v, defs, refs) for k, v in properties.items())
-    elif properties is None and (schema.get("type") == "object" or "additionalProperties" in schema):
+        total += (optional + 1) * sum(len(k) + 16 + _size_bound(v, defs, memo, refs) for k, v in properties.items())
+    elif properties is None and (kind == "object" or (isinstance(kind, list) and "object" in kind)
+                                 or "additionalProperties" in schema):
         total += _ANY_VALUE_CHARS  # any object
     return total
 

@@ -106,13 +106,13 @@ def _one_of(functions: list[tuple[str, dict | None]], one) -> str:
     `tools`) past MAX_TOOLS_SCHEMA_CHARS or MAX_TOOL_REGEX_CHARS."""
     try:
         size = len(json.dumps(functions, ensure_ascii=False, default=str))
+        if size > MAX_TOOLS_SCHEMA_CHARS:
+            raise UnsupportedSchema(f"the tools' names and parameters take {size} characters as JSON, more than "
+                                    f"the {MAX_TOOLS_SCHEMA_CHARS} that can be made into a grammar; send fewer "
+                                    f"tools or smaller parameter schemas")
         bounds = [regex_size_bound(p or {"properties": {}}) for _, p in functions]
     except RecursionError:
         raise UnsupportedSchema("the tools' parameters are nested too deeply") from None
-    if size > MAX_TOOLS_SCHEMA_CHARS:
-        raise UnsupportedSchema(f"the tools' names and parameters take {size} characters as JSON, more than "
-                                f"the {MAX_TOOLS_SCHEMA_CHARS} that can be made into a grammar; send fewer tools "
-                                f"or smaller parameter schemas")
     pieces, total = [], 0
     for (name, parameters), bound in zip(functions, bounds):
         # a few KB of JSON can ask outlines-core for gigabytes: what is surely too large is never built

@@ -400,3 +400,27 @@ def test_defs_in_a_tool_s_parameters_resolve():
     assert re.fullmatch(regex, '{"name": "f", "arguments": {"loc": {"city": "Oslo"}}}')
     assert not re.fullmatch(regex, '{"name": "f", "arguments": {"loc": 3}}')
     assert "$defs" in params  # the caller's schema is left as it was
+
+
+@pytest.mark.unit
+def test_the_size_estimate_is_linear_and_counts_what_outlines_writes_out(monkeypatch):
+    """A chain of definitions each using the next one twice: 5 KB of JSON whose regex doubles at
+    every link (outlines-core writes a $ref out in place). The estimate sizes each definition
+    once, so it answers in a few hundred steps, and the schema is refused unbuilt. An array of
+    any items costs what any value costs, so 120 of them are refused unbuilt too."""
+    from pageserve.grammar import json_schema
+
+    steps, built = [], []
+    size_bound = json_schema._size_bound
+    monkeypatch.setattr(json_schema, "_size_bound", lambda *a: steps.append(1) or size_bound(*a))
+    monkeypatch.setattr(json_schema, "build_regex_from_schema", lambda *a: built.append(a) or "x")
+    n = 40
+    defs = {f"d{i}": {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"$ref": f"#/$defs/d{i + 1}"}, "b": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    with pytest.raises(UnsupportedSchema, match="optional properties"):
+        schema_to_regex({"$ref": "#/$defs/d0", "$defs": defs})
+    assert len(steps) < 10 * n and not built
+    with pytest.raises(UnsupportedSchema, match="optional properties"):
+        schema_to_regex({"type": "object", "properties": {f"p{i}": {"type": "array"} for i in range(120)}})
+    assert not built
