@@ -4,9 +4,12 @@
 disk: stored responses end with the process.
 
 A response links to the one it continued instead of copying the conversation, so a long chain
-of turns costs one copy of each item. Its size counts its whole chain, which over-counts what
-chains share: the memory held never exceeds the byte bound, even for a chain whose earlier turns
-were evicted (they live on, uncounted on their own, as long as a later turn needs them)."""
+of turns holds each item once. Sizes are the responses' and inputs' bytes as JSON (the Python
+objects behind them take a few times that), each counted with its whole chain, which
+over-counts what chains share: what the store holds stays within the bound, even for a chain
+whose earlier turns were evicted (they live on, uncounted on their own, as long as a later turn
+needs them). An `item_reference` finds the items of the responses still stored (their input
+and output), not those of evicted turns that a stored one continues."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ class _Answer:
         deltas = self.tools.feed(text)
         if c.finish_reason is not None:
             deltas += self.tools.finish(c.finish_reason == "length")
-        self.output.failed_calls.update(self._failed_calls())
+        self.output.failed_calls.update(self.tools.failed_calls)
         for i, delta in enumerate(deltas):
             self._delta(delta, logprobs if i == 0 else None)
 
@@ -222,12 +222,6 @@ class _Answer:
             self.reasoning_end = reasoning_end_position(self.token_ids, end, max(0, before - len(end) + 1))
         end = len(self.token_ids) if self.reasoning_end is None else self.reasoning_end
         return max(0, end - before)
-
-    def _failed_calls(self) -> list[str]:
-        """Ids of the calls read to their end that are not valid (an open one may still be)."""
-        calls = self.tools.calls
-        done = calls if self.tools.region is None else calls[:-1]
-        return [c["id"] for c in done if c["arguments"] is None]
 
     def _delta(self, delta: dict, logprobs) -> None:
         if "content" in delta:

@@ -69,8 +69,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "for previous_response_id and GET /v1/responses/{id}; 0 keeps none. They are "
                         "never written to disk: a restart forgets them")
     g.add_argument("--max-stored-responses-mb", type=float, default=256,
-                   help="the memory stored responses may take, counting each with the whole "
-                        "conversation it continues (a response over it alone is not stored)")
+                   help="the stored responses' size as JSON (their objects in memory take a few times "
+                        "that), each counted with the whole conversation it continues; a response over it "
+                        "alone is not stored")
     g.add_argument("--headless", action="store_true",
                    help="with --nnodes above 1, on nodes 1..: run only this node's tensor-parallel ranks "
                         "(no engine, no API); give the same model and engine flags as node 0")

@@ -261,9 +261,19 @@ def test_node_clients_ai_sdk_and_openai_package(srv):
     srv.wait_idle()
 
 
+INVALID_LAST_CALL = {  # a valid call, then one whose arguments are not JSON, in each format
+    "hermes": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>',
+    "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "parameters": {"a": tru}}',
+    "pythonic": "[f(a=1), f(a=tru)]",
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {"a": tru}}]',
+}
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("pieces", [[None], list("abcdefghij")], ids=["whole", "streamed"])
-def test_a_call_that_is_not_valid_closes_incomplete(pieces):
+@pytest.mark.parametrize("fmt", list(INVALID_LAST_CALL))
+@pytest.mark.parametrize("pieces", [1, 7], ids=["whole", "streamed"])
+def test_a_call_that_is_not_valid_closes_incomplete(fmt, pieces):
     """Without a grammar a model may write a call whose arguments are not JSON: its item closes
     `incomplete` (the whole chat answer leaves such a call out), the valid one `completed`."""
     from types import SimpleNamespace
@@ -272,17 +282,15 @@ def test_a_call_that_is_not_valid_closes_incomplete(pieces):
     from pageserve.app.responses import _Answer
     from pageserve.app.tools import tool_format
 
-    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "f", "arguments": {"a": tru}}\n</tool_call>')
+    text = INVALID_LAST_CALL[fmt]
     body = ResponsesRequest(model="m", input="hi", store=False)
-    answer = _Answer(SimpleNamespace(), body, "resp_1", "m", 1.0, 1.0, 3, tool_format("hermes"), False, None,
+    answer = _Answer(SimpleNamespace(), body, "resp_1", "m", 1.0, 1.0, 3, tool_format(fmt), False, None,
                      None, [])
-    cuts = [None] if pieces == [None] else [len(text) * i // len(pieces) for i in range(len(pieces))]
-    chunks = [text] if cuts == [None] else [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
-    for i, chunk in enumerate(chunks):
-        last = i == len(chunks) - 1
+    cuts = [len(text) * i // pieces for i in range(pieces)] + [len(text)]
+    for i in range(pieces):
         answer.feed(SimpleNamespace(metrics=None, outputs=[SimpleNamespace(
-            text=chunk, token_ids=[0], logprobs=None, finish_reason="stop" if last else None)]))
+            text=text[cuts[i]:cuts[i + 1]], token_ids=[0], logprobs=None,
+            finish_reason="stop" if i == pieces - 1 else None)]))
     resp = answer.finish("stop")
     assert [(o["type"], o["status"]) for o in resp["output"]] == [("function_call", "completed"),
                                                                  ("function_call", "incomplete")]

@@ -35,6 +35,8 @@ class StreamParser:
         self.at_start = True  # nothing handed out yet (formats whose calls open the output)
         self.trim = False  # newlines right after a calls region are not content
         self.calls: list[dict] = []  # id, name, and arguments: the final JSON text once valid
+        self.invalid: list[str] = []  # ids of calls read to their end that are not valid
+        self.finished = False
         self.arguments: list[str] = []  # the open call's argument fragments so far
         self.content: list[str] = []  # all content handed out
         self.out: list[dict] = []  # deltas not yet taken, their text still as lists of pieces
@@ -54,7 +56,16 @@ class StreamParser:
             markup = max(held_prefix(self.buffer, m) for m in self._words()) if cut_short else 0
             self._content("".join(self.space) + self.buffer[:len(self.buffer) - (markup if markup >= 2 else 0)])
         self.buffer, self.space = "", []
+        self.finished = True
         return self._take()
+
+    @property
+    def failed_calls(self) -> list[str]:
+        """Ids of the announced calls that are not valid: read to their end and rejected, or,
+        once the output has finished, never ended."""
+        if not self.finished:
+            return self.invalid
+        return [c["id"] for c in self.calls if c["arguments"] is None]
 
     def result(self) -> tuple[str | None, list[dict]]:
         """After finish: the content and the calls that were complete and valid."""
@@ -88,6 +99,7 @@ class StreamParser:
         if valid:
             self.calls[-1]["arguments"] = "".join(self.arguments)
         else:
+            self.invalid.append(self.calls[-1]["id"])
             logger.warning("left out a %s tool call that is not valid", self.fmt.name)
         self.arguments = []
 
