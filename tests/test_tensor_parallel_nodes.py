@@ -113,6 +113,7 @@ def test_served_across_two_nodes_then_node0_killed(tiny_model_dir):
     for kill in (False, True):
         port = free_port()
         node1 = HeadlessNode(tiny_model_dir, port, f"headless-{port}.log")
+        srv = None
         try:
             ranks1 = node1.wait_for_ranks()
             srv = SubprocessServer(str(tiny_model_dir), *ENGINE_FLAGS, "--tensor-parallel-size", "2", "--nnodes", "2",
@@ -134,7 +135,9 @@ def test_served_across_two_nodes_then_node0_killed(tiny_model_dir):
             else:
                 assert srv.stop() == 0, srv.output()
                 assert node1.wait(30) == 0, node1.output()
-        finally:
+        finally:  # a failed check above still stops both nodes
+            if srv is not None and srv.proc.poll() is None:
+                srv.stop()
             if node1.proc.poll() is None:
                 node1.wait(0)
         deadline = time.monotonic() + 10  # node 0's rank follows its killed parent within a second
