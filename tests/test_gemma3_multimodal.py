@@ -126,12 +126,9 @@ def test_a_config_without_text_config_is_refused(tmp_path):
 def test_chat_through_the_server(reference):
     """One streamed chat on the multimodal checkpoint with Gemma 3's real chat template: the
     greedy continuation HF's Gemma3ForConditionalGeneration gives the rendered prompt."""
-    from openai import OpenAI
     from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
-    from pageserve.runtime.engine_args import EngineArgs
-    from tests.live_server import InProcessServer
-    from tests.test_models_served import MESSAGES, TEMPLATES
+    from tests.test_models_served import MESSAGES, TEMPLATES, assert_served_chat
 
     model_dir, _, _ = reference
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -143,17 +140,4 @@ def test_chat_through_the_server(reference):
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     hf = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     expected = hf_greedy(None, [prompt], max_new_tokens=12, hf_model=hf)[0]
-    srv = InProcessServer(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory=0.01,
-                                     max_model_len=256, debug_checks=True))
-    try:
-        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
-        stream = client.chat.completions.create(
-            model=srv.model, messages=MESSAGES, temperature=0, max_tokens=12, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        chunks = list(stream)
-        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert chunks[-1].usage.prompt_tokens == len(prompt) and chunks[-1].usage.completion_tokens == 12
-        assert answer == tok.decode(expected, skip_special_tokens=True)
-        srv.wait_idle()
-    finally:
-        srv.stop()
+    assert_served_chat(model_dir, MESSAGES, len(prompt), tok.decode(expected, skip_special_tokens=True))

@@ -25,7 +25,6 @@ REAL_TEMPLATES = {"gemma2": "gemma2.jinja", "gemma3_text": "gemma3.jinja"}
 
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - {"llama"}))
 def test_chat_through_the_server(tmp_path, arch):
-    from openai import OpenAI
     from transformers import AutoTokenizer
 
     model_dir = build_tiny_model(tmp_path / arch, arch=arch)
@@ -42,6 +41,14 @@ def test_chat_through_the_server(tmp_path, arch):
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     expected = hf_greedy(model_dir, [prompt], max_new_tokens=12)[0]
+    assert_served_chat(model_dir, messages, len(prompt), tok.decode(expected, skip_special_tokens=True))
+
+
+def assert_served_chat(model_dir: Path, messages: list[dict], num_prompt: int, expected: str) -> None:
+    """One streamed chat through the real server and the openai client: `expected` (greedy, 12
+    tokens) for a prompt of `num_prompt` tokens."""
+    from openai import OpenAI
+
     srv = InProcessServer(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory=0.01,
                                      max_model_len=256, debug_checks=True))  # Phi-3: the short factors
     try:
@@ -52,8 +59,8 @@ def test_chat_through_the_server(tmp_path, arch):
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = chunks[-1].usage
-        assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 12
-        assert text == tok.decode(expected, skip_special_tokens=True)
+        assert usage.prompt_tokens == num_prompt and usage.completion_tokens == 12
+        assert text == expected
         srv.wait_idle()
     finally:
         srv.stop()
