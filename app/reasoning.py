@@ -133,6 +133,7 @@ class ReasoningParser:
 
     def __init__(self, tokenizer):
         self.end_token_ids = tag_token_ids(tokenizer, self.end_tag)  # ends reasoning in the engine
+        self.start_token_ids = tag_token_ids(tokenizer, self.start_tag)
 
     def initial_state(self, prompt: str | None = None) -> ReasoningState:
         """Where the output starts: the prompt's last think tag decides when only whitespace
@@ -158,10 +159,14 @@ class ReasoningParser:
                         prompt: str | None = None) -> StructuredOutputsParams | None:
         """A request's grammar as the engine should apply it: from the end of reasoning on
         (the engine waits for `end_token_ids` in the output), or from the first token when the
-        prompt already closed the think block."""
-        if spec is None or self.initial_state(prompt) == ReasoningState.CONTENT:
+        prompt already closed the think block. Where the output may open a block itself (qwen3)
+        and the start tag is one token, the engine lets the first token decide: that token opens
+        the thinking, any other is the grammar's (a start tag of several tokens: it waits)."""
+        state = self.initial_state(prompt)
+        if spec is None or state == ReasoningState.CONTENT:
             return spec
-        return dataclasses.replace(spec, reasoning_end=self.end_token_ids)
+        opener = self.start_token_ids[0] if state == ReasoningState.OPEN and len(self.start_token_ids) == 1 else None
+        return dataclasses.replace(spec, reasoning_end=self.end_token_ids, reasoning_start=opener)
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

@@ -26,23 +26,30 @@ class Matcher:
 
     With `reasoning_end` (a reasoning model's `</think>` ids) the grammar waits: `start` is
     None until the output ends with those ids, then the output position the grammar governs
-    from; until then the caller neither masks nor advances it."""
+    from; until then the caller neither masks nor advances it. With `reasoning_start` too (the
+    one token that opens the thinking) the output's first token decides (`opening`): it may be
+    that token (then the grammar waits as above) or one the grammar allows (then it governs from
+    the first token)."""
 
-    __slots__ = ("grammar", "guide", "stop_ids", "num_tokens", "reasoning_end", "start")
+    __slots__ = ("grammar", "guide", "stop_ids", "num_tokens", "reasoning_end", "reasoning_start", "opening",
+                 "start")
 
     def __init__(self, grammar: CompiledGrammar, stop_ids: tuple[int, ...], max_rollback: int = 32,
-                 reasoning_end: tuple[int, ...] | None = None):
+                 reasoning_end: tuple[int, ...] | None = None, reasoning_start: int | None = None):
         self.grammar = grammar
         self.guide = Guide(grammar.index, max_rollback=max_rollback)
         self.stop_ids = stop_ids
         self.num_tokens = 0  # tokens accepted so far
         self.reasoning_end = reasoning_end or None
+        self.reasoning_start = reasoning_start if self.reasoning_end else None
+        self.opening = self.reasoning_start is not None  # the first token is still to come
         self.start: int | None = None if self.reasoning_end else 0
 
     @property
     def active(self) -> bool:
-        """The grammar governs the next token (it is not waiting for the end of reasoning)."""
-        return self.start is not None
+        """The next token is masked: the grammar governs it (it is not waiting for the end of
+        reasoning), or it is the output's first and may open the thinking."""
+        return self.start is not None or self.opening
 
     def ends_reasoning(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
         """Whether the output (`token_ids` after the prompt) now ends with `reasoning_end`:
@@ -79,16 +86,19 @@ class Matcher:
         words = bitmask.shape[1]
         bitmask[row] = 0
         self.guide.write_mask_into(bitmask[row].ctypes.data, words, 4)
+        bits = bitmask.view(np.uint32)
         if self.guide.is_finished():
-            bits = bitmask.view(np.uint32)
             for t in self.stop_ids:
                 if t // 32 < words:
                     bits[row, t // 32] |= np.uint32(1 << (t % 32))
+        if self.opening and self.reasoning_start // 32 < words:
+            bits[row, self.reasoning_start // 32] |= np.uint32(1 << (self.reasoning_start % 32))
 
     def fork(self) -> "Matcher":
         """A matcher in the same state (n > 1: siblings start from the parent's state)."""
         if self.num_tokens:
             raise ValueError("fork() is for a matcher that has accepted no token yet")
-        child = Matcher(self.grammar, self.stop_ids, reasoning_end=self.reasoning_end)
-        child.start = self.start
+        child = Matcher(self.grammar, self.stop_ids, reasoning_end=self.reasoning_end,
+                        reasoning_start=self.reasoning_start)
+        child.start, child.opening = self.start, self.opening
         return child

@@ -201,7 +201,9 @@ class LLMEngine:
                     continue
                 params = req.sampling_params
                 stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *params.stop_token_ids)))
-                req.matcher = Matcher(index, stop_ids, reasoning_end=params.structured_outputs.reasoning_end)
+                spec = params.structured_outputs
+                req.matcher = Matcher(index, stop_ids, reasoning_end=spec.reasoning_end,
+                                      reasoning_start=spec.reasoning_start)
                 req.grammar = None
                 req.status = RequestStatus.WAITING
 
@@ -344,7 +346,12 @@ class LLMEngine:
         from the next token once the output ends with it (the runner masks only active
         matchers). Returns FINISHED_STOPPED when the grammar ends the request."""
         m = req.matcher
-        if m.start is None:
+        if m.opening:  # the output's first token: the thinking's opener, or the grammar's first
+            m.opening = False
+            if token == m.reasoning_start:
+                return None
+            m.start = 0
+        elif m.start is None:
             if m.ends_reasoning(req.token_ids, req.num_prompt_tokens):
                 m.start = req.num_output_tokens
             return None
@@ -394,7 +401,11 @@ class LLMEngine:
         for req in self.requests.values():  # where a grammar starts follows from the tokens alone
             m = req.matcher
             if m is not None and m.reasoning_end is not None:
-                assert m.start == reasoning_end_position(req.output_token_ids, m.reasoning_end), req
+                out = req.output_token_ids
+                if m.reasoning_start is not None and out[:1] != [m.reasoning_start]:
+                    assert m.start == (0 if out else None) and m.opening == (not out), req
+                else:
+                    assert m.start == reasoning_end_position(out, m.reasoning_end), req
 
     def _record_kv_waste(self) -> None:
         pool = self.kv.pool

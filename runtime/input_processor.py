@@ -66,6 +66,8 @@ class InputProcessor:
                 raise InvalidRequest(str(e), spec.source or "structured_outputs") from None
             if spec.reasoning_end is not None:
                 self.check_token_ids(spec.reasoning_end, "structured_outputs.reasoning_end")
+            if spec.reasoning_start is not None:
+                self.check_token_ids((spec.reasoning_start,), "structured_outputs.reasoning_start")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else None,
                                 cache_salt, grammar)

@@ -35,13 +35,17 @@ class StructuredOutputsParams:
     `reasoning_end`: the token ids that end a reasoning model's thinking (`</think>`). With it,
     the output is free until it ends with those ids and the grammar governs what comes after
     (as vLLM does with a reasoning parser); an output that never ends its reasoning is never
-    constrained. It does not change the compiled grammar, so it is not in the cache key."""
+    constrained. `reasoning_start` (with it: the one token id that opens the thinking, `<think>`):
+    the thinking happens only if the output opens with that token, so the first token may be it
+    or any the grammar allows, and the grammar governs from the first token when it is not. It
+    does not change the compiled grammar, so it is not in the cache key."""
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
     source: str | None = None  # the request field it came from, named in errors (not in the key)
     reasoning_end: tuple[int, ...] | None = None
+    reasoning_start: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
@@ -57,6 +61,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"reasoning_end must be a non-empty sequence of token ids, got "
                                  f"{self.reasoning_end!r}")
             object.__setattr__(self, "reasoning_end", end)
+        if self.reasoning_start is not None and (self.reasoning_end is None or not _is_int(self.reasoning_start)
+                                                 or self.reasoning_start < 0):
+            raise ValueError(f"reasoning_start must be a token id, with reasoning_end, got {self.reasoning_start!r}")
 
     def cache_key(self) -> str:
         # key order kept: it is the order the output's properties come in

@@ -139,6 +139,40 @@ def test_a_reasoning_that_never_ends_is_never_constrained(llm, marker):
 
 
 @pytest.mark.engine
+def test_the_first_token_decides_whether_the_grammar_waits(llm, marker):
+    """With reasoning_start (qwen3: a think block opens only as the output's first token) the
+    first token may be `<think>` (then the grammar waits for `</think>`) or one the grammar
+    allows (then it governs from there). Without it, an answer that does not think would never
+    be constrained."""
+    engine = llm.engine
+    opener = llm.tokenizer.convert_tokens_to_ids("<think>")
+    real = engine.runner.script
+    reasoning_text = SCRIPT[:SCRIPT.index("</think>") + len("</think>")]
+
+    def run(script: str, spec: StructuredOutputsParams):
+        engine.runner.script = llm.tokenizer.encode(script, add_special_tokens=False)
+        params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec)
+        return llm.generate(["Hello", "Hi"], params, use_tqdm=False)
+
+    seen = _spy_masks(engine)
+    try:
+        for out in run(SCRIPT, StructuredOutputsParams(choice=CHOICE, reasoning_end=marker, reasoning_start=opener)):
+            text = out.outputs[0].text
+            assert text.startswith(reasoning_text) and text[len(reasoning_text):] in CHOICE, text
+        assert all(m for _, pos, m in seen if pos == 0)  # the first token is masked: <think> or the grammar's
+        for out in run("maybe", StructuredOutputsParams(choice=CHOICE, reasoning_end=marker, reasoning_start=opener)):
+            assert out.outputs[0].text in CHOICE  # no thinking: constrained from the first token
+        for out in run("maybe", StructuredOutputsParams(choice=CHOICE, reasoning_end=marker)):
+            assert out.outputs[0].text == "maybe"  # waiting for a </think> that never comes
+    finally:
+        engine.runner.script = real
+        del engine.runner.execute
+    with pytest.raises(ValueError, match="reasoning_start"):
+        StructuredOutputsParams(choice=CHOICE, reasoning_start=opener)  # only beside reasoning_end
+    assert_pool_clean(engine)
+
+
+@pytest.mark.engine
 def test_parser_and_engine_together(llm):
     """What the app does with --reasoning-parser qwen3: the rendered prompt decides whether the
     grammar waits; the parser splits the output into reasoning and the grammar's content."""
@@ -149,6 +183,7 @@ def test_parser_and_engine_together(llm):
                                                    enable_thinking=thinking)
         spec = parser.after_reasoning(_choice(), prompt)
         assert (spec.reasoning_end is not None) == thinking
+        assert spec.reasoning_start == (llm.tokenizer.convert_tokens_to_ids("<think>") if thinking else None)
         text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec),
                             use_tqdm=False)[0].outputs[0].text
         reasoning, content = parser.extract(text, prompt)

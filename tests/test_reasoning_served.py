@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.scripted import QWEN3_STYLE_TEMPLATE, R1_STYLE_TEMPLATE, build_scripted_model, scripted_server
+from tests.scripted import (QWEN3_STYLE_TEMPLATE, R1_STYLE_TEMPLATE, build_scripted_model, scripted_server,
+                            write_script)
 
 pytestmark = pytest.mark.server
 
@@ -183,9 +184,15 @@ TAGGED_CALL = '{"name": "note", "arguments": {"text": "<think>not a thought</thi
 
 @pytest.fixture(scope="module")
 def qwen3_tools(tmp_path_factory):
-    """Qwen3 answering with a tool call (no thinking) whose arguments hold the think tags."""
-    script = f"<tool_call>\n{TAGGED_CALL}\n</tool_call>"
-    path = build_scripted_model(tmp_path_factory.mktemp("qwen3-tools"), script, chat_template=QWEN3_STYLE_TEMPLATE)
+    """Qwen3 answering with a tool call (no thinking) whose arguments hold the think tags' text,
+    spelled in ordinary tokens (a grammar never writes the added tag tokens)."""
+    from transformers import AutoTokenizer
+
+    path = build_scripted_model(tmp_path_factory.mktemp("qwen3-tools"), "", chat_template=QWEN3_STYLE_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(path)
+    at, end = TAGGED_CALL.index("<think>"), TAGGED_CALL.index("</think>")
+    pieces = ["<tool_call>\n" + TAGGED_CALL[:at + 1], TAGGED_CALL[at + 1:end + 1], TAGGED_CALL[end + 1:] + "\n</tool_call>"]
+    write_script(path, [i for piece in pieces for i in tok.encode(piece, add_special_tokens=False)])
     srv = scripted_server(path, {"max_model_len": 1024, "kv_cache_memory": 0.02}, reasoning_parser="qwen3",
                           tool_call_parser="hermes", enable_auto_tool_choice=True)
     yield srv
@@ -217,6 +224,23 @@ def test_think_tags_inside_a_tool_call_stay_in_its_arguments(qwen3_tools):
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
         json.loads(TAGGED_CALL)["arguments"]]
     qwen3_tools.wait_idle()
+
+
+def test_an_answer_that_does_not_think_is_constrained_from_its_first_token(qwen3_tools):
+    """qwen3 with thinking on in the prompt, but the model answers at once: its first token is
+    not <think>, so response_format governs from there (it used to wait for a </think> that
+    never came, leaving the answer unconstrained)."""
+    runner = qwen3_tools.engine.runner
+    real = runner.script
+    runner.script = qwen3_tools.engine.tokenizer.encode('{"a": "maybe"}', add_special_tokens=False)
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}
+        message = post(qwen3_tools, "chat/completions", {"messages": USER, "response_format": fmt,
+                                                         "max_tokens": 60})["choices"][0]["message"]
+        assert message["reasoning_content"] is None and json.loads(message["content"])["a"] in ("yes", "no")
+        qwen3_tools.wait_idle()
+    finally:
+        runner.script = real
 
 
 @pytest.mark.unit
