@@ -173,9 +173,9 @@ def run(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     args = EngineArgs.from_cli_args(ns)
     if ns.headless:
-        from pageserve.runtime.engine import run_headless
+        from pageserve.runtime.executor import run_headless_node
 
-        return run_headless(args)
+        return run_headless_node(args)
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,

@@ -16,7 +16,7 @@ from pageserve.runtime.config import EngineConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
 from pageserve.runtime.engine_args import GiB, EngineArgs
-from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor, run_headless_node
+from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
@@ -418,13 +418,3 @@ class LLMEngine:
             self.counters.kv_waste_steps += 1
         self.counters.steps += 1
 
-
-def run_headless(args: EngineArgs) -> int:
-    """`pageserve serve --headless`: a node other than 0 of --nnodes runs its share of the
-    ranks and no engine; the model and engine flags must be those node 0 was given."""
-    device = args.resolve_device()
-    parallel = args.parallel_config()
-    path = resolve_model(args.model, args.revision, args.download_dir)
-    model_cfg = args.model_config(path, read_config(path), load_tokenizer(path), device.device)
-    sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
-    return run_headless_node(args, parallel, model_cfg, device, sched_cfg)

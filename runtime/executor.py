@@ -35,6 +35,7 @@ from pageserve.runtime import worker
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.model_runner import ModelRunner, StepResult
+from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
 from pageserve.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -229,13 +230,18 @@ def spawn_ranks(parallel: ParallelConfig, port: int, args: EngineArgs, model_cfg
             conns.append(parent)
 
 
-def run_headless_node(args: EngineArgs, parallel: ParallelConfig, model_cfg: ModelConfig,
-                      device_cfg: DeviceConfig, sched_cfg: SchedulerConfig) -> int:
-    """Run this node's ranks (node_rank above 0) until they end: 0 when every one exits
-    cleanly (the engine stopped them), 1 as soon as one fails (the others are stopped)."""
+def run_headless_node(args: EngineArgs) -> int:
+    """`pageserve serve --headless`: run this node's ranks (node_rank above 0) and no engine,
+    until they end: 0 when every one exits cleanly (the engine stopped them), 1 as soon as one
+    fails (the others are stopped). The model and engine flags must be those node 0 was given."""
+    parallel = args.parallel_config()
     if parallel.node_rank == 0:
         raise ValueError("--headless runs the workers of a node other than the engine's: give --node-rank "
                          f"1..{parallel.nnodes - 1}")
+    device_cfg = args.resolve_device()
+    path = resolve_model(args.model, args.revision, args.download_dir)
+    model_cfg = args.model_config(path, read_config(path), load_tokenizer(path), device_cfg.device)
+    sched_cfg = args.scheduler_config(model_cfg.max_model_len, device_cfg.device)
     procs: list[multiprocessing.process.BaseProcess] = []
     try:
         spawn_ranks(parallel, parallel.master_port, args, model_cfg, device_cfg, sched_cfg, procs, None)

@@ -188,9 +188,6 @@ class KVCacheManager:
         self.req_num_cached.pop(rid, None)
         self.req_hashes.pop(rid, None)
 
-    def num_allocated_slots(self) -> int:
-        return sum(b is not NULL_BLOCK for blocks in self.req_blocks.values() for b in blocks) * self.block_size
-
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}

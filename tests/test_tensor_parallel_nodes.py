@@ -172,12 +172,12 @@ def test_node_flags_resolve_and_refuse_what_cannot_run(monkeypatch):
 
 @pytest.mark.unit
 def test_a_node_above_0_runs_only_headless_and_node_0_never_does(tiny_model_dir):
-    from pageserve.runtime.engine import run_headless
     from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.executor import run_headless_node
 
     before = _children()
     with pytest.raises(ValueError, match="--node-rank 1 runs only workers: .* --headless"):
         LLM(str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=1)
     with pytest.raises(ValueError, match="--headless runs the workers of a node other than the engine's"):
-        run_headless(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, master_port=1))
+        run_headless_node(EngineArgs(model=str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, master_port=1))
     assert _children() <= before
