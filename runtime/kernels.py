@@ -58,6 +58,12 @@ class Kernels:
         not read. softcap: scores become softcap * tanh(score / softcap) (0: none)."""
         raise NotImplementedError
 
+    def decoder_stack(self, model, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_caches: list) -> torch.Tensor | None:
+        """The final normed hidden states of the whole decoder stack in one call, where this
+        backend has one for the step and the model; None: the model runs layer by layer."""
+        return None
+
     def decode_shapes(self, max_seq_len: int, device: torch.device) -> list[tuple[int, int]]:
         """(requests, context length) of the smallest decode-only step that launches each
         decode variant to compile."""
@@ -96,6 +102,7 @@ class TorchKernels(Kernels):
         self.workspace = torch_ops.Workspace()
         self.linear_plan: LinearPlan | None = None  # the matmul by rows per step, with the C kernels
         self.cpu_lib: CpuKernels | None = None
+        self._stack: tuple | None = None  # (key, DecodeStack or None) of the last model seen
 
     def use_cpu_kernels(self, lib: CpuKernels) -> None:
         """Float32: each linear layer runs the C kernel or torch's matmul as the plan says
@@ -111,6 +118,26 @@ class TorchKernels(Kernels):
         if self.linear_plan is None:
             return F.linear(x, weight, bias)
         return self.linear_plan(x, weight, bias)
+
+    def decoder_stack(self, model, x, positions, meta, kv_caches):
+        """Decode-only steps of a Llama-style model (`model.stack_weights()`) in float32, at a
+        number of rows the linear plan gives to the C kernel: one C call for every layer
+        (measured, one stream of the default model: see cpu_kernels.c)."""
+        lib, plan = self.cpu_lib, self.linear_plan
+        if lib is None or meta.max_query_len != 1 or not plan.uses_kernel(x.shape[0]):
+            return None
+        key = (id(model), kv_caches[0][0].data_ptr(), len(kv_caches))
+        if self._stack is None or self._stack[0] != key:
+            layers = model.stack_weights()
+            stack = None if layers is None else lib.decode_stack(layers, model.norm.weight, model.cfg.rms_norm_eps,
+                                                                 kv_caches)
+            self._stack = (key, stack)
+        stack = self._stack[1]
+        if stack is None:
+            return None
+        cos_sin = model.cos_sin_cache[positions]
+        return lib.decode_layers(stack, x, cos_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                 stack.head_dim ** -0.5)
 
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache

@@ -244,3 +244,53 @@ def test_weights_move_into_one_huge_page_buffer():
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert model[2](model[0](torch.tensor([1, 2]))).shape == (2, 128)
+
+
+@pytest.mark.engine
+def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, kernel, monkeypatch):
+    """A decode-only step of a Llama-style model runs its whole decoder stack in one C call
+    (Kernels.decoder_stack): the same logprobs, to the bit, as the layers one by one, at one
+    and at several rows a step, with q/k/v biases."""
+    from pageserve.runtime import SamplingParams
+    from pageserve.runtime.kernels import TorchKernels
+
+    if not kernel.vectorized:
+        pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
+
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    prompts = random_prompts(384)[:5]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    stacked = []
+    original = TorchKernels.decoder_stack
+
+    def counting(self, *args):
+        out = original(self, *args)
+        stacked.append(out is not None)
+        return out
+
+    def run():
+        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]  # one row a step
+        outs += llm.generate(prompts, params, use_tqdm=False)  # five
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    monkeypatch.setattr(TorchKernels, "decoder_stack", counting)
+    fused = run()
+    assert sum(stacked) >= 2 * 11 + 11 and not all(stacked)  # every decode step; no prefill
+    monkeypatch.setattr(TorchKernels, "decoder_stack", lambda self, *args: None)
+    assert run() == fused
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "mistral", "mixtral"])
+def test_decoder_stack_only_for_plain_layers(tmp_path, arch):
+    """q/k norms (Qwen3), Gemma's layers, sliding windows and experts keep the layer-by-layer
+    path; a plain Llama (Phi-3 too) is one stack."""
+    llm = LLM(str(build_tiny_model(tmp_path / arch, arch=arch)), dtype="float32", kv_cache_memory=0.01)
+    assert llm.engine.runner.model.stack_weights() is None
+    llm = LLM(str(build_tiny_model(tmp_path / "phi3", arch="phi3")), dtype="float32", kv_cache_memory=0.01)
+    assert len(llm.engine.runner.model.stack_weights()) == 2

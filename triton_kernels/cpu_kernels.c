@@ -252,15 +252,95 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
-   rows ld_kv apart) are written at their slots; then, for each request b and query head h,
-   softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
-   max pass, an exp-and-sum pass, a weighted-sum pass, as torch's softmax; exp is exp8's
-   polynomial, within 2 ulp). A negative slot writes nothing. Returns 1 if scratch memory for
-   the scores could not be had (the output is then not to be used), else 0.
-   q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
-   block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
-   KV head are one work item, so their K/V rows are read once from memory. */
+#ifdef PS_AVX2
+/* four dot products of q against rows k, k + D, k + 2D, k + 3D (D a multiple of 8), one
+   accumulator each, reduced together */
+static inline __m128 dot4(const float *q, const float *k, long D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (long i = 0; i < D; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + i), a3);
+    }
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+/* The attention of one request's G query heads (q: G rows of D) that share one KV head
+   (k, v: that head's rows in block 0 of the cache; a block is `tok` floats) over its L cached
+   positions. s: scratch of G * L floats; acc: G rows of D out. */
+static void decode_item(const float *q, const float *k, const float *v, const int32_t *bt, long L,
+                        long G, long D, long block_size, long tok, float scale, float *s, float *acc) {
+    float mx[64], sum[64]; /* G <= 64 */
+    for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
+    for (long j0 = 0; j0 < L; j0 += block_size) { /* scores, a cache block at a time: s[g * L + j] */
+        const float *kb = k + (long)bt[j0 / block_size] * tok;
+        long n = L - j0 < block_size ? L - j0 : block_size;
+        for (long g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            float *sg = s + g * L + j0;
+            long j = 0;
+#ifdef PS_AVX2
+            if (D % 8 == 0)
+                for (; j + 4 <= n; j += 4)
+                    _mm_storeu_ps(sg + j, _mm_mul_ps(dot4(qg, kb + j * D, D), _mm_set1_ps(scale)));
+#endif
+            for (; j < n; j++) sg[j] = dot(qg, kb + j * D, D) * scale;
+        }
+    }
+    for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
+        float *sg = s + g * L;
+        for (long j = 0; j < L; j++) mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
+        long j = 0;
+#ifdef PS_AVX2
+        __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
+        for (; j + 8 <= L; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
+            _mm256_storeu_ps(sg + j, e);
+            tot = _mm256_add_ps(tot, e);
+        }
+        sum[g] = hsum8(tot);
+#endif
+        for (; j < L; j++) {
+            sg[j] = expf(sg[j] - mx[g]);
+            sum[g] += sg[j];
+        }
+        float inv = 1.0f / sum[g];
+        for (j = 0; j < L; j++) sg[j] *= inv;
+    }
+    for (long g = 0; g < G; g++) { /* out = P V, 64 floats of the head at a time in registers */
+        const float *pg = s + g * L;
+        float *ag = acc + g * D;
+        long d0 = 0;
+#ifdef PS_AVX2
+        for (; d0 + 64 <= D; d0 += 64) {
+            __m256 o[8];
+            for (int r = 0; r < 8; r++) o[r] = _mm256_setzero_ps();
+            for (long j0 = 0; j0 < L; j0 += block_size) {
+                const float *vb = v + (long)bt[j0 / block_size] * tok + d0;
+                long n = L - j0 < block_size ? L - j0 : block_size;
+                for (long j = 0; j < n; j++) {
+                    __m256 p = _mm256_set1_ps(pg[j0 + j]);
+                    const float *vr = vb + j * D;
+                    for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * r), o[r]);
+                }
+            }
+            for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
+        }
+#endif
+        if (d0 < D) { /* the rest of the head (all of it without AVX2) */
+            for (long i = d0; i < D; i++) ag[i] = 0.0f;
+            for (long j = 0; j < L; j++) {
+                const float *vr = v + (long)bt[j / block_size] * tok + (j % block_size) * D;
+                axpy(ag + d0, pg[j], vr + d0, D - d0);
+            }
+        }
+    }
+}
+
 /* 1 when built with AVX2 and FMA (the vectorised paths), else 0 */
 int pageserve_vectorized(void) {
 #ifdef PS_AVX2
@@ -270,6 +350,15 @@ int pageserve_vectorized(void) {
 #endif
 }
 
+/* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
+   rows ld_kv apart) are written at their slots; then, for each request b and query head h,
+   softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
+   max pass, an exp-and-sum pass, a weighted-sum pass, as torch's softmax; exp is exp8's
+   polynomial, within 2 ulp). A negative slot writes nothing. Returns 1 if scratch memory for
+   the scores could not be had (the output is then not to be used), else 0.
+   q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
+   block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
+   KV head are one work item, so their K/V rows are read once from memory. */
 int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
                             long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
                             const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
@@ -291,47 +380,61 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
 #pragma omp parallel for schedule(dynamic, 1) if (B * Hkv > 1)
     for (long item = 0; item < B * Hkv; item++) {
         long b = item / Hkv, hk = item % Hkv, L = seq_lens[b];
-        const int32_t *bt = block_tables + b * ld_bt;
         float *s = (float *)malloc(sizeof(float) * (size_t)(L * G > 0 ? L * G : 1));
-        float *acc = out + b * H * D + hk * G * D;
         if (s == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-        float mx[64], sum[64]; /* G <= 64 */
-        for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
-        for (long j = 0; j < L; j++) { /* scores, head by head: s[g * L + j] */
-            const float *kr = k_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
-            for (long g = 0; g < G; g++) {
-                float v = dot(q + b * ld_q + (hk * G + g) * D, kr, D) * scale;
-                s[g * L + j] = v;
-                if (v > mx[g]) mx[g] = v;
-            }
-        }
-        for (long g = 0; g < G; g++) { /* exp(s - max) and its sum */
-            float *sg = s + g * L;
-            long j = 0;
-#ifdef PS_AVX2
-            __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
-            for (; j + 8 <= L; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
-                _mm256_storeu_ps(sg + j, e);
-                tot = _mm256_add_ps(tot, e);
-            }
-            sum[g] = hsum8(tot);
-#endif
-            for (; j < L; j++) {
-                sg[j] = expf(sg[j] - mx[g]);
-                sum[g] += sg[j];
-            }
-        }
-        for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
-        for (long j = 0; j < L; j++) {
-            const float *vr = v_cache + (long)bt[j / block_size] * tok + (hk * block_size + j % block_size) * D;
-            for (long g = 0; g < G; g++) axpy(acc + g * D, s[g * L + j] / sum[g], vr, D);
-        }
+        decode_item(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                    block_tables + b * ld_bt, L, G, D, block_size, tok, scale, s, out + b * H * D + hk * G * D);
         free(s);
     }
+    return failed;
+}
+
+/* ---- a decode-only step's whole decoder stack in one call (Llama-style layers) ---- */
+
+/* The layers of a model whose every layer is: RMSNorm (with the residual), fused q/k/v
+   (+ bias), Neox RoPE, paged attention, o_proj, RMSNorm (with the residual), fused gate/up,
+   SiLU-and-mul, down; then the final RMSNorm. Each piece is the function above that the
+   layer-by-layer path calls, in the same order on the same values, so the output is the
+   same to the bit; what goes is the interpreter's time between them.
+   x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
+   hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
+   post-attention norm, gate_up, down); kv: per layer the K and V caches; cs: [T, D] rows ld_cs
+   apart (cos then sin). Returns 1 if scratch memory could not be had, else 0. */
+int pageserve_decode_layers(const float *x, long T, long Hd, long L, const float *const *w, float *const *kv,
+                            const float *final_norm, float eps, const float *cs, long ld_cs,
+                            const int64_t *slots, const int32_t *block_tables, long ld_bt,
+                            const int32_t *seq_lens, long H, long Hkv, long D, long I, long block_size,
+                            float scale, float *out) {
+    long QKV = (H + 2 * Hkv) * D;
+    /* scratch: residual, normed, qkv, attention out, gate_up, activation, layer out */
+    size_t n = (size_t)T * (3 * Hd + QKV + H * D + 3 * I);
+    float *buf = (float *)malloc(sizeof(float) * (n ? n : 1));
+    if (buf == NULL) return 1;
+    float *res = buf, *h = res + T * Hd, *y = h + T * Hd, *qkv = y + T * Hd, *attn = qkv + T * QKV,
+          *gu = attn + T * H * D, *act = gu + T * 2 * I;
+    int failed = 0;
+    for (long l = 0; l < L && !failed; l++) {
+        const float *const *lw = w + 7 * l;
+        if (l == 0)
+            pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd);
+        else
+            pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd);
+        pageserve_linear_f32(h, T, Hd, Hd, lw[1], QKV, Hd, lw[2], qkv, QKV);
+        pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs);
+        pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs);
+        failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
+                                        slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn);
+        pageserve_linear_f32(attn, T, H * D, H * D, lw[3], Hd, H * D, NULL, y, Hd);
+        pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd);
+        pageserve_linear_f32(h, T, Hd, Hd, lw[5], 2 * I, Hd, NULL, gu, 2 * I);
+        pageserve_silu_and_mul(gu, 2 * I, T, I, act);
+        pageserve_linear_f32(act, T, I, I, lw[6], Hd, I, NULL, y, Hd);
+    }
+    if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd);
+    free(buf);
     return failed;
 }

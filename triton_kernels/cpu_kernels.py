@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,10 +55,13 @@ class CpuKernels:
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
                            ("pageserve_rotary", [p, n, n, n, n, p, n]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
-                           ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p])):
+                           ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p]),
+                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n, f,
+                                                        p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.pageserve_paged_decode.restype = ctypes.c_int
+        lib.pageserve_decode_layers.restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
         # built with AVX2 + FMA: without them the small ops are plain loops (libm's expf a
         # value), not worth putting in torch's place; only the timed linear is used then
@@ -145,12 +149,84 @@ class CpuKernels:
             raise MemoryError("paged_decode: no memory for the attention scores")
         return out
 
+    def decode_stack(self, layers: list[tuple[torch.Tensor, ...]], final_norm: torch.Tensor, eps: float,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
+        """The decoder stack of a Llama-style model for `decode_layers`: per layer its input
+        norm, qkv weight, qkv bias (or None), o_proj, post-attention norm, gate_up and down
+        weights (float32, contiguous), and its K/V caches (kept by address: the tensors must
+        outlive the stack)."""
+        first = layers[0]
+        hidden, qkv, inter = first[0].numel(), first[1].shape[0], first[6].shape[1]
+        for lw in layers:
+            shapes = [t.shape for t in lw if t is not None]
+            if any(t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous())
+                   for t in lw) or [t.shape for t in first if t is not None] != shapes \
+                    or lw[1].shape[1] != hidden or lw[6].shape != (hidden, inter):
+                raise ValueError(f"decode_stack: layers differ or are not float32 contiguous: {shapes}")
+        caches = [c for pair in kv_caches for c in pair]
+        if len(kv_caches) != len(layers) or any(c.dtype != torch.float32 or not c.is_contiguous() or
+                                                c.shape != caches[0].shape for c in caches):
+            raise ValueError("decode_stack: one pair of float32 contiguous caches per layer")
+        if not (final_norm.dtype == torch.float32 and final_norm.is_contiguous() and final_norm.numel() == hidden):
+            raise ValueError("decode_stack: the final norm")
+        ptr = ctypes.c_void_p
+        weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
+        kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
+        _, hkv, block_size, head_dim = caches[0].shape
+        heads = qkv // head_dim - 2 * hkv
+        return DecodeStack(weights, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
+                           block_size, (layers, final_norm, kv_caches))
+
+    def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decode-only step (one token per request) through the whole stack in one call: x
+        [T, hidden] the embeddings, cos_sin [T, head_dim] (cos then sin of each token's
+        position); returns the final normed hidden states [T, hidden]. The same values as the
+        layer-by-layer path over this library's kernels (linear, rms_norm, rotary, paged_decode,
+        silu_and_mul), bit for bit."""
+        t = x.shape[0]
+        ok = (x.dtype == cos_sin.dtype == torch.float32 and x.is_contiguous() and x.shape == (t, stack.hidden)
+              and cos_sin.shape == (t, stack.head_dim) and cos_sin.stride(1) == 1
+              and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == t
+              and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == t
+              and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == t)
+        if not ok:
+            raise ValueError(f"decode_layers: x {tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}, "
+                             f"block tables {tuple(block_tables.shape)}")
+        out = torch.empty_like(x)
+        failed = self._lib.pageserve_decode_layers(
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.kv, stack.final_norm.data_ptr(),
+            stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
+            stack.intermediate, stack.block_size, scale, out.data_ptr())
+        if failed:
+            raise MemoryError("decode_layers: no memory for the step's scratch")
+        return out
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x, "silu_and_mul")
         t, two_i = x2.shape
         out = torch.empty((*x.shape[:-1], two_i // 2), dtype=torch.float32)  # [t, I] in memory
         self._lib.pageserve_silu_and_mul(x2.data_ptr(), x2.stride(0), t, two_i // 2, out.data_ptr())
         return out
+
+
+@dataclass(slots=True)
+class DecodeStack:
+    """What `CpuKernels.decode_layers` needs of a model, built once: the addresses of every
+    layer's weights and caches, and the sizes."""
+    weights: ctypes.Array
+    kv: ctypes.Array
+    final_norm: torch.Tensor
+    eps: float
+    hidden: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int
+    keep: tuple  # the tensors whose addresses the arrays hold
 
 
 def _build_key() -> str:
@@ -212,9 +288,11 @@ class LinearPlan:
         self.use_kernel = [False] * len(ROW_BUCKETS)
         self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
 
+    def uses_kernel(self, rows: int) -> bool:
+        return rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)]
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)]:
+        if self.uses_kernel(x.shape[0]):
             return self.kernel(x, weight, bias)  # which checks the dtypes
         return F.linear(x, weight, bias)
 

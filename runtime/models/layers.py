@@ -243,12 +243,32 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Final hidden states (after the last norm) of every token of the step."""
         x = self.embed_tokens(input_ids)
+        stacked = self.kernels.decoder_stack(self, x, positions, meta, kv_caches)
+        if stacked is not None:
+            return stacked
         rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # once per step
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv_cache, rope)
         x, _ = self.ops.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps, residual)
         return x
+
+    def stack_weights(self) -> list[tuple] | None:
+        """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
+        gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
+        no q/k norm, window or soft cap, on one rank, and runs this class's forward: the layers
+        a backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
+        if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1:
+            return None
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(layer) is not DecoderLayer or type(mlp) is not GatedMLP or type(attn) is not Attention \
+                    or attn.q_norm is not None or attn.sliding_window or attn.softcap:
+                return None
+            out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
