@@ -86,7 +86,8 @@ def test_small_ops_match_torch_ops(kernel, tokens):
     assert torch.allclose(kernel.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96),
+                                                    (8, 2, 128)])
 def test_paged_decode_matches_torch_ops(kernel, heads, kv_heads, head_dim):
     """Ragged context lengths over scattered blocks; the new K/V written at their slots first."""
     from pageserve.triton_kernels import torch_ops
@@ -286,11 +287,16 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, kernel, 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "mistral", "mixtral"])
-def test_decoder_stack_only_for_plain_layers(tmp_path, arch):
-    """q/k norms (Qwen3), Gemma's layers, sliding windows and experts keep the layer-by-layer
-    path; a plain Llama (Phi-3 too) is one stack."""
+@pytest.mark.parametrize("arch,stacked", [("llama", True), ("phi3", True), ("qwen3", False), ("gemma2", False),
+                                          ("mistral", False), ("mixtral", False)])
+def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
+    """q/k norms (Qwen3), Gemma's layers, sliding windows (Mistral's tiny model has one) and
+    experts keep the layer-by-layer path; a plain Llama (Phi-3 too) is one stack, until a layer
+    takes another attention scale."""
     llm = LLM(str(build_tiny_model(tmp_path / arch, arch=arch)), dtype="float32", kv_cache_memory=0.01)
-    assert llm.engine.runner.model.stack_weights() is None
-    llm = LLM(str(build_tiny_model(tmp_path / "phi3", arch="phi3")), dtype="float32", kv_cache_memory=0.01)
-    assert len(llm.engine.runner.model.stack_weights()) == 2
+    model = llm.engine.runner.model
+    assert (model.stack_weights() is not None) == stacked
+    if stacked:
+        assert len(model.stack_weights()) == 2
+        model.layers[1].self_attn.scale *= 2
+        assert model.stack_weights() is None

@@ -1,6 +1,9 @@
 /* Float32 kernels of the CPU path, built at first use by cpu_kernels.py with the machine's own
    -march: the linear layer, and the small ops of a decoder layer (RMSNorm with the residual,
-   rotary embedding, SiLU-and-mul), each one call where torch runs 3-20 small ops.
+   rotary embedding, SiLU-and-mul), each one call where torch runs 3-20 small ops; attention
+   of decode-only steps straight from the paged cache; and a Llama-style model's whole decoder
+   stack for a decode-only step in one call (the interpreter's time between ~300 kernel calls
+   a step was a third of one stream's step).
 
    Linear: y[R, O] = x[R, K] @ W[O, K]^T (+ bias). torch's float32 matmul (MKL sgemm) reads the weights at 11-15 GB/s for one row of x on a
    2-core machine that streams 25-33 GB/s, and does not use the second core: a decode step of
@@ -149,7 +152,8 @@ void pageserve_linear_f32(const float *x, long R, long K, long ldx, const float 
 
 /* RMSNorm fused with the residual add. x, residual (or NULL), out, res_out: [T, H] rows ldx,
    ldr, ldo, ldo apart. res_out = x + residual (x when there is none); out = w * res_out *
-   rsqrt(mean(res_out^2) + eps). out may alias x. */
+   rsqrt(mean(res_out^2) + eps). out may alias x, res_out may alias residual (each element
+   is read before it is written); the decoder stack below relies on the second. */
 void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ldr, const float *w,
                         float eps, long T, long H, float *out, float *res_out, long ldo) {
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
@@ -311,32 +315,28 @@ static void decode_item(const float *q, const float *k, const float *v, const in
         float inv = 1.0f / sum[g];
         for (j = 0; j < L; j++) sg[j] *= inv;
     }
-    for (long g = 0; g < G; g++) { /* out = P V, 64 floats of the head at a time in registers */
-        const float *pg = s + g * L;
-        float *ag = acc + g * D;
-        long d0 = 0;
+    for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (long j0 = 0; j0 < L; j0 += block_size) { /* out += P V, a cache block at a time: each V row */
+        const float *vb = v + (long)bt[j0 / block_size] * tok; /* is read from memory once for the G heads */
+        long n = L - j0 < block_size ? L - j0 : block_size;
+        for (long g = 0; g < G; g++) {
+            const float *pg = s + g * L + j0;
+            float *ag = acc + g * D;
+            long d0 = 0;
 #ifdef PS_AVX2
-        for (; d0 + 64 <= D; d0 += 64) {
-            __m256 o[8];
-            for (int r = 0; r < 8; r++) o[r] = _mm256_setzero_ps();
-            for (long j0 = 0; j0 < L; j0 += block_size) {
-                const float *vb = v + (long)bt[j0 / block_size] * tok + d0;
-                long n = L - j0 < block_size ? L - j0 : block_size;
+            for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the block */
+                __m256 o[8];
+                for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + d0 + 8 * r);
                 for (long j = 0; j < n; j++) {
-                    __m256 p = _mm256_set1_ps(pg[j0 + j]);
-                    const float *vr = vb + j * D;
+                    __m256 p = _mm256_set1_ps(pg[j]);
+                    const float *vr = vb + j * D + d0;
                     for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * r), o[r]);
                 }
+                for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
             }
-            for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
-        }
 #endif
-        if (d0 < D) { /* the rest of the head (all of it without AVX2) */
-            for (long i = d0; i < D; i++) ag[i] = 0.0f;
-            for (long j = 0; j < L; j++) {
-                const float *vr = v + (long)bt[j / block_size] * tok + (j % block_size) * D;
-                axpy(ag + d0, pg[j], vr + d0, D - d0);
-            }
+            if (d0 < D) /* the rest of the head (all of it without AVX2) */
+                for (long j = 0; j < n; j++) axpy(ag + d0, pg[j], vb + j * D + d0, D - d0);
         }
     }
 }
@@ -353,8 +353,8 @@ int pageserve_vectorized(void) {
 /* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
    rows ld_kv apart) are written at their slots; then, for each request b and query head h,
    softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
-   max pass, an exp-and-sum pass, a weighted-sum pass, as torch's softmax; exp is exp8's
-   polynomial, within 2 ulp). A negative slot writes nothing. Returns 1 if scratch memory for
+   max pass, an exp-and-sum pass, a normalising pass, as torch's softmax, then the weighted
+   sum; exp is exp8's polynomial, within 2 ulp; scores four keys at a time). A negative slot writes nothing. Returns 1 if scratch memory for
    the scores could not be had (the output is then not to be used), else 0.
    q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
    block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
@@ -417,7 +417,7 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const float
     float *res = buf, *h = res + T * Hd, *y = h + T * Hd, *qkv = y + T * Hd, *attn = qkv + T * QKV,
           *gu = attn + T * H * D, *act = gu + T * 2 * I;
     int failed = 0;
-    for (long l = 0; l < L && !failed; l++) {
+    for (long l = 0; l < L; l++) {
         const float *const *lw = w + 7 * l;
         if (l == 0)
             pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd);
@@ -428,6 +428,7 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const float
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
                                         slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn);
+        if (failed) break;
         pageserve_linear_f32(attn, T, H * D, H * D, lw[3], Hd, H * D, NULL, y, Hd);
         pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd);
         pageserve_linear_f32(h, T, Hd, Hd, lw[5], 2 * I, Hd, NULL, gu, 2 * I);

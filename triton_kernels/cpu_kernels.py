@@ -1,6 +1,7 @@
 """Float32 kernels for the CPU path in C (cpu_kernels.c): the linear layer, RMSNorm with the
-residual, rotary embedding, SiLU-and-mul and paged attention for decode-only steps; and the choice between the C linear and torch's
-matmul by the number of rows in a step.
+residual, rotary embedding, SiLU-and-mul and paged attention for decode-only steps, and the
+whole decoder stack of a Llama-style model for a decode-only step in one call; and the choice
+between the C linear and torch's matmul by the number of rows in a step.
 
 The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache folder the caller names, and called through ctypes (which releases
@@ -153,29 +154,34 @@ class CpuKernels:
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
         """The decoder stack of a Llama-style model for `decode_layers`: per layer its input
         norm, qkv weight, qkv bias (or None), o_proj, post-attention norm, gate_up and down
-        weights (float32, contiguous), and its K/V caches (kept by address: the tensors must
-        outlive the stack)."""
+        weights (float32, contiguous), and its K/V caches, held by address only: a stack is
+        for the caches it was built with (TorchKernels.decoder_stack keys it on them)."""
         first = layers[0]
         hidden, qkv, inter = first[0].numel(), first[1].shape[0], first[6].shape[1]
+        caches = [c for pair in kv_caches for c in pair]
+        if len(kv_caches) != len(layers) or any(c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 4 or
+                                                c.shape != caches[0].shape for c in caches):
+            raise ValueError("decode_stack: one pair of float32 contiguous caches per layer")
+        _, hkv, block_size, head_dim = caches[0].shape
+        heads = qkv // head_dim - 2 * hkv
+        if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 \
+                or first[3].shape != (hidden, heads * head_dim) or first[5].shape != (2 * inter, hidden) \
+                or (first[2] is not None and first[2].shape != (qkv,)):
+            raise ValueError(f"decode_stack: {heads} query heads over {hkv} KV heads of {head_dim}, "
+                             f"weights {[tuple(t.shape) for t in first if t is not None]}")
         for lw in layers:
             shapes = [t.shape for t in lw if t is not None]
             if any(t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous())
                    for t in lw) or [t.shape for t in first if t is not None] != shapes \
                     or lw[1].shape[1] != hidden or lw[6].shape != (hidden, inter):
                 raise ValueError(f"decode_stack: layers differ or are not float32 contiguous: {shapes}")
-        caches = [c for pair in kv_caches for c in pair]
-        if len(kv_caches) != len(layers) or any(c.dtype != torch.float32 or not c.is_contiguous() or
-                                                c.shape != caches[0].shape for c in caches):
-            raise ValueError("decode_stack: one pair of float32 contiguous caches per layer")
         if not (final_norm.dtype == torch.float32 and final_norm.is_contiguous() and final_norm.numel() == hidden):
             raise ValueError("decode_stack: the final norm")
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        _, hkv, block_size, head_dim = caches[0].shape
-        heads = qkv // head_dim - 2 * hkv
         return DecodeStack(weights, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
-                           block_size, (layers, final_norm, kv_caches))
+                           block_size, layers)
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -226,7 +232,7 @@ class DecodeStack:
     head_dim: int
     intermediate: int
     block_size: int
-    keep: tuple  # the tensors whose addresses the arrays hold
+    layers: list  # the weights whose addresses `weights` holds, kept alive
 
 
 def _build_key() -> str:

@@ -256,7 +256,8 @@ class CausalLM(nn.Module):
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
         gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
-        no q/k norm, window or soft cap, on one rank, and runs this class's forward: the layers
+        no q/k norm, window, soft cap or other attention scale than head_dim ** -0.5, on one
+        rank, and the model runs this class's forward: the layers
         a backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1:
             return None
@@ -264,7 +265,8 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(layer) is not DecoderLayer or type(mlp) is not GatedMLP or type(attn) is not Attention \
-                    or attn.q_norm is not None or attn.sliding_window or attn.softcap:
+                    or attn.q_norm is not None or attn.sliding_window or attn.softcap \
+                    or attn.scale != self.cfg.head_dim ** -0.5:  # the stack's scale
                 return None
             out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
