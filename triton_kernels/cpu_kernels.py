@@ -58,7 +58,7 @@ class CpuKernels:
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
                            ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p]),
                            ("pageserve_decode_layers", [p, n, n, n, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n, f,
-                                                        p])):
+                                                        p, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.pageserve_paged_decode.restype = ctypes.c_int
@@ -181,7 +181,7 @@ class CpuKernels:
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
         return DecodeStack(weights, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
-                           block_size, layers)
+                           block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -200,13 +200,17 @@ class CpuKernels:
             raise ValueError(f"decode_layers: x {tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}, "
                              f"block tables {tuple(block_tables.shape)}")
         out = torch.empty_like(x)
+        qkv = (stack.heads + 2 * stack.kv_heads) * stack.head_dim
+        need = t * (3 * stack.hidden + qkv + stack.heads * stack.head_dim + 3 * stack.intermediate)
+        if stack.scratch.numel() < need:
+            stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
             x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.kv, stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
-            stack.intermediate, stack.block_size, scale, out.data_ptr())
+            stack.intermediate, stack.block_size, scale, stack.scratch.data_ptr(), out.data_ptr())
         if failed:
-            raise MemoryError("decode_layers: no memory for the step's scratch")
+            raise MemoryError("decode_layers: no memory for the attention scores")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,6 +237,7 @@ class DecodeStack:
     intermediate: int
     block_size: int
     layers: list  # the weights whose addresses `weights` holds, kept alive
+    scratch: torch.Tensor  # the step's intermediate activations, grown to the largest step
 
 
 def _build_key() -> str:
