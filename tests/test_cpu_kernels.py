@@ -2,6 +2,7 @@
 a float64 matmul, the small ops and decode attention against torch_ops, the per-step-size
 choice between the C linear and torch, and greedy parity with HF when every step runs them."""
 
+import itertools
 import os
 
 import pytest
@@ -115,6 +116,40 @@ def test_paged_decode_matches_torch_ops(kernel, heads, kv_heads, head_dim):
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
     want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
     got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
+    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96)])
+def test_paged_attention_of_a_mixed_step_matches_torch_ops(kernel, heads, kv_heads, head_dim):
+    """Prompt chunks (from the start, after cached context, one token long) beside decodes,
+    over scattered blocks: causal in each chunk, the whole context before it."""
+    from pageserve.triton_kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(heads * 10 + head_dim)
+    block_size, num_blocks = 16, 60
+    # (context before the step, tokens in the step)
+    reqs = [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (0, 1), (63, 70)]
+    caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for before, n in reqs:
+        blocks = [order.pop() for _ in range(-(-(before + n) // block_size))]
+        tables.append(blocks + [0] * (10 - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(before, before + n)]
+    t = len(slots)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].reshape(t, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(t, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(t, kv_heads, head_dim)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    sl = torch.tensor(slots, dtype=torch.int64)
+    lens = torch.tensor([before + n for before, n in reqs], dtype=torch.int32)
+    qsl = torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
+    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
+    got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3, qsl)
     assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 

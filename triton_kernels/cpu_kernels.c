@@ -343,47 +343,79 @@ int pageserve_vectorized(void) {
 #endif
 }
 
-/* One query token per request (a decode step). First the step's new K/V ([B, Hkv, D], token
-   rows ld_kv apart) are written at their slots; then, for each request b and query head h,
-   softmax(q . K^T * scale) V over the request's seq_lens[b] cached positions, in float32 (a
-   max pass, an exp-and-sum pass, a normalising pass, as torch's softmax, then the weighted
-   sum; exp is exp8's polynomial, within 2 ulp; scores four keys at a time). A negative slot writes nothing. Returns 1 if scratch memory for
-   the scores could not be had (the output is then not to be used), else 0.
-   q: [B, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
-   block_tables: [B, ld_bt] int32; out: [B, H, D] contiguous. The G = H / Hkv heads sharing a
-   KV head are one work item, so their K/V rows are read once from memory. */
-int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
-                            long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
-                            const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
-                            long H, long Hkv, long D, long block_size, float scale, float *out) {
+/* Paged attention of any step, straight from the cache blocks. First the step's new K/V
+   ([T, Hkv, D], token rows ld_kv apart) are written at their slots (a negative slot writes
+   nothing); then each query token attends, causally, to its own position and every one before
+   it: for token t of request b, softmax(q . K^T * scale) V over the first L positions of b's
+   context, L = its position + 1, in float32 (a max pass, an exp-and-sum pass, a normalising
+   pass, as torch's softmax, then the weighted sum; exp is exp8's polynomial, within 2 ulp;
+   scores four keys at a time). query_start_loc [B + 1]: request b's query tokens are rows
+   query_start_loc[b] .. query_start_loc[b + 1] - 1, the last of its seq_lens[b] positions;
+   NULL: one token per request (a decode step, T = B). Returns 1 if scratch memory for the
+   scores could not be had (the output is then not to be used), else 0.
+   q: [T, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
+   block_tables: [B, ld_bt] int32; out: [T, H, D] contiguous. A work item is one token's G =
+   H / Hkv query heads that share a KV head: their K/V rows are read once from memory. A prompt
+   chunk's tokens are items of their own, so the triangle above the causal diagonal is never
+   computed (torch's SDPA with a mask computes the whole square). */
+int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                              float *k_cache, float *v_cache, const int64_t *slots, long T,
+                              const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                              const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                              float scale, float *out) {
     long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
-    int failed = 0;
-    for (long b = 0; b < B; b++) {
-        if (slots[b] < 0) continue; /* a padding row: writes nowhere */
-        long blk = slots[b] / block_size, off = slots[b] % block_size;
+    long max_len = 1;
+    for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (long t = 0; t < T; t++) {
+        if (slots[t] < 0) continue; /* a padding row: writes nowhere */
+        long blk = slots[t] / block_size, off = slots[t] % block_size;
         for (long h = 0; h < Hkv; h++) {
             float *kd = k_cache + blk * tok + (h * block_size + off) * D;
             float *vd = v_cache + blk * tok + (h * block_size + off) * D;
             for (long i = 0; i < D; i++) {
-                kd[i] = k_new[b * ld_kv + h * D + i];
-                vd[i] = v_new[b * ld_kv + h * D + i];
+                kd[i] = k_new[t * ld_kv + h * D + i];
+                vd[i] = v_new[t * ld_kv + h * D + i];
             }
         }
     }
-#pragma omp parallel for schedule(dynamic, 1) if (B * Hkv > 1)
-    for (long item = 0; item < B * Hkv; item++) {
-        long b = item / Hkv, hk = item % Hkv, L = seq_lens[b];
-        float *s = (float *)malloc(sizeof(float) * (size_t)(L * G > 0 ? L * G : 1));
+    int failed = 0;
+#pragma omp parallel if (T * Hkv > 1)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(max_len * G)); /* this thread's scores */
         if (s == NULL) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        decode_item(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
-                    block_tables + b * ld_bt, L, G, D, block_size, tok, scale, s, out + b * H * D + hk * G * D);
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < T * Hkv; item++) {
+            long t = item / Hkv, hk = item % Hkv, b = t, L;
+            if (s == NULL) continue;
+            if (query_start_loc == NULL) {
+                L = seq_lens[b];
+            } else { /* the request whose rows hold t: the last b with query_start_loc[b] <= t */
+                long lo = 0, hi = B - 1;
+                while (lo < hi) {
+                    long mid = (lo + hi + 1) / 2;
+                    if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+                }
+                b = lo;
+                L = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);
+            }
+            decode_item(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                        block_tables + b * ld_bt, L, G, D, block_size, tok, scale, s, out + t * H * D + hk * G * D);
+        }
         free(s);
     }
     return failed;
+}
+
+/* pageserve_paged_attention of a decode step: one query token per request (T = B) */
+int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
+                            long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
+                            const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
+                            long H, long Hkv, long D, long block_size, float scale, float *out) {
+    return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out);
 }
 
 /* ---- a decode-only step's whole decoder stack in one call (Llama-style layers) ---- */

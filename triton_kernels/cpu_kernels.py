@@ -1,5 +1,5 @@
 """Float32 kernels for the CPU path in C (cpu_kernels.c): the linear layer, RMSNorm with the
-residual, rotary embedding, SiLU-and-mul and paged attention for decode-only steps, and the
+residual, rotary embedding, SiLU-and-mul and causal paged attention of any step, and the
 whole decoder stack of a Llama-style model for a decode-only step in one call; and the choice
 between the C linear and torch's matmul by the number of rows in a step.
 
@@ -56,12 +56,13 @@ class CpuKernels:
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
                            ("pageserve_rotary", [p, n, n, n, n, p, n]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
-                           ("pageserve_paged_decode", [p, n, p, p, n, p, p, p, p, n, p, n, n, n, n, n, f, p]),
+                           ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
+                                                          p]),
                            ("pageserve_decode_layers", [p, n, n, n, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n, f,
                                                         p, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
-        lib.pageserve_paged_decode.restype = ctypes.c_int
+        lib.pageserve_paged_attention.restype = ctypes.c_int
         lib.pageserve_decode_layers.restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
         # built with AVX2 + FMA: without them the small ops are plain loops (libm's expf a
@@ -119,36 +120,49 @@ class CpuKernels:
                 raise ValueError(f"rotary_embedding: {tuple(x.shape)} with strides {x.stride()}")
             self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0))
 
-    def paged_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """A decode-only step (one query token per request): reshape_and_cache (a negative
-        slot writes nothing), then paged attention straight from the cache blocks, with no
-        gathered copy. The block tables must cover each request's seq_lens (the engine's
-        invariant; not checked here, it would cost a pass over the tables a layer). q: [B, H, D]; k, v:
-        [B, Hkv, D] (views of the fused qkv rows are fine); caches [N, Hkv, block_size, D]."""
-        b, h, d = q.shape
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float,
+                        query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+        """Any step: reshape_and_cache (a negative slot writes nothing), then causal paged
+        attention straight from the cache blocks, with no gathered copy: each query token sees
+        its own position and every one before it. query_start_loc [B + 1] int32: request b's
+        query tokens are rows query_start_loc[b]:query_start_loc[b + 1], the last of its
+        seq_lens[b] positions; None: one token per request (a decode step). The block tables
+        must cover each request's seq_lens (the engine's invariant; not checked here, it would
+        cost a pass over the tables a layer). q: [T, H, D]; k, v: [T, Hkv, D] (views of the
+        fused qkv rows are fine); caches [N, Hkv, block_size, D]."""
+        t, h, d = q.shape
+        b = block_tables.shape[0]
         hkv, bs = k_cache.shape[1], k_cache.shape[2]
         ok = (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
               and q.is_cpu and k.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_tables.is_cpu
               and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
-              and q.stride(2) == 1 and q.stride(1) == d and k.shape == v.shape == (b, hkv, d)
+              and q.stride(2) == 1 and q.stride(1) == d and k.shape == v.shape == (t, hkv, d)
               and k.stride() == v.stride() and k.stride(2) == 1 and k.stride(1) == d
               and k_cache.is_contiguous() and v_cache.is_contiguous() and h % hkv == 0 and h // hkv <= 64
-              and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == b
-              and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 and block_tables.shape[0] == b
-              and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == b)
+              and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == t
+              and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+              and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == b
+              and (b == t if query_start_loc is None else (
+                  query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous()
+                  and query_start_loc.numel() == b + 1 and query_start_loc.is_cpu)))
         if not ok:
-            raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} {q.stride()}, k {tuple(k.shape)} "
+            raise ValueError(f"paged_attention: q {tuple(q.shape)} {q.dtype} {q.stride()}, k {tuple(k.shape)} "
                              f"{k.stride()}, cache {tuple(k_cache.shape)}, block tables {tuple(block_tables.shape)}")
-        out = torch.empty(b, h, d, dtype=torch.float32)
-        failed = self._lib.pageserve_paged_decode(
+        out = torch.empty(t, h, d, dtype=torch.float32)
+        failed = self._lib.pageserve_paged_attention(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
-            v_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_lens.data_ptr(), b, h, hkv, d, bs, scale, out.data_ptr())
+            v_cache.data_ptr(), slot_mapping.data_ptr(), t, block_tables.data_ptr(), block_tables.stride(0),
+            None if query_start_loc is None else query_start_loc.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d,
+            bs, scale, out.data_ptr())
         if failed:
-            raise MemoryError("paged_decode: no memory for the attention scores")
+            raise MemoryError("paged_attention: no memory for the attention scores")
         return out
+
+    def paged_decode(self, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale) -> torch.Tensor:
+        """paged_attention of a decode-only step (one query token per request)."""
+        return self.paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
 
     def decode_stack(self, layers: list[tuple[torch.Tensor, ...]], final_norm: torch.Tensor, eps: float,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
