@@ -110,7 +110,7 @@ class TorchKernels(Kernels):
     def use_cpu_kernels(self, lib: CpuKernels) -> None:
         """Float32: each linear layer runs the C kernel or torch's matmul as the plan says
         (measured once the weights are in), and, where the library was built with AVX2, the
-        C versions of the small ops and of decode-only attention replace torch's. Before the
+        C versions of the small ops and of paged attention replace torch's. Before the
         model is built: layers keep a reference to `ops`."""
         self.linear_plan = LinearPlan(lib)
         if lib.vectorized:

@@ -89,47 +89,18 @@ def test_small_ops_match_torch_ops(kernel, tokens):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96),
                                                     (8, 2, 128)])
-def test_paged_decode_matches_torch_ops(kernel, heads, kv_heads, head_dim):
-    """Ragged context lengths over scattered blocks; the new K/V written at their slots first."""
-    from pageserve.triton_kernels import torch_ops
-
-    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    block_size, num_blocks = 16, 40
-    ctx = [1, 16, 17, 33, 100, 5]
-    caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for n in ctx:
-        blocks = [order.pop() for _ in range(-(-n // block_size))]
-        tables.append(blocks + [0] * (7 - len(blocks)))
-        slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    b = len(ctx)
-    qkv = torch.randn(b, (heads + 2 * kv_heads) * head_dim, generator=gen)
-    q = qkv[:, :heads * head_dim].reshape(b, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(b, kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(b, kv_heads, head_dim)
-    bt = torch.tensor(tables, dtype=torch.int32)
-    sl = torch.tensor(slots, dtype=torch.int64)
-    lens = torch.tensor(ctx, dtype=torch.int32)
-    qsl = torch.arange(b + 1, dtype=torch.int32)
-    ref_k, ref_v = caches[0].clone(), caches[1].clone()
-    torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
-    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
-    got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
-    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96)])
-def test_paged_attention_of_a_mixed_step_matches_torch_ops(kernel, heads, kv_heads, head_dim):
-    """Prompt chunks (from the start, after cached context, one token long) beside decodes,
-    over scattered blocks: causal in each chunk, the whole context before it."""
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step):
+    """Over scattered blocks, the new K/V written at their slots first. decode: one token per
+    request at ragged context lengths (paged_decode); mixed: prompt chunks (from the start,
+    after cached context, one token long) beside decodes, causal in each chunk."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 10 + head_dim)
     block_size, num_blocks = 16, 60
     # (context before the step, tokens in the step)
-    reqs = [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (0, 1), (63, 70)]
+    reqs = ([(n - 1, 1) for n in (1, 16, 17, 33, 100, 5)] if step == "decode" else
+            [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (0, 1), (63, 70)])
     caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, slots = [], []
@@ -149,7 +120,10 @@ def test_paged_attention_of_a_mixed_step_matches_torch_ops(kernel, heads, kv_hea
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
     want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
-    got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3, qsl)
+    if step == "decode":
+        got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
+    else:
+        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3, qsl)
     assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 

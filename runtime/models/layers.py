@@ -257,8 +257,8 @@ class CausalLM(nn.Module):
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
         gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
         no q/k norm, window, soft cap or other attention scale than head_dim ** -0.5, on one
-        rank, and the model runs this class's forward: the layers
-        a backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
+        rank, and the model runs this class's forward: the layers a backend may run as one
+        decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1:
             return None
         out = []
