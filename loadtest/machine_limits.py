@@ -65,10 +65,10 @@ def step_weight_bytes(model) -> int:
     return sum(w.numel() * w.element_size() for w in step_weights(model)) + norms
 
 
-def matmul_time(kernels, weights: list[torch.Tensor], rows: int, reps: int = 3) -> float:
-    """Seconds for one pass of `rows` rows through every matrix, on the engine's matmul path
-    (best of `reps`)."""
-    dev, dtype = weights[0].device, weights[0].dtype
+def matmul_time(kernels, weights: list[torch.Tensor], rows: int, dtype: torch.dtype, reps: int = 3) -> float:
+    """Seconds for one pass of `rows` rows of `dtype` (the activations') through every matrix,
+    on the engine's matmul path (best of `reps`)."""
+    dev = weights[0].device
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=dev) for w in weights}
     best = float("inf")
     with torch.inference_mode():
@@ -114,8 +114,8 @@ def measure(llm) -> dict:
          "read_bandwidth_by_probe_gb_s": {k: v / GB for k, v in reads.items() if k != "best"},
          "step_weight_bytes": nbytes,
          "memory_floor_ms": nbytes / bandwidth * 1e3,
-         "matmul_1_ms": matmul_time(runner.kernels, weights, 1) * 1e3,
-         "matmul_64_ms": matmul_time(runner.kernels, weights, 64) * 1e3,
+         "matmul_1_ms": matmul_time(runner.kernels, weights, 1, runner.model_cfg.dtype) * 1e3,
+         "matmul_64_ms": matmul_time(runner.kernels, weights, 64, runner.model_cfg.dtype) * 1e3,
          "engine_step_1_ms": engine_decode(llm, 1) * 1e3,
          "engine_step_64_ms": engine_decode(llm, 64) * 1e3}
     r["matmul_ceiling_64_tok_s"] = 64e3 / r["matmul_64_ms"]

@@ -76,8 +76,10 @@ ARCHITECTURES = {
 }
 
 
-def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A 2-layer model with GQA; weights drawn wide enough that greedy choices are not ties."""
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, weights_dtype: torch.dtype | None = None,
+                     **overrides) -> Path:
+    """A 2-layer model with GQA; weights drawn wide enough that greedy choices are not ties,
+    saved in float32 or `weights_dtype` (bfloat16: a checkpoint as most models ship)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -92,5 +94,7 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     common.update(overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common))
+    if weights_dtype is not None:
+        model = model.to(weights_dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path

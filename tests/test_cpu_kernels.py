@@ -40,6 +40,84 @@ def test_matches_a_float64_matmul(kernel, rows, out_features, in_features):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 130])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (13, 1536), (6, 40)])
+def test_bfloat16_weights_give_the_float32_sums_bit_for_bit(kernel, rows, out_features, in_features):
+    """A matrix kept in bfloat16 is widened as it is read (in registers below 8 rows, a tile at
+    a time at 8 and up): the same sums as its float32 copy, to the bit, partial tiles and
+    tails included."""
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w16 = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen)
+    for bias in (None, b):
+        assert torch.equal(kernel(x, w16, bias), kernel(x, w16.float(), bias))
+    plan = cpu_kernels.LinearPlan(kernel)  # torch's side of the plan gets a float32 copy
+    assert torch.equal(plan(x, w16, b), F.linear(x, w16.float(), b))
+
+
+def test_narrowing_keeps_exact_matrices_only():
+    from pageserve.runtime.cpu_env import narrow_exact_matrices
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.proj, self.norm = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), \
+                torch.nn.LayerNorm(16)
+            self.lm_head = None
+
+    model = Tied()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.proj.weight.data[3, 5] += 2 ** -20  # one value bfloat16 cannot hold: nothing narrows
+    assert narrow_exact_matrices(model) == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.proj.weight.data[3, 5] = before["proj.weight"][3, 5]
+    assert narrow_exact_matrices(model) == (32 * 16 + 16 * 16) * 2
+    assert model.embed_tokens.weight.dtype == model.proj.weight.dtype == torch.bfloat16  # the tied lm_head's too
+    assert model.proj.bias.dtype == model.norm.weight.dtype == torch.float32  # vectors stay
+    for n, p in model.named_parameters():
+        assert torch.equal(p.float(), before[n]), n
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, kernel, monkeypatch, arch):
+    """float32 activations over a bfloat16 checkpoint keep the matrices (the tied embedding
+    too) in bfloat16: the same tokens and logprobs, to the bit, as with float32 copies, through
+    prompt chunks past the C kernel's rows (torch's matmul on a widened copy), the decoder stack
+    and the layer-by-layer path."""
+    from pageserve.runtime import SamplingParams
+    from pageserve.runtime import model_runner
+
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch, weights_dtype=torch.bfloat16,
+                                 tie_word_embeddings=arch == "llama")
+    prompts = random_prompts(384)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+    def run():
+        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=256)
+        model = llm.engine.runner.model
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return model, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+                        [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]) for o in outs]
+
+    model, narrow = run()
+    head = model.embed_tokens if arch == "llama" else model.lm_head
+    assert model.layers[0].mlp.down_proj.weight.dtype == head.weight.dtype == torch.bfloat16
+    assert model.norm.weight.dtype == torch.float32
+    if arch == "qwen2":  # untied: the embedding is only looked up; the q/k/v bias is a vector
+        assert model.embed_tokens.weight.dtype == model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32
+    monkeypatch.setattr(model_runner, "narrow_exact_matrices", lambda model: 0)
+    model, wide = run()
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert wide == narrow
+
+
 def test_strided_rows_and_a_weight_slice(kernel):
     """Row views of a wider tensor (q/k/v split, a fused weight's rows) are read in place."""
     x = torch.randn(6, 100)[:, 10:74]  # row stride 100

@@ -27,6 +27,7 @@
 /* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
    thread the OS has paused (the server's event loop shares the cores) holds up only one piece */
 #define CHUNK_O 64
+#define WIDEN_ROWS 8
 
 #ifdef PS_AVX2
 static inline float hsum8(__m256 v) {
@@ -38,13 +39,32 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* Weights in bfloat16 (the checkpoint's own values, kept at half the bytes where every
+   float32 weight's low 16 bits are zero): each is widened to float32 as it is loaded, an
+   exact conversion, so the sums are the float32 kernel's to the bit and one stream reads
+   half the bytes per step. */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+/* element i of a weight array in float32 (w16: the array is bfloat16) */
+static inline float wval(const void *w, long i, int w16) {
+    return w16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
 #ifdef PS_AVX2
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 /* sums over k < k8 of TILE_O weight rows (w, rows ldw apart) against NR rows of x (ldx apart):
    TILE_O x NR accumulators (of the tiles timed on a 2-core EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2,
-   7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109 GFLOP/s at 32 rows where 4x2 made 79) */
-#define MICRO_TILE(NR)                                                                                  \
-    static inline __attribute__((always_inline)) void micro_##NR(const float *x, long ldx, const float *w, \
-                                                                 long ldw, long k8, float s[TILE_O][2]) { \
+   7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109 GFLOP/s at 32 rows where 4x2 made 79).
+   WT, LOAD: the weights' element type and its load as 8 floats. */
+#define MICRO_TILE(NAME, NR, WT, LOAD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const float *x, long ldx, const WT *w, long ldw, \
+                                                           long k8, float s[TILE_O][2]) {              \
         __m256 a[TILE_O][NR];                                                                           \
         _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
             _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_setzero_ps();         \
@@ -52,41 +72,45 @@ static inline float hsum8(__m256 v) {
             __m256 xv[NR];                                                                              \
             _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k); \
             _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {                                  \
-                __m256 wv = _mm256_loadu_ps(w + i * ldw + k);                                           \
+                __m256 wv = LOAD(w + i * ldw + k);                                                      \
                 _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_fmadd_ps(wv, xv[r], a[i][r]); \
             }                                                                                           \
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
             _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) s[i][r] = hsum8(a[i][r]);              \
     }
-MICRO_TILE(1)
-MICRO_TILE(2)
+MICRO_TILE(micro_1, 1, float, load_f32)
+MICRO_TILE(micro_2, 2, float, load_f32)
+MICRO_TILE(micro16_1, 1, uint16_t, load_bf16)
+MICRO_TILE(micro16_2, 2, uint16_t, load_bf16)
 #endif
 
-/* rows o0..o0+no-1 (no <= TILE_O) of W against every row of x, two x rows at a time */
-static void tile(const float *x, long R, long K, long ldx, const float *W, long ldw, long o0,
+/* weight rows o0..o0+no-1 (no <= TILE_O; wt: row o0, rows ldw apart) against every row of x,
+   two x rows at a time */
+static void tile(const float *x, long R, long K, long ldx, const void *wt, int w16, long ldw, long o0,
                  long no, const float *bias, float *y, long ldy) {
     long k8 = 0;
 #ifdef PS_AVX2
     if (no == TILE_O) k8 = K & ~7L; /* a partial tile (the last of a matrix) runs the scalar loop */
 #endif
-    const float *w = W + o0 * ldw;
+    const float *w = (const float *)wt;
+    const uint16_t *w_16 = (const uint16_t *)wt;
     for (long r = 0; r < R; r += 2) {
         long nr = R - r < 2 ? R - r : 2;
         const float *x0 = x + r * ldx;
         float s[TILE_O][2] = {{0.0f}};
 #ifdef PS_AVX2
         if (k8) {
-            if (nr == 2)
-                micro_2(x0, ldx, w, ldw, k8, s);
+            if (w16)
+                nr == 2 ? micro16_2(x0, ldx, w_16, ldw, k8, s) : micro16_1(x0, ldx, w_16, ldw, k8, s);
             else
-                micro_1(x0, ldx, w, ldw, k8, s);
+                nr == 2 ? micro_2(x0, ldx, w, ldw, k8, s) : micro_1(x0, ldx, w, ldw, k8, s);
         }
 #endif
         for (long i = 0; i < no; i++)
             for (long j = 0; j < nr; j++) {
                 float v = s[i][j];
-                for (long k = k8; k < K; k++) v += w[i * ldw + k] * x0[j * ldx + k];
+                for (long k = k8; k < K; k++) v += wval(wt, i * ldw + k, w16) * x0[j * ldx + k];
                 y[(r + j) * ldy + o0 + i] = v + (bias ? bias[o0 + i] : 0.0f);
             }
     }
@@ -94,48 +118,79 @@ static void tile(const float *x, long R, long K, long ldx, const float *W, long 
 
 #ifdef PS_AVX2
 /* one row of x: each weight row read front to back, four accumulators */
-static void row1(const float *x, long K, const float *W, long ldw, long o0, long o1,
-                 const float *bias, float *y) {
-    long k32 = K & ~31L, k8 = K & ~7L;
-    for (long o = o0; o < o1; o++) {
-        const float *w = W + o * ldw;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        long k = 0;
-        for (; k < k32; k += 32) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-        }
-        for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
-        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; k < K; k++) s += w[k] * x[k];
-        y[o] = s + (bias ? bias[o] : 0.0f);
+#define ROW1(NAME, WT, LOAD)                                                                            \
+    static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
+                     float *y) {                                                                        \
+        long k32 = K & ~31L, k8 = K & ~7L;                                                              \
+        for (long o = o0; o < o1; o++) {                                                                \
+            const WT *w = W + o * ldw;                                                                  \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
+            long k = 0;                                                                                 \
+            for (; k < k32; k += 32) {                                                                  \
+                a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);                          \
+                a1 = _mm256_fmadd_ps(LOAD(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                  \
+                a2 = _mm256_fmadd_ps(LOAD(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                \
+                a3 = _mm256_fmadd_ps(LOAD(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                \
+            }                                                                                           \
+            for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);       \
+            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
+            for (; k < K; k++) s += wval(w, k, sizeof(WT) == 2) * x[k];                                 \
+            y[o] = s + (bias ? bias[o] : 0.0f);                                                         \
+        }                                                                                               \
     }
-}
+ROW1(row1, float, load_f32)
+ROW1(row1_16, uint16_t, load_bf16)
 #endif
 
-/* x: [R, K] rows ldx apart; W: [O, K] rows ldw apart; y: [R, O] rows ldy apart; bias: [O] or
-   NULL. Weight rows are shared out to the OpenMP threads (torch's own runtime: libgomp is
-   loaded by torch before this library). */
-void pageserve_linear_f32(const float *x, long R, long K, long ldx, const float *W, long O,
-                          long ldw, const float *bias, float *y, long ldy) {
+/* x: [R, K] rows ldx apart; W: [O, K] rows ldw apart, float32 or (w16) bfloat16; y: [R, O]
+   rows ldy apart; bias: [O] or NULL. Weight rows are shared out to the OpenMP threads
+   (torch's own runtime: libgomp is loaded by torch before this library). */
+void pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int w16, long O, long ldw,
+                      const float *bias, float *y, long ldy) {
 #ifdef PS_AVX2
     if (R == 1) {
         long chunks = (O + CHUNK_O - 1) / CHUNK_O;
 #pragma omp parallel for schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {
             long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
-            row1(x, K, W, ldw, o0, o1, bias, y);
+            if (w16)
+                row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
+            else
+                row1(x, K, (const float *)W, ldw, o0, o1, bias, y);
         }
         return;
     }
 #endif
     long tiles = (O + TILE_O - 1) / TILE_O;
-#pragma omp parallel for schedule(dynamic, 16)
-    for (long t = 0; t < tiles; t++) {
-        long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
-        tile(x, R, K, ldx, W, ldw, o0, no, bias, y, ldy);
+#pragma omp parallel
+    {
+        /* bfloat16 at WIDEN_ROWS rows or more: each tile's weight rows are widened once into
+           this thread's float32 copy, then read for every row of x as float32 weights are
+           (widening in the inner loop cost 7% at 64 rows). Aligned to cache lines: at malloc's
+           16 bytes half the loads straddle two lines (13% slower at 64 rows). Without the
+           memory, the tiles widen in the inner loop. */
+        size_t wide_bytes = (sizeof(float) * (size_t)(TILE_O * K) + 63) & ~(size_t)63;
+        float *wide = w16 && R >= WIDEN_ROWS ? (float *)aligned_alloc(64, wide_bytes) : NULL;
+#pragma omp for schedule(dynamic, 16)
+        for (long t = 0; t < tiles; t++) {
+            long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
+            const void *wt = w16 ? (const void *)((const uint16_t *)W + o0 * ldw)
+                                 : (const void *)((const float *)W + o0 * ldw);
+            if (wide) {
+                const uint16_t *src = (const uint16_t *)wt;
+                for (long i = 0; i < no; i++) {
+                    long k = 0;
+#ifdef PS_AVX2
+                    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wide + i * K + k, load_bf16(src + i * ldw + k));
+#endif
+                    for (; k < K; k++) wide[i * K + k] = bf16_to_f32(src[i * ldw + k]);
+                }
+                tile(x, R, K, ldx, wide, 0, K, o0, no, bias, y, ldy);
+            } else {
+                tile(x, R, K, ldx, wt, w16, ldw, o0, no, bias, y, ldy);
+            }
+        }
+        free(wide);
     }
 }
 
@@ -427,9 +482,9 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
    same to the bit; what goes is the interpreter's time between them.
    x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
    hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
-   post-attention norm, gate_up, down); kv: per layer the K and V caches; cs: [T, D] rows ld_cs
+   post-attention norm, gate_up, down), the four matrices bfloat16 where w16; kv: per layer the K and V caches; cs: [T, D] rows ld_cs
    apart (cos then sin). Returns 1 if the attention's scratch memory could not be had, else 0. */
-int pageserve_decode_layers(const float *x, long T, long Hd, long L, const float *const *w, float *const *kv,
+int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void *const *w, int w16, float *const *kv,
                             const float *final_norm, float eps, const float *cs, long ld_cs,
                             const int64_t *slots, const int32_t *block_tables, long ld_bt,
                             const int32_t *seq_lens, long H, long Hkv, long D, long I, long block_size,
@@ -442,22 +497,22 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const float
           *gu = attn + T * H * D, *act = gu + T * 2 * I;
     int failed = 0;
     for (long l = 0; l < L; l++) {
-        const float *const *lw = w + 7 * l;
+        const void *const *lw = w + 7 * l; /* the norms and the bias are float32; the matrices w16 */
         if (l == 0)
             pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd);
         else
             pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd);
-        pageserve_linear_f32(h, T, Hd, Hd, lw[1], QKV, Hd, lw[2], qkv, QKV);
+        pageserve_linear(h, T, Hd, Hd, lw[1], w16, QKV, Hd, lw[2], qkv, QKV);
         pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs);
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
                                         slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn);
         if (failed) break;
-        pageserve_linear_f32(attn, T, H * D, H * D, lw[3], Hd, H * D, NULL, y, Hd);
+        pageserve_linear(attn, T, H * D, H * D, lw[3], w16, Hd, H * D, NULL, y, Hd);
         pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd);
-        pageserve_linear_f32(h, T, Hd, Hd, lw[5], 2 * I, Hd, NULL, gu, 2 * I);
+        pageserve_linear(h, T, Hd, Hd, lw[5], w16, 2 * I, Hd, NULL, gu, 2 * I);
         pageserve_silu_and_mul(gu, 2 * I, T, I, act);
-        pageserve_linear_f32(act, T, I, I, lw[6], Hd, I, NULL, y, Hd);
+        pageserve_linear(act, T, I, I, lw[6], w16, Hd, I, NULL, y, Hd);
     }
     if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd);
     return failed;

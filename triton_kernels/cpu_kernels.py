@@ -29,7 +29,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused a * b + c the source does not write: one sum, one rounding, whatever the inlining
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -52,14 +52,15 @@ class CpuKernels:
         torch.get_num_threads()  # torch (and its libgomp) first: the kernels share that runtime
         lib = ctypes.CDLL(str(path))
         p, n, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-        for name, args in (("pageserve_linear_f32", [p, n, n, n, p, n, n, p, p, n]),
+        i = ctypes.c_int
+        for name, args in (("pageserve_linear", [p, n, n, n, p, i, n, n, p, p, n]),
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
                            ("pageserve_rotary", [p, n, n, n, n, p, n]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
                                                           p]),
-                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n, f,
-                                                        p, p])):
+                           ("pageserve_decode_layers", [p, n, n, n, p, i, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
+                                                        f, p, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.pageserve_paged_attention.restype = ctypes.c_int
@@ -72,7 +73,9 @@ class CpuKernels:
         self.path = path
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if weight.dtype != torch.float32 or not weight.is_cpu:
+        """F.linear of float32 x; the weight float32 or bfloat16 (widened as it is read: the
+        same sums as of its float32 copy, bit for bit)."""
+        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu:
             raise TypeError(f"cpu linear takes float32 CPU tensors, got {x.dtype} x {weight.dtype} on {weight.device}")
         x2 = _rows(x, "linear")
         rows, k = x2.shape
@@ -82,9 +85,9 @@ class CpuKernels:
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
-        self._lib.pageserve_linear_f32(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), out_features,
-                                       weight.stride(0), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), out_features)
+        self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(),
+                                   weight.dtype == torch.bfloat16, out_features, weight.stride(0),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
         return out
 
     __call__ = linear
@@ -168,8 +171,9 @@ class CpuKernels:
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
         """The decoder stack of a Llama-style model for `decode_layers`: per layer its input
         norm, qkv weight, qkv bias (or None), o_proj, post-attention norm, gate_up and down
-        weights (float32, contiguous), and its K/V caches, held by address only: a stack is
-        for the caches it was built with (TorchKernels.decoder_stack keys it on them)."""
+        weights (contiguous; float32, but the four matrices may all be bfloat16), and its K/V
+        caches, held by address only: a stack is for the caches it was built with
+        (TorchKernels.decoder_stack keys it on them)."""
         first = layers[0]
         hidden, qkv, inter = first[0].numel(), first[1].shape[0], first[6].shape[1]
         caches = [c for pair in kv_caches for c in pair]
@@ -183,18 +187,21 @@ class CpuKernels:
                 or (first[2] is not None and first[2].shape != (qkv,)):
             raise ValueError(f"decode_stack: {heads} query heads over {hkv} KV heads of {head_dim}, "
                              f"weights {[tuple(t.shape) for t in first if t is not None]}")
+        w16 = first[1].dtype == torch.bfloat16  # the four matrices alike; the norms and the bias float32
         for lw in layers:
             shapes = [t.shape for t in lw if t is not None]
-            if any(t is not None and (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous())
-                   for t in lw) or [t.shape for t in first if t is not None] != shapes \
+            dtypes = [torch.bfloat16 if w16 and j in (1, 3, 5, 6) else torch.float32 for j in range(7)]
+            if any(t is not None and (t.dtype != dt or not t.is_cpu or not t.is_contiguous())
+                   for t, dt in zip(lw, dtypes)) or [t.shape for t in first if t is not None] != shapes \
                     or lw[1].shape[1] != hidden or lw[6].shape != (hidden, inter):
-                raise ValueError(f"decode_stack: layers differ or are not float32 contiguous: {shapes}")
+                raise ValueError(f"decode_stack: layers differ or are not float32 (matrices: all float32 or "
+                                 f"all bfloat16) contiguous: {shapes}")
         if not (final_norm.dtype == torch.float32 and final_norm.is_contiguous() and final_norm.numel() == hidden):
             raise ValueError("decode_stack: the final norm")
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        return DecodeStack(weights, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
+        return DecodeStack(weights, w16, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
                            block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -219,7 +226,8 @@ class CpuKernels:
         if stack.scratch.numel() < need:
             stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
-            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.kv, stack.final_norm.data_ptr(),
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.w16, stack.kv,
+            stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
             stack.intermediate, stack.block_size, scale, stack.scratch.data_ptr(), out.data_ptr())
@@ -240,6 +248,7 @@ class DecodeStack:
     """What `CpuKernels.decode_layers` needs of a model, built once: the addresses of every
     layer's weights and caches, and the sizes."""
     weights: ctypes.Array
+    w16: bool  # the matrices are bfloat16
     kv: ctypes.Array
     final_norm: torch.Tensor
     eps: float
@@ -299,6 +308,12 @@ def load(cache_dir: Path) -> CpuKernels | None:
         return None
 
 
+def _widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight in the activations' dtype: a matrix kept in bfloat16 for the C linear is widened
+    (exactly) for torch's matmul, per call (measured: 2% of a 512-row step's matmuls)."""
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
 # rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -319,19 +334,21 @@ class LinearPlan:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.uses_kernel(x.shape[0]):
             return self.kernel(x, weight, bias)  # which checks the dtypes
-        return F.linear(x, weight, bias)
+        return F.linear(x, _widened(weight, x.dtype), bias)
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
         """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
         follows their choice) at each row bucket, alternating, best of `reps`: the faster one
-        runs steps of that size."""
-        if not weights or any(w.dtype != torch.float32 for w in weights):
+        runs steps of that size. Weights in bfloat16 (float32 activations) time torch's
+        matmul with the float32 copy it is then given."""
+        if not weights or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights):
             return
+        widened = lambda x, w: F.linear(x, _widened(w, x.dtype))  # noqa: E731
         for i, rows in enumerate(ROW_BUCKETS):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
             best = [float("inf"), float("inf")]
             for _ in range(reps):
-                for j, fn in enumerate((F.linear, self.kernel)):
+                for j, fn in enumerate((widened, self.kernel)):
                     t = time.perf_counter()
                     for w in weights:
                         fn(xs[w.shape[1]], w)

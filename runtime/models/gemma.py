@@ -91,7 +91,7 @@ class GemmaCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # rounded to the dtype, as HF
         rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)
         local = rope

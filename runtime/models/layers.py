@@ -242,7 +242,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Final hidden states (after the last norm) of every token of the step."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         stacked = self.kernels.decoder_stack(self, x, positions, meta, kv_caches)
         if stacked is not None:
             return stacked
@@ -271,6 +271,11 @@ class CausalLM(nn.Module):
             out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
         return out
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings in the activations' dtype (the norms'): a tied embedding may be
+        kept in bfloat16 under float32 activations (cpu_env.narrow_exact_matrices)."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
