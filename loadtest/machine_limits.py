@@ -11,6 +11,7 @@ import time
 import torch
 
 from pageserve.loadtest.common import distinct_prompts
+from pageserve.triton_kernels.cpu_kernels import in_features
 
 GB = 1e9
 
@@ -69,7 +70,7 @@ def matmul_time(kernels, weights: list[torch.Tensor], rows: int, dtype: torch.dt
     """Seconds for one pass of `rows` rows of `dtype` (the activations') through every matrix,
     on the engine's matmul path (best of `reps`)."""
     dev = weights[0].device
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=dev) for w in weights}
+    xs = {in_features(w): torch.randn(rows, in_features(w), dtype=dtype, device=dev) for w in weights}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps + 1):  # the first pass warms caches and kernel choices
@@ -77,7 +78,7 @@ def matmul_time(kernels, weights: list[torch.Tensor], rows: int, dtype: torch.dt
                 torch.cuda.synchronize()
             t = time.perf_counter()
             for w in weights:
-                kernels.linear(xs[w.shape[1]], w)
+                kernels.linear(xs[in_features(w)], w)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)

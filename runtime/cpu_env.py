@@ -86,28 +86,3 @@ def weights_in_huge_pages(module) -> int:
     return offset
 
 
-
-def narrow_exact_matrices(model) -> int:
-    """Keep a float32 model's matrices (every linear layer's weight, and the embedding where
-    the lm_head is tied to it) in bfloat16 where that loses nothing: where the low 16 bits of
-    every one of their values are zero, as when the checkpoint is bfloat16 (the default
-    model's, most models'). The C linear widens each weight as it reads it, the same float32
-    value, so every sum is as before to the bit; a decode step reads half the bytes (one stream
-    of the default model: the linear layers 26.4 -> 14.8 ms). Only for the C kernels: torch's
-    matmul would need a float32 copy per call. Returns the bytes saved (0: some matrix holds a
-    value bfloat16 cannot, and all stay float32)."""
-    import torch
-
-    owners = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if getattr(model, "lm_head", True) is None and type(model.embed_tokens) is torch.nn.Embedding:
-        owners.append(model.embed_tokens)  # tied: the lm_head's matrix
-    if not owners or any(m.weight.dtype != torch.float32 for m in owners):
-        return 0
-    for m in owners:
-        if (m.weight.detach().view(torch.int32) & 0xFFFF).any():
-            return 0
-    saved = 0
-    for m in owners:
-        m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
-        saved += m.weight.numel() * 2
-    return saved

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pageserve.runtime.config import Backend
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.cpu_kernels import CpuKernels, LinearPlan
+from pageserve.triton_kernels.cpu_kernels import CpuKernels, LinearPlan, blocks
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ class Kernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every linear layer's matmul, the lm_head's included."""
         return F.linear(x, weight, bias)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of an embedding table."""
+        return F.embedding(ids, weight)
 
     def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -121,6 +125,12 @@ class TorchKernels(Kernels):
         if self.linear_plan is None:
             return F.linear(x, weight, bias)
         return self.linear_plan(x, weight, bias)
+
+    def embedding(self, ids, weight):
+        if weight.dtype != torch.uint8:
+            return F.embedding(ids, weight)
+        # a tied table kept in GGUF blocks (runtime/models/weight_formats.py): the rows' blocks, widened
+        return self.linear_plan.kernel.widen(blocks(F.embedding(ids, weight), weight.block_format, weight.in_features))
 
     def decoder_stack(self, model, x, positions, meta, kv_caches):
         """Decode-only steps of a Llama-style model (`model.stack_weights()`) in float32, at a

@@ -57,7 +57,7 @@ def test_bfloat16_weights_give_the_float32_sums_bit_for_bit(kernel, rows, out_fe
 
 
 def test_narrowing_keeps_exact_matrices_only():
-    from pageserve.runtime.cpu_env import narrow_exact_matrices
+    from pageserve.runtime.models.weight_formats import narrow_exact_matrices
 
     class Tied(torch.nn.Module):
         def __init__(self):

@@ -18,9 +18,12 @@
 #include <stdlib.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define PS_AVX2 1
+#endif
+#if defined(PS_AVX2) || defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 #define TILE_O 6
@@ -85,6 +88,152 @@ MICRO_TILE(micro16_1, 1, uint16_t, load_bf16)
 MICRO_TILE(micro16_2, 2, uint16_t, load_bf16)
 #endif
 
+/* ---- weight formats: float32, bfloat16, and GGUF's block formats, widened as they are read ---- */
+
+/* A matrix's format (the `wtype` of pageserve_linear): float32; bfloat16 (a float32 model's
+   matrices kept at half the bytes where every value's low 16 bits are zero); or one of GGUF's
+   blocks of 32 values, kept as the file holds them: Q8_0 (f16 scale d, 32 int8: d * q), Q4_0
+   (d, 16 bytes of nibbles: d * (q - 8)), Q4_1 (d, f16 offset m, nibbles: d * q + m); the low
+   nibbles of a block are its values 0-15, the high ones 16-31. A value is widened to the
+   float32 that GGUF's own dequantizer computes (one product, one sum, each rounded as
+   numpy's float32 does), so every sum is that of the dequantized float32 matrix, to the bit. */
+enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4 };
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13); /* inf, nan */
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    union { uint32_t u; float f; } v = {u};
+    return v.f;
+#endif
+}
+
+/* bytes of one block of 32 values */
+static inline long block_bytes(int wtype) { return wtype == W_Q8_0 ? 34 : wtype == W_Q4_0 ? 18 : 20; }
+
+/* elements (bytes for the block formats) from one row of a contiguous K-column matrix to the next */
+static inline long row_stride(int wtype, long K) { return wtype >= W_Q8_0 ? K / 32 * block_bytes(wtype) : K; }
+
+/* row o of W: rows ldw elements apart (bytes for the block formats) */
+static inline const void *weight_row(const void *W, int wtype, long ldw, long o) {
+    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
+    return (const uint8_t *)W + o * ldw * unit;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+#ifdef PS_AVX2
+/* The 32 values of one block in four registers (values 0-7, 8-15, 16-23, 24-31). d * q is
+   exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
+   rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
+static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
+    __m256 d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    if (wtype == W_Q8_0) {
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
+        return;
+    }
+    __m128i q = _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    __m256i n[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), _mm256_cvtepu8_epi32(hi),
+                    _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    if (wtype == W_Q4_0) {
+        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
+    } else {
+        __m256 m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+        for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
+    }
+}
+
+/* row1 of a block format, each block widened in registers: the same four accumulators over
+   the same values as row1 of the widened row, so the same sums (K is a multiple of 32) */
+static inline __attribute__((always_inline)) void row1_blocks_of(const float *x, long K, const uint8_t *W, long ldw,
+                                                                 long o0, long o1, const float *bias, float *y,
+                                                                 int wtype) {
+    long bb = block_bytes(wtype);
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *w = W + o * ldw;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (long b = 0; b < K / 32; b++) {
+            __m256 v[4];
+            widen_block(w + b * bb, wtype, v);
+            for (int g = 0; g < 4; g++) a[g] = _mm256_fmadd_ps(v[g], _mm256_loadu_ps(x + 32 * b + 8 * g), a[g]);
+        }
+        y[o] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + (bias ? bias[o] : 0.0f);
+    }
+}
+
+static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long o0, long o1, const float *bias,
+                        float *y, int wtype) {
+    switch (wtype) { /* one copy per format, the format's branches gone */
+    case W_Q8_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q8_0); break;
+    case W_Q4_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_0); break;
+    default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1);
+    }
+}
+#endif
+
+/* K values of one weight row in float32 (K a multiple of 32 for the block formats) */
+static void widen_row(const void *src, int wtype, long K, float *out) {
+    if (wtype == W_F32) {
+        for (long k = 0; k < K; k++) out[k] = ((const float *)src)[k];
+        return;
+    }
+    if (wtype == W_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        long k = 0;
+#ifdef PS_AVX2
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, load_bf16(s + k));
+#endif
+        for (; k < K; k++) out[k] = bf16_to_f32(s[k]);
+        return;
+    }
+    long bb = block_bytes(wtype);
+    for (long b = 0; b < K / 32; b++) {
+        const uint8_t *blk = (const uint8_t *)src + b * bb;
+        float *o = out + b * 32;
+#ifdef PS_AVX2
+        __m256 v[4];
+        widen_block(blk, wtype, v);
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(o + 8 * g, v[g]);
+#else
+        float d = f16_to_f32(load_u16(blk)), m = wtype == W_Q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
+        if (wtype == W_Q8_0) {
+            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
+        } else {
+            const uint8_t *q = blk + (wtype == W_Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) {
+                int lo = q[j] & 0x0F, hi = q[j] >> 4;
+                o[j] = wtype == W_Q4_0 ? d * (float)(lo - 8) : d * (float)lo + m;
+                o[j + 16] = wtype == W_Q4_0 ? d * (float)(hi - 8) : d * (float)hi + m;
+            }
+        }
+#endif
+    }
+}
+
+/* rows 0..R-1 of W (any format, rows ldw apart) into out [R, K] float32 */
+void pageserve_widen(const void *W, int wtype, long R, long K, long ldw, float *out) {
+#pragma omp parallel for if (R * K >= (1L << 16)) schedule(static)
+    for (long r = 0; r < R; r++) widen_row(weight_row(W, wtype, ldw, r), wtype, K, out + r * K);
+}
+
 /* weight rows o0..o0+no-1 (no <= TILE_O; wt: row o0, rows ldw apart) against every row of x,
    two x rows at a time */
 static void tile(const float *x, long R, long K, long ldx, const void *wt, int w16, long ldw, long o0,
@@ -92,9 +241,9 @@ static void tile(const float *x, long R, long K, long ldx, const void *wt, int w
     long k8 = 0;
 #ifdef PS_AVX2
     if (no == TILE_O) k8 = K & ~7L; /* a partial tile (the last of a matrix) runs the scalar loop */
-#endif
     const float *w = (const float *)wt;
     const uint16_t *w_16 = (const uint16_t *)wt;
+#endif
     for (long r = 0; r < R; r += 2) {
         long nr = R - r < 2 ? R - r : 2;
         const float *x0 = x + r * ldx;
@@ -142,56 +291,100 @@ ROW1(row1, float, load_f32)
 ROW1(row1_16, uint16_t, load_bf16)
 #endif
 
-/* x: [R, K] rows ldx apart; W: [O, K] rows ldw apart, float32 or (w16) bfloat16; y: [R, O]
-   rows ldy apart; bias: [O] or NULL. Weight rows are shared out to the OpenMP threads
-   (torch's own runtime: libgomp is loaded by torch before this library). */
-void pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int w16, long O, long ldw,
-                      const float *bias, float *y, long ldy) {
+/* one row of x against one float32 weight row w: y[0] (+ bias[0]) */
+static inline void one_row(const float *x, long K, const float *w, const float *bias, float *y) {
 #ifdef PS_AVX2
-    if (R == 1) {
+    row1(x, K, w, K, 0, 1, bias, y);
+#else
+    tile(x, 1, K, K, w, 0, K, 0, 1, bias, y, 1);
+#endif
+}
+
+static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
+                                                 loads straddle two lines (13% slower at 64 rows) */
+    return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
+}
+
+/* x: [R, K] rows ldx apart; W: [O, K] in format wtype (W_F32 ...), rows ldw elements apart
+   (bytes for the block formats); y: [R, O] rows ldy apart; bias: [O] or NULL. Weight rows are
+   shared out to the OpenMP threads (torch's own runtime: libgomp is loaded by torch before
+   this library). Returns 1 if a block format's widening buffer could not be had (y is then
+   not all written), else 0. */
+int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                     const float *bias, float *y, long ldy) {
+    int failed = 0;
+#ifdef PS_AVX2
+    if (R == 1 && wtype <= W_BF16) {
         long chunks = (O + CHUNK_O - 1) / CHUNK_O;
 #pragma omp parallel for schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {
             long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
-            if (w16)
+            if (wtype == W_BF16)
                 row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
             else
                 row1(x, K, (const float *)W, ldw, o0, o1, bias, y);
         }
-        return;
+        return 0;
     }
 #endif
+#ifdef PS_AVX2
+    if (R == 1) { /* a block format: each block widened in registers */
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+            row1_blocks(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
+        }
+        return 0;
+    }
+#endif
+    if (R == 1 && wtype >= W_Q8_0) { /* each weight row widened into this thread's copy, then read */
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel
+        {
+            float *row = aligned_floats(K);
+            if (row == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (long c = 0; c < chunks; c++) {
+                long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+                for (long o = o0; row != NULL && o < o1; o++) {
+                    widen_row(weight_row(W, wtype, ldw, o), wtype, K, row);
+                    one_row(x, K, row, bias ? bias + o : NULL, y + o);
+                }
+            }
+            free(row);
+        }
+        return failed;
+    }
     long tiles = (O + TILE_O - 1) / TILE_O;
 #pragma omp parallel
     {
-        /* bfloat16 at WIDEN_ROWS rows or more: each tile's weight rows are widened once into
-           this thread's float32 copy, then read for every row of x as float32 weights are
-           (widening in the inner loop cost 7% at 64 rows). Aligned to cache lines: at malloc's
-           16 bytes half the loads straddle two lines (13% slower at 64 rows). Without the
-           memory, the tiles widen in the inner loop. */
-        size_t wide_bytes = (sizeof(float) * (size_t)(TILE_O * K) + 63) & ~(size_t)63;
-        float *wide = w16 && R >= WIDEN_ROWS ? (float *)aligned_alloc(64, wide_bytes) : NULL;
+        /* block formats, and bfloat16 at WIDEN_ROWS rows or more: each tile's weight rows are
+           widened once into this thread's float32 copy, then read for every row of x as
+           float32 weights are (bfloat16 widened in the inner loop cost 7% at 64 rows). Without
+           the memory, bfloat16 widens in the inner loop; a block format cannot. */
+        int widen = wtype >= W_Q8_0 || (wtype == W_BF16 && R >= WIDEN_ROWS);
+        float *wide = widen ? aligned_floats(TILE_O * K) : NULL;
+        if (widen && wide == NULL && wtype >= W_Q8_0) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 16)
         for (long t = 0; t < tiles; t++) {
             long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
-            const void *wt = w16 ? (const void *)((const uint16_t *)W + o0 * ldw)
-                                 : (const void *)((const float *)W + o0 * ldw);
             if (wide) {
-                const uint16_t *src = (const uint16_t *)wt;
-                for (long i = 0; i < no; i++) {
-                    long k = 0;
-#ifdef PS_AVX2
-                    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wide + i * K + k, load_bf16(src + i * ldw + k));
-#endif
-                    for (; k < K; k++) wide[i * K + k] = bf16_to_f32(src[i * ldw + k]);
-                }
-                tile(x, R, K, ldx, wide, 0, K, o0, no, bias, y, ldy);
-            } else {
-                tile(x, R, K, ldx, wt, w16, ldw, o0, no, bias, y, ldy);
+                for (long i = 0; i < no; i++) widen_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, wide + i * K);
+                tile(x, R, K, ldx, wide, W_F32, K, o0, no, bias, y, ldy);
+            } else if (wtype <= W_BF16) {
+                tile(x, R, K, ldx, weight_row(W, wtype, ldw, o0), wtype, ldw, o0, no, bias, y, ldy);
             }
         }
         free(wide);
     }
+    return failed;
 }
 
 /* ---- the small ops of a decoder layer: one call each instead of 3-20 torch ops ---- */
@@ -482,10 +675,12 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
    same to the bit; what goes is the interpreter's time between them.
    x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
    hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
-   post-attention norm, gate_up, down), the four matrices bfloat16 where w16; kv: per layer the K and V caches; cs: [T, D] rows ld_cs
-   apart (cos then sin). Returns 1 if the attention's scratch memory could not be had, else 0. */
-int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void *const *w, int w16, float *const *kv,
-                            const float *final_norm, float eps, const float *cs, long ld_cs,
+   post-attention norm, gate_up, down), the norms and the bias float32; wtypes: per layer the
+   formats of the four matrices (contiguous rows); kv: per layer the K and V caches; cs: [T, D]
+   rows ld_cs apart (cos then sin). Returns 1 if scratch memory (the attention's, a block
+   format's widening) could not be had, else 0. */
+int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void *const *w, const int *wtypes,
+                            float *const *kv, const float *final_norm, float eps, const float *cs, long ld_cs,
                             const int64_t *slots, const int32_t *block_tables, long ld_bt,
                             const int32_t *seq_lens, long H, long Hkv, long D, long I, long block_size,
                             float scale, float *scratch, float *out) {
@@ -496,23 +691,27 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
     float *res = scratch, *h = res + T * Hd, *y = h + T * Hd, *qkv = y + T * Hd, *attn = qkv + T * QKV,
           *gu = attn + T * H * D, *act = gu + T * 2 * I;
     int failed = 0;
-    for (long l = 0; l < L; l++) {
-        const void *const *lw = w + 7 * l; /* the norms and the bias are float32; the matrices w16 */
+    for (long l = 0; l < L && !failed; l++) {
+        const void *const *lw = w + 7 * l;
+        const int *ft = wtypes + 4 * l;
         if (l == 0)
             pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd);
         else
             pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd);
-        pageserve_linear(h, T, Hd, Hd, lw[1], w16, QKV, Hd, lw[2], qkv, QKV);
+        if ((failed = pageserve_linear(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lw[2], qkv, QKV)))
+            break;
         pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs);
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
                                         slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn);
+        failed = failed || pageserve_linear(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D), NULL,
+                                            y, Hd);
         if (failed) break;
-        pageserve_linear(attn, T, H * D, H * D, lw[3], w16, Hd, H * D, NULL, y, Hd);
         pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd);
-        pageserve_linear(h, T, Hd, Hd, lw[5], w16, 2 * I, Hd, NULL, gu, 2 * I);
+        if ((failed = pageserve_linear(h, T, Hd, Hd, lw[5], ft[2], 2 * I, row_stride(ft[2], Hd), NULL, gu, 2 * I)))
+            break;
         pageserve_silu_and_mul(gu, 2 * I, T, I, act);
-        pageserve_linear(act, T, I, I, lw[6], w16, Hd, I, NULL, y, Hd);
+        failed = pageserve_linear(act, T, I, I, lw[6], ft[3], Hd, row_stride(ft[3], I), NULL, y, Hd);
     }
     if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd);
     return failed;

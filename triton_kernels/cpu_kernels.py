@@ -44,6 +44,40 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+# formats of a matrix (the C file's W_F32 ...): float32, bfloat16, and GGUF's blocks of 32 values
+BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20)}  # name -> (code, bytes a block)
+
+
+def blocks(raw: torch.Tensor, block_format: str, in_features: int) -> torch.Tensor:
+    """`raw` ([rows, bytes a row] uint8, as a GGUF file holds a quantized matrix) marked as a
+    matrix of `in_features` columns in `block_format`: a weight the C linear takes."""
+    if block_format not in BLOCK_FORMATS or in_features % 32 or raw.dtype != torch.uint8 or raw.dim() != 2 \
+            or raw.shape[1] != in_features // 32 * BLOCK_FORMATS[block_format][1]:
+        raise ValueError(f"{tuple(raw.shape)} {raw.dtype} is not {in_features} columns of {block_format} blocks")
+    p = torch.nn.Parameter(raw, requires_grad=False)
+    p.block_format, p.in_features = block_format, in_features
+    return p
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """Columns of a matrix in any format (a GGUF-block one's rows are bytes)."""
+    return getattr(weight, "in_features", None) or weight.shape[1]
+
+
+def weight_format(weight: torch.Tensor) -> tuple[int, int]:
+    """(format code, columns) of a CPU matrix: float32, bfloat16, or uint8 blocks (`blocks`)."""
+    if not weight.is_cpu or weight.dim() != 2:
+        raise TypeError(f"cpu kernels take 2-D CPU matrices, got {tuple(weight.shape)} on {weight.device}")
+    if weight.dtype == torch.float32:
+        return 0, weight.shape[1]
+    if weight.dtype == torch.bfloat16:
+        return 1, weight.shape[1]
+    block_format = getattr(weight, "block_format", None)
+    if weight.dtype == torch.uint8 and block_format in BLOCK_FORMATS:
+        return BLOCK_FORMATS[block_format][0], weight.in_features
+    raise TypeError(f"cpu kernels take float32, bfloat16 or GGUF-block matrices, got {weight.dtype}")
+
+
 class CpuKernels:
     """The compiled library. `linear` is F.linear; `rms_norm`, `rotary_embedding` and
     `silu_and_mul` are torch_ops' functions of the same names, for float32 CPU tensors."""
@@ -54,15 +88,17 @@ class CpuKernels:
         p, n, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
         i = ctypes.c_int
         for name, args in (("pageserve_linear", [p, n, n, n, p, i, n, n, p, p, n]),
+                           ("pageserve_widen", [p, i, n, n, n, p]),
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
                            ("pageserve_rotary", [p, n, n, n, n, p, n]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
                                                           p]),
-                           ("pageserve_decode_layers", [p, n, n, n, p, i, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
+                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
                                                         f, p, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
+        lib.pageserve_linear.restype = ctypes.c_int
         lib.pageserve_paged_attention.restype = ctypes.c_int
         lib.pageserve_decode_layers.restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
@@ -73,21 +109,31 @@ class CpuKernels:
         self.path = path
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear of float32 x; the weight float32 or bfloat16 (widened as it is read: the
-        same sums as of its float32 copy, bit for bit)."""
-        if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu:
-            raise TypeError(f"cpu linear takes float32 CPU tensors, got {x.dtype} x {weight.dtype} on {weight.device}")
+        """F.linear of float32 x; the weight float32, bfloat16 or in GGUF blocks
+        (`weight_format`), widened as it is read: the same sums as of its float32 values, bit
+        for bit."""
+        fmt, k_w = weight_format(weight)
         x2 = _rows(x, "linear")
         rows, k = x2.shape
         out_features = weight.shape[0]
-        if k != weight.shape[1] or weight.stride(1) != 1 or (bias is not None and not (
+        if k != k_w or weight.stride(1) != 1 or (bias is not None and not (
                 bias.is_contiguous() and bias.dtype == torch.float32 and bias.is_cpu and bias.numel() == out_features)):
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
-        self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(),
-                                   weight.dtype == torch.bfloat16, out_features, weight.stride(0),
-                                   None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt, out_features,
+                                      weight.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                      out_features):
+            raise MemoryError("cpu linear: no memory to widen the weight's blocks")
+        return out
+
+    def widen(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight's float32 values [rows, in_features] (`weight_format`)."""
+        fmt, k = weight_format(weight)
+        if weight.stride(1) != 1:
+            raise ValueError(f"widen: a weight with strides {weight.stride()}")
+        out = torch.empty(weight.shape[0], k, dtype=torch.float32)
+        self._lib.pageserve_widen(weight.data_ptr(), fmt, weight.shape[0], k, weight.stride(0), out.data_ptr())
         return out
 
     __call__ = linear
@@ -171,37 +217,46 @@ class CpuKernels:
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
         """The decoder stack of a Llama-style model for `decode_layers`: per layer its input
         norm, qkv weight, qkv bias (or None), o_proj, post-attention norm, gate_up and down
-        weights (contiguous; float32, but the four matrices may all be bfloat16), and its K/V
-        caches, held by address only: a stack is for the caches it was built with
+        weights (contiguous; the norms and the bias float32, each matrix in any `weight_format`),
+        and its K/V caches, held by address only: a stack is for the caches it was built with
         (TorchKernels.decoder_stack keys it on them)."""
         first = layers[0]
-        hidden, qkv, inter = first[0].numel(), first[1].shape[0], first[6].shape[1]
+        mats = (1, 3, 5, 6)  # the matrices' places in a layer's tuple
+
+        def dims(lw):  # the shape of each, in values; its format
+            try:
+                return [(t.shape[0], weight_format(t)[1]) if j in mats else None if t is None else tuple(t.shape)
+                        for j, t in enumerate(lw)], [weight_format(lw[j])[0] for j in mats]
+            except TypeError as e:
+                raise ValueError(f"decode_stack: {e}") from None
+
+        shapes = dims(first)[0]
+        hidden, qkv, inter = shapes[0][0], shapes[1][0], shapes[6][1]
         caches = [c for pair in kv_caches for c in pair]
         if len(kv_caches) != len(layers) or any(c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 4 or
                                                 c.shape != caches[0].shape for c in caches):
             raise ValueError("decode_stack: one pair of float32 contiguous caches per layer")
         _, hkv, block_size, head_dim = caches[0].shape
         heads = qkv // head_dim - 2 * hkv
-        if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 \
-                or first[3].shape != (hidden, heads * head_dim) or first[5].shape != (2 * inter, hidden) \
-                or (first[2] is not None and first[2].shape != (qkv,)):
+        if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 or shapes[1][1] != hidden \
+                or shapes[3] != (hidden, heads * head_dim) or shapes[5] != (2 * inter, hidden) \
+                or shapes[6] != (hidden, inter) or (first[2] is not None and shapes[2] != (qkv,)):
             raise ValueError(f"decode_stack: {heads} query heads over {hkv} KV heads of {head_dim}, "
-                             f"weights {[tuple(t.shape) for t in first if t is not None]}")
-        w16 = first[1].dtype == torch.bfloat16  # the four matrices alike; the norms and the bias float32
+                             f"weights {shapes}")
+        formats = []
         for lw in layers:
-            shapes = [t.shape for t in lw if t is not None]
-            dtypes = [torch.bfloat16 if w16 and j in (1, 3, 5, 6) else torch.float32 for j in range(7)]
-            if any(t is not None and (t.dtype != dt or not t.is_cpu or not t.is_contiguous())
-                   for t, dt in zip(lw, dtypes)) or [t.shape for t in first if t is not None] != shapes \
-                    or lw[1].shape[1] != hidden or lw[6].shape != (hidden, inter):
-                raise ValueError(f"decode_stack: layers differ or are not float32 (matrices: all float32 or "
-                                 f"all bfloat16) contiguous: {shapes}")
+            layer_shapes, layer_formats = dims(lw)
+            formats += layer_formats
+            if layer_shapes != shapes or any(t is not None and (not t.is_cpu or not t.is_contiguous() or (
+                    j not in mats and t.dtype != torch.float32)) for j, t in enumerate(lw)):
+                raise ValueError(f"decode_stack: layers differ or are not contiguous, float32 but the matrices: "
+                                 f"{layer_shapes}")
         if not (final_norm.dtype == torch.float32 and final_norm.is_contiguous() and final_norm.numel() == hidden):
             raise ValueError("decode_stack: the final norm")
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        return DecodeStack(weights, w16, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
+        return DecodeStack(weights, (ctypes.c_int * len(formats))(*formats), kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
                            block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -226,13 +281,13 @@ class CpuKernels:
         if stack.scratch.numel() < need:
             stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
-            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.w16, stack.kv,
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv,
             stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
             stack.intermediate, stack.block_size, scale, stack.scratch.data_ptr(), out.data_ptr())
         if failed:
-            raise MemoryError("decode_layers: no memory for the attention scores")
+            raise MemoryError("decode_layers: no memory for the attention scores or a widened weight")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +303,7 @@ class DecodeStack:
     """What `CpuKernels.decode_layers` needs of a model, built once: the addresses of every
     layer's weights and caches, and the sizes."""
     weights: ctypes.Array
-    w16: bool  # the matrices are bfloat16
+    formats: ctypes.Array  # per layer the four matrices' format codes (weight_format)
     kv: ctypes.Array
     final_norm: torch.Tensor
     eps: float
@@ -308,12 +363,6 @@ def load(cache_dir: Path) -> CpuKernels | None:
         return None
 
 
-def _widened(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight in the activations' dtype: a matrix kept in bfloat16 for the C linear is widened
-    (exactly) for torch's matmul, per call (measured: 2% of a 512-row step's matmuls)."""
-    return weight if weight.dtype == dtype else weight.to(dtype)
-
-
 # rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -334,24 +383,32 @@ class LinearPlan:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.uses_kernel(x.shape[0]):
             return self.kernel(x, weight, bias)  # which checks the dtypes
-        return F.linear(x, _widened(weight, x.dtype), bias)
+        return F.linear(x, self.widened(weight, x.dtype), bias)
+
+    def widened(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """weight in the activations' dtype: a matrix kept in bfloat16 or GGUF blocks for the C
+        linear is widened (exactly) for torch's matmul, per call (bfloat16: 2% of a 512-row
+        step's matmuls)."""
+        if weight.dtype == dtype:
+            return weight
+        return self.kernel.widen(weight) if weight.dtype == torch.uint8 else weight.to(dtype)
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
         """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
         follows their choice) at each row bucket, alternating, best of `reps`: the faster one
         runs steps of that size. Weights in bfloat16 (float32 activations) time torch's
         matmul with the float32 copy it is then given."""
-        if not weights or any(w.dtype not in (torch.float32, torch.bfloat16) for w in weights):
+        if not weights or any(w.dtype not in (torch.float32, torch.bfloat16, torch.uint8) for w in weights):
             return
-        widened = lambda x, w: F.linear(x, _widened(w, x.dtype))  # noqa: E731
+        widened = lambda x, w: F.linear(x, self.widened(w, x.dtype))  # noqa: E731
         for i, rows in enumerate(ROW_BUCKETS):
-            xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+            xs = {in_features(w): torch.randn(rows, in_features(w)) for w in weights}
             best = [float("inf"), float("inf")]
             for _ in range(reps):
                 for j, fn in enumerate((widened, self.kernel)):
                     t = time.perf_counter()
                     for w in weights:
-                        fn(xs[w.shape[1]], w)
+                        fn(xs[in_features(w)], w)
                     best[j] = min(best[j], time.perf_counter() - t)
             self.timings[rows] = (best[0], best[1])
             self.use_kernel[i] = best[1] < best[0]

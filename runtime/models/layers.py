@@ -274,8 +274,10 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings in the activations' dtype (the norms'): a tied embedding may be
-        kept in bfloat16 under float32 activations (cpu_env.narrow_exact_matrices)."""
-        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+        kept in bfloat16 or GGUF blocks under float32 activations (weight_formats.py)."""
+        if type(self.embed_tokens) is nn.Embedding:
+            return self.kernels.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

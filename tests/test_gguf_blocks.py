@@ -1,0 +1,158 @@
+"""GGUF matrices kept in their quantized blocks on the CPU path (runtime/models/weight_formats.py):
+the C kernels widen Q8_0, Q4_0 and Q4_1 blocks to the values gguf's own dequantizer gives, the
+linear on blocks is the linear on those values to the bit, and a quantized tiny Llama read
+from a GGUF file runs on blocks (a layer whose q/k/v mix formats stays float32) with the
+same tokens, logprobs and prompt logprobs as on the dequantized float32 copy, and HF's
+greedy tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.triton_kernels import cpu_kernels
+from pageserve.triton_kernels.cpu_kernels import blocks
+from tests.hf_reference import hf_greedy
+from tests.test_gguf_gemma import hf_from_gguf, sentencepiece_vocab
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.unit
+
+QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+          "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if k is None:
+        pytest.skip("no C compiler here: no C kernels")
+    return k
+
+
+def quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random weights quantized by gguf, plus blocks of random bytes (any scale, any nibbles)."""
+    rng = np.random.default_rng(seed)
+    q = gguf.quants.quantize(rng.standard_normal((rows, columns)).astype(np.float32) * 0.1, QTYPES[fmt])
+    noise = rng.integers(0, 256, q.shape, dtype=np.uint8)
+    scales = rng.standard_normal((rows, columns // 32, 2)).astype(np.float16).view(np.uint8).reshape(rows, -1, 4)
+    noise.reshape(rows, columns // 32, -1)[:, :, :4 if fmt == "q4_1" else 2] = scales[:, :, :4 if fmt == "q4_1" else 2]
+    return np.concatenate([q[: rows // 2], noise[rows // 2:]])
+
+
+@pytest.mark.parametrize("fmt", list(QTYPES))
+def test_widened_blocks_are_gguf_dequantized_values(kernel, fmt):
+    raw = quantized(fmt, 70, 96, seed=len(fmt))
+    want = gguf.quants.dequantize(raw, QTYPES[fmt])
+    got = kernel.widen(blocks(torch.from_numpy(raw), fmt, 96)).numpy()
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("fmt", list(QTYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 64, 130])
+def test_linear_on_blocks_is_linear_on_their_values_bit_for_bit(kernel, fmt, rows):
+    w = blocks(torch.from_numpy(quantized(fmt, 37, 160, seed=rows)), fmt, 160)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(37)
+    wide = kernel.widen(w)
+    for b in (None, bias):
+        assert torch.equal(kernel(x, w, b), kernel(x, wide, b))
+    plan = cpu_kernels.LinearPlan(kernel)  # torch's matmul is given the widened values
+    assert torch.equal(plan(x, w, bias), torch.nn.functional.linear(x, wide, bias))
+
+
+def test_blocks_refuse_a_wrong_size(kernel):
+    with pytest.raises(ValueError):
+        blocks(torch.zeros(4, 19, dtype=torch.uint8), "q4_1", 32)
+    with pytest.raises(ValueError):
+        blocks(torch.zeros(4, 20, dtype=torch.uint8), "q5_1", 32)
+    with pytest.raises(TypeError):
+        kernel(torch.randn(1, 32), torch.zeros(4, 20, dtype=torch.uint8))  # bytes without a format
+
+
+# the tiny Llama's tensors by GGUF name -> format; attn_v of layer 1 in another format than its
+# q and k, so that layer's fused q/k/v stays float32
+FORMATS = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_1", "ffn_gate": "q4_0",
+           "ffn_up": "q4_0", "ffn_down": "q8_0", "token_embd": "q8_0"}
+
+
+def write_quantized_llama(model_dir: Path, out: Path) -> Path:
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch="llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    tokens, types = sentencepiece_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+        fmt = "q8_0" if gguf_name == "blk.1.attn_v.weight" else FORMATS.get(kind)
+        data = tensor.float().numpy()
+        if fmt is None:
+            w.add_tensor(gguf_name, data)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, QTYPES[fmt]), raw_dtype=QTYPES[fmt])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.engine
+def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, kernel):
+    from pageserve.runtime import model_runner
+
+    def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster
+        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True)
+    path = write_quantized_llama(model_dir, tmp_path / "tiny-q.gguf")
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (7, 40, 90, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+    def run():
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=256)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm.engine.runner.model, [
+            (o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+             [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]) for o in outs]
+
+    model, on_blocks = run()
+    layers = model.layers
+    formats = {name: getattr(w, "block_format", str(w.dtype)) for name, w in (
+        ("qkv0", layers[0].self_attn.qkv_proj.weight), ("qkv1", layers[1].self_attn.qkv_proj.weight),
+        ("o", layers[1].self_attn.o_proj.weight), ("gate_up", layers[0].mlp.gate_up_proj.weight),
+        ("down", layers[1].mlp.down_proj.weight), ("embedding", model.embed_tokens.weight))}
+    assert formats == {"qkv0": "q4_1", "qkv1": "torch.float32", "o": "q4_1", "gate_up": "q4_0", "down": "q8_0",
+                       "embedding": "q8_0"}
+    assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
+    monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
+    model, dense = run()
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert dense == on_blocks
