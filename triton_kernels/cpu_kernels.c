@@ -143,20 +143,37 @@ static inline uint16_t load_u16(const uint8_t *p) {
    exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
    rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
 static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
-    __m256 d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    __m256 d, m = _mm256_setzero_ps();
+#ifdef __F16C__
+    if (wtype == W_Q4_1) { /* d and m converted together */
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        d = _mm256_broadcastss_ps(both);
+        m = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+    } else {
+        d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    }
+#else
+    d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+#endif
     if (wtype == W_Q8_0) {
         for (int g = 0; g < 4; g++)
             v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
         return;
     }
-    __m128i q = _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : 2))), mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    __m256i n[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), _mm256_cvtepu8_epi32(hi),
-                    _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
+       high nibbles 16-31 (two byte shuffles a block, not ten) */
+    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : 2);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256i mask = _mm256_set1_epi32(0x0F);
+    __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
+                    _mm256_srli_epi32(b, 4)};
     if (wtype == W_Q4_0) {
         for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
     } else {
-        __m256 m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
         for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
     }
 }
