@@ -85,4 +85,3 @@ def weights_in_huge_pages(module) -> int:
         offset += size
     return offset
 
-

@@ -119,7 +119,7 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="no compiled paths: on CPU, no C kernels compiled at start-up "
-                            "(triton_kernels/cpu_kernels.c; the same as PAGESERVE_NO_CPU_KERNELS=1); "
+                            "(triton_kernels/cpu_*.c; the same as PAGESERVE_NO_CPU_KERNELS=1); "
                             "on CUDA, no CUDA graphs (every step launches its kernels one by one)")
         g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                        help="decode batch sizes captured as CUDA graphs at start-up: one number is the "

@@ -103,7 +103,13 @@ class ModelRunner:
         source = gguf_source(path)
         lib = self.kernels.linear_plan.kernel
         t = time.perf_counter()
-        blocks = keep_gguf_blocks(model, source, lib) if source is not None else 0
+        blocks = 0
+        if source is not None:
+            try:
+                blocks = keep_gguf_blocks(model, source, lib)
+            except Exception as e:  # a speed-up only: a file the small parser misreads keeps float32
+                logger.warning("keeping the GGUF blocks of %s failed (%s: %s); float32 it is", source,
+                               type(e).__name__, e)
         narrowed = narrow_exact_matrices(model)
         if blocks or narrowed:
             logger.info("matrices kept smaller, their values exact: %.0f MB in GGUF blocks, %.0f MB in bfloat16 "

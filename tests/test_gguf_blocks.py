@@ -7,6 +7,7 @@ greedy tokens."""
 
 from __future__ import annotations
 
+import platform
 import random
 from pathlib import Path
 
@@ -29,10 +30,25 @@ QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationT
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+def native_kernel(tmp_path_factory):
     k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
     if k is None:
         pytest.skip("no C compiler here: no C kernels")
+    return k
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64"])
+def kernel(request, native_kernel, tmp_path_factory):
+    """The kernels built for this machine, and for any x86-64 (no AVX2, no F16C: the scalar
+    paths, the software half-float conversion)."""
+    if request.param == "native":
+        return native_kernel
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is an x86-64 one")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu_kernels.FLAGS])
+        k = cpu_kernels.load(tmp_path_factory.mktemp("portable"))
+    assert k is not None and not k.vectorized
     return k
 
 
@@ -41,7 +57,9 @@ def quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     q = gguf.quants.quantize(rng.standard_normal((rows, columns)).astype(np.float32) * 0.1, QTYPES[fmt])
     noise = rng.integers(0, 256, q.shape, dtype=np.uint8)
-    scales = rng.standard_normal((rows, columns // 32, 2)).astype(np.float16).view(np.uint8).reshape(rows, -1, 4)
+    scales = rng.standard_normal((rows, columns // 32, 2)).astype(np.float16)
+    scales[rows // 2, :2] = [[0.0, -0.0], [6e-8, -3e-5]]  # zero, negative zero, half-float subnormals
+    scales = scales.view(np.uint8).reshape(rows, -1, 4)
     noise.reshape(rows, columns // 32, -1)[:, :, :4 if fmt == "q4_1" else 2] = scales[:, :, :4 if fmt == "q4_1" else 2]
     return np.concatenate([q[: rows // 2], noise[rows // 2:]])
 
@@ -123,7 +141,7 @@ def write_quantized_llama(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.mark.engine
-def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, kernel):
+def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernel):
     from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster

@@ -1,9 +1,10 @@
-"""Float32 kernels for the CPU path in C (cpu_kernels.c): the linear layer, RMSNorm with the
-residual, rotary embedding, SiLU-and-mul and causal paged attention of any step, and the
-whole decoder stack of a Llama-style model for a decode-only step in one call; and the choice
-between the C linear and torch's matmul by the number of rows in a step.
+"""Float32 kernels for the CPU path in C: the linear layer over float32, bfloat16 or GGUF-block
+weights (cpu_linear.c); RMSNorm with the residual, rotary embedding, SiLU-and-mul, causal paged
+attention of any step, and the whole decoder stack of a Llama-style model for a decode-only
+step in one call (cpu_kernels.c); and the choice between the C linear and torch's matmul by
+the number of rows in a step.
 
-The C file is compiled once per machine with the system's C compiler (`cc -O3 -march=native
+The C files are compiled once per machine with the system's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache folder the caller names, and called through ctypes (which releases
 the GIL). Where there is no compiler, or the build fails, `load` returns None and the engine
 keeps torch's matmul: the kernel is a speed-up, never a requirement."""
@@ -28,8 +29,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused a * b + c the source does not write: one sum, one rounding, whatever the inlining
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.c", "cpu_kernels.c")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")
+# -ffp-contract=off: no fused a * b + c that the source does not write (GCC fused a scalar
+# tail in one inlining and not another: one rounding, whatever the inlining)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -256,8 +260,8 @@ class CpuKernels:
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        return DecodeStack(weights, (ctypes.c_int * len(formats))(*formats), kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
-                           block_size, layers, torch.empty(0))
+        return DecodeStack(weights, (ctypes.c_int * len(formats))(*formats), kv, final_norm, eps, hidden,
+                           len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -319,7 +323,9 @@ class DecodeStack:
 
 
 def _build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in (*SOURCES, HEADER):
+        h.update(path.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(platform.machine().encode())
     try:  # -march=native: a different CPU model needs its own build
@@ -345,7 +351,7 @@ def load(cache_dir: Path) -> CpuKernels | None:
             cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
             os.close(fd)
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                            text=True, timeout=120)
             os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
             os.replace(tmp, path)

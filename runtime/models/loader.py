@@ -110,7 +110,10 @@ def convert_gguf(path: Path) -> Path:
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         if not (out / GGUF_SOURCE).is_file():  # converted before the file was written
-            (out / GGUF_SOURCE).write_text(str(path.resolve()))
+            try:
+                (out / GGUF_SOURCE).write_text(str(path.resolve()))
+            except OSError:  # a read-only cache: the matrices stay float32
+                pass
         return out
     logger.info("converting %s into %s (first load only)", path, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

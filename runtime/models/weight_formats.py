@@ -111,9 +111,9 @@ def _row_keys(values: np.ndarray) -> list[bytes]:
     blake2b of every row took seconds on a 135M model, and a key of a sample of the columns
     mixed up rows of a Q8_0 embedding). Rows that share a key but not their values would take
     the wrong blocks; the final widen-and-compare then keeps that matrix float32."""
-    words = torch.from_numpy(values).view(torch.int64)
     gen = torch.Generator().manual_seed(0x9E3779B9)
-    mix = torch.randint(-2 ** 62, 2 ** 62, (2, words.shape[1]), generator=gen, dtype=torch.int64) | 1
+    mix = torch.randint(-2 ** 62, 2 ** 62, (3, values.shape[1] // 2), generator=gen, dtype=torch.int64) | 1
+    words = torch.from_numpy(values).view(torch.int64) ^ mix[2]  # salted: zero rows of other widths differ
     pair = torch.stack([(words * mix[0]).sum(dim=1), ((words ^ (words >> 17)) * mix[1]).sum(dim=1)], dim=1)
     return [row.tobytes() for row in pair.numpy()]
 
@@ -154,7 +154,7 @@ def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
         if i in mixed or not rows_found.all():
             continue
         weight = blocks(torch.from_numpy(packed), fmt, m.weight.shape[1])
-        if not torch.equal(lib.widen(weight), m.weight.detach()):
+        if not torch.equal(lib.widen(weight).view(torch.int32), m.weight.detach().view(torch.int32)):  # -0.0 too
             logger.warning("the GGUF blocks of a %s matrix do not widen to its values: it stays float32",
                            tuple(m.weight.shape))
             continue

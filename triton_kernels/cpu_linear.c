@@ -1,0 +1,365 @@
+/* The linear layer of the CPU path in C: y[R, O] = x[R, K] @ W[O, K]^T (+ bias), the weights in
+   float32, bfloat16 or GGUF blocks (cpu_kernels.h). torch's float32 matmul (MKL sgemm) reads
+   the weights at 11-15 GB/s for one row of x on a 2-core machine that streams 25-33 GB/s, and
+   does not use the second core: a decode step of one request spends most of its time there.
+   This kernel streams each weight row once per block of x rows, six weight rows at a time,
+   both cores splitting the output features.
+
+   Register tile: 6 weight rows x 2 x rows, 8 floats wide (AVX2 + FMA), summed across the
+   vector at the end; a scalar loop does the same where the compiler has no AVX2. Each output
+   is a plain float32 dot product over K: no precision is traded. */
+
+#include "cpu_kernels.h"
+
+#define TILE_O 6
+/* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
+   thread the OS has paused (the server's event loop shares the cores) holds up only one piece */
+#define CHUNK_O 64
+#define WIDEN_ROWS 8
+
+
+/* Weights in bfloat16 (the checkpoint's own values, kept at half the bytes where every
+   float32 weight's low 16 bits are zero): each is widened to float32 as it is loaded, an
+   exact conversion, so the sums are the float32 kernel's to the bit and one stream reads
+   half the bytes per step. */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+/* element i of a weight array in float32 (w16: the array is bfloat16) */
+static inline float wval(const void *w, long i, int w16) {
+    return w16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+#ifdef PS_AVX2
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* sums over k < k8 of TILE_O weight rows (w, rows ldw apart) against NR rows of x (ldx apart):
+   TILE_O x NR accumulators (of the tiles timed on a 2-core EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2,
+   7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109 GFLOP/s at 32 rows where 4x2 made 79).
+   WT, LOAD: the weights' element type and its load as 8 floats. */
+#define MICRO_TILE(NAME, NR, WT, LOAD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const float *x, long ldx, const WT *w, long ldw, \
+                                                           long k8, float s[TILE_O][2]) {              \
+        __m256 a[TILE_O][NR];                                                                           \
+        _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_setzero_ps();         \
+        for (long k = 0; k < k8; k += 8) {                                                              \
+            __m256 xv[NR];                                                                              \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {                                  \
+                __m256 wv = LOAD(w + i * ldw + k);                                                      \
+                _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_fmadd_ps(wv, xv[r], a[i][r]); \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) s[i][r] = hsum8(a[i][r]);              \
+    }
+MICRO_TILE(micro_1, 1, float, load_f32)
+MICRO_TILE(micro_2, 2, float, load_f32)
+MICRO_TILE(micro16_1, 1, uint16_t, load_bf16)
+MICRO_TILE(micro16_2, 2, uint16_t, load_bf16)
+#endif
+
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13); /* inf, nan */
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    union { uint32_t u; float f; } v = {u};
+    return v.f;
+#endif
+}
+
+/* row o of W: rows ldw elements apart (bytes for the block formats) */
+static inline const void *weight_row(const void *W, int wtype, long ldw, long o) {
+    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
+    return (const uint8_t *)W + o * ldw * unit;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+#ifdef PS_AVX2
+/* The 32 values of one block in four registers (values 0-7, 8-15, 16-23, 24-31). d * q is
+   exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
+   rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
+static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
+    __m256 d, m = _mm256_setzero_ps();
+#ifdef __F16C__
+    if (wtype == W_Q4_1) { /* d and m converted together */
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        d = _mm256_broadcastss_ps(both);
+        m = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+    } else {
+        d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    }
+#else
+    d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+#endif
+    if (wtype == W_Q8_0) {
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
+        return;
+    }
+    /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
+       high nibbles 16-31 (two byte shuffles a block, not ten) */
+    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : 2);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256i mask = _mm256_set1_epi32(0x0F);
+    __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
+                    _mm256_srli_epi32(b, 4)};
+    if (wtype == W_Q4_0) {
+        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
+    } else {
+        for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
+    }
+}
+
+/* row1 of a block format, each block widened in registers: the same four accumulators over
+   the same values as row1 of the widened row, so the same sums (K is a multiple of 32) */
+static inline __attribute__((always_inline)) void row1_blocks_of(const float *x, long K, const uint8_t *W, long ldw,
+                                                                 long o0, long o1, const float *bias, float *y,
+                                                                 int wtype) {
+    long bb = block_bytes(wtype);
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *w = W + o * ldw;
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (long b = 0; b < K / 32; b++) {
+            __m256 v[4];
+            widen_block(w + b * bb, wtype, v);
+            for (int g = 0; g < 4; g++) a[g] = _mm256_fmadd_ps(v[g], _mm256_loadu_ps(x + 32 * b + 8 * g), a[g]);
+        }
+        y[o] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]))) + (bias ? bias[o] : 0.0f);
+    }
+}
+
+static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long o0, long o1, const float *bias,
+                        float *y, int wtype) {
+    switch (wtype) { /* one copy per format, the format's branches gone */
+    case W_Q8_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q8_0); break;
+    case W_Q4_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_0); break;
+    default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1);
+    }
+}
+#endif
+
+/* K values of one weight row in float32 (K a multiple of 32 for the block formats) */
+static void widen_row(const void *src, int wtype, long K, float *out) {
+    if (wtype == W_F32) {
+        for (long k = 0; k < K; k++) out[k] = ((const float *)src)[k];
+        return;
+    }
+    if (wtype == W_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        long k = 0;
+#ifdef PS_AVX2
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, load_bf16(s + k));
+#endif
+        for (; k < K; k++) out[k] = bf16_to_f32(s[k]);
+        return;
+    }
+    long bb = block_bytes(wtype);
+    for (long b = 0; b < K / 32; b++) {
+        const uint8_t *blk = (const uint8_t *)src + b * bb;
+        float *o = out + b * 32;
+#ifdef PS_AVX2
+        __m256 v[4];
+        widen_block(blk, wtype, v);
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(o + 8 * g, v[g]);
+#else
+        float d = f16_to_f32(load_u16(blk)), m = wtype == W_Q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
+        if (wtype == W_Q8_0) {
+            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
+        } else {
+            const uint8_t *q = blk + (wtype == W_Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) {
+                int lo = q[j] & 0x0F, hi = q[j] >> 4;
+                o[j] = wtype == W_Q4_0 ? d * (float)(lo - 8) : d * (float)lo + m;
+                o[j + 16] = wtype == W_Q4_0 ? d * (float)(hi - 8) : d * (float)hi + m;
+            }
+        }
+#endif
+    }
+}
+
+/* rows 0..R-1 of W (any format, rows ldw apart) into out [R, K] float32 */
+void pageserve_widen(const void *W, int wtype, long R, long K, long ldw, float *out) {
+#pragma omp parallel for if (R * K >= (1L << 16)) schedule(static)
+    for (long r = 0; r < R; r++) widen_row(weight_row(W, wtype, ldw, r), wtype, K, out + r * K);
+}
+
+/* weight rows o0..o0+no-1 (no <= TILE_O; wt: row o0, rows ldw apart) against every row of x,
+   two x rows at a time */
+static void tile(const float *x, long R, long K, long ldx, const void *wt, int w16, long ldw, long o0,
+                 long no, const float *bias, float *y, long ldy) {
+    long k8 = 0;
+#ifdef PS_AVX2
+    if (no == TILE_O) k8 = K & ~7L; /* a partial tile (the last of a matrix) runs the scalar loop */
+    const float *w = (const float *)wt;
+    const uint16_t *w_16 = (const uint16_t *)wt;
+#endif
+    for (long r = 0; r < R; r += 2) {
+        long nr = R - r < 2 ? R - r : 2;
+        const float *x0 = x + r * ldx;
+        float s[TILE_O][2] = {{0.0f}};
+#ifdef PS_AVX2
+        if (k8) {
+            if (w16)
+                nr == 2 ? micro16_2(x0, ldx, w_16, ldw, k8, s) : micro16_1(x0, ldx, w_16, ldw, k8, s);
+            else
+                nr == 2 ? micro_2(x0, ldx, w, ldw, k8, s) : micro_1(x0, ldx, w, ldw, k8, s);
+        }
+#endif
+        for (long i = 0; i < no; i++)
+            for (long j = 0; j < nr; j++) {
+                float v = s[i][j];
+                for (long k = k8; k < K; k++) v += wval(wt, i * ldw + k, w16) * x0[j * ldx + k];
+                y[(r + j) * ldy + o0 + i] = v + (bias ? bias[o0 + i] : 0.0f);
+            }
+    }
+}
+
+#ifdef PS_AVX2
+/* one row of x: each weight row read front to back, four accumulators */
+#define ROW1(NAME, WT, LOAD)                                                                            \
+    static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
+                     float *y) {                                                                        \
+        long k32 = K & ~31L, k8 = K & ~7L;                                                              \
+        for (long o = o0; o < o1; o++) {                                                                \
+            const WT *w = W + o * ldw;                                                                  \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
+            long k = 0;                                                                                 \
+            for (; k < k32; k += 32) {                                                                  \
+                a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);                          \
+                a1 = _mm256_fmadd_ps(LOAD(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                  \
+                a2 = _mm256_fmadd_ps(LOAD(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                \
+                a3 = _mm256_fmadd_ps(LOAD(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                \
+            }                                                                                           \
+            for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);       \
+            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
+            for (; k < K; k++) s += wval(w, k, sizeof(WT) == 2) * x[k];                                 \
+            y[o] = s + (bias ? bias[o] : 0.0f);                                                         \
+        }                                                                                               \
+    }
+ROW1(row1, float, load_f32)
+ROW1(row1_16, uint16_t, load_bf16)
+#endif
+
+/* one row of x against one float32 weight row w: y[0] (+ bias[0]) */
+static inline void one_row(const float *x, long K, const float *w, const float *bias, float *y) {
+#ifdef PS_AVX2
+    row1(x, K, w, K, 0, 1, bias, y);
+#else
+    tile(x, 1, K, K, w, 0, K, 0, 1, bias, y, 1);
+#endif
+}
+
+static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
+                                                 loads straddle two lines (13% slower at 64 rows) */
+    return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
+}
+
+/* x: [R, K] rows ldx apart; W: [O, K] in format wtype (W_F32 ...), rows ldw elements apart
+   (bytes for the block formats); y: [R, O] rows ldy apart; bias: [O] or NULL. Weight rows are
+   shared out to the OpenMP threads (torch's own runtime: libgomp is loaded by torch before
+   this library). Returns 1 if a block format's widening buffer could not be had (y is then
+   not all written), else 0. */
+int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                     const float *bias, float *y, long ldy) {
+    int failed = 0;
+#ifdef PS_AVX2
+    if (R == 1 && wtype <= W_BF16) {
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+            if (wtype == W_BF16)
+                row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
+            else
+                row1(x, K, (const float *)W, ldw, o0, o1, bias, y);
+        }
+        return 0;
+    }
+#endif
+#ifdef PS_AVX2
+    if (R == 1) { /* a block format: each block widened in registers */
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long c = 0; c < chunks; c++) {
+            long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+            row1_blocks(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
+        }
+        return 0;
+    }
+#endif
+    if (R == 1 && wtype >= W_Q8_0) { /* each weight row widened into this thread's copy, then read */
+        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+#pragma omp parallel
+        {
+            float *row = aligned_floats(K);
+            if (row == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (long c = 0; c < chunks; c++) {
+                long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+                for (long o = o0; row != NULL && o < o1; o++) {
+                    widen_row(weight_row(W, wtype, ldw, o), wtype, K, row);
+                    one_row(x, K, row, bias ? bias + o : NULL, y + o);
+                }
+            }
+            free(row);
+        }
+        return failed;
+    }
+    long tiles = (O + TILE_O - 1) / TILE_O;
+#pragma omp parallel
+    {
+        /* block formats, and bfloat16 at WIDEN_ROWS rows or more: each tile's weight rows are
+           widened once into this thread's float32 copy, then read for every row of x as
+           float32 weights are (bfloat16 widened in the inner loop cost 7% at 64 rows). Without
+           the memory, bfloat16 widens in the inner loop; a block format cannot. */
+        int widen = wtype >= W_Q8_0 || (wtype == W_BF16 && R >= WIDEN_ROWS);
+        float *wide = widen ? aligned_floats(TILE_O * K) : NULL;
+        if (widen && wide == NULL && wtype >= W_Q8_0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (long t = 0; t < tiles; t++) {
+            long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
+            if (wide) {
+                for (long i = 0; i < no; i++) widen_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, wide + i * K);
+                tile(x, R, K, ldx, wide, W_F32, K, o0, no, bias, y, ldy);
+            } else if (wtype <= W_BF16) {
+                tile(x, R, K, ldx, weight_row(W, wtype, ldw, o0), wtype, ldw, o0, no, bias, y, ldy);
+            }
+        }
+        free(wide);
+    }
+    return failed;
+}
