@@ -20,7 +20,7 @@ from pageserve.runtime import LLM, SamplingParams
 from pageserve.triton_kernels import cpu_kernels
 from pageserve.triton_kernels.cpu_kernels import blocks
 from tests.hf_reference import hf_greedy
-from tests.test_gguf_gemma import hf_from_gguf, sentencepiece_vocab
+from tests.test_gguf_gemma import hf_from_gguf, write_gguf
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.unit
@@ -100,44 +100,10 @@ FORMATS = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": 
            "ffn_up": "q4_0", "ffn_down": "q8_0", "token_embd": "q8_0"}
 
 
-def write_quantized_llama(model_dir: Path, out: Path) -> Path:
-    import json
-
-    from safetensors.torch import load_file
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch="llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    tokens, types = sentencepiece_vocab(cfg["vocab_size"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
-        fmt = "q8_0" if gguf_name == "blk.1.attn_v.weight" else FORMATS.get(kind)
-        data = tensor.float().numpy()
-        if fmt is None:
-            w.add_tensor(gguf_name, data)
-        else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(data, QTYPES[fmt]), raw_dtype=QTYPES[fmt])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+def qtype_of(gguf_name: str):
+    kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+    fmt = "q8_0" if gguf_name == "blk.1.attn_v.weight" else FORMATS.get(kind)
+    return None if fmt is None else QTYPES[fmt]
 
 
 @pytest.mark.engine
@@ -148,7 +114,7 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
         self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
     monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True)
-    path = write_quantized_llama(model_dir, tmp_path / "tiny-q.gguf")
+    path = write_gguf(model_dir, tmp_path / "tiny-q.gguf", "llama", qtype_of)
     monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (7, 40, 90, 150)]

@@ -41,9 +41,10 @@ def sentencepiece_vocab(size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
-    """The HF model in `model_dir` as a float32 GGUF file of llama.cpp architecture `arch`, with
-    a Gemma-style sentencepiece vocabulary of its size."""
+def write_gguf(model_dir: Path, out: Path, arch: str, qtype_of=None) -> Path:
+    """The HF model in `model_dir` as a GGUF file of llama.cpp architecture `arch`, with a
+    Gemma-style sentencepiece vocabulary of its size; each tensor float32, or quantized by gguf
+    to `qtype_of(its GGUF name)` where that is not None."""
     cfg = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), arch=arch)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -53,9 +54,10 @@ def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_sliding_window(cfg["sliding_window"])
+    if arch.startswith("gemma"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens, types = sentencepiece_vocab(cfg["vocab_size"])
     w.add_tokenizer_model("llama")  # Gemma's files: a sentencepiece vocabulary, no merges
@@ -73,9 +75,13 @@ def write_gguf(model_dir: Path, out: Path, arch: str) -> Path:
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         gguf_name = names.get_name(name, try_suffixes=(".weight",))
         assert gguf_name, f"no GGUF name for {name}"
-        if name.endswith("norm.weight"):
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1  # Gemma's (1 + w) norms, stored shifted by llama.cpp
-        w.add_tensor(gguf_name, tensor.float().numpy())
+        qtype = qtype_of(gguf_name) if qtype_of else None
+        if qtype is None:
+            w.add_tensor(gguf_name, tensor.float().numpy())
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
