@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from pageserve.runtime.config import Backend
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.cpu_kernels import CpuKernels, LinearPlan, blocks
+from pageserve.triton_kernels.cpu_kernels import CpuKernels, blocks
+from pageserve.triton_kernels.linear_plan import LinearPlan
 
 logger = logging.getLogger(__name__)
 

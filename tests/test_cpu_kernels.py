@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.runtime import LLM
-from pageserve.triton_kernels import cpu_kernels
+from pageserve.triton_kernels import cpu_kernels, linear_plan
 from pageserve.loadtest.tiny_model import build_tiny_model
 from tests.hf_reference import hf_greedy
 from tests.test_parity import random_prompts, run_ours
@@ -52,7 +52,7 @@ def test_bfloat16_weights_give_the_float32_sums_bit_for_bit(kernel, rows, out_fe
     b = torch.randn(out_features, generator=gen)
     for bias in (None, b):
         assert torch.equal(kernel(x, w16, bias), kernel(x, w16.float(), bias))
-    plan = cpu_kernels.LinearPlan(kernel)  # torch's side of the plan gets a float32 copy
+    plan = linear_plan.LinearPlan(kernel)  # torch's side of the plan gets a float32 copy
     assert torch.equal(plan(x, w16, b), F.linear(x, w16.float(), b))
 
 
@@ -92,8 +92,8 @@ def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, ker
     from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):
-        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
-    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / arch, arch=arch, weights_dtype=torch.bfloat16,
                                  tie_word_embeddings=arch == "llama")
     prompts = random_prompts(384)[:6]
@@ -235,13 +235,13 @@ def test_small_ops_refuse_what_they_cannot_read(kernel):
 
 
 def test_the_plan_runs_the_faster_path_per_step_size(kernel):
-    plan = cpu_kernels.LinearPlan(kernel)
+    plan = linear_plan.LinearPlan(kernel)
     calls = []
     plan.kernel = lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b)
     plan.measure([torch.randn(256, 128), torch.randn(128, 256)], reps=1)
-    assert set(plan.timings) == set(cpu_kernels.ROW_BUCKETS)
+    assert set(plan.timings) == set(linear_plan.ROW_BUCKETS)
     assert all(t > 0 and k > 0 for t, k in plan.timings.values())
-    plan.use_kernel = [rows <= 4 for rows in cpu_kernels.ROW_BUCKETS]
+    plan.use_kernel = [rows <= 4 for rows in linear_plan.ROW_BUCKETS]
     calls.clear()
     w = torch.randn(16, 8)
     for rows in (1, 3, 4, 5, 200):
@@ -287,8 +287,8 @@ def test_no_compiler_keeps_torch(tmp_path, monkeypatch):
 def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypatch):
     """Chunked prompts (up to 64 rows a step) and decodes all go through the C kernels."""
     def everywhere(self, weights, reps=3):
-        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
-    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "llama", arch="qwen2")  # q/k/v biases too
     prompts = random_prompts(384)[:10]
     expected = hf_greedy(model_dir, prompts, max_new_tokens=16)
@@ -346,8 +346,8 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, kernel, 
         pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
 
     def everywhere(self, weights, reps=3):
-        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
-    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
     prompts = random_prompts(384)[:5]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)

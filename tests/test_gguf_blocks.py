@@ -17,7 +17,7 @@ import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
-from pageserve.triton_kernels import cpu_kernels
+from pageserve.triton_kernels import cpu_kernels, linear_plan
 from pageserve.triton_kernels.cpu_kernels import blocks
 from tests.hf_reference import hf_greedy
 from tests.test_gguf_gemma import hf_from_gguf, write_gguf
@@ -81,7 +81,7 @@ def test_linear_on_blocks_is_linear_on_their_values_bit_for_bit(kernel, fmt, row
     wide = kernel.widen(w)
     for b in (None, bias):
         assert torch.equal(kernel(x, w, b), kernel(x, wide, b))
-    plan = cpu_kernels.LinearPlan(kernel)  # torch's matmul is given the widened values
+    plan = linear_plan.LinearPlan(kernel)  # torch's matmul is given the widened values
     assert torch.equal(plan(x, w, bias), torch.nn.functional.linear(x, wide, bias))
 
 
@@ -111,8 +111,8 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
     from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster
-        self.use_kernel = [True] * len(cpu_kernels.ROW_BUCKETS)
-    monkeypatch.setattr(cpu_kernels.LinearPlan, "measure", everywhere)
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True)
     path = write_gguf(model_dir, tmp_path / "tiny-q.gguf", "llama", qtype_of)
     monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))

@@ -1,8 +1,8 @@
 """Float32 kernels for the CPU path in C: the linear layer over float32, bfloat16 or GGUF-block
 weights (cpu_linear.c); RMSNorm with the residual, rotary embedding, SiLU-and-mul, causal paged
 attention of any step, and the whole decoder stack of a Llama-style model for a decode-only
-step in one call (cpu_kernels.c); and the choice between the C linear and torch's matmul by
-the number of rows in a step.
+step in one call (cpu_kernels.c). linear_plan.py chooses between the C linear and torch's
+matmul by the number of rows in a step.
 
 The C files are compiled once per machine with the system's C compiler (`cc -O3 -march=native
 -fopenmp`) into a cache folder the caller names, and called through ctypes (which releases
@@ -11,7 +11,6 @@ keeps torch's matmul: the kernel is a speed-up, never a requirement."""
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import hashlib
 import logging
@@ -20,7 +19,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -367,57 +365,3 @@ def load(cache_dir: Path) -> CpuKernels | None:
     except OSError as e:
         logger.warning("loading the CPU kernels failed; keeping torch's ops: %s", e)
         return None
-
-
-# rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-class LinearPlan:
-    """Which matmul a float32 linear layer runs, by the number of rows in the step. Measured
-    once at start-up on the model's own weights (`measure`); until then, and for steps above
-    the largest bucket, torch's matmul."""
-
-    def __init__(self, kernel: CpuKernels):
-        self.kernel = kernel
-        self.use_kernel = [False] * len(ROW_BUCKETS)
-        self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
-
-    def uses_kernel(self, rows: int) -> bool:
-        return rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)]
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.uses_kernel(x.shape[0]):
-            return self.kernel(x, weight, bias)  # which checks the dtypes
-        return F.linear(x, self.widened(weight, x.dtype), bias)
-
-    def widened(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """weight in the activations' dtype: a matrix kept in bfloat16 or GGUF blocks for the C
-        linear is widened (exactly) for torch's matmul, per call (bfloat16: 2% of a 512-row
-        step's matmuls)."""
-        if weight.dtype == dtype:
-            return weight
-        return self.kernel.widen(weight) if weight.dtype == torch.uint8 else weight.to(dtype)
-
-    def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
-        """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
-        follows their choice) at each row bucket, alternating, best of `reps`: the faster one
-        runs steps of that size. Weights in bfloat16 (float32 activations) time torch's
-        matmul with the float32 copy it is then given."""
-        if not weights or any(w.dtype not in (torch.float32, torch.bfloat16, torch.uint8) for w in weights):
-            return
-        widened = lambda x, w: F.linear(x, self.widened(w, x.dtype))  # noqa: E731
-        for i, rows in enumerate(ROW_BUCKETS):
-            xs = {in_features(w): torch.randn(rows, in_features(w)) for w in weights}
-            best = [float("inf"), float("inf")]
-            for _ in range(reps):
-                for j, fn in enumerate((widened, self.kernel)):
-                    t = time.perf_counter()
-                    for w in weights:
-                        fn(xs[in_features(w)], w)
-                    best[j] = min(best[j], time.perf_counter() - t)
-            self.timings[rows] = (best[0], best[1])
-            self.use_kernel[i] = best[1] < best[0]
-        logger.info("CPU linear, rows: torch / kernel ms, chosen: %s", ", ".join(
-            f"{r}: {t * 1e3:.2f}/{k * 1e3:.2f} {'kernel' if use else 'torch'}"
-            for (r, (t, k)), use in zip(self.timings.items(), self.use_kernel)))
