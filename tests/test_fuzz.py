@@ -15,7 +15,7 @@ from tests.conftest import assert_pool_clean
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 50}
+EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 30}
 
 
 @pytest.fixture(scope="module")

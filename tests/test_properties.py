@@ -284,4 +284,4 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestBlockPool = BlockPoolMachine.TestCase
 TestBlockPool.settings = SETTINGS
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(SETTINGS, max_examples=400, stateful_step_count=100)
+TestScheduler.settings = settings(SETTINGS, max_examples=250, stateful_step_count=100)

@@ -23,10 +23,11 @@ def generate(model_dir, device: str, backend: str, block_size: int) -> tuple[lis
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir, device, block_size):
-    want, _ = generate(tiny_model_dir, device, "torch", block_size)
-    got, llm = generate(tiny_model_dir, device, "triton", block_size)
+def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir, device):
+    """One block size end to end (the interpreter makes each ~25 s); the kernels' own tests
+    (test_paged_attention.py) cover block sizes 8, 16 and 32 against a reference."""
+    want, _ = generate(tiny_model_dir, device, "torch", 16)
+    got, llm = generate(tiny_model_dir, device, "triton", 16)
     backend = llm.engine.runner.kernels
     assert backend.name == "triton" and backend.ops.rms_norm.__module__ == "pageserve.triton_kernels.rms_norm"
     assert got == want
