@@ -60,6 +60,10 @@ class Kernels:
         """The rows of an embedding table."""
         return F.embedding(ids, weight)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of [B, V] logits (the first of equal maxima)."""
+        return logits.argmax(dim=-1)
+
     def attention(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                   sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """sliding_window: the layer's window (0: full attention); blocks wholly before it are
@@ -132,6 +136,14 @@ class TorchKernels(Kernels):
             return F.embedding(ids, weight)
         # a tied table kept in GGUF blocks (runtime/models/weight_formats.py): the rows' blocks, widened
         return self.linear_plan.kernel.widen(blocks(F.embedding(ids, weight), weight.block_format, weight.in_features))
+
+    def argmax(self, logits):
+        lib = self.cpu_lib
+        if lib is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+            ids = lib.argmax(logits)
+            if ids is not None:
+                return ids
+        return logits.argmax(dim=-1)
 
     def decoder_stack(self, model, x, positions, meta, kv_caches):
         """Decode-only steps of a Llama-style model (`model.stack_weights()`) in float32, at a

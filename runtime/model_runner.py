@@ -323,7 +323,7 @@ class ModelRunner:
         smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
         if constrained:
             smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
-        token_ids, logprobs = sample(logits, smeta, self.generator)
+        token_ids, logprobs = sample(logits, smeta, self.generator, self.kernels.argmax)
         result.sampled = token_ids.tolist()
         if smeta.logprob_rows:
             result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))

@@ -8,6 +8,7 @@ processor)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -222,13 +223,14 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return logits
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, list[TokenLogprobs]]:
     """logits: [B, V] float32 from the model. Returns [B] token ids and, for the rows that
-    asked for them, their log-probabilities."""
+    asked for them, their log-probabilities. argmax: the backend's (Kernels.argmax), else
+    torch's."""
     raw = logits
     logits = process_logits(logits, meta)
-    ids = logits.argmax(dim=-1) if meta.any_greedy else None
+    ids = (argmax(logits) if argmax is not None else logits.argmax(dim=-1)) if meta.any_greedy else None
     if not meta.all_greedy:
         u = torch.rand(logits.shape[0], generator=generator, device=logits.device)
         for row, own in meta.generators.items():

@@ -291,3 +291,31 @@ def test_forked_sequences_stay_right_under_preemption(tiny_model_dir):
         for out, want in zip(outs, expected):
             assert [c.token_ids for c in out.outputs] == [want] * 3
         assert_pool_clean(small.engine)
+
+
+def test_the_c_argmax_is_torchs(tmp_path):
+    """The CPU backend's greedy pick (cpu_kernels.c's argmax, 20x torch's at 64 rows of 49k):
+    torch's index for ties across lanes and in the tail, all -inf rows, rows shorter than a
+    vector, strided rows; a NaN anywhere leaves the answer to torch."""
+    from pageserve.runtime.kernels import TorchKernels
+    from pageserve.triton_kernels import cpu_kernels
+
+    lib = cpu_kernels.load(tmp_path)
+    if lib is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 5, 8, 13, 49152, 49155):
+        x = torch.randn(9, vocab, generator=gen)
+        x[1] = float("-inf")
+        x[2, vocab // 2:] = x[2].max() + 1  # equal maxima: the first wins
+        x[3, -1] = x[3].max() + 1  # the tail past the last full vector
+        x[4] = 0.0
+        x[5, ::3] = 7.0
+        assert torch.equal(lib.argmax(x), x.argmax(dim=-1)), vocab
+        wide = torch.randn(4, vocab + 3, generator=gen)
+        assert torch.equal(lib.argmax(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
+        x[6, vocab - 1] = float("nan")
+        assert lib.argmax(x) is None
+        backend = TorchKernels(16, 4, 4)
+        backend.cpu_lib = lib
+        assert torch.equal(backend.argmax(x), x.argmax(dim=-1))  # torch's NaN answer

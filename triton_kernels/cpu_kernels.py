@@ -96,6 +96,7 @@ class CpuKernels:
                            ("pageserve_silu_and_mul", [p, n, n, n, p]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
                                                           p]),
+                           ("pageserve_argmax", [p, n, n, n, p]),
                            ("pageserve_decode_layers", [p, n, n, n, p, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
                                                         f, p, p])):
             fn = getattr(lib, name)
@@ -103,6 +104,7 @@ class CpuKernels:
         lib.pageserve_linear.restype = ctypes.c_int
         lib.pageserve_paged_attention.restype = ctypes.c_int
         lib.pageserve_decode_layers.restype = ctypes.c_int
+        lib.pageserve_argmax.restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
         # built with AVX2 + FMA: without them the small ops are plain loops (libm's expf a
         # value), not worth putting in torch's place; only the timed linear is used then
@@ -139,6 +141,16 @@ class CpuKernels:
         return out
 
     __call__ = linear
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x.argmax(dim=-1) of float32 rows [R, V] (the first of equal values), or None where
+        a row holds a NaN (torch's answer is then wanted)."""
+        x2 = _rows(x, "argmax")
+        out = torch.empty(x2.shape[0], dtype=torch.int64)
+        if x2.shape[1] == 0 or self._lib.pageserve_argmax(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0),
+                                                          out.data_ptr()):
+            return None
+        return out.view(x.shape[:-1])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
