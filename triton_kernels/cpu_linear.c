@@ -16,10 +16,12 @@
    thread the OS has paused (the server's event loop shares the cores) holds up only one piece */
 #define CHUNK_O 64
 #define WIDEN_ROWS 8
-/* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch).
-   The hardware's own prefetch restarts at every 64-row piece of every matrix; 30 layers'
-   matrices at one row read 9-10 GB/s on a 2-core EPYC where a plain stream reads 16-19,
-   and 4 KB ahead took the step's linears from 9.6-10.8 to 8.1-8.7 ms (2048: no gain) */
+/* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch;
+   past a matrix's end it is a hint that fetches nothing, never a fault). The hardware's own
+   prefetch restarts at every 64-row piece of every matrix: the default model's 121 matrices
+   at one row read 9-10 GB/s on a 2-core EPYC where a plain stream over the same regions reads
+   15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated rounds;
+   2 KB: no gain) */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
@@ -300,7 +302,7 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
                      const float *bias, float *y, long ldy) {
     int failed = 0;
 #ifdef PS_AVX2
-    if (R == 1) { /* a block format's blocks widened in registers */
+    if (R == 1) { /* every format; a block format's blocks widened in registers */
         long chunks = (O + CHUNK_O - 1) / CHUNK_O;
 #pragma omp parallel for schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {
