@@ -294,9 +294,10 @@ def test_forked_sequences_stay_right_under_preemption(tiny_model_dir):
 
 
 def test_the_c_argmax_is_torchs(tmp_path):
-    """The CPU backend's greedy pick (cpu_kernels.c's argmax, 20x torch's at 64 rows of 49k):
-    torch's index for ties across lanes and in the tail, all -inf rows, rows shorter than a
-    vector, strided rows; a NaN anywhere leaves the answer to torch."""
+    """The CPU backend's greedy pick (cpu_kernels.c's argmax; torch's took 4 ms over 64 rows of
+    49k logits): torch's index for ties across lanes and in the tail, all -inf rows, rows
+    shorter than a vector, strided rows, batches below the threaded size; a NaN anywhere
+    (first, mid-vector, in the tail) leaves the answer to torch."""
     from pageserve.runtime.kernels import TorchKernels
     from pageserve.triton_kernels import cpu_kernels
 
@@ -314,6 +315,11 @@ def test_the_c_argmax_is_torchs(tmp_path):
         assert torch.equal(lib.argmax(x), x.argmax(dim=-1)), vocab
         wide = torch.randn(4, vocab + 3, generator=gen)
         assert torch.equal(lib.argmax(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
+        assert torch.equal(lib.argmax(x[:2]), x[:2].argmax(dim=-1))  # one thread
+        for at in {0, vocab // 2, vocab - 1}:
+            y = x[:2].clone()
+            y[1, at] = float("nan")
+            assert lib.argmax(y) is None, at
         x[6, vocab - 1] = float("nan")
         assert lib.argmax(x) is None
         backend = TorchKernels(16, 4, 4)

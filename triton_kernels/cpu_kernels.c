@@ -207,8 +207,8 @@ static void decode_item(const float *q, const float *k, const float *v, const in
    unvectorised loop), 20x its amax, and was most of the engine's own time per step. Returns 1
    if a row holds a NaN (torch ranks NaN above every value; the caller asks torch then). */
 int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
-    int nan = 0;
-#pragma omp parallel for if (R >= 4) schedule(static) reduction(| : nan)
+    int has_nan = 0;
+#pragma omp parallel for if (R >= 4) schedule(static) reduction(| : has_nan)
     for (long r = 0; r < R; r++) {
         const float *row = x + r * ldx;
         long best = 0, i = 0;
@@ -231,18 +231,18 @@ int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
             m = lm[0], best = li[0];
             for (int l = 1; l < 8; l++)
                 if (lm[l] > m || (lm[l] == m && li[l] < best)) m = lm[l], best = li[l];
-            if (_mm256_movemask_ps(bad)) nan = 1;
+            if (_mm256_movemask_ps(bad)) has_nan = 1;
         } else
 #endif
             i = 1;
         for (; i < V; i++) {
-            if (row[i] != row[i]) nan = 1;
+            if (row[i] != row[i]) has_nan = 1;
             if (row[i] > m) m = row[i], best = i;
         }
-        if (m != m) nan = 1;
+        if (m != m) has_nan = 1;
         out[r] = best;
     }
-    return nan;
+    return has_nan;
 }
 
 /* 1 when built with AVX2 and FMA (the vectorised paths), else 0 */
