@@ -204,7 +204,7 @@ static void decode_item(const float *q, const float *k, const float *v, const in
 
 /* The index of each row's largest value, the first of equal ones (torch.argmax's answer):
    x [R, V] rows ldx apart, out [R]. torch's argmax over 49k logits took 4 ms for 64 rows (an
-   unvectorised loop), 20x its amax, and was most of the engine's own time per step. Returns 1
+   unvectorised loop), 17x its amax, and was most of the engine's own time per step. Returns 1
    if a row holds a NaN (torch ranks NaN above every value; the caller asks torch then). */
 int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
     int has_nan = 0;
