@@ -293,6 +293,94 @@ static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 
     return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
 }
 
+#ifdef PS_AVX2
+/* Many rows of x (a batch of decodes, a prefill chunk): the register tile above re-reads six
+   widened weight rows (36 KB at K = 1536, past L1) for every pair of x rows and sums each
+   accumulator across its lanes at the end. Here x is copied once per call into panels of 16
+   rows laid out k-major (xp[panel][k][16]), and each widened weight value is broadcast against
+   two vectors of 16 rows: 6 x 16 outputs in twelve accumulators, one load of x per 16 rows, no
+   sums across lanes (the BLIS shape for AVX2). Each output is one fma chain over k in order. */
+#define PANEL_X 16
+#ifndef BIG_ROWS
+#define BIG_ROWS 16 /* rows from which x is paneled (timed below) */
+#endif
+
+/* rows r0..r0+15 of x (zero past R) into xp[k][16] */
+static void panel_x(const float *x, long R, long K, long ldx, long r0, float *xp) {
+    for (long j = 0; j < PANEL_X; j++) {
+        const float *row = r0 + j < R ? x + (r0 + j) * ldx : NULL;
+        for (long k = 0; k < K; k++) xp[k * PANEL_X + j] = row ? row[k] : 0.0f;
+    }
+}
+
+/* y[r0 + j, o0 + i] for i < no, j < nr: TILE_O weight rows (w, rows ldw apart) against one
+   panel of x */
+static inline __attribute__((always_inline)) void panel_tile(const float *w, long ldw, const float *xp, long K,
+                                                             long o0, long no, long r0, long nr, const float *bias,
+                                                             float *y, long ldy) {
+    __m256 a[TILE_O][2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {
+        __m256 x0 = _mm256_load_ps(xp + k * PANEL_X), x1 = _mm256_load_ps(xp + k * PANEL_X + 8);
+        _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {
+            __m256 b = _mm256_broadcast_ss(w + i * ldw + k);
+            a[i][0] = _mm256_fmadd_ps(b, x0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(b, x1, a[i][1]);
+        }
+    }
+    float v[TILE_O][PANEL_X]; /* stored with constant indices: the accumulators stay in registers */
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {
+        _mm256_storeu_ps(v[i], a[i][0]);
+        _mm256_storeu_ps(v[i] + 8, a[i][1]);
+    }
+    for (long i = 0; i < no; i++) {
+        float add = bias ? bias[o0 + i] : 0.0f;
+        for (long j = 0; j < nr; j++) y[(r0 + j) * ldy + o0 + i] = v[i][j] + add;
+    }
+}
+
+/* pageserve_linear at R >= BIG_ROWS; returns 1 where memory for the copies could not be had */
+static int linear_panels(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                         const float *bias, float *y, long ldy) {
+    long panels = (R + PANEL_X - 1) / PANEL_X, tiles = (O + TILE_O - 1) / TILE_O;
+    float *xp = aligned_floats(panels * K * PANEL_X);
+    if (xp == NULL) return 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wide = aligned_floats(TILE_O * K);
+        if (wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++) panel_x(x, R, K, ldx, p * PANEL_X, xp + p * K * PANEL_X);
+#pragma omp for schedule(dynamic, 4)
+        for (long t = 0; t < tiles; t++) {
+            long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
+            const float *w = wide;
+            long lw = K;
+            if (wtype == W_F32 && no == TILE_O) { /* read in place */
+                w = (const float *)W + o0 * ldw;
+                lw = ldw;
+            } else if (wide != NULL) { /* widened; the rows of a last, partial tile zero */
+                for (long i = 0; i < no; i++) widen_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, wide + i * K);
+                memset(wide + no * K, 0, sizeof(float) * (size_t)((TILE_O - no) * K));
+            } else {
+                continue;
+            }
+            for (long p = 0; p < panels; p++) { /* all of x, not blocks of it: no faster at 512 rows */
+                long r0 = p * PANEL_X, nr = R - r0 < PANEL_X ? R - r0 : PANEL_X;
+                panel_tile(w, lw, xp + p * K * PANEL_X, K, o0, no, r0, nr, bias, y, ldy);
+            }
+        }
+        free(wide);
+    }
+    free(xp);
+    return failed;
+}
+#endif
+
 /* x: [R, K] rows ldx apart; W: [O, K] in format wtype (W_F32 ...), rows ldw elements apart
    (bytes for the block formats); y: [R, O] rows ldy apart; bias: [O] or NULL. Weight rows are
    shared out to the OpenMP threads (torch's own runtime: libgomp is loaded by torch before
@@ -338,6 +426,9 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
         }
         return failed;
     }
+#ifdef PS_AVX2
+    if (R >= BIG_ROWS) return linear_panels(x, R, K, ldx, W, wtype, O, ldw, bias, y, ldy);
+#endif
     long tiles = (O + TILE_O - 1) / TILE_O;
 #pragma omp parallel
     {

@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 # rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# (a mixed step of 64 decodes and a prompt or two has 100-500 rows)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class LinearPlan:
