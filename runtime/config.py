@@ -128,6 +128,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # a step that admits new prompts leaves the running decodes to the next step (the CPU
+    # default: there a step's time is its rows' arithmetic, so mixing saves nothing and the new
+    # requests' first tokens wait for the decodes; a GPU decodes beside a prompt for free)
+    prompts_first: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -236,6 +236,7 @@ class EngineArgs:
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            prompts_first=device.type == "cpu",
         )
 
     def swap_space_gib(self, device: torch.device) -> float:

@@ -71,6 +71,7 @@ class Scheduler:
         self.reset_counters()
         self._last_scheduled: list[tuple[Request, int]] = []
         self._finished_ids: list[str] = []
+        self._deferred = False  # the last step left the decodes for prompts
 
     def reset_counters(self) -> None:
         self._warned_preemption = False  # warned once per serving run (warm-up may preempt)
@@ -95,13 +96,33 @@ class Scheduler:
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
-        preempted_any = False
+        # prompts first: decodes wait one step (never two in a row) while prompts are admitted
+        defer = self.config.prompts_first and not self._deferred and self._prompts_can_start()
+        budget, preempted_any = self._schedule_running(budget, scheduled, out, skip_decodes=defer)
+        if not preempted_any:
+            budget = self._swap_in(budget, scheduled, out)
+            if not self.swapped:
+                self._admit_waiting(budget, scheduled)
+        if defer and not scheduled and not preempted_any:  # no prompt could start after all
+            defer = False
+            budget, _ = self._schedule_running(budget, scheduled, out, skip_decodes=False)
+        self._deferred = defer
 
+        for req, num_new in scheduled:
+            self._emit(out, req, num_new)
+        self._last_scheduled = scheduled
+        return out
+
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
+                          skip_decodes: bool) -> tuple[int, bool]:
+        """The running requests' next tokens, oldest first, preempting the newest where blocks
+        run out. Returns the budget left and whether anything was preempted."""
+        preempted_any = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or (skip_decodes and req.num_computed_tokens >= req.num_prompt_tokens):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -114,16 +135,17 @@ class Scheduler:
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
+        return budget, preempted_any
 
-        if not preempted_any:
-            budget = self._swap_in(budget, scheduled, out)
-            if not self.swapped:
-                self._admit_waiting(budget, scheduled)
-
-        for req, num_new in scheduled:
-            self._emit(out, req, num_new)
-        self._last_scheduled = scheduled
-        return out
+    def _prompts_can_start(self) -> bool:
+        """A waiting request could be admitted this step and a running one is decoding (so
+        that deferring the decodes has something to give way to)."""
+        if self.swapped or not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return False
+        for req in self.waiting:
+            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                return self.num_running_seqs + req.num_samples <= self.config.max_num_seqs
+        return False
 
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
         while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs:

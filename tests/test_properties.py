@@ -104,11 +104,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(mode=st.sampled_from(["swap", "recompute"]), num_blocks=st.integers(6, 24),
                 block_size=st.sampled_from([4, 16]), budget=st.integers(8, 96), max_seqs=st.integers(1, 8),
-                prefix=st.booleans())
-    def setup(self, mode, num_blocks, block_size, budget, max_seqs, prefix):
+                prefix=st.booleans(), prompts_first=st.booleans())
+    def setup(self, mode, num_blocks, block_size, budget, max_seqs, prefix, prompts_first):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
         cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
-                              enable_chunked_prefill=True)
+                              enable_chunked_prefill=True, prompts_first=prompts_first)
         self.swap = SwapSpace(num_blocks // 2 if mode == "swap" else 0)
         self.sched = Scheduler(cfg, self.kv, self.swap, mode)
         self.capacity = num_blocks * block_size

@@ -19,10 +19,11 @@ def make(rid, n_prompt, max_tokens=4):
                    max_tokens, (0,))
 
 
-def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, prefix=False, swap_blocks=0):
+def make_scheduler(num_blocks=64, block_size=16, budget=64, max_seqs=8, prefix=False, swap_blocks=0,
+                   prompts_first=False):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
-                          enable_chunked_prefill=True)
+                          enable_chunked_prefill=True, prompts_first=prompts_first)
     return Scheduler(cfg, kv, SwapSpace(swap_blocks), "swap" if swap_blocks else "recompute")
 
 
@@ -61,6 +62,28 @@ def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
     assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
         ("short", 1, True), ("long", 24, True)]
     assert out.requests[1].start_pos == 126
+
+
+def test_prompts_first_leaves_the_decodes_for_one_step_at_most():
+    sched = make_scheduler(budget=64, max_seqs=4, prompts_first=True)
+    steps = lambda out: [(r.request_id, len(r.token_ids)) for r in out.requests]  # noqa: E731
+    sched.add_request(make("a", 10, max_tokens=20))
+    assert steps(fake_step(sched)) == [("a", 10)]
+    sched.add_request(make("b", 20, max_tokens=20))
+    assert steps(fake_step(sched)) == [("b", 20)]  # a's decode waits
+    sched.add_request(make("c", 100, max_tokens=20))
+    # never two steps without the decodes: c is admitted beside them, chunked
+    assert steps(fake_step(sched)) == [("a", 1), ("b", 1), ("c", 62)]
+    sched.add_request(make("d", 5, max_tokens=20))
+    assert steps(fake_step(sched)) == [("c", 38), ("d", 5)]  # a prompt's chunks are prompt work
+    assert steps(fake_step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    sched.add_request(make("e", 5, max_tokens=20))  # past max_num_seqs: cannot start, nothing waits
+    assert steps(fake_step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    mixed = make_scheduler(budget=64, max_seqs=4)  # the default: decodes and prompts together
+    mixed.add_request(make("a", 10, max_tokens=20))
+    fake_step(mixed)
+    mixed.add_request(make("b", 20, max_tokens=20))
+    assert steps(fake_step(mixed)) == [("a", 1), ("b", 20)]
 
 
 def test_slot_mapping_follows_block_table():
