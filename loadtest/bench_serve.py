@@ -161,6 +161,19 @@ def main(ns: argparse.Namespace) -> dict:
     print_report(result, cfg.percentile_metrics, cfg.metric_percentiles)
     for o in [o for o in outs if not o.success][:10]:
         print(f"error: {o.error}")
+    if cfg.machine_limits is not None:  # torch only here: the client itself does not need it
+        from pageserve.loadtest import machine_limits
+        from pageserve.runtime import LLM
+
+        # the server is idle by now; the matmuls need no more than a small KV cache
+        llm = LLM(model=cfg.machine_limits or None, kv_cache_memory=0.05, max_model_len=256)
+        try:
+            result["limits"] = machine_limits.limits(llm)
+        finally:
+            llm.engine.shutdown()
+        for line in machine_limits.serve_summary(result["limits"], result["median_itl_ms"],
+                                                 result["output_throughput"]):
+            print(line)
     path = result_path(cfg, model, date) if cfg.save_result else None
     png = cfg.output_png if cfg.output_png is not None else (
         os.path.splitext(path)[0] + ".png" if path else "")

@@ -104,7 +104,9 @@ def engine_decode(llm, streams: int, output_len: int = 64, prompt_len: int = 16)
     return (whole - one) / (output_len - 1)
 
 
-def measure(llm) -> dict:
+def limits(llm) -> dict:
+    """The machine's limits for the engine's model: read bandwidth, the memory floor of a
+    decode step, and the step's matmuls alone at 1 and 64 rows."""
     runner = llm.engine.runner
     model, dev = runner.model, runner.device
     weights = step_weights(model)
@@ -116,12 +118,30 @@ def measure(llm) -> dict:
          "step_weight_bytes": nbytes,
          "memory_floor_ms": nbytes / bandwidth * 1e3,
          "matmul_1_ms": matmul_time(runner.kernels, weights, 1, runner.model_cfg.dtype) * 1e3,
-         "matmul_64_ms": matmul_time(runner.kernels, weights, 64, runner.model_cfg.dtype) * 1e3,
-         "engine_step_1_ms": engine_decode(llm, 1) * 1e3,
-         "engine_step_64_ms": engine_decode(llm, 64) * 1e3}
+         "matmul_64_ms": matmul_time(runner.kernels, weights, 64, runner.model_cfg.dtype) * 1e3}
     r["matmul_ceiling_64_tok_s"] = 64e3 / r["matmul_64_ms"]
+    return r
+
+
+def measure(llm) -> dict:
+    """`limits`, and the engine's own decode steps at 1 and 64 streams against them."""
+    r = limits(llm)
+    r["engine_step_1_ms"] = engine_decode(llm, 1) * 1e3
+    r["engine_step_64_ms"] = engine_decode(llm, 64) * 1e3
     r["engine_64_tok_s"] = 64e3 / r["engine_step_64_ms"]
     return r
+
+
+def serve_summary(r: dict, itl_p50_ms: float, output_tok_s: float) -> list[str]:
+    """A served run against the limits measured after it: the streams' median gap between
+    tokens against the memory floor, the output rate against the 64-row matmul ceiling."""
+    return [
+        f"machine: reads {r['read_bandwidth_gb_s']:.1f} GB/s; memory floor {r['memory_floor_ms']:.1f} ms a step; "
+        f"matmuls alone at 64 rows {r['matmul_64_ms']:.1f} ms (ceiling {r['matmul_ceiling_64_tok_s']:.0f} tok/s)",
+        f"ITL p50 {itl_p50_ms:.1f} ms = {itl_p50_ms / r['memory_floor_ms']:.2f}x the memory floor",
+        f"output {output_tok_s:.1f} tok/s = {output_tok_s / r['matmul_ceiling_64_tok_s'] * 100:.0f}% "
+        f"of the 64-row matmul ceiling",
+    ]
 
 
 def summary(r: dict) -> list[str]:

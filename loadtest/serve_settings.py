@@ -98,6 +98,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="= --save-result --result-filename PATH")
     report.add_argument("--output-png", default=None, metavar="PATH",
                         help="the plot (default: beside a saved result; '' for none)")
+    report.add_argument("--machine-limits", nargs="?", const="", default=None, metavar="MODEL",
+                        help="after the run, load MODEL (default: the default model) here and measure "
+                        "this machine's limits for it (read bandwidth, memory floor of a decode step, "
+                        "64-row matmul ceiling); the report sets ITL p50 and output tok/s against them. "
+                        "For a server on this machine, serving that model")
     return parser
 
 
@@ -141,6 +146,7 @@ class Settings:
     result_dir: str | None
     result_filename: str | None
     output_png: str | None  # None: beside a saved result; "": none
+    machine_limits: str | None = None  # None: not measured; "": the default model
 
 
 def _length(text: str | None) -> tuple[int | None, tuple[int, int] | None]:
@@ -245,4 +251,4 @@ def resolve(ns: argparse.Namespace) -> Settings:
         metric_percentiles=percentiles, save_result=ns.save_result or ns.output_json is not None,
         save_detailed=ns.save_detailed, result_dir=ns.result_dir,
         result_filename=ns.output_json if ns.output_json is not None else ns.result_filename,
-        output_png=ns.output_png)
+        output_png=ns.output_png, machine_limits=ns.machine_limits)

@@ -270,7 +270,7 @@ def run_bench(*flags: str) -> dict:
 
 
 @pytest.mark.server
-def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tmp_path):
+def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tiny_model_dir, tmp_path, capsys):
     run_bench("--base-url", srv.url, "--random-input-len", "40", "--random-range-ratio", "0.5",
               "--random-output-len", "6", "--num-prompts", "8", "--max-concurrency", "3",
               "--request-rate", "50", "--goodput", "ttft:600000", "tpot:600000", "e2el:600000",
@@ -299,8 +299,16 @@ def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tmp_path):
         assert r[f"p50_{name}_ms"] == pytest.approx(r[f"median_{name}_ms"])
     assert r["mean_e2el_ms"] == pytest.approx(1000 * sum(r["latencies"]) / 8)
     strict = run_bench("--base-url", srv.url, "--random-input-len", "12", "--random-output-len", "3",
-                       "--num-prompts", "2", "--goodput", "ttft:0.001", "--disable-tqdm", "--temperature", "0")
+                       "--num-prompts", "2", "--goodput", "ttft:0.001", "--disable-tqdm", "--temperature", "0",
+                       "--machine-limits", str(tiny_model_dir))
     assert strict["completed"] == 2 and strict["request_goodput"] == 0  # nobody meets it
+    limits = strict["limits"]  # measured after the run, on the model the server serves
+    assert limits["memory_floor_ms"] > 0 and limits["matmul_64_ms"] > 0
+    assert limits["matmul_ceiling_64_tok_s"] == pytest.approx(64e3 / limits["matmul_64_ms"])
+    printed = capsys.readouterr().out
+    ratio = strict["output_throughput"] / limits["matmul_ceiling_64_tok_s"] * 100
+    assert f"= {ratio:.0f}% of the 64-row matmul ceiling" in printed
+    assert f"= {strict['median_itl_ms'] / limits['memory_floor_ms']:.2f}x the memory floor" in printed
     assert "input_lens" not in strict and "p99_ttft_ms" in strict and "p99_e2el_ms" not in strict
     srv.wait_idle()
 
