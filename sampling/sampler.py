@@ -163,11 +163,11 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
     of them, or their mass past top-p); any other row over the whole vocabulary (sorting it
     when truncated). Which way a row goes depends on that row alone, so a seeded row draws
     the same token whatever else is in the batch. Both by inverse CDF: one uniform a row."""
-    probs = logits.softmax(dim=-1)
-    vocab = probs.shape[-1]
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    vocab = logits.shape[-1]
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     full = ~meta.truncated
     if meta.any_truncated:
+        probs = logits.softmax(dim=-1)
         k = min(vocab, CANDIDATES)
         cand, cand_ids = probs.topk(k, dim=-1)
         threshold = cand[:, 0] * meta.min_p
@@ -196,6 +196,8 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
         full = ~exact
     rows = full.nonzero()[:, 0]
     if rows.numel():
+        if rows.numel() == logits.shape[0]:  # every row: a view, not a copy (12 MB at 64 rows)
+            rows = slice(None)
         sub = logits[rows]
         if meta.need_min_p:
             sub = apply_min_p(sub, meta.min_p[rows])
