@@ -3,7 +3,8 @@
 Each step every running request gets the tokens it still lacks (one for a decode, a chunk
 for a prompt); then swapped-out requests come back; then, once none is left swapped out,
 waiting requests are admitted first come, first served while the budget, the sequence limit
-and the KV pool allow. When a running request cannot get a block, the newest running request
+and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting request can start
+leaves the decodes out (the next step always has them). When a running request cannot get a block, the newest running request
 is preempted: its blocks go to the CPU swap space when there is room (mode "swap"), else they
 are freed and the request is recomputed from its tokens later."""
 
@@ -55,6 +56,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+def _decoding(req: Request) -> bool:
+    """One token to go: a decode (a prompt's or a recompute's chunks are more)."""
+    return req.num_tokens - req.num_computed_tokens == 1
 
 
 class Scheduler:
@@ -122,7 +128,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0 or (skip_decodes and req.num_computed_tokens >= req.num_prompt_tokens):
+            if num_new <= 0 or (skip_decodes and _decoding(req)):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -138,9 +144,13 @@ class Scheduler:
         return budget, preempted_any
 
     def _prompts_can_start(self) -> bool:
-        """A waiting request could be admitted this step and a running one is decoding (so
-        that deferring the decodes has something to give way to)."""
-        if self.swapped or not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+        """A waiting request could be admitted this step, with budget left after the running
+        prompts' chunks, and a running one is decoding (so that deferring the decodes has
+        something to give way to)."""
+        if self.swapped or not any(_decoding(r) for r in self.running):
+            return False
+        chunks = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not _decoding(r))
+        if chunks >= self.config.max_num_batched_tokens:
             return False
         for req in self.waiting:
             if req.status != RequestStatus.WAITING_FOR_GRAMMAR:

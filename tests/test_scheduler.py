@@ -79,6 +79,19 @@ def test_prompts_first_leaves_the_decodes_for_one_step_at_most():
     assert steps(fake_step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
     sched.add_request(make("e", 5, max_tokens=20))  # past max_num_seqs: cannot start, nothing waits
     assert steps(fake_step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    long = make_scheduler(budget=64, max_seqs=4, prompts_first=True)
+    long.add_request(make("a", 10, max_tokens=20))
+    fake_step(long)
+    long.add_request(make("c", 400, max_tokens=20))
+    long.add_request(make("d", 5, max_tokens=20))
+    assert steps(fake_step(long)) == [("c", 64)]  # c starts; a waits one step
+    for _ in range(3):  # c's chunks fill the budget, so d cannot start: a decodes every step
+        assert [r for r, _ in steps(fake_step(long))] == ["a", "c"]
+    tight = make_scheduler(num_blocks=3, budget=64, max_seqs=4, prompts_first=True)
+    tight.add_request(make("a", 10, max_tokens=20))
+    fake_step(tight)
+    tight.add_request(make("b", 40, max_tokens=20))  # needs 3 blocks where 2 are free (1 kept for a)
+    assert steps(fake_step(tight)) == [("a", 1)]  # b cannot start after all: a decodes at once
     mixed = make_scheduler(budget=64, max_seqs=4)  # the default: decodes and prompts together
     mixed.add_request(make("a", 10, max_tokens=20))
     fake_step(mixed)
