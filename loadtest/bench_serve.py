@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import time
 from datetime import datetime
 
@@ -147,6 +148,29 @@ def result_path(cfg: Settings, model: str, date: str) -> str:
     return name
 
 
+def measure_limits(model: str | None, itls: list[float], output_tok_s: float) -> dict | None:
+    """This machine's limits for `model` (None: the default model), loaded here once the
+    server is idle, printed against the run's ITL p50 and output rate; None, with the reason
+    printed, where they could not be measured (the run's own results are kept either way)."""
+    from pageserve.loadtest import machine_limits  # torch: only here, the client needs none
+    from pageserve.runtime import LLM
+
+    try:
+        # the matmuls need no KV cache to speak of
+        llm = LLM(model=model, kv_cache_memory=0.05, max_model_len=32)
+        try:
+            limits = machine_limits.limits(llm)
+        finally:
+            llm.engine.shutdown()
+    except Exception as e:  # noqa: BLE001 - a failed measurement must not lose the run
+        print(f"machine limits not measured: {e!r}")
+        return None
+    itl_p50_ms = statistics.median(itls) * 1e3 if itls else float("nan")
+    for line in machine_limits.serve_summary(limits, itl_p50_ms, output_tok_s):
+        print(line)
+    return limits
+
+
 def main(ns: argparse.Namespace) -> dict:
     cfg = resolve(ns)
     model, tokenizer_id, _, outs, duration = asyncio.run(run(cfg))
@@ -161,19 +185,9 @@ def main(ns: argparse.Namespace) -> dict:
     print_report(result, cfg.percentile_metrics, cfg.metric_percentiles)
     for o in [o for o in outs if not o.success][:10]:
         print(f"error: {o.error}")
-    if cfg.machine_limits is not None:  # torch only here: the client itself does not need it
-        from pageserve.loadtest import machine_limits
-        from pageserve.runtime import LLM
-
-        # the server is idle by now; the matmuls need no more than a small KV cache
-        llm = LLM(model=cfg.machine_limits or None, kv_cache_memory=0.05, max_model_len=256)
-        try:
-            result["limits"] = machine_limits.limits(llm)
-        finally:
-            llm.engine.shutdown()
-        for line in machine_limits.serve_summary(result["limits"], result["median_itl_ms"],
-                                                 result["output_throughput"]):
-            print(line)
+    if cfg.machine_limits is not None:
+        result["limits"] = measure_limits(cfg.machine_limits or None, metric_values(outs)["itl"],
+                                          result["output_throughput"])
     path = result_path(cfg, model, date) if cfg.save_result else None
     png = cfg.output_png if cfg.output_png is not None else (
         os.path.splitext(path)[0] + ".png" if path else "")

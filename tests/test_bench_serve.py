@@ -354,3 +354,8 @@ def test_the_cli_with_pageserves_older_flags_streams_chat_and_plots(srv, tmp_pat
     assert r["request_goodput"] == r["request_throughput"] and "input_lens" not in r
     assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
     srv.wait_idle()
+
+
+def test_machine_limits_that_cannot_be_measured_leave_the_run_alone(tmp_path, capsys):
+    assert bench_serve.measure_limits(str(tmp_path / "no-such-model"), [0.01], 1.0) is None
+    assert "machine limits not measured" in capsys.readouterr().out
