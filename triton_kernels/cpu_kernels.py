@@ -128,7 +128,7 @@ class CpuKernels:
         if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt, out_features,
                                       weight.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                       out_features):
-            raise MemoryError("cpu linear: no memory to widen the weight's blocks")
+            raise MemoryError("cpu linear: no memory for its scratch (widened weights, panels of x)")
         return out
 
     def widen(self, weight: torch.Tensor) -> torch.Tensor:
