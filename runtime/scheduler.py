@@ -4,9 +4,10 @@ Each step every running request gets the tokens it still lacks (one for a decode
 for a prompt); then swapped-out requests come back; then, once none is left swapped out,
 waiting requests are admitted first come, first served while the budget, the sequence limit
 and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting request can start
-leaves the decodes out (the next step always has them). When a running request cannot get a block, the newest running request
-is preempted: its blocks go to the CPU swap space when there is room (mode "swap"), else they
-are freed and the request is recomputed from its tokens later."""
+leaves the decodes out (the next step always has them). When a running request cannot get a
+block, the newest running request is preempted: its blocks go to the CPU swap space when there
+is room (mode "swap"), else they are freed and the request is recomputed from its tokens
+later."""
 
 from __future__ import annotations
 
