@@ -13,12 +13,16 @@ from tests.conftest import assert_pool_clean
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def generate(model_dir, device: str, backend: str, block_size: int) -> tuple[list[list[int]], LLM]:
+SHARED = list(range(3, 60))
+PROMPTS = [[5, 6, 7], list(range(10, 100)), SHARED + [70, 71], SHARED + [80], [9] * 33]
+
+
+def generate(model_dir, device: str, backend: str, block_size: int, prompts=PROMPTS,
+             max_tokens: int = 12) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend,
-              block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, seed=0)
-    shared = list(range(3, 60))
-    prompts = [[5, 6, 7], list(range(10, 100)), shared + [70, 71], shared + [80], [9] * 33]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+              block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, max_num_seqs=len(PROMPTS),
+              seed=0)  # the sequence limit keeps the engine's warm-up step (interpreted) small
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -47,11 +51,14 @@ def test_triton_backend_without_cuda_or_interpreter_is_refused(monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
     """The MoE feed-forward through the Triton fused_moe (q/k norms and the shared expert
-    through the Triton rms_norm and matmuls), against the torch backend's tokens."""
+    through the Triton rms_norm and matmuls), against the torch backend's tokens: a prompt
+    chunked past the step's budget beside a short one, then decodes of both (the prefix cache
+    and the block sizes are the test above's and the kernels' own)."""
     from pageserve.loadtest.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / arch, arch=arch)
-    want, _ = generate(model_dir, device, "torch", 16)
-    got, llm = generate(model_dir, device, "triton", 16)
+    prompts = PROMPTS[:2]
+    want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
+    got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     assert llm.engine.runner.kernels.ops.fused_moe.__module__ == "pageserve.triton_kernels.fused_moe"
     assert got == want
