@@ -207,6 +207,30 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (6, 2)])
+def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads):
+    """One or two requests (fewer items than twice the threads: each context is cut into
+    pieces, then merged) get torch's attention; contexts shorter than the pieces leave some
+    empty."""
+    from pageserve.triton_kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(heads)
+    block_size, d = 16, 64
+    caches = [torch.randn(60, kv_heads, block_size, d, generator=gen) for _ in range(2)]
+    bt = torch.randperm(60, generator=gen).int()[:54].reshape(2, 27)
+    for lens in ([1], [2], [3], [17], [400], [1, 5], [130, 333], [429, 2]):
+        n = len(lens)
+        sl = torch.tensor([int(bt[i, (L - 1) // block_size]) * block_size + (L - 1) % block_size
+                           for i, L in enumerate(lens)], dtype=torch.int64)
+        q = torch.randn(n, heads, d, generator=gen)
+        k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt[:n], lens_t, 0.125)
+        want = torch_ops.paged_attention(q, caches[0], caches[1], bt[:n], torch.arange(n + 1, dtype=torch.int32),
+                                         lens_t, 0.125)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), lens
+
+
 def test_silu_is_accurate_over_the_whole_range(kernel):
     """The vectorised exp: within a few float32 ulp of float64 SiLU from -100 to 100, and
     finite at the ends (no overflow into inf or nan)."""

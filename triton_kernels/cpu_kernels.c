@@ -6,6 +6,11 @@
    interpreter's time between ~300 kernel calls a step was a third of one stream's step). */
 
 #include "cpu_kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+#endif
 
 /* ---- the small ops of a decoder layer: one call each instead of 3-20 torch ops ---- */
 
@@ -135,26 +140,32 @@ static inline __m128 dot4(const float *q, const float *k, long D) {
 #endif
 
 /* The attention of one request's G query heads (q: G rows of D) that share one KV head
-   (k, v: that head's rows in block 0 of the cache; a block is `tok` floats) over its L cached
-   positions. s: scratch of G * L floats; acc: G rows of D out. */
-static void decode_item(const float *q, const float *k, const float *v, const int32_t *bt, long L,
-                        long G, long D, long block_size, long tok, float scale, float *s, float *acc) {
+   (k, v: that head's rows in block 0 of the cache; a block is `tok` floats) over its cached
+   positions j0..j1-1. s: scratch of G * (j1 - j0) floats; acc: G rows of D out. With mx and
+   sm NULL, acc is the attention (the probabilities normalised before P V); else a piece of
+   it: acc unnormalised (sum of exp(s - mx) v), mx the largest score and sm the sum of the
+   exponentials of each head, for merge_pieces. */
+static void attend_range(const float *q, const float *k, const float *v, const int32_t *bt, long j0, long j1,
+                         long G, long D, long block_size, long tok, float scale, float *s, float *acc,
+                         float *mx_out, float *sm_out) {
     float mx[64], sum[64]; /* G <= 64 */
+    long L = j1 - j0;
     for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
-    for (long j0 = 0; j0 < L; j0 += block_size) { /* scores, a cache block at a time: s[g * L + j] */
-        const float *kb = k + (long)bt[j0 / block_size] * tok;
-        long n = L - j0 < block_size ? L - j0 : block_size;
+    for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time: s[g * L + j - j0] */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
+        const float *kb = k + (long)bt[j / block_size] * tok + off * D;
         for (long g = 0; g < G; g++) {
             const float *qg = q + g * D;
-            float *sg = s + g * L + j0;
-            long j = 0;
+            float *sg = s + g * L + (j - j0);
+            long i = 0;
 #ifdef PS_AVX2
             if (D % 8 == 0)
-                for (; j + 4 <= n; j += 4)
-                    _mm_storeu_ps(sg + j, _mm_mul_ps(dot4(qg, kb + j * D, D), _mm_set1_ps(scale)));
+                for (; i + 4 <= n; i += 4)
+                    _mm_storeu_ps(sg + i, _mm_mul_ps(dot4(qg, kb + i * D, D), _mm_set1_ps(scale)));
 #endif
-            for (; j < n; j++) sg[j] = dot(qg, kb + j * D, D) * scale;
+            for (; i < n; i++) sg[i] = dot(qg, kb + i * D, D) * scale;
         }
+        j += n;
     }
     for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
         float *sg = s + g * L;
@@ -173,33 +184,108 @@ static void decode_item(const float *q, const float *k, const float *v, const in
             sg[j] = expf(sg[j] - mx[g]);
             sum[g] += sg[j];
         }
+        if (mx_out != NULL) { /* a piece: merge_pieces normalises */
+            mx_out[g] = mx[g];
+            sm_out[g] = sum[g];
+            continue;
+        }
         float inv = 1.0f / sum[g];
         for (j = 0; j < L; j++) sg[j] *= inv;
     }
     for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
-    for (long j0 = 0; j0 < L; j0 += block_size) { /* out += P V, a cache block at a time: each V row */
-        const float *vb = v + (long)bt[j0 / block_size] * tok; /* is read from memory once for the G heads */
-        long n = L - j0 < block_size ? L - j0 : block_size;
+    for (long j = j0; j < j1;) { /* out += P V, a run of one cache block at a time: each V row */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
+        const float *vb = v + (long)bt[j / block_size] * tok + off * D; /* is read from memory once for the G heads */
         for (long g = 0; g < G; g++) {
-            const float *pg = s + g * L + j0;
+            const float *pg = s + g * L + (j - j0);
             float *ag = acc + g * D;
             long d0 = 0;
 #ifdef PS_AVX2
-            for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the block */
+            for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the run */
                 __m256 o[8];
                 for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + d0 + 8 * r);
-                for (long j = 0; j < n; j++) {
-                    __m256 p = _mm256_set1_ps(pg[j]);
-                    const float *vr = vb + j * D + d0;
+                for (long i = 0; i < n; i++) {
+                    __m256 p = _mm256_set1_ps(pg[i]);
+                    const float *vr = vb + i * D + d0;
                     for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * r), o[r]);
                 }
                 for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
             }
 #endif
             if (d0 < D) /* the rest of the head (all of it without AVX2) */
-                for (long j = 0; j < n; j++) axpy(ag + d0, pg[j], vb + j * D + d0, D - d0);
+                for (long i = 0; i < n; i++) axpy(ag + d0, pg[i], vb + i * D + d0, D - d0);
         }
+        j += n;
     }
+}
+
+/* One token's G heads from its P pieces (part: P records of G * D sums, G maxima, G sums of
+   exponentials, as attend_range leaves them; an empty piece has sum 0) into out. */
+static void merge_pieces(const float *part, long P, long G, long D, float *out) {
+    long rec = G * D + 2 * G;
+    for (long g = 0; g < G; g++) {
+        float m = -INFINITY, den = 0.0f;
+        for (long p = 0; p < P; p++) {
+            const float *r = part + p * rec;
+            if (r[G * D + G + g] > 0.0f && r[G * D + g] > m) m = r[G * D + g];
+        }
+        for (long i = 0; i < D; i++) out[g * D + i] = 0.0f;
+        for (long p = 0; p < P; p++) {
+            const float *r = part + p * rec;
+            if (!(r[G * D + G + g] > 0.0f)) continue;
+            float c = expf(r[G * D + g] - m);
+            den += c * r[G * D + G + g];
+            axpy(out + g * D, c, r + g * D, D);
+        }
+        float inv = 1.0f / den;
+        for (long i = 0; i < D; i++) out[g * D + i] *= inv;
+    }
+}
+
+/* A decode step of fewer (token, KV head) items than twice the threads (one stream: 3 on 2
+   threads, one of them doing two thirds of the work): each item's context is cut into P
+   pieces, P chosen so that the pieces share out evenly, then each token's pieces merged.
+   Returns 1 where scratch memory could not be had. */
+static int decode_pieces(const float *q, long ld_q, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
+                         long Hkv, long D, long block_size, float scale, long threads, float *out) {
+    long G = H / Hkv, tok = Hkv * block_size * D, rec = G * D + 2 * G, P = (4 * threads + B * Hkv - 1) / (B * Hkv);
+    while ((B * Hkv * P) % threads) P++;
+    long max_piece = 1;
+    for (long b = 0; b < B; b++) max_piece = (seq_lens[b] + P - 1) / P > max_piece ? (seq_lens[b] + P - 1) / P : max_piece;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(B * Hkv * P * rec));
+    if (part == NULL) return 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(max_piece * G));
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < B * Hkv * P; item++) {
+            long b = item / (Hkv * P), hk = item / P % Hkv, L = seq_lens[b], len = (L + P - 1) / P;
+            long j0 = item % P * len, j1 = j0 + len < L ? j0 + len : L;
+            float *r = part + item * rec;
+            if (s == NULL) continue;
+            if (j0 >= j1) { /* past a short context: an empty piece */
+                for (long g = 0; g < G; g++) r[G * D + G + g] = 0.0f;
+                continue;
+            }
+            attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                         block_tables + b * ld_bt, j0, j1, G, D, block_size, tok, scale, s, r, r + G * D,
+                         r + G * D + G);
+        }
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long bh = 0; bh < B * Hkv; bh++)
+                merge_pieces(part + bh * P * rec, P, G, D, out + bh / Hkv * H * D + bh % Hkv * G * D);
+        }
+        free(s);
+    }
+    free(part);
+    return failed;
 }
 
 /* The index of each row's largest value, the first of equal ones (torch.argmax's answer):
@@ -289,6 +375,10 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
             }
         }
     }
+    long threads = omp_get_max_threads();
+    if (query_start_loc == NULL && T * Hkv < 2 * threads)
+        return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
+                             scale, threads, out);
     int failed = 0;
 #pragma omp parallel if (T * Hkv > 1)
     {
@@ -312,8 +402,9 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
                 b = lo;
                 L = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);
             }
-            decode_item(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
-                        block_tables + b * ld_bt, L, G, D, block_size, tok, scale, s, out + t * H * D + hk * G * D);
+            attend_range(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                         block_tables + b * ld_bt, 0, L, G, D, block_size, tok, scale, s, out + t * H * D + hk * G * D,
+                         NULL, NULL);
         }
         free(s);
     }
