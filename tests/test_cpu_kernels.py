@@ -207,19 +207,25 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4), (6, 2)])
-def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads):
-    """One or two requests (fewer items than twice the threads: each context is cut into
-    pieces, then merged) get torch's attention; contexts shorter than the pieces leave some
-    empty."""
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (2, 1, 24)])
+def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
+    """One or two requests, fewer (request, KV head) items than twice the threads: each context
+    is cut into pieces, then merged. Torch's attention; contexts shorter than the pieces leave
+    some empty; heads of 40 and 24 floats take the scalar tails."""
     from pageserve.triton_kernels import torch_ops
 
+    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
+    if threads < 2:
+        pytest.skip("one thread: no pieces")
     gen = torch.Generator().manual_seed(heads)
-    block_size, d = 16, 64
+    block_size = 16
     caches = [torch.randn(60, kv_heads, block_size, d, generator=gen) for _ in range(2)]
     bt = torch.randperm(60, generator=gen).int()[:54].reshape(2, 27)
+    checked = 0
     for lens in ([1], [2], [3], [17], [400], [1, 5], [130, 333], [429, 2]):
         n = len(lens)
+        if n * kv_heads >= 2 * threads:  # the whole-context items (the test above)
+            continue
         sl = torch.tensor([int(bt[i, (L - 1) // block_size]) * block_size + (L - 1) % block_size
                            for i, L in enumerate(lens)], dtype=torch.int64)
         q = torch.randn(n, heads, d, generator=gen)
@@ -229,6 +235,8 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads):
         want = torch_ops.paged_attention(q, caches[0], caches[1], bt[:n], torch.arange(n + 1, dtype=torch.int32),
                                          lens_t, 0.125)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), lens
+        checked += 1
+    assert checked >= 5
 
 
 def test_silu_is_accurate_over_the_whole_range(kernel):

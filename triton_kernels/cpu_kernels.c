@@ -219,25 +219,28 @@ static void attend_range(const float *q, const float *k, const float *v, const i
     }
 }
 
+#define EMPTY_PIECE (-1.0f) /* the sum of an empty piece's exponentials (a real one is >= 0, or NaN) */
+
 /* One token's G heads from its P pieces (part: P records of G * D sums, G maxima, G sums of
-   exponentials, as attend_range leaves them; an empty piece has sum 0) into out. */
+   exponentials, as attend_range leaves them; an empty piece's sum is EMPTY_PIECE) into out.
+   A NaN in a piece comes through, as in the whole-context item. */
 static void merge_pieces(const float *part, long P, long G, long D, float *out) {
     long rec = G * D + 2 * G;
     for (long g = 0; g < G; g++) {
         float m = -INFINITY, den = 0.0f;
         for (long p = 0; p < P; p++) {
             const float *r = part + p * rec;
-            if (r[G * D + G + g] > 0.0f && r[G * D + g] > m) m = r[G * D + g];
+            if (r[G * D + G + g] != EMPTY_PIECE && r[G * D + g] > m) m = r[G * D + g];
         }
         for (long i = 0; i < D; i++) out[g * D + i] = 0.0f;
         for (long p = 0; p < P; p++) {
             const float *r = part + p * rec;
-            if (!(r[G * D + G + g] > 0.0f)) continue;
+            if (r[G * D + G + g] == EMPTY_PIECE) continue;
             float c = expf(r[G * D + g] - m);
             den += c * r[G * D + G + g];
             axpy(out + g * D, c, r + g * D, D);
         }
-        float inv = 1.0f / den;
+        float inv = den == 0.0f ? 0.0f : 1.0f / den; /* no position at all: zeros, as a whole item gives */
         for (long i = 0; i < D; i++) out[g * D + i] *= inv;
     }
 }
@@ -270,7 +273,7 @@ static int decode_pieces(const float *q, long ld_q, const float *k_cache, const 
             float *r = part + item * rec;
             if (s == NULL) continue;
             if (j0 >= j1) { /* past a short context: an empty piece */
-                for (long g = 0; g < G; g++) r[G * D + G + g] = 0.0f;
+                for (long g = 0; g < G; g++) r[G * D + G + g] = EMPTY_PIECE;
                 continue;
             }
             attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
@@ -354,7 +357,9 @@ int pageserve_vectorized(void) {
    block_tables: [B, ld_bt] int32; out: [T, H, D] contiguous. A work item is one token's G =
    H / Hkv query heads that share a KV head: their K/V rows are read once from memory. A prompt
    chunk's tokens are items of their own, so the triangle above the causal diagonal is never
-   computed (torch's SDPA with a mask computes the whole square). */
+   computed (torch's SDPA with a mask computes the whole square). A decode step of fewer items
+   than twice the threads cuts each context into pieces instead (decode_pieces): the same
+   arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item. */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                               float *k_cache, float *v_cache, const int64_t *slots, long T,
                               const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
@@ -376,7 +381,7 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
         }
     }
     long threads = omp_get_max_threads();
-    if (query_start_loc == NULL && T * Hkv < 2 * threads)
+    if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
                              scale, threads, out);
     int failed = 0;
