@@ -112,7 +112,7 @@ class Scheduler:
                 self._admit_waiting(budget, scheduled)
         if defer and not scheduled and not preempted_any:  # no prompt could start after all
             defer = False
-            budget, _ = self._schedule_running(budget, scheduled, out, skip_decodes=False)
+            self._schedule_running(budget, scheduled, out, skip_decodes=False)
         self._deferred = defer
 
         for req, num_new in scheduled:

@@ -20,7 +20,7 @@ PROMPTS = [[5, 6, 7], list(range(10, 100)), SHARED + [70, 71], SHARED + [80], [9
 def generate(model_dir, device: str, backend: str, block_size: int, prompts=PROMPTS,
              max_tokens: int = 12) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend,
-              block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, max_num_seqs=len(PROMPTS),
+              block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, max_num_seqs=len(prompts),
               seed=0)  # the sequence limit keeps the engine's warm-up step (interpreted) small
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
