@@ -254,26 +254,54 @@ static void tile(const float *x, long R, long K, long ldx, const void *wt, int w
 }
 
 #ifdef PS_AVX2
-/* one row of x: each weight row read front to back, four accumulators */
+/* one row of x: each weight row read front to back into four accumulators (a: 32 floats of
+   the row a step), finished the same way by every path below, so each output's sum is the
+   same to the bit whichever path took it */
+#define ROW_STEP(a, w, k, LOAD)                                                                         \
+    a[0] = _mm256_fmadd_ps(LOAD((w) + (k)), _mm256_loadu_ps(x + (k)), a[0]);                            \
+    a[1] = _mm256_fmadd_ps(LOAD((w) + (k) + 8), _mm256_loadu_ps(x + (k) + 8), a[1]);                    \
+    a[2] = _mm256_fmadd_ps(LOAD((w) + (k) + 16), _mm256_loadu_ps(x + (k) + 16), a[2]);                  \
+    a[3] = _mm256_fmadd_ps(LOAD((w) + (k) + 24), _mm256_loadu_ps(x + (k) + 24), a[3]);
+/* the columns past the last whole 32 of one row, and its sum (+ bias) */
+#define ROW_END(a, w, o, LOAD, W16)                                                                    \
+    {                                                                                                   \
+        long k = k32;                                                                                   \
+        for (; k < k8; k += 8) a[0] = _mm256_fmadd_ps(LOAD((w) + k), _mm256_loadu_ps(x + k), a[0]);    \
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));           \
+        for (; k < K; k++) s += wval(w, k, W16) * x[k];                                                 \
+        y[o] = s + (bias ? bias[o] : 0.0f);                                                             \
+    }
+/* Rows o0..o1-1. Four rows a quarter of the piece apart are read together: four streams from
+   memory at once where one row at a time is one (the bfloat16 copy of the default model's
+   matrices, 269 MB at one row on a 2-core EPYC: 14-17.6 -> 11.5-13 ms, a plain read of the
+   same bytes in four streams a thread 11.6-15.7). The rest one at a time, prefetched. */
 #define ROW1(NAME, WT, LOAD)                                                                            \
     static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
                      float *y) {                                                                        \
-        long k32 = K & ~31L, k8 = K & ~7L;                                                              \
-        for (long o = o0; o < o1; o++) {                                                                \
-            const WT *w = W + o * ldw;                                                                  \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                 \
-            long k = 0;                                                                                 \
-            for (; k < k32; k += 32) {                                                                  \
-                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                            \
-                a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);                          \
-                a1 = _mm256_fmadd_ps(LOAD(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                  \
-                a2 = _mm256_fmadd_ps(LOAD(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                \
-                a3 = _mm256_fmadd_ps(LOAD(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                \
+        long k32 = K & ~31L, k8 = K & ~7L, q = (o1 - o0) / 4;                                           \
+        for (long o = o0; o < o0 + q; o++) {                                                            \
+            const WT *w[4];                                                                             \
+            __m256 a[4][4];                                                                             \
+            for (int r = 0; r < 4; r++) {                                                               \
+                w[r] = W + (o + r * q) * ldw;                                                           \
+                for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_ps();                              \
             }                                                                                           \
-            for (; k < k8; k += 8) a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);       \
-            float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
-            for (; k < K; k++) s += wval(w, k, sizeof(WT) == 2) * x[k];                                 \
-            y[o] = s + (bias ? bias[o] : 0.0f);                                                         \
+            for (long k = 0; k < k32; k += 32) {                                                        \
+                ROW_STEP(a[0], w[0], k, LOAD)                                                           \
+                ROW_STEP(a[1], w[1], k, LOAD)                                                           \
+                ROW_STEP(a[2], w[2], k, LOAD)                                                           \
+                ROW_STEP(a[3], w[3], k, LOAD)                                                           \
+            }                                                                                           \
+            for (int r = 0; r < 4; r++) ROW_END(a[r], w[r], o + r * q, LOAD, sizeof(WT) == 2)            \
+        }                                                                                               \
+        for (long o = o0 + 4 * q; o < o1; o++) {                                                        \
+            const WT *w = W + o * ldw;                                                                  \
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            for (long k = 0; k < k32; k += 32) {                                                        \
+                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                            \
+                ROW_STEP(a, w, k, LOAD)                                                                 \
+            }                                                                                           \
+            ROW_END(a, w, o, LOAD, sizeof(WT) == 2)                                                     \
         }                                                                                               \
     }
 ROW1(row1, float, load_f32)
