@@ -29,7 +29,12 @@ def test_default_model_is_found_without_importing_its_package():
 
 
 def test_gguf_is_converted_once(tmp_path, monkeypatch):
-    gguf = loader.default_model_path()
+    """A small GGUF file (the default model's conversion, 39 s, happens in the first test
+    that loads the default model)."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from tests.test_gguf_gemma import write_gguf
+
+    gguf = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama"), tmp_path / "tiny.gguf", "llama")
     link = tmp_path / "model.gguf"
     link.symlink_to(gguf)
     monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
@@ -37,7 +42,8 @@ def test_gguf_is_converted_once(tmp_path, monkeypatch):
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert out.is_relative_to(tmp_path / "cache")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 2
+    assert (out / loader.GGUF_SOURCE).read_text() == str(link.resolve())
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     t = time.monotonic()
     assert resolve_model(str(link)) == out
