@@ -1,7 +1,10 @@
 """The machine limits `pageserve bench offline` prints beside its figures: the bytes one decode
 step reads, the floor they set, the matmul time at 1 and 64 rows and the engine's own step."""
 
+import json
+
 import pytest
+import torch
 
 from pageserve.loadtest import machine_limits
 from pageserve.runtime import LLM
@@ -50,3 +53,23 @@ def test_null_model_engine_bench(tiny_model_dir):
     r = bench_engine.main(args)
     assert r["num_seqs"] == 8 and len(r["rounds"]) == 1
     assert r["rounds"][0]["steps"] >= 12 and r["p50_ms"] > 0
+
+
+def test_bf16_copy_rounds_every_weight_and_names_no_gguf(tmp_path):
+    """The benchmarks' bfloat16 copy: each floating-point tensor rounded to bfloat16, the
+    config saying so, and no GGUF source left to make the engine read Q4_1 blocks instead."""
+    from safetensors.torch import load_file
+
+    from pageserve.loadtest.bf16_copy import bf16_copy
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from pageserve.runtime.models.loader import GGUF_SOURCE
+
+    src = build_tiny_model(tmp_path / "src")
+    (src / GGUF_SOURCE).write_text("/nowhere/model.gguf")
+    out = bf16_copy(src, tmp_path / "out")
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and len(after) > 4
+    for name, t in after.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, before[name].to(torch.bfloat16)), name
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert not (out / GGUF_SOURCE).exists() and (out / "tokenizer.json").is_file()
