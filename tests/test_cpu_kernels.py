@@ -168,17 +168,20 @@ def test_small_ops_match_torch_ops(kernel, tokens):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96),
                                                     (8, 2, 128)])
-@pytest.mark.parametrize("step", ["decode", "mixed"])
+@pytest.mark.parametrize("step", ["decode", "decodes", "mixed"])
 def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step):
     """Over scattered blocks, the new K/V written at their slots first. decode: one token per
-    request at ragged context lengths (paged_decode); mixed: prompt chunks (from the start,
-    after cached context, one token long) beside decodes, causal in each chunk."""
+    request at ragged context lengths (paged_decode), one KV head a work item; decodes: enough
+    requests (at 2 threads) for a token's every KV head to be one item; mixed: prompt chunks
+    (from the start, after cached context, one token long) beside decodes, causal in each
+    chunk."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 10 + head_dim)
     block_size, num_blocks = 16, 60
     # (context before the step, tokens in the step)
     reqs = ([(n - 1, 1) for n in (1, 16, 17, 33, 100, 5)] if step == "decode" else
+            [(n - 1, 1) for n in (1, 16, 17, 33, 100, 5, 2, 64, 48, 9)] if step == "decodes" else
             [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (0, 1), (63, 70)])
     caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
     order = torch.randperm(num_blocks, generator=gen).tolist()
@@ -199,7 +202,7 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
     want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
-    if step == "decode":
+    if step != "mixed":
         got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
     else:
         got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3, qsl)
