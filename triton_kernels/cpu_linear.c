@@ -272,9 +272,10 @@ static void tile(const float *x, long R, long K, long ldx, const void *wt, int w
         y[o] = s + (bias ? bias[o] : 0.0f);                                                             \
     }
 /* Rows o0..o1-1. Four rows a quarter of the piece apart are read together: four streams from
-   memory at once where one row at a time is one (the bfloat16 copy of the default model's
-   matrices, 269 MB at one row on a 2-core EPYC: 14-17.6 -> 11.5-13 ms, a plain read of the
-   same bytes in four streams a thread 11.6-15.7). The rest one at a time, prefetched. */
+   memory at once where one row at a time is one (a bfloat16 copy of the default model's
+   matrices, 269 MB at one row on a 2-core EPYC: 17.2-20.2 -> 14.5-17.5 ms; a plain read of
+   the same bytes made 14-17 GB/s in one stream a thread, 17-23 in four). The rest one at a
+   time, prefetched. */
 #define ROW1(NAME, WT, LOAD)                                                                            \
     static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
                      float *y) {                                                                        \
