@@ -24,7 +24,7 @@ from pageserve.runtime.models.loader import GGUF_SOURCE, resolve_model
 
 def bf16_copy(src: Path, out: Path) -> Path:
     """Every floating-point tensor of `src`'s safetensors in bfloat16 under `out`, with its
-    config (torch_dtype bfloat16) and tokenizer files; nothing that names a GGUF source."""
+    config (dtype bfloat16) and tokenizer files; nothing that names a GGUF source."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -42,6 +42,8 @@ def bf16_copy(src: Path, out: Path) -> Path:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = "bfloat16"
+    if "dtype" in cfg:  # transformers 5 writes and reads this one first
+        cfg["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 

@@ -172,7 +172,7 @@ def test_small_ops_match_torch_ops(kernel, tokens):
 def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step):
     """Over scattered blocks, the new K/V written at their slots first. decode: one token per
     request at ragged context lengths (paged_decode), one KV head a work item; decodes: enough
-    requests (at 2 threads) for a token's every KV head to be one item; mixed: prompt chunks
+    requests (on 2 threads) for a token's every KV head to be one item; mixed: prompt chunks
     (from the start, after cached context, one token long) beside decodes, causal in each
     chunk."""
     from pageserve.triton_kernels import torch_ops
@@ -203,7 +203,12 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
     want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, 0.3)
     if step != "mixed":
-        got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
+        threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
+        torch.set_num_threads(2 if step == "decodes" else threads)  # 10 decodes: 4 tokens a thread or more
+        try:
+            got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3)
+        finally:
+            torch.set_num_threads(threads)
     else:
         got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, 0.3, qsl)
     assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)

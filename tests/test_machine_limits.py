@@ -66,10 +66,13 @@ def test_bf16_copy_rounds_every_weight_and_names_no_gguf(tmp_path):
 
     src = build_tiny_model(tmp_path / "src")
     (src / GGUF_SOURCE).write_text("/nowhere/model.gguf")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "dtype": "float32", "torch_dtype": "float32"}))
     out = bf16_copy(src, tmp_path / "out")
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and len(after) > 4
     for name, t in after.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, before[name].to(torch.bfloat16)), name
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     assert not (out / GGUF_SOURCE).exists() and (out / "tokenizer.json").is_file()
