@@ -94,6 +94,23 @@ def test_blocks_refuse_a_wrong_size(kernel):
         kernel(torch.randn(1, 32), torch.zeros(4, 20, dtype=torch.uint8))  # bytes without a format
 
 
+def test_equal_rows_all_take_the_blocks_of_their_values(native_kernel, monkeypatch):
+    """A file row whose values several of our rows hold fills each of them; a matrix one of
+    whose rows no file row holds stays float32."""
+    from pageserve.runtime.models import weight_formats
+
+    raw = quantized("q8_0", 6, 64, seed=3)
+    values = native_kernel.widen(blocks(torch.from_numpy(raw), "q8_0", 64))
+    rows = [4, 0, 4, 2, 0, 4, 5]  # row 4 three times, row 0 twice; rows 1 and 3 nobody's
+    model = torch.nn.Sequential(torch.nn.Linear(64, 7, bias=False), torch.nn.Linear(64, 2, bias=False))
+    model[0].weight.data = values[rows].clone()
+    model[1].weight.data = torch.stack([values[2], values[2] + 1])  # its second row is in no file
+    monkeypatch.setattr(weight_formats, "gguf_block_tensors", lambda path: iter([("w", "q8_0", 64, raw)]))
+    saved = weight_formats.keep_gguf_blocks(model, Path("unused.gguf"), native_kernel)
+    assert getattr(model[0].weight, "block_format", None) == "q8_0" and model[1].weight.dtype == torch.float32
+    assert np.array_equal(model[0].weight.numpy(), raw[rows]) and saved == 7 * 64 * 4 - raw[rows].nbytes
+
+
 # the tiny Llama's tensors by GGUF name -> format; attn_v of layer 1 in another format than its
 # q and k, so that layer's fused q/k/v stays float32
 FORMATS = {"attn_q": "q4_1", "attn_k": "q4_1", "attn_v": "q4_1", "attn_output": "q4_1", "ffn_gate": "q4_0",

@@ -105,17 +105,22 @@ def gguf_block_tensors(path: Path):
         yield name, fmt, dims[0], data[start + offset:start + offset + row_bytes * dims[1]].reshape(dims[1], row_bytes)
 
 
-def _row_keys(values: np.ndarray) -> list[bytes]:
-    """A 128-bit key of each float32 row (an even number of columns): two sums, mod 2 ** 64,
-    of its bits as 64-bit words times odd random numbers (torch's int64 arithmetic wraps;
-    blake2b of every row took seconds on a 135M model, and a key of a sample of the columns
-    mixed up rows of a Q8_0 embedding). Rows that share a key but not their values would take
-    the wrong blocks; the final widen-and-compare then keeps that matrix float32."""
+# a row's key: two int64 words, compared (and sorted) as one 16-byte value
+_KEY = np.dtype([("a", "<i8"), ("b", "<i8")])
+
+
+def _row_keys(values: np.ndarray) -> np.ndarray:
+    """A 128-bit key of each float32 row (an even number of columns), as an array of `_KEY`: two
+    sums, mod 2 ** 64, of its bits as 64-bit words times odd random numbers (torch's int64
+    arithmetic wraps; blake2b of every row took seconds on a 135M model, and a key of a sample
+    of the columns mixed up rows of a Q8_0 embedding). Rows that share a key but not their
+    values would take the wrong blocks; the final widen-and-compare then keeps that matrix
+    float32."""
     gen = torch.Generator().manual_seed(0x9E3779B9)
     mix = torch.randint(-2 ** 62, 2 ** 62, (3, values.shape[1] // 2), generator=gen, dtype=torch.int64) | 1
     words = torch.from_numpy(values).view(torch.int64) ^ mix[2]  # salted: zero rows of other widths differ
     pair = torch.stack([(words * mix[0]).sum(dim=1), ((words ^ (words >> 17)) * mix[1]).sum(dim=1)], dim=1)
-    return [row.tobytes() for row in pair.numpy()]
+    return np.ascontiguousarray(pair.numpy()).view(_KEY).ravel()
 
 
 def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
@@ -123,22 +128,33 @@ def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
     in `gguf_path` becomes those blocks (cpu_kernels.blocks). `lib`: the C kernels, which
     widen. Returns the bytes saved."""
     owners = [m for m in matrix_owners(model) if m.weight.dtype == torch.float32 and m.weight.shape[1] % 32 == 0]
-    index: dict[bytes, list[tuple[int, int]]] = {}  # a row's values -> (owner, row) of each row holding them
-    for i, m in enumerate(owners):
-        for r, key in enumerate(_row_keys(m.weight.detach().numpy())):
-            index.setdefault(key, []).append((i, r))
+    if not owners:
+        return 0
+    # every row of ours, sorted by the first word of its key: a file row's matches are one range
+    # of it (most often one row; several where rows are equal), kept where the second word
+    # agrees too. Arrays, not a dict of 200k rows (2 s)
+    keys = np.concatenate([_row_keys(m.weight.detach().numpy()) for m in owners])
+    owner_of = np.concatenate([np.full(m.weight.shape[0], i) for i, m in enumerate(owners)])
+    row_of = np.concatenate([np.arange(m.weight.shape[0]) for m in owners])
+    order = np.argsort(keys["a"], kind="stable")
+    first, second = keys["a"][order], keys["b"][order]
     found: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}  # owner -> (format, its blocks, rows found)
     mixed: set[int] = set()
     for _, fmt, columns, mapped in gguf_block_tensors(gguf_path):
         raw = np.array(mapped)  # a copy: the file is mapped read-only
-        values = lib.widen(blocks(torch.from_numpy(raw), fmt, columns)).numpy()
-        hits: dict[int, tuple[list[int], list[int]]] = {}  # owner -> (its rows, the file's rows)
-        for r, key in enumerate(_row_keys(values)):
-            for i, row in index.get(key, ()):
-                ours, theirs = hits.setdefault(i, ([], []))
-                ours.append(row)
-                theirs.append(r)
-        for i, (ours, theirs) in hits.items():
+        file_keys = _row_keys(lib.widen(blocks(torch.from_numpy(raw), fmt, columns)).numpy())
+        lo = np.searchsorted(first, file_keys["a"], "left")
+        counts = np.searchsorted(first, file_keys["a"], "right") - lo
+        theirs = np.repeat(np.arange(len(file_keys)), counts)  # the file's row of each match
+        # the place in `first` of each match: its file row's lo, plus its place in that range
+        at = np.repeat(lo, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        same = second[at] == file_keys["b"][theirs]
+        theirs, at = theirs[same], at[same]
+        if not len(at):
+            continue
+        owner, ours = owner_of[order[at]], row_of[order[at]]
+        for i in np.unique(owner).tolist():
+            hit = owner == i
             entry = found.get(i)
             if entry is None:
                 rows = owners[i].weight.shape[0]
@@ -146,8 +162,8 @@ def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
             if entry[0] != fmt or entry[1].shape[1] != raw.shape[1]:
                 mixed.add(i)
                 continue
-            entry[1][ours] = raw[theirs]
-            entry[2][ours] = True
+            entry[1][ours[hit]] = raw[theirs[hit]]
+            entry[2][ours[hit]] = True
     saved = 0
     for i, (fmt, packed, rows_found) in found.items():
         m = owners[i]
