@@ -7,23 +7,23 @@ import triton
 import triton.language as tl
 
 
-# one token's q/k/cos/sin views report other token strides; head count and strides are fixed
+# one token's q/k/cos/sin views report other token strides; head counts and strides are fixed.
+# A program rotates one token's every head, q's then k's, as one block.
 @triton.jit(do_not_specialize=["stride_qt", "stride_kt", "stride_ct", "stride_st"])
-def _rotary_embedding_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, num_q_heads,
+def _rotary_embedding_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                             Q_HEADS: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                              HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < num_q_heads:
-        base = q_ptr + token * stride_qt + head.to(tl.int64) * stride_qh
-    else:
-        base = k_ptr + token * stride_kt + (head - num_q_heads).to(tl.int64) * stride_kh
-    d = tl.arange(0, HALF_PAD)
-    inside = d < HALF
+    head = tl.arange(0, HEADS_PAD)[:, None].to(tl.int64)
+    d = tl.arange(0, HALF_PAD)[None, :]
+    inside = (head < HEADS) & (d < HALF)
+    base = tl.where(head < Q_HEADS, q_ptr + token * stride_qt + head * stride_qh,
+                    k_ptr + token * stride_kt + (head - Q_HEADS) * stride_kh)
     dtype = q_ptr.dtype.element_ty
     # float32 arithmetic from the model-dtype cos/sin, one rounding at the store
-    cos = tl.load(cos_ptr + token * stride_ct + d, mask=inside).to(tl.float32)
-    sin = tl.load(sin_ptr + token * stride_st + d, mask=inside).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_ct + d, mask=d < HALF).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_st + d, mask=d < HALF).to(tl.float32)
     x1 = tl.load(base + d, mask=inside).to(tl.float32)
     x2 = tl.load(base + HALF + d, mask=inside).to(tl.float32)
     tl.store(base + d, (x1 * cos - x2 * sin).to(dtype), mask=inside)
@@ -40,6 +40,8 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
     if tokens == 0:
         return
-    _rotary_embedding_kernel[(tokens, num_q_heads + k.shape[1])](
-        q, k, cos, sin, num_q_heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), HALF=half, HALF_PAD=triton.next_power_of_2(half))
+    heads = num_q_heads + k.shape[1]
+    _rotary_embedding_kernel[(tokens,)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        Q_HEADS=num_q_heads, HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HALF=half,
+        HALF_PAD=triton.next_power_of_2(half))
