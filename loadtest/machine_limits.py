@@ -88,8 +88,10 @@ def matmul_time(kernels, weights: list[torch.Tensor], rows: int, dtype: torch.dt
     """Seconds for one pass of `rows` rows of `dtype` (the activations') through every matrix,
     on the engine's matmul path (best of `reps`). On the CPU, less the Python of one call per
     matrix, timed as the same pass over 32 x 32 matrices: 21 us a call, 2.6 ms of SmolLM2's 121
-    matrices at one row, which the engine's decode of one stream (the whole stack in one C call)
-    does not pay. On CUDA, launches overlap the device's work, and nothing is taken out."""
+    matrices at one row, which the engine's decode (the whole stack in one C call wherever the C
+    linear is chosen) does not pay; at least half the pass is kept, for models so small that
+    the calls are most of it (the tests' tiny one). On CUDA, launches overlap the device's work,
+    and nothing is taken out."""
     dev = weights[0].device
     xs = {in_features(w): torch.randn(rows, in_features(w), dtype=dtype, device=dev) for w in weights}
     t = _pass_time(kernels, weights, xs, reps)
@@ -97,7 +99,7 @@ def matmul_time(kernels, weights: list[torch.Tensor], rows: int, dtype: torch.dt
         return t
     small = torch.zeros(32, 32, dtype=weights[0].dtype if weights[0].is_floating_point() else dtype)
     calls = _pass_time(kernels, [small] * len(weights), {32: torch.randn(rows, 32, dtype=dtype)}, reps)
-    return t - calls
+    return max(t - calls, t / 2)
 
 
 def engine_decode(llm, streams: int, output_len: int = 64, prompt_len: int = 16) -> float:

@@ -94,10 +94,21 @@ def test_blocks_refuse_a_wrong_size(kernel):
         kernel(torch.randn(1, 32), torch.zeros(4, 20, dtype=torch.uint8))  # bytes without a format
 
 
-def test_equal_rows_all_take_the_blocks_of_their_values(native_kernel, monkeypatch):
+@pytest.mark.parametrize("collide", [False, True])
+def test_equal_rows_all_take_the_blocks_of_their_values(native_kernel, monkeypatch, collide):
     """A file row whose values several of our rows hold fills each of them; a matrix one of
-    whose rows no file row holds stays float32."""
+    whose rows no file row holds stays float32. `collide`: every key's first word made the
+    same, so that only the second tells rows apart."""
     from pageserve.runtime.models import weight_formats
+
+    if collide:
+        keys = weight_formats._row_keys
+
+        def first_words_alike(values):
+            k = keys(values)
+            k["a"] = 7
+            return k
+        monkeypatch.setattr(weight_formats, "_row_keys", first_words_alike)
 
     raw = quantized("q8_0", 6, 64, seed=3)
     values = native_kernel.widen(blocks(torch.from_numpy(raw), "q8_0", 64))

@@ -18,7 +18,8 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hidden", [(1, 64), (7, 96), (37, 128), (5, 200)])
+# rows a program (rms_norm.rows_per_program): 16 up to hidden 256, 2 at 2,000, 1 past 4,096
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (7, 96), (37, 128), (5, 200), (5, 2000), (3, 4100)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(device, dtype, tokens, hidden, with_residual):
     g = torch.Generator().manual_seed(tokens * hidden)
@@ -32,10 +33,11 @@ def test_rms_norm(device, dtype, tokens, hidden, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, inter", [(1, 64), (9, 100), (37, 256)])
-def test_silu_and_mul(device, dtype, tokens, inter):
+@pytest.mark.parametrize("tokens, inter, block", [(1, 64, 64), (9, 100, 64), (37, 256, 64), (7, 1536, 1024)])
+def test_silu_and_mul(device, dtype, tokens, inter, block):
+    """Blocks of 64 columns (16 rows a program) and of 1,024 (4 rows, a ragged second block)."""
     x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(device, dtype)
-    torch.testing.assert_close(silu_and_mul(x, block=64), reference.silu_and_mul(x), **TOL[dtype])
+    torch.testing.assert_close(silu_and_mul(x, block=block), reference.silu_and_mul(x), **TOL[dtype])
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 31), (3, 1000), (5, 4099)])

@@ -212,9 +212,10 @@ def test_rotary_embedding(device, dtype, heads):
     tokens = 19
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(device, dtype)
-    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
     q = q.view(tokens, num_heads, head_dim)
     k = k.view(tokens, num_kv_heads, head_dim)
+    original_v = v.clone()
     positions = torch.randint(0, 500, (tokens,), generator=g)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(512).float()[:, None] * inv_freq[None, :]
@@ -225,3 +226,4 @@ def test_rotary_embedding(device, dtype, heads):
     torch.testing.assert_close(q, want_q, **TOL[dtype])
     torch.testing.assert_close(k, want_k, **TOL[dtype])
     assert not torch.allclose(q, original_q, atol=0.1)  # rotated in place, through the view
+    assert torch.equal(v, original_v)  # the padded heads of a program (6 -> 8) touch nothing
