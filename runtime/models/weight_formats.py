@@ -152,7 +152,8 @@ def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
         theirs, at = theirs[same], at[same]
         if not len(at):
             continue
-        owner, ours = owner_of[order[at]], row_of[order[at]]
+        matched = order[at]
+        owner, ours = owner_of[matched], row_of[matched]
         for i in np.unique(owner).tolist():
             hit = owner == i
             entry = found.get(i)
