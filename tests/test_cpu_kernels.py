@@ -41,7 +41,7 @@ def test_matches_a_float64_matmul(kernel, rows, out_features, in_features):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 64, 130])
-@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (13, 1536), (6, 40)])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (13, 1536), (6, 40), (301, 96)])
 def test_bfloat16_weights_give_the_float32_sums_bit_for_bit(kernel, rows, out_features, in_features):
     """A matrix kept in bfloat16 is widened as it is read (in registers below 8 rows, a tile at
     a time at 8 and up): the same sums as its float32 copy, to the bit, partial tiles and
