@@ -215,11 +215,12 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (2, 1, 24)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (2, 1, 24), (96, 2, 16)])
 def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
     """One or two requests, fewer (request, KV head) items than twice the threads: each context
-    is cut into pieces, then merged. Torch's attention; contexts shorter than the pieces leave
-    some empty; heads of 40 and 24 floats take the scalar tails."""
+    is cut into pieces, each piece of every head (past 64 heads, of one KV head's), then merged.
+    Torch's attention; contexts shorter than the pieces leave some empty; heads of 40 and 24
+    floats take the scalar tails."""
     from pageserve.triton_kernels import torch_ops
 
     threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime

@@ -247,45 +247,51 @@ static void merge_pieces(const float *part, long P, long G, long D, float *out) 
     }
 }
 
-/* A decode step of fewer (token, KV head) items than twice the threads (one stream: 3 on 2
-   threads, one of them doing two thirds of the work): each item's context is cut into P
-   pieces, P chosen so that the pieces share out evenly, then each token's pieces merged.
-   Returns 1 where scratch memory could not be had. */
+/* A decode step of fewer (token, KV head) pairs than twice the threads (one stream of the
+   default model: 3 on 2 threads, one of them doing two thirds of the work): each context is
+   cut into P pieces, P chosen so that the pieces share out evenly, then each token's pieces
+   merged. An item is one piece of a token's every head, where attend_range takes them all (64
+   heads or fewer): a block's rows of every KV head are one read of 12 KB, not three of 4 KB,
+   and two pieces a thread, not four (each piece costs its start and its merge). The default
+   model's 30 layers, one request: 1000 tokens 6.35 -> 5.42 ms, its blocks shuffled 7.82 ->
+   7.01, 300 tokens 2.55 -> 2.14. Else a piece of one KV head's. Returns 1 where scratch
+   memory could not be had. */
 static int decode_pieces(const float *q, long ld_q, const float *k_cache, const float *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
                          long Hkv, long D, long block_size, float scale, long threads, float *out) {
-    long G = H / Hkv, tok = Hkv * block_size * D, rec = G * D + 2 * G, P = (4 * threads + B * Hkv - 1) / (B * Hkv);
-    while ((B * Hkv * P) % threads) P++;
+    long G = H / Hkv, tok = Hkv * block_size * D, NK = H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
+    long rec = NG * D + 2 * NG, P = (2 * threads + B * per - 1) / (B * per);
+    while ((B * per * P) % threads) P++;
     long max_piece = 1;
     for (long b = 0; b < B; b++) max_piece = (seq_lens[b] + P - 1) / P > max_piece ? (seq_lens[b] + P - 1) / P : max_piece;
-    float *part = (float *)malloc(sizeof(float) * (size_t)(B * Hkv * P * rec));
+    float *part = (float *)malloc(sizeof(float) * (size_t)(B * per * P * rec));
     if (part == NULL) return 1;
     int failed = 0;
 #pragma omp parallel
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(max_piece * G));
+        float *s = (float *)malloc(sizeof(float) * (size_t)(max_piece * NG));
         if (s == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < B * Hkv * P; item++) {
-            long b = item / (Hkv * P), hk = item / P % Hkv, L = seq_lens[b], len = (L + P - 1) / P;
+        for (long item = 0; item < B * per * P; item++) {
+            long b = item / (per * P), hk = item / P % per * NK, L = seq_lens[b], len = (L + P - 1) / P;
             long j0 = item % P * len, j1 = j0 + len < L ? j0 + len : L;
             float *r = part + item * rec;
             if (s == NULL) continue;
             if (j0 >= j1) { /* past a short context: an empty piece */
-                for (long g = 0; g < G; g++) r[G * D + G + g] = EMPTY_PIECE;
+                for (long g = 0; g < NG; g++) r[NG * D + NG + g] = EMPTY_PIECE;
                 continue;
             }
             attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
-                         block_tables + b * ld_bt, j0, j1, G, G, D, block_size, tok, scale, s, r, r + G * D,
-                         r + G * D + G);
+                         block_tables + b * ld_bt, j0, j1, NG, G, D, block_size, tok, scale, s, r, r + NG * D,
+                         r + NG * D + NG);
         }
         if (!failed) {
 #pragma omp for schedule(static)
-            for (long bh = 0; bh < B * Hkv; bh++)
-                merge_pieces(part + bh * P * rec, P, G, D, out + bh / Hkv * H * D + bh % Hkv * G * D);
+            for (long bh = 0; bh < B * per; bh++)
+                merge_pieces(part + bh * P * rec, P, NG, D, out + bh / per * H * D + bh % per * NG * D);
         }
         free(s);
     }
