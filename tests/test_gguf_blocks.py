@@ -75,10 +75,11 @@ def test_widened_blocks_are_gguf_dequantized_values(kernel, fmt):
 @pytest.mark.parametrize("fmt", list(QTYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 64, 130])
 def test_linear_on_blocks_is_linear_on_their_values_bit_for_bit(kernel, fmt, rows):
-    # 301 outputs: two whole pieces of rows a thread takes at one row of x, then a partial one
-    w = blocks(torch.from_numpy(quantized(fmt, 301, 160, seed=rows)), fmt, 160)
+    # 601 outputs: whole 128-row pieces (what a thread takes at a time at one row of x), then a
+    # partial one
+    w = blocks(torch.from_numpy(quantized(fmt, 601, 160, seed=rows)), fmt, 160)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    bias = torch.randn(301)
+    bias = torch.randn(601)
     wide = kernel.widen(w)
     for b in (None, bias):
         assert torch.equal(kernel(x, w, b), kernel(x, wide, b))

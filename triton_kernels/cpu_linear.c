@@ -11,6 +11,7 @@
    K: no precision is traded. */
 
 #include "cpu_kernels.h"
+#include <omp.h>
 
 #define TILE_O 6
 /* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
@@ -18,17 +19,16 @@
    At one row of x the hardware's prefetch starts over at each piece; 128 rows, not 64: the
    default model's 121 matrices at one row in a C harness, 64 and 128 alternated in one
    process on a 2-core EPYC, in bfloat16 16.3 -> 15.5 ms (means of seven runs' medians), in
-   its own Q4_1 + Q8_0 10.2 -> 9.4 ms (medians of 61 rounds) */
-#ifndef CHUNK_O
+   its own Q4_1 + Q8_0 10.2 -> 9.4 ms (medians of 61 rounds). Fewer where a matrix would not
+   give every thread two pieces (piece_rows). */
 #define CHUNK_O 128
-#endif
 #define WIDEN_ROWS 8
 /* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch;
    past a matrix's end it is a hint that fetches nothing, never a fault). The hardware's own
    prefetch restarts at every piece of every matrix: in 64-row pieces, the default model's 121
    matrices at one row read 9-10 GB/s on a 2-core EPYC where a plain stream over the same
-   regions reads 15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated rounds;
-   2 KB: no gain) */
+   regions reads 15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated
+   rounds; 2 KB: no gain) */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
@@ -324,6 +324,13 @@ static inline void one_row(const float *x, long K, const float *w, const float *
 #endif
 }
 
+/* rows of a piece at one row of x: CHUNK_O, or fewer so that O rows make at least two pieces a
+   thread (a 576-row matrix is 5 pieces of 128: on 16 threads most would wait), at least 16 */
+static inline long piece_rows(long O) {
+    long threads = omp_get_max_threads(), rows = (O + 2 * threads - 1) / (2 * threads);
+    return rows > CHUNK_O ? CHUNK_O : rows < 16 ? 16 : rows;
+}
+
 static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
                                                  loads straddle two lines (13% slower at 64 rows) */
     return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
@@ -428,10 +435,10 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
     int failed = 0;
 #ifdef PS_AVX2
     if (R == 1) { /* every format; a block format's blocks widened in registers */
-        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+        long piece = piece_rows(O), chunks = (O + piece - 1) / piece;
 #pragma omp parallel for schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {
-            long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+            long o0 = c * piece, o1 = o0 + piece < O ? o0 + piece : O;
             if (wtype == W_BF16)
                 row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
             else if (wtype == W_F32)
@@ -443,7 +450,7 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
     }
 #endif
     if (R == 1 && wtype >= W_Q8_0) { /* each weight row widened into this thread's copy, then read */
-        long chunks = (O + CHUNK_O - 1) / CHUNK_O;
+        long piece = piece_rows(O), chunks = (O + piece - 1) / piece;
 #pragma omp parallel
         {
             float *row = aligned_floats(K);
@@ -453,7 +460,7 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
             }
 #pragma omp for schedule(dynamic, 1)
             for (long c = 0; c < chunks; c++) {
-                long o0 = c * CHUNK_O, o1 = o0 + CHUNK_O < O ? o0 + CHUNK_O : O;
+                long o0 = c * piece, o1 = o0 + piece < O ? o0 + piece : O;
                 for (long o = o0; row != NULL && o < o1; o++) {
                     widen_row(weight_row(W, wtype, ldw, o), wtype, K, row);
                     one_row(x, K, row, bias ? bias + o : NULL, y + o);
