@@ -27,7 +27,7 @@ def kernel(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 300])
-@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (130, 1536), (3, 40)])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (130, 1536), (3, 40), (512, 40)])
 def test_matches_a_float64_matmul(kernel, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -54,6 +54,17 @@ def test_bfloat16_weights_give_the_float32_sums_bit_for_bit(kernel, rows, out_fe
         assert torch.equal(kernel(x, w16, bias), kernel(x, w16.float(), bias))
     plan = linear_plan.LinearPlan(kernel)  # torch's side of the plan gets a float32 copy
     assert torch.equal(plan(x, w16, b), F.linear(x, w16.float(), b))
+
+
+@pytest.mark.parametrize("rows", [16, 17, 64])
+def test_outputs_summed_aside_are_the_same_bits(kernel, rows):
+    """At 16 rows and up, outputs whose rows lie a multiple of 1 KB apart (512 columns here) are
+    summed into a scratch and copied out; 500 columns are written in place: the same sums."""
+    gen = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=gen), torch.randn(512, 96, generator=gen), torch.randn(512, generator=gen)
+    for wide in (w, w.to(torch.bfloat16)):
+        assert torch.equal(kernel(x, wide, b)[:, :500], kernel(x, wide[:500], b[:500]))
+        assert torch.equal(kernel(x, wide)[:, 250:], kernel(x, wide[250:]))
 
 
 def test_narrowing_keeps_exact_matrices_only():

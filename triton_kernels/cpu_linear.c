@@ -383,42 +383,74 @@ static inline __attribute__((always_inline)) void panel_tile(const float *w, lon
     }
 }
 
+static inline void prefetch_bytes(const void *p, long n) {
+    for (long i = 0; i < n; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* pageserve_linear at R >= BIG_ROWS; returns 1 where memory for the copies could not be had
-   (y is then not all written) */
+   (y is then not all written). A piece of work is a run of up to four tiles (24 columns of
+   y). Where y's rows lie a multiple of 1 KB apart (3072 or 49152 columns), a panel's 16 rows
+   fall in one or two sets of the L1 cache and each tile's writes missed it: the run is summed
+   into a scratch [R, 24] and copied out (gate_up and the lm_head of the default model at 64
+   rows, the two builds alternated in one process: 7-14% faster). Each tile asks for the next
+   one's weight rows ahead of its widening (the model's matrices at 64 rows: 2-9%). */
 static int linear_panels(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                          const float *bias, float *y, long ldy) {
     long panels = (R + PANEL_X - 1) / PANEL_X, tiles = (O + TILE_O - 1) / TILE_O;
+    long threads = omp_get_max_threads(), run_tiles = (tiles + 2 * threads - 1) / (2 * threads);
+    long run = (run_tiles < 4 ? run_tiles : 4) * TILE_O, runs = (O + run - 1) / run;
+    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
+    int staged = ldy % 256 == 0;
     float *xp = aligned_floats(panels * K * PANEL_X);
     if (xp == NULL) return 1;
     int failed = 0;
 #pragma omp parallel
     {
         float *wide = NULL; /* this thread's widened tile, had at its first need */
+        float *stage = staged ? aligned_floats(R * run) : NULL;
+        if (staged && stage == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (long p = 0; p < panels; p++) panel_x(x, R, K, ldx, p * PANEL_X, xp + p * K * PANEL_X);
-#pragma omp for schedule(dynamic, 4)
-        for (long t = 0; t < tiles; t++) {
-            long o0 = t * TILE_O, no = O - o0 < TILE_O ? O - o0 : TILE_O;
-            const float *w = wide;
-            long lw = K;
-            if (wtype == W_F32 && no == TILE_O) { /* read in place */
-                w = (const float *)W + o0 * ldw;
-                lw = ldw;
-            } else if (wide != NULL || (w = wide = aligned_floats(TILE_O * K)) != NULL) {
-                /* widened; the rows of a last, partial tile zero */
-                for (long i = 0; i < no; i++) widen_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, wide + i * K);
-                memset(wide + no * K, 0, sizeof(float) * (size_t)((TILE_O - no) * K));
-            } else {
+#pragma omp for schedule(dynamic, 1)
+        for (long c = 0; c < runs; c++) {
+            long oc = c * run, nc = O - oc < run ? O - oc : run;
+            float *out = staged ? stage : y + oc;
+            long ldo = staged ? run : ldy;
+            if (out == NULL) continue;
+            for (long o0 = oc; o0 < oc + nc; o0 += TILE_O) {
+                long no = O - o0 < TILE_O ? O - o0 : TILE_O;
+                const float *w = wide;
+                long lw = K;
+                if (wtype == W_F32 && no == TILE_O) { /* read in place */
+                    w = (const float *)W + o0 * ldw;
+                    lw = ldw;
+                } else if (wide != NULL || (w = wide = aligned_floats(TILE_O * K)) != NULL) {
+                    /* widened; the rows of a last, partial tile zero */
+                    for (long i = 0; i < no; i++) widen_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, wide + i * K);
+                    memset(wide + no * K, 0, sizeof(float) * (size_t)((TILE_O - no) * K));
+                } else {
 #pragma omp atomic write
-                failed = 1;
-                continue;
+                    failed = 1;
+                    break;
+                }
+                if (o0 + TILE_O < oc + nc) { /* the next tile's rows: read while this one is summed */
+                    long next = oc + nc - o0 - TILE_O < TILE_O ? oc + nc - o0 - TILE_O : TILE_O;
+                    prefetch_bytes(weight_row(W, wtype, ldw, o0 + TILE_O), next * ldw * unit);
+                }
+                for (long p = 0; p < panels; p++) { /* all of x, not blocks of it: no faster at 512 rows */
+                    long r0 = p * PANEL_X, nr = R - r0 < PANEL_X ? R - r0 : PANEL_X;
+                    panel_tile(w, lw, xp + p * K * PANEL_X, K, o0 - oc, no, r0, nr, bias ? bias + oc : NULL, out,
+                               ldo);
+                }
             }
-            for (long p = 0; p < panels; p++) { /* all of x, not blocks of it: no faster at 512 rows */
-                long r0 = p * PANEL_X, nr = R - r0 < PANEL_X ? R - r0 : PANEL_X;
-                panel_tile(w, lw, xp + p * K * PANEL_X, K, o0, no, r0, nr, bias, y, ldy);
-            }
+            if (staged)
+                for (long r = 0; r < R; r++) memcpy(y + r * ldy + oc, stage + r * run, sizeof(float) * (size_t)nc);
         }
         free(wide);
+        free(stage);
     }
     free(xp);
     return failed;
