@@ -123,19 +123,31 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
 }
 
 #ifdef PS_AVX2
-/* four dot products of q against rows k, k + D, k + 2D, k + 3D (D a multiple of 8), one
-   accumulator each, reduced together */
-static inline __m128 dot4(const float *q, const float *k, long D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* the dot products of NH <= 3 query heads (rows D apart) against four rows of k (k, k + D,
+   k + 2D, k + 3D; D a multiple of 8), one accumulator each, reduced together: each row
+   loaded once for the heads of its KV head (the default model's 30 layers, the builds with
+   one head at a time and three alternated in one process: 64 decodes at 150 tokens 29.3 ->
+   27.3 ms, one at 1,000 tokens 3.20 -> 2.91 ms, with the vectorised maximum below) */
+static inline __attribute__((always_inline)) void dot4_heads(const float *q, int NH, const float *k, long D,
+                                                              __m128 out[3]) {
+    __m256 a[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < 4; r++) a[h][r] = _mm256_setzero_ps();
     for (long i = 0; i < D; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + i), a3);
+        __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + D + i), k2 = _mm256_loadu_ps(k + 2 * D + i),
+               k3 = _mm256_loadu_ps(k + 3 * D + i);
+        for (int h = 0; h < NH; h++) {
+            __m256 qv = _mm256_loadu_ps(q + h * D + i);
+            a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
+            a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);
+            a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);
+        }
     }
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    for (int h = 0; h < NH; h++) {
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+        out[h] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    }
 }
 #endif
 
@@ -156,23 +168,41 @@ static void attend_range(const float *q, const float *k, const float *v, const i
     for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time: s[g * L + j - j0] */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
         const float *kb0 = k + (long)bt[j / block_size] * tok + off * D;
-        for (long g = 0; g < G; g++) {
+        for (long g = 0; g < G;) {
             const float *qg = q + g * D, *kb = kb0 + g / GS * block_size * D;
+            long nh = GS - g % GS < 3 ? GS - g % GS : 3; /* heads of this KV head taken together */
             float *sg = s + g * L + (j - j0);
             long i = 0;
 #ifdef PS_AVX2
             if (D % 8 == 0)
-                for (; i + 4 <= n; i += 4)
-                    _mm_storeu_ps(sg + i, _mm_mul_ps(dot4(qg, kb + i * D, D), _mm_set1_ps(scale)));
+                for (; i + 4 <= n; i += 4) {
+                    __m128 d[3];
+                    if (nh == 3) dot4_heads(qg, 3, kb + i * D, D, d);
+                    else if (nh == 2) dot4_heads(qg, 2, kb + i * D, D, d);
+                    else dot4_heads(qg, 1, kb + i * D, D, d);
+                    for (long h = 0; h < nh; h++) _mm_storeu_ps(sg + h * L + i, _mm_mul_ps(d[h], _mm_set1_ps(scale)));
+                }
 #endif
-            for (; i < n; i++) sg[i] = dot(qg, kb + i * D, D) * scale;
+            for (long h = 0; h < nh; h++)
+                for (long r = i; r < n; r++) sg[h * L + r] = dot(qg + h * D, kb + r * D, D) * scale;
+            g += nh;
         }
         j += n;
     }
     for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
         float *sg = s + g * L;
-        for (long j = 0; j < L; j++) mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
         long j = 0;
+#ifdef PS_AVX2
+        if (L >= 8) { /* max_ps keeps its second operand where the first is NaN, as the loop below */
+            __m256 mv = _mm256_set1_ps(-INFINITY);
+            for (; j + 8 <= L; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + j), mv);
+            float t[8];
+            _mm256_storeu_ps(t, mv);
+            for (int e = 0; e < 8; e++) mx[g] = t[e] > mx[g] ? t[e] : mx[g];
+        }
+#endif
+        for (; j < L; j++) mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
+        j = 0;
 #ifdef PS_AVX2
         __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
         for (; j + 8 <= L; j += 8) {
