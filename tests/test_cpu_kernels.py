@@ -27,7 +27,8 @@ def kernel(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 300])
-@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (130, 1536), (3, 40), (512, 40)])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (64, 576), (130, 1536), (3, 40), (512, 40),
+                                                      (0, 40)])
 def test_matches_a_float64_matmul(kernel, rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=gen)

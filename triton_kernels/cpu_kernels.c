@@ -124,10 +124,8 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
 
 #ifdef PS_AVX2
 /* the dot products of NH <= 3 query heads (rows D apart) against four rows of k (k, k + D,
-   k + 2D, k + 3D; D a multiple of 8), one accumulator each, reduced together: each row
-   loaded once for the heads of its KV head (the default model's 30 layers, the builds with
-   one head at a time and three alternated in one process: 64 decodes at 150 tokens 29.3 ->
-   27.3 ms, one at 1,000 tokens 3.20 -> 2.91 ms, with the vectorised maximum below) */
+   k + 2D, k + 3D; D a multiple of 8), one accumulator each, reduced together: each row loaded
+   once for the heads of its KV head (64 decodes at 150 tokens, 30 layers: 29.3 -> 27.3 ms) */
 static inline __attribute__((always_inline)) void dot4_heads(const float *q, int NH, const float *k, long D,
                                                               __m128 out[3]) {
     __m256 a[3][4];
