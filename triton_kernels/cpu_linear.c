@@ -324,10 +324,16 @@ static inline void one_row(const float *x, long K, const float *w, const float *
 #endif
 }
 
+/* n units of work in two pieces a thread: the units of a piece (at least 1) */
+static inline long two_a_thread(long n) {
+    long threads = omp_get_max_threads(), per = (n + 2 * threads - 1) / (2 * threads);
+    return per < 1 ? 1 : per;
+}
+
 /* rows of a piece at one row of x: CHUNK_O, or fewer so that O rows make at least two pieces a
    thread (a 576-row matrix is 5 pieces of 128: on 16 threads most would wait), at least 16 */
 static inline long piece_rows(long O) {
-    long threads = omp_get_max_threads(), rows = (O + 2 * threads - 1) / (2 * threads);
+    long rows = two_a_thread(O);
     return rows > CHUNK_O ? CHUNK_O : rows < 16 ? 16 : rows;
 }
 
@@ -398,9 +404,7 @@ static inline void prefetch_bytes(const void *p, long n) {
 static int linear_panels(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                          const float *bias, float *y, long ldy) {
     long panels = (R + PANEL_X - 1) / PANEL_X, tiles = (O + TILE_O - 1) / TILE_O;
-    long threads = omp_get_max_threads(), run_tiles = (tiles + 2 * threads - 1) / (2 * threads);
-    long run = (run_tiles < 1 ? 1 : run_tiles < 4 ? run_tiles : 4) * TILE_O, runs = (O + run - 1) / run;
-    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
+    long run_tiles = two_a_thread(tiles), run = (run_tiles < 4 ? run_tiles : 4) * TILE_O, runs = (O + run - 1) / run;
     int staged = ldy % 256 == 0;
     float *xp = aligned_floats(panels * K * PANEL_X);
     if (xp == NULL) return 1;
@@ -440,8 +444,9 @@ static int linear_panels(const float *x, long R, long K, long ldx, const void *W
                     break;
                 }
                 if (o0 + TILE_O < oc + nc) { /* the next tile's rows: read while this one is summed */
-                    long next = oc + nc - o0 - TILE_O < TILE_O ? oc + nc - o0 - TILE_O : TILE_O;
-                    prefetch_bytes(weight_row(W, wtype, ldw, o0 + TILE_O), next * ldw * unit);
+                    long end = oc + nc < o0 + 2 * TILE_O ? oc + nc : o0 + 2 * TILE_O;
+                    const char *next = weight_row(W, wtype, ldw, o0 + TILE_O);
+                    prefetch_bytes(next, (const char *)weight_row(W, wtype, ldw, end) - next);
                 }
                 for (long p = 0; p < panels; p++) { /* all of x, not blocks of it: no faster at 512 rows */
                     long r0 = p * PANEL_X, nr = R - r0 < PANEL_X ? R - r0 : PANEL_X;
