@@ -43,9 +43,9 @@ _HUGE_PAGE = 2 << 20
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the kernel, once: the float32 weights freed while
-    loading (540 MB for the default model) otherwise stay resident, since keep_freed_memory
-    keeps freed memory for the steps' activations."""
+    """Hand the heap's free pages back to the kernel, once: what loading freed (the float32
+    weights, the copies moved into huge pages) otherwise stays resident, since keep_freed_memory
+    keeps freed memory for the steps' activations (default model: 6.93 -> 5.96 GB resident)."""
     name = ctypes.util.find_library("c")
     try:
         if name:
@@ -56,8 +56,8 @@ def release_freed_memory() -> None:
 
 def huge_page_bytes(nbytes: int):
     """An untouched uint8 tensor of `nbytes` that the kernel is asked to back with 2 MiB
-    transparent huge pages, or None where the mapping or madvise is not to be had. Where THP is in
-    `madvise` mode, the usual setting, torch's memory gets 4 KiB pages, and a step that streams
+    transparent huge pages, or None where the mapping or madvise is not to be had. Where THP is
+    in `madvise` mode, the usual setting, torch's memory gets 4 KiB pages, and a step that streams
     every weight walks a page-table entry every 4 KiB. The memory is a fresh anonymous mapping:
     madvise only shapes the pages faulted in after it, and torch's own allocations come from
     glibc's heap (keep_freed_memory keeps it), whose pages were most often touched before (the
@@ -105,9 +105,10 @@ def resident_kib(tensor) -> tuple[int, int] | None:
 
 def weights_in_huge_pages(module, min_bytes: int = 64 << 10) -> int:
     """Move a module's parameters of `min_bytes` and more (the matrices; small ones and the
-    norms' vectors stay) into one huge-page buffer. Returns the bytes moved, 0 where huge pages are not to be
-    had. Tied weights are one parameter and move once. Measured (default model, one stream):
-    23.8-25.9 -> 18.1-18.9 ms a decode step when it was first built in float32."""
+    norms' vectors stay) into one huge-page buffer. Returns the bytes moved, 0 where huge pages
+    are not to be had. Tied weights are one parameter and move once. Measured (default model,
+    one stream, both ways in one process): 10.34 -> 10.01 ms a decode step in its GGUF blocks,
+    13.69 -> 13.37 in bfloat16."""
     params = [p for p in module.parameters() if p.numel() * p.element_size() >= min_bytes]
     sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned pieces
     buf = huge_page_bytes(sum(sizes)) if params else None

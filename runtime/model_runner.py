@@ -237,9 +237,9 @@ class ModelRunner:
     def _kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """On CPU in transparent huge pages: a block's K (or V) rows of one head are 4 KiB in the
         default model (16 tokens x 64 x float32), a page each, so attention on 4 KiB pages missed
-        the TLB at every block. Default model,
-        KV pool swapped in one process, eight alternated rounds: one stream at 1,500 tokens
-        15.4 -> 14.2 ms a step; 64 streams at 150, 167 -> 164 ms."""
+        the TLB at every block. Default model, KV pool swapped in one process, eight alternated
+        rounds: one stream at 1,500 tokens 15.4 -> 14.2 ms a step; 64 streams at 150, 167 -> 164
+        ms."""
         if self.device.type == "cpu":
             raw = huge_page_bytes(math.prod(shape) * dtype.itemsize)
             if raw is not None:
