@@ -131,7 +131,8 @@ def main(args: argparse.Namespace) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               seed=args.seed, enforce_eager=args.enforce_eager)
     cfg = llm.engine.config
-    args.dtype = str(cfg.model.dtype).removeprefix("torch.")  # HF loads what the engine runs
+    # HF loads what the engine runs (bfloat16 matmuls: HF's bfloat16)
+    args.dtype = "bfloat16" if cfg.model.bf16_matmuls else str(cfg.model.dtype).removeprefix("torch.")
     vocab = min(cfg.model.vocab_size, len(llm.tokenizer))  # ids both the model and the tokenizer know
     work = make_workload(args, vocab, llm.tokenizer.all_special_ids)
     result = {"model": cfg.model.path, "dtype": args.dtype, "device": str(cfg.device.device),

@@ -60,10 +60,15 @@ class ModelConfig:
     # the window every layer attends within (the widest, where they differ), so that KV wholly
     # before it is never read again; 0 when any layer attends to the whole context
     sliding_window: int = 0
+    # CPU C kernels (--dtype bfloat16 on a CPU with AVX512-BF16): every matmul rounds its inputs
+    # and weights to bfloat16 and sums in float32; `dtype` (activations, KV cache) is float32
+    bf16_matmuls: bool = False
 
     def __post_init__(self):
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.bf16_matmuls and self.dtype != torch.float32:
+            raise ValueError("bf16_matmuls takes float32 activations")
         if self.max_model_len > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's own limit "
@@ -208,18 +213,25 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+def parse_dtype(name: str) -> torch.dtype:
+    """A dtype named other than auto (EngineArgs.resolve_dtype settles auto)."""
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
 
 
-def cpu_has_fast_bf16() -> bool:
+def cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo gives the first CPU (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -4,15 +4,20 @@ frozen configs."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
-                                      ParallelConfig, PreemptionMode, SchedulerConfig, parse_dtype)
+                                      ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
+                                      cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
-from pageserve.runtime.models.loader import ModelLoadError, eos_token_ids, rope_settings
+from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
+from pageserve.triton_kernels import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 
 def triton_interpreting() -> bool:
@@ -181,6 +186,38 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager,
                             cuda_graph_sizes=tuple(self.cuda_graph_sizes or ()))
 
+    def resolve_dtype(self, device: torch.device) -> tuple[torch.dtype, bool]:
+        """--dtype as (activations' dtype, whether the CPU C kernels multiply in bfloat16).
+        auto: bfloat16 on CUDA. On a CPU, float32 where the C kernels run (they keep the
+        matrices compact, in GGUF blocks or bfloat16, and multiply exactly in float32: 3-5x
+        torch's bfloat16 path on an AVX512-BF16 CPU); without them, torch's bfloat16 where the
+        CPU multiplies bfloat16 itself, else float32. bfloat16 on a CPU whose C kernels have
+        AVX512-BF16: float32 activations, every matmul in bfloat16 (its inputs rounded, sums
+        in float32); elsewhere torch's bfloat16. The log says which and why."""
+        if device.type == "cuda":
+            return (torch.bfloat16 if self.dtype == "auto" else parse_dtype(self.dtype)), False
+        if self.dtype not in ("auto", "bfloat16"):
+            return parse_dtype(self.dtype), False
+        lib = None
+        if self.attention_backend in ("auto", "torch") and not self.enforce_eager:
+            lib = cpu_kernels.load(cache_root() / "kernels")
+        units = ", ".join(u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in cpu_flags()) or "none"
+        if self.dtype == "bfloat16":
+            if lib is not None and lib.has_bf16_dot:
+                logger.info("--dtype bfloat16: the C kernels multiply in bfloat16 (%s), float32 between the "
+                            "matmuls and in the KV cache", lib.isa)
+                return torch.float32, True
+            return torch.bfloat16, False
+        if lib is not None:
+            why, dtype = f"float32 arithmetic in the C kernels ({lib.isa}) over compact matrices: exact, and " \
+                         "the fastest path here", torch.float32
+        elif cpu_has_fast_bf16():
+            why, dtype = "no C kernels; torch's bfloat16 matmuls, which this CPU runs natively", torch.bfloat16
+        else:
+            why, dtype = "no C kernels, and no bfloat16 arithmetic in this CPU", torch.float32
+        logger.info("--dtype auto: %s (%s; CPU vector units: %s)", str(dtype).removeprefix("torch."), why, units)
+        return dtype, False
+
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
         arch = hf["architectures"][0]
         heads = hf["num_attention_heads"]
@@ -197,6 +234,7 @@ class EngineArgs:
         if partial:
             raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial[0]}) "
                                  "are not supported yet")
+        dtype, bf16_matmuls = self.resolve_dtype(device)
         try:
             return ModelConfig(
                 path=str(path),
@@ -215,7 +253,8 @@ class EngineArgs:
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 qkv_bias=hf.get("attention_bias", registry.entry(arch).qkv_bias),
                 eos_token_ids=eos_token_ids(hf, tokenizer),
-                dtype=parse_dtype(self.dtype, device),
+                dtype=dtype,
+                bf16_matmuls=bf16_matmuls,
                 max_model_len=max_len,
                 hf_config=hf,
                 tp_size=self.tensor_parallel_size,

@@ -135,7 +135,8 @@ class TorchKernels(Kernels):
         if weight.dtype != torch.uint8:
             return F.embedding(ids, weight)
         # a tied table kept in GGUF blocks (runtime/models/weight_formats.py): the rows' blocks, widened
-        return self.linear_plan.kernel.widen(blocks(F.embedding(ids, weight), weight.block_format, weight.in_features))
+        rows = blocks(F.embedding(ids, weight), weight.block_format, weight.in_features)
+        return self.linear_plan.kernel.multiplied(rows)
 
     def argmax(self, logits):
         lib = self.cpu_lib

@@ -19,7 +19,7 @@ from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
-from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices
+from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
@@ -60,9 +60,12 @@ class ModelRunner:
                                     model_cfg.kv_heads_per_rank)
         if isinstance(self.kernels, TorchKernels) and model_cfg.dtype == torch.float32 \
                 and self.device.type == "cpu" and not device_cfg.enforce_eager:
-            lib = cpu_kernels.load(cache_root() / "kernels")  # None without a C compiler
+            # None without a C compiler
+            lib = cpu_kernels.load(cache_root() / "kernels", bf16_dot=model_cfg.bf16_matmuls)
             if lib is not None:
                 self.kernels.use_cpu_kernels(lib)
+        if model_cfg.bf16_matmuls and getattr(self.kernels, "linear_plan", None) is None:
+            raise ModelLoadError("bfloat16 matmuls were chosen but the CPU kernels did not load")
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
         self.generator = torch.Generator(device=self.device)
@@ -101,7 +104,8 @@ class ModelRunner:
     def _compact_matrices(self, model: CausalLM, path: Path) -> None:
         """Float32 with the C linear: matrices in the GGUF file's own blocks where the model
         was converted from one, the rest in bfloat16 where exact (weight_formats.py): the same
-        values, fewer bytes for each step to read."""
+        values, fewer bytes for each step to read. With bfloat16 matmuls every weight is
+        rounded to bfloat16 (GGUF blocks as they are widened)."""
         source = gguf_source(path)
         lib = self.kernels.linear_plan.kernel
         t = time.perf_counter()
@@ -112,10 +116,14 @@ class ModelRunner:
             except Exception as e:  # a speed-up only: a file the small parser misreads keeps float32
                 logger.warning("keeping the GGUF blocks of %s failed (%s: %s); float32 it is", source,
                                type(e).__name__, e)
-        narrowed = narrow_exact_matrices(model)
+        if self.model_cfg.bf16_matmuls:
+            narrowed = round_to_bfloat16(model)
+            kept = "every weight rounded to bfloat16"
+        else:
+            narrowed, kept = narrow_exact_matrices(model), "their values exact"
         if blocks or narrowed:
-            logger.info("matrices kept smaller, their values exact: %.0f MB in GGUF blocks, %.0f MB in bfloat16 "
-                        "(%.1f s)", blocks / 1e6, narrowed / 1e6, time.perf_counter() - t)
+            logger.info("matrices kept smaller, %s: %.0f MB in GGUF blocks, %.0f MB in bfloat16 (%.1f s)", kept,
+                        blocks / 1e6, narrowed / 1e6, time.perf_counter() - t)
 
     def _plan_linear(self) -> None:
         """CPU with the C kernels: time torch's matmul against the C linear on two decoder

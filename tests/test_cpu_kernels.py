@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.runtime import LLM
+from pageserve.runtime.config import cpu_flags
 from pageserve.triton_kernels import cpu_kernels, linear_plan
 from pageserve.loadtest.tiny_model import build_tiny_model
 from tests.hf_reference import hf_greedy
@@ -19,11 +20,17 @@ from tests.test_parity import random_prompts, run_ours
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernel(request, tmp_path_factory):
+    """The kernels built for this CPU, and, where it has AVX-512, built for AVX2 too (the path
+    older CPUs take): every property below holds for each."""
+    if request.param == "avx2" and "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    extra = ("-mno-avx512f",) if request.param == "avx2" else ()
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), extra_flags=extra)
     if k is None:
         pytest.skip("no C compiler here: the CPU path keeps torch's matmul")
+    assert request.param == "native" or k.isa == "AVX2"
     return k
 
 
@@ -454,3 +461,18 @@ def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
         assert len(model.stack_weights()) == 2
         model.layers[1].self_attn.scale *= 2
         assert model.stack_weights() is None
+
+
+def test_auto_dtype_is_float32_in_the_c_kernels(kernel, monkeypatch, caplog):
+    """auto on a CPU: float32 where the C kernels build (the log says so and why), whatever
+    the CPU; without them torch's bfloat16 where the CPU multiplies bfloat16, else float32."""
+    from pageserve.runtime.config import cpu_has_fast_bf16
+    from pageserve.runtime.engine_args import EngineArgs
+
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO"):
+        assert EngineArgs().resolve_dtype(cpu) == (torch.float32, False)
+    assert "--dtype auto: float32 (float32 arithmetic in the C kernels" in caplog.text
+    assert EngineArgs(dtype="float32").resolve_dtype(cpu) == (torch.float32, False)
+    monkeypatch.setenv("PAGESERVE_NO_CPU_KERNELS", "1")
+    assert EngineArgs().resolve_dtype(cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32, False)

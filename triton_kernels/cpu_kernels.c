@@ -19,9 +19,10 @@ static int omp_get_max_threads(void) { return 1; }
 /* RMSNorm fused with the residual add. x, residual (or NULL), out, res_out: [T, H] rows ldx,
    ldr, ldo, ldo apart. res_out = x + residual (x when there is none); out = w * res_out *
    rsqrt(mean(res_out^2) + eps). out may alias x, res_out may alias residual (each element
-   is read before it is written); the decoder stack below relies on the second. */
+   is read before it is written); the decoder stack below relies on the second. r16: res_out,
+   the normed value and out each rounded to bfloat16, as torch_ops.rms_norm rounds in bfloat16. */
 void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ldr, const float *w,
-                        float eps, long T, long H, float *out, float *res_out, long ldo) {
+                        float eps, long T, long H, float *out, float *res_out, long ldo, int r16) {
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *xr = x + t * ldx;
@@ -29,28 +30,40 @@ void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ld
         float ss = 0.0f;
         for (long i = 0; i < H; i++) {
             float v = residual ? xr[i] + residual[t * ldr + i] : xr[i];
+            if (r16) v = round_bf16(v);
             rr[i] = v;
             ss += v * v;
         }
         float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (long i = 0; i < H; i++) orow[i] = w[i] * (rr[i] * inv);
+        if (r16)
+            for (long i = 0; i < H; i++) orow[i] = round_bf16(w[i] * round_bf16(rr[i] * inv));
+        else
+            for (long i = 0; i < H; i++) orow[i] = w[i] * (rr[i] * inv);
     }
 }
 
 /* Neox-style RoPE in place on x: [T, heads, D], token rows ld_t apart, heads D apart; cs:
-   [T, D] rows ld_cs apart, cos of the D/2 frequencies then their sin. */
-void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const float *cs, long ld_cs) {
+   [T, D] rows ld_cs apart, cos of the D/2 frequencies then their sin. r16: cos, sin, each
+   product and each sum rounded to bfloat16, as torch_ops.rotary_embedding in bfloat16. */
+void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const float *cs, long ld_cs, int r16) {
     long half = D / 2;
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *c = cs + t * ld_cs, *s = c + half;
         for (long h = 0; h < heads; h++) {
             float *x1 = x + t * ld_t + h * D, *x2 = x1 + half;
-            for (long i = 0; i < half; i++) {
-                float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
+            if (r16)
+                for (long i = 0; i < half; i++) {
+                    float a = x1[i], b = x2[i], ci = round_bf16(c[i]), si = round_bf16(s[i]);
+                    x1[i] = round_bf16(round_bf16(a * ci) - round_bf16(b * si));
+                    x2[i] = round_bf16(round_bf16(b * ci) + round_bf16(a * si));
+                }
+            else
+                for (long i = 0; i < half; i++) {
+                    float a = x1[i], b = x2[i];
+                    x1[i] = a * c[i] - b * s[i];
+                    x2[i] = b * c[i] + a * s[i];
+                }
         }
     }
 }
@@ -76,8 +89,9 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* out[T, I] = silu(x[:, :I]) * x[:, I:], x rows ldx apart */
-void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out) {
+/* out[T, I] = silu(x[:, :I]) * x[:, I:], x rows ldx apart; r16: silu's value and the product
+   rounded to bfloat16 */
+void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out, int r16) {
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *g = x + t * ldx, *u = g + I;
@@ -88,10 +102,13 @@ void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out
         for (; i + 8 <= I; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+            __m256 silu = _mm256_div_ps(gv, den);
+            _mm256_storeu_ps(o + i, r16 ? silu : _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }
 #endif
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < I; i++) o[i] = r16 ? g[i] / (1.0f + expf(-g[i])) : g[i] / (1.0f + expf(-g[i])) * u[i];
+        if (r16)
+            for (i = 0; i < I; i++) o[i] = round_bf16(round_bf16(o[i]) * u[i]);
     }
 }
 
@@ -159,9 +176,11 @@ static inline __attribute__((always_inline)) void dot4_heads(const float *q, int
    reads a block's rows of all of them together, where they lie side by side in the cache. */
 static void attend_range(const float *q, const float *k, const float *v, const int32_t *bt, long j0, long j1,
                          long G, long GS, long D, long block_size, long tok, float scale, float *s, float *acc,
-                         float *mx_out, float *sm_out) {
+                         float *mx_out, float *sm_out, int r16) {
     float mx[64], sum[64]; /* G <= 64 */
     long L = j1 - j0;
+    float score_scale = scale;
+    if (r16) scale = 1.0f; /* each score rounded to bfloat16 before it is scaled, as torch's q k^T */
     for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
     for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time: s[g * L + j - j0] */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
@@ -187,6 +206,8 @@ static void attend_range(const float *q, const float *k, const float *v, const i
         }
         j += n;
     }
+    if (r16)
+        for (long i = 0; i < G * L; i++) s[i] = round_bf16(s[i]) * score_scale;
     for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
         float *sg = s + g * L;
         long j = 0;
@@ -220,7 +241,10 @@ static void attend_range(const float *q, const float *k, const float *v, const i
             continue;
         }
         float inv = 1.0f / sum[g];
-        for (j = 0; j < L; j++) sg[j] *= inv;
+        if (r16)
+            for (j = 0; j < L; j++) sg[j] = round_bf16(sg[j] * inv);
+        else
+            for (j = 0; j < L; j++) sg[j] *= inv;
     }
     for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
     for (long j = j0; j < j1;) { /* out += P V, a run of one cache block at a time: each V row */
@@ -286,7 +310,7 @@ static void merge_pieces(const float *part, long P, long G, long D, float *out) 
    Else a piece of one KV head's. Returns 1 where scratch memory could not be had. */
 static int decode_pieces(const float *q, long ld_q, const float *k_cache, const float *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
-                         long Hkv, long D, long block_size, float scale, long threads, float *out) {
+                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16) {
     long G = H / Hkv, tok = Hkv * block_size * D, NK = H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
     long rec = NG * D + 2 * NG, P = (2 * threads + B * per - 1) / (B * per);
     while ((B * per * P) % threads) P++;
@@ -314,7 +338,7 @@ static int decode_pieces(const float *q, long ld_q, const float *k_cache, const 
             }
             attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
                          block_tables + b * ld_bt, j0, j1, NG, G, D, block_size, tok, scale, s, r, r + NG * D,
-                         r + NG * D + NG);
+                         r + NG * D + NG, r16);
         }
         if (!failed) {
 #pragma omp for schedule(static)
@@ -370,6 +394,19 @@ int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
     return has_nan;
 }
 
+/* the vector instructions the kernels were built for (-march=native on this CPU) */
+const char *pageserve_isa(void) {
+#if defined(PS_AVX512_BF16)
+    return "AVX-512 with BF16";
+#elif defined(PS_AVX512)
+    return "AVX-512";
+#elif defined(PS_AVX2)
+    return "AVX2";
+#else
+    return "scalar";
+#endif
+}
+
 /* 1 when built with AVX2 and FMA (the vectorised paths), else 0 */
 int pageserve_vectorized(void) {
 #ifdef PS_AVX2
@@ -378,6 +415,12 @@ int pageserve_vectorized(void) {
     return 0;
 #endif
 }
+
+static int attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                     float *k_cache, float *v_cache, const int64_t *slots, long T,
+                     const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                     float scale, float *out, int r16);
 
 /* Paged attention of any step, straight from the cache blocks. First the step's new K/V
    ([T, Hkv, D], token rows ld_kv apart) are written at their slots (a negative slot writes
@@ -396,12 +439,26 @@ int pageserve_vectorized(void) {
    chunk's tokens are items of their own, so the triangle above the causal diagonal is never
    computed (torch's SDPA with a mask computes the whole square). A decode step of fewer items
    than twice the threads cuts each context into pieces instead (decode_pieces): the same
-   arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item. */
+   arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
+   r16: the scores, the probabilities (of a whole item) and the output rounded to bfloat16, as
+   torch_ops.paged_attention's decode path rounds them in bfloat16. */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                               float *k_cache, float *v_cache, const int64_t *slots, long T,
                               const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                               const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                              float scale, float *out) {
+                              float scale, float *out, int r16) {
+    int failed = attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
+                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+    if (r16 && !failed) /* the output rounded to bfloat16, as torch's P V */
+        for (long i = 0; i < T * H * D; i++) out[i] = round_bf16(out[i]);
+    return failed;
+}
+
+static int attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                     float *k_cache, float *v_cache, const int64_t *slots, long T,
+                     const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                     float scale, float *out, int r16) {
     long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
     long max_len = 1;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -420,7 +477,7 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
     long threads = omp_get_max_threads();
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
-                             scale, threads, out);
+                             scale, threads, out, r16);
     /* a work item: one token's heads of NK KV heads. All of them where the tokens alone share
        out well: a block's rows of every KV head lie together, one read of 12 KB where three
        items read 4 KB each at different times (the default model's 30 layers, 64 decodes at 200
@@ -451,7 +508,7 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
             }
             attend_range(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
                          block_tables + b * ld_bt, 0, L, NG, G, D, block_size, tok, scale, s,
-                         out + t * H * D + hk * G * D, NULL, NULL);
+                         out + t * H * D + hk * G * D, NULL, NULL, r16);
         }
         free(s);
     }
@@ -462,9 +519,9 @@ int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, con
 int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
                             long ld_kv, float *k_cache, float *v_cache, const int64_t *slots,
                             const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
-                            long H, long Hkv, long D, long block_size, float scale, float *out) {
+                            long H, long Hkv, long D, long block_size, float scale, float *out, int r16) {
     return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
-                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out);
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
 }
 
 /* ---- a decode-only step's whole decoder stack in one call (Llama-style layers) ---- */
@@ -491,29 +548,29 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
        would be fresh pages, faulted in on every step) */
     float *res = scratch, *h = res + T * Hd, *y = h + T * Hd, *qkv = y + T * Hd, *attn = qkv + T * QKV,
           *gu = attn + T * H * D, *act = gu + T * 2 * I;
-    int failed = 0;
+    int failed = 0, r16 = (wtypes[0] & W_DOT16) != 0; /* bfloat16 arithmetic: every output rounded */
     for (long l = 0; l < L && !failed; l++) {
         const void *const *lw = w + 7 * l;
         const int *ft = wtypes + 4 * l;
         if (l == 0)
-            pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd);
+            pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd, r16);
         else
-            pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd);
+            pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd, r16);
         if ((failed = pageserve_linear(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lw[2], qkv, QKV)))
             break;
-        pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs);
-        pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs);
+        pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs, r16);
+        pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs, r16);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
-                                        slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn);
+                                        slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn, r16);
         failed = failed || pageserve_linear(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D), NULL,
                                             y, Hd);
         if (failed) break;
-        pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd);
+        pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd, r16);
         if ((failed = pageserve_linear(h, T, Hd, Hd, lw[5], ft[2], 2 * I, row_stride(ft[2], Hd), NULL, gu, 2 * I)))
             break;
-        pageserve_silu_and_mul(gu, 2 * I, T, I, act);
+        pageserve_silu_and_mul(gu, 2 * I, T, I, act, r16);
         failed = pageserve_linear(act, T, I, I, lw[6], ft[3], Hd, row_stride(ft[3], I), NULL, y, Hd);
     }
-    if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd);
+    if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd, r16);
     return failed;
 }

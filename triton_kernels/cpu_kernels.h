@@ -13,6 +13,14 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define PS_AVX2 1
 #endif
+/* AVX-512 (F, BW, VL): 16 floats a register where the compiler targets it (-march=native on a
+   CPU that has it); AVX512-BF16 adds the bfloat16 dot product (vdpbf16ps) */
+#if defined(PS_AVX2) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PS_AVX512 1
+#endif
+#if defined(PS_AVX512) && defined(__AVX512BF16__)
+#define PS_AVX512_BF16 1
+#endif
 #if defined(PS_AVX2) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -26,6 +34,28 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 #endif
+#ifdef PS_AVX512
+static inline float hsum16(__m512 v) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+#endif
+
+/* f rounded to a bfloat16 value, as vcvtneps2bf16 rounds: to nearest even, a denormal to zero,
+   a NaN kept a NaN. With bfloat16 arithmetic (W_DOT16) every kernel rounds its outputs so, where
+   torch's bfloat16 ops round theirs. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000) == 0)
+        u &= 0x80000000;
+    else if ((u & 0x7FFFFFFF) > 0x7F800000)
+        u |= 0x00400000;
+    else
+        u += 0x7FFF + ((u >> 16) & 1);
+    u &= 0xFFFF0000;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* A matrix's format (the `wtype` of pageserve_linear): float32; bfloat16 (a float32 model's
    matrices kept at half the bytes where every value's low 16 bits are zero); or one of GGUF's
@@ -35,14 +65,23 @@ static inline float hsum8(__m256 v) {
    float32 that GGUF's own dequantizer computes (one product, one sum, each rounded as
    numpy's float32 does), so every sum is that of the dequantized float32 matrix, to the bit. */
 enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4 };
+/* or'ed into a format: multiply in bfloat16 (cpu_linear_bf16.c) rather than float32 */
+enum { W_DOT16 = 8 };
 
 /* bytes of one block of 32 values */
-static inline long block_bytes(int wtype) { return wtype == W_Q8_0 ? 34 : wtype == W_Q4_0 ? 18 : 20; }
+static inline long block_bytes(int wtype) {
+    wtype &= ~W_DOT16;
+    return wtype == W_Q8_0 ? 34 : wtype == W_Q4_0 ? 18 : 20;
+}
 
 /* elements (bytes for the block formats) from one row of a contiguous K-column matrix to the next */
-static inline long row_stride(int wtype, long K) { return wtype >= W_Q8_0 ? K / 32 * block_bytes(wtype) : K; }
+static inline long row_stride(int wtype, long K) {
+    return (wtype & ~W_DOT16) >= W_Q8_0 ? K / 32 * block_bytes(wtype) : K;
+}
 
 int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                      const float *bias, float *y, long ldy);
+int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                          const float *bias, float *y, long ldy);
 
 #endif

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.c", "cpu_kernels.c")]
-HEADER = Path(__file__).with_name("cpu_kernels.h")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.c", "cpu_linear_bf16.c", "cpu_kernels.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_weights.h")]
 # -ffp-contract=off: no fused a * b + c that the source does not write (GCC fused a scalar
 # tail in one inlining and not another: one rounding, whatever the inlining)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -80,22 +80,28 @@ def weight_format(weight: torch.Tensor) -> tuple[int, int]:
     raise TypeError(f"cpu kernels take float32, bfloat16 or GGUF-block matrices, got {weight.dtype}")
 
 
+DOT16 = 8  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
+
+
 class CpuKernels:
     """The compiled library. `linear` is F.linear; `rms_norm`, `rotary_embedding` and
-    `silu_and_mul` are torch_ops' functions of the same names, for float32 CPU tensors."""
+    `silu_and_mul` are torch_ops' functions of the same names, for float32 CPU tensors.
+    bf16_dot: every matmul (linear, decode_layers) rounds x and the weights to bfloat16 and sums
+    their products in float32 with AVX512-BF16's dot product (ValueError where the build has
+    none); activations stay float32."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, bf16_dot: bool = False):
         torch.get_num_threads()  # torch (and its libgomp) first: the kernels share that runtime
         lib = ctypes.CDLL(str(path))
         p, n, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
         i = ctypes.c_int
         for name, args in (("pageserve_linear", [p, n, n, n, p, i, n, n, p, p, n]),
                            ("pageserve_widen", [p, i, n, n, n, p]),
-                           ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n]),
-                           ("pageserve_rotary", [p, n, n, n, n, p, n]),
-                           ("pageserve_silu_and_mul", [p, n, n, n, p]),
+                           ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n, i]),
+                           ("pageserve_rotary", [p, n, n, n, n, p, n, i]),
+                           ("pageserve_silu_and_mul", [p, n, n, n, p, i]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
-                                                          p]),
+                                                          p, i]),
                            ("pageserve_argmax", [p, n, n, n, p]),
                            ("pageserve_decode_layers", [p, n, n, n, p, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
                                                         f, p, p])):
@@ -106,9 +112,17 @@ class CpuKernels:
         lib.pageserve_decode_layers.restype = ctypes.c_int
         lib.pageserve_argmax.restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
+        lib.pageserve_has_bf16_dot.restype = ctypes.c_int
+        lib.pageserve_isa.restype = ctypes.c_char_p
         # built with AVX2 + FMA: without them the small ops are plain loops (libm's expf a
         # value), not worth putting in torch's place; only the timed linear is used then
         self.vectorized = bool(lib.pageserve_vectorized())
+        self.has_bf16_dot = bool(lib.pageserve_has_bf16_dot())
+        self.isa = lib.pageserve_isa().decode()  # the vector instructions it was built for
+        if bf16_dot and not self.has_bf16_dot:
+            raise ValueError(f"the CPU kernels have no bfloat16 dot product on this CPU ({self.isa})")
+        self.bf16_dot = bf16_dot
+        self._dot = DOT16 if bf16_dot else 0
         self._lib = lib
         self.path = path
 
@@ -125,7 +139,7 @@ class CpuKernels:
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
-        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt, out_features,
+        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt | self._dot, out_features,
                                       weight.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                       out_features):
             raise MemoryError("cpu linear: no memory for its scratch (widened weights, panels of x)")
@@ -139,6 +153,12 @@ class CpuKernels:
         out = torch.empty(weight.shape[0], k, dtype=torch.float32)
         self._lib.pageserve_widen(weight.data_ptr(), fmt, weight.shape[0], k, weight.stride(0), out.data_ptr())
         return out
+
+    def multiplied(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float32 values `linear` multiplies by: the widened weight, rounded to bfloat16
+        with bf16_dot (for torch's matmul where it runs instead, and a tied embedding's rows)."""
+        wide = self.widen(weight) if weight.dtype == torch.uint8 else weight.float()
+        return wide.bfloat16().float() if self.bf16_dot else wide
 
     __call__ = linear
 
@@ -166,7 +186,7 @@ class CpuKernels:
         res = torch.empty(shape, dtype=torch.float32)
         self._lib.pageserve_rms_norm(x2.data_ptr(), x2.stride(0), None if r2 is None else r2.data_ptr(),
                                      0 if r2 is None else r2.stride(0), weight.data_ptr(), eps, t, h,
-                                     out.data_ptr(), res.data_ptr(), h)
+                                     out.data_ptr(), res.data_ptr(), h, self.bf16_dot)
         return out, res
 
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -181,7 +201,8 @@ class CpuKernels:
             if x.dtype != torch.float32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d \
                     or x.shape[0] != t or x.shape[2] != d:
                 raise ValueError(f"rotary_embedding: {tuple(x.shape)} with strides {x.stride()}")
-            self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0))
+            self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0),
+                                       self.bf16_dot)
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -218,7 +239,7 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slot_mapping.data_ptr(), t, block_tables.data_ptr(), block_tables.stride(0),
             None if query_start_loc is None else query_start_loc.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d,
-            bs, scale, out.data_ptr())
+            bs, scale, out.data_ptr(), self.bf16_dot)
         if failed:
             raise MemoryError("paged_attention: no memory for the attention scores")
         return out
@@ -270,7 +291,7 @@ class CpuKernels:
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        return DecodeStack(weights, (ctypes.c_int * len(formats))(*formats), kv, final_norm, eps, hidden,
+        return DecodeStack(weights, (ctypes.c_int * len(formats))(*(f | self._dot for f in formats)), kv, final_norm, eps, hidden,
                            len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -308,7 +329,7 @@ class CpuKernels:
         x2 = _rows(x, "silu_and_mul")
         t, two_i = x2.shape
         out = torch.empty((*x.shape[:-1], two_i // 2), dtype=torch.float32)  # [t, I] in memory
-        self._lib.pageserve_silu_and_mul(x2.data_ptr(), x2.stride(0), t, two_i // 2, out.data_ptr())
+        self._lib.pageserve_silu_and_mul(x2.data_ptr(), x2.stride(0), t, two_i // 2, out.data_ptr(), self.bf16_dot)
         return out
 
 
@@ -332,11 +353,11 @@ class DecodeStack:
     scratch: torch.Tensor  # the step's intermediate activations, grown to the largest step
 
 
-def _build_key() -> str:
+def _build_key(flags: list[str]) -> str:
     h = hashlib.sha256()
-    for path in (*SOURCES, HEADER):
+    for path in (*SOURCES, *HEADERS):
         h.update(path.read_bytes())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(flags).encode())
     h.update(platform.machine().encode())
     try:  # -march=native: a different CPU model needs its own build
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -346,11 +367,14 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def load(cache_dir: Path) -> CpuKernels | None:
-    """The library, built into `cache_dir` on first use; None where it cannot be built."""
+def load(cache_dir: Path, bf16_dot: bool = False, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
+    """The library, built into `cache_dir` on first use; None where it cannot be built.
+    bf16_dot: see CpuKernels. extra_flags: for the compiler after FLAGS (tests build the AVX2
+    kernels on an AVX-512 CPU with -mno-avx512f)."""
     if os.environ.get("PAGESERVE_NO_CPU_KERNELS") == "1":
         return None
-    path = cache_dir / f"cpu_kernels-{_build_key()}.so"
+    flags = [*FLAGS, *extra_flags]
+    path = cache_dir / f"cpu_kernels-{_build_key(flags)}.so"
     if not path.is_file():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
@@ -361,7 +385,7 @@ def load(cache_dir: Path) -> CpuKernels | None:
             cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
             os.close(fd)
-            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                            text=True, timeout=120)
             os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
             os.replace(tmp, path)
@@ -373,7 +397,7 @@ def load(cache_dir: Path) -> CpuKernels | None:
                 Path(tmp).unlink(missing_ok=True)
             return None
     try:
-        return CpuKernels(path)
+        return CpuKernels(path, bf16_dot)
     except OSError as e:
         logger.warning("loading the CPU kernels failed; keeping torch's ops: %s", e)
         return None

@@ -10,38 +10,12 @@
    of x, panels of x instead (linear_panels). Each output is a plain float32 dot product over
    K: no precision is traded. */
 
-#include "cpu_kernels.h"
-#include <omp.h>
+#include "cpu_weights.h"
 
 #define TILE_O 6
-/* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
-   thread the OS has paused (the server's event loop shares the cores) holds up only one piece.
-   At one row of x the hardware's prefetch starts over at each piece; 128 rows, not 64: the
-   default model's 121 matrices at one row in a C harness, 64 and 128 alternated in one
-   process on a 2-core EPYC, in bfloat16 16.3 -> 15.5 ms (means of seven runs' medians), in
-   its own Q4_1 + Q8_0 10.2 -> 9.4 ms (medians of 61 rounds). Fewer where a matrix would not
-   give every thread two pieces (piece_rows). */
-#define CHUNK_O 128
 #define WIDEN_ROWS 8
-/* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch;
-   past a matrix's end it is a hint that fetches nothing, never a fault). The hardware's own
-   prefetch restarts at every piece of every matrix: in 64-row pieces, the default model's 121
-   matrices at one row read 9-10 GB/s on a 2-core EPYC where a plain stream over the same
-   regions reads 15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated
-   rounds; 2 KB: no gain) */
-#ifndef PREFETCH
-#define PREFETCH 4096
-#endif
 
 
-/* Weights in bfloat16 (the checkpoint's own values, kept at half the bytes where every
-   float32 weight's low 16 bits are zero): each is widened to float32 as it is loaded, an
-   exact conversion, so the sums are the float32 kernel's to the bit and one stream reads
-   half the bytes per step. */
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
 /* element i of a weight array in float32 (w16: the array is bfloat16) */
 static inline float wval(const void *w, long i, int w16) {
     return w16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
@@ -49,9 +23,6 @@ static inline float wval(const void *w, long i, int w16) {
 
 #ifdef PS_AVX2
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
 
 /* sums over k < k8 of TILE_O weight rows (w, rows ldw apart) against NR rows of x (ldx apart):
    TILE_O x NR accumulators (of the tiles timed on a 2-core EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2,
@@ -81,78 +52,9 @@ MICRO_TILE(micro16_2, 2, uint16_t, load_bf16)
 #endif
 
 
-static inline float f16_to_f32(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
-    if (exp == 0x1F) {
-        u = sign | 0x7F800000 | (man << 13); /* inf, nan */
-    } else if (exp) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        u = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    } else {
-        u = sign;
-    }
-    union { uint32_t u; float f; } v = {u};
-    return v.f;
-#endif
-}
 
-/* row o of W: rows ldw elements apart (bytes for the block formats) */
-static inline const void *weight_row(const void *W, int wtype, long ldw, long o) {
-    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
-    return (const uint8_t *)W + o * ldw * unit;
-}
-
-static inline uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return v;
-}
 
 #ifdef PS_AVX2
-/* The 32 values of one block in four registers (values 0-7, 8-15, 16-23, 24-31). d * q is
-   exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
-   rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
-static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
-    __m256 d, m = _mm256_setzero_ps();
-#ifdef __F16C__
-    if (wtype == W_Q4_1) { /* d and m converted together */
-        uint32_t dm;
-        memcpy(&dm, blk, 4);
-        __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
-        d = _mm256_broadcastss_ps(both);
-        m = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
-    } else {
-        d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
-    }
-#else
-    d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
-    if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
-#endif
-    if (wtype == W_Q8_0) {
-        for (int g = 0; g < 4; g++)
-            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
-        return;
-    }
-    /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
-       high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : 2);
-    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    __m256i mask = _mm256_set1_epi32(0x0F);
-    __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
-                    _mm256_srli_epi32(b, 4)};
-    if (wtype == W_Q4_0) {
-        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
-    } else {
-        for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
-    }
-}
 
 /* row1 of a block format, each block widened in registers: the same four accumulators over
    the same values as row1 of the widened row, so the same sums (K is a multiple of 32) */
@@ -183,8 +85,110 @@ static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long
 }
 #endif
 
+#ifdef PS_AVX512
+/* AVX-512: 16 floats a register. One row of x sums each output in four accumulators (values
+   k mod 64 in 0-15, 16-31, 32-47, 48-63; the last 32 and 16 of a row in the first ones),
+   whatever the format, so that a block format's sums are those of its widened row to the bit. */
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+
+#define ACC4_STEP(a, w, k, LOAD)                                                                        \
+    a[0] = _mm512_fmadd_ps(LOAD((w) + (k)), _mm512_loadu_ps(x + (k)), a[0]);                            \
+    a[1] = _mm512_fmadd_ps(LOAD((w) + (k) + 16), _mm512_loadu_ps(x + (k) + 16), a[1]);                  \
+    a[2] = _mm512_fmadd_ps(LOAD((w) + (k) + 32), _mm512_loadu_ps(x + (k) + 32), a[2]);                  \
+    a[3] = _mm512_fmadd_ps(LOAD((w) + (k) + 48), _mm512_loadu_ps(x + (k) + 48), a[3]);
+#define ACC4_SUM(a) hsum16(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
+#define ACC4_END(a, w, o, LOAD, W16)                                                                    \
+    {                                                                                                   \
+        long k = k64;                                                                                   \
+        if (k + 32 <= K) {                                                                              \
+            a[0] = _mm512_fmadd_ps(LOAD((w) + k), _mm512_loadu_ps(x + k), a[0]);                        \
+            a[1] = _mm512_fmadd_ps(LOAD((w) + k + 16), _mm512_loadu_ps(x + k + 16), a[1]);              \
+            k += 32;                                                                                    \
+        }                                                                                               \
+        if (k + 16 <= K) {                                                                              \
+            a[0] = _mm512_fmadd_ps(LOAD((w) + k), _mm512_loadu_ps(x + k), a[0]);                        \
+            k += 16;                                                                                    \
+        }                                                                                               \
+        float s = ACC4_SUM(a);                                                                          \
+        for (; k < K; k++) s += wval(w, k, W16) * x[k];                                                 \
+        y[o] = s + (bias ? bias[o] : 0.0f);                                                             \
+    }
+/* rows o0..o1-1 of float32 or bfloat16 weights, four rows a quarter of the piece apart at once
+   (four streams from memory), the rest one at a time */
+#define ROW1_512(NAME, WT, LOAD)                                                                        \
+    static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
+                     float *y) {                                                                        \
+        long k64 = K & ~63L, q = (o1 - o0) / 4;                                                         \
+        for (long o = o0; o < o0 + q; o++) {                                                            \
+            const WT *w[4];                                                                             \
+            __m512 a[4][4];                                                                             \
+            for (int r = 0; r < 4; r++) {                                                               \
+                w[r] = W + (o + r * q) * ldw;                                                           \
+                for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();                              \
+            }                                                                                           \
+            for (long k = 0; k < k64; k += 64) {                                                        \
+                ACC4_STEP(a[0], w[0], k, LOAD)                                                          \
+                ACC4_STEP(a[1], w[1], k, LOAD)                                                          \
+                ACC4_STEP(a[2], w[2], k, LOAD)                                                          \
+                ACC4_STEP(a[3], w[3], k, LOAD)                                                          \
+            }                                                                                           \
+            for (int r = 0; r < 4; r++) ACC4_END(a[r], w[r], o + r * q, LOAD, sizeof(WT) == 2)          \
+        }                                                                                               \
+        for (long o = o0 + 4 * q; o < o1; o++) {                                                        \
+            const WT *w = W + o * ldw;                                                                  \
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
+            for (long k = 0; k < k64; k += 64) {                                                        \
+                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                            \
+                ACC4_STEP(a, w, k, LOAD)                                                                \
+            }                                                                                           \
+            ACC4_END(a, w, o, LOAD, sizeof(WT) == 2)                                                    \
+        }                                                                                               \
+    }
+ROW1_512(row1_512, float, load16_f32)
+ROW1_512(row1_16_512, uint16_t, load16_bf16)
+
+/* row1 of a block format: two blocks (64 values) into the four accumulators at a time */
+static inline __attribute__((always_inline)) void row1_blocks512_of(const float *x, long K, const uint8_t *W,
+                                                                    long ldw, long o0, long o1, const float *bias,
+                                                                    float *y, int wtype) {
+    long bb = block_bytes(wtype), nb = K / 32;
+    for (long o = o0; o < o1; o++) {
+        const uint8_t *w = W + o * ldw;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        long b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            __m512 v[2], u[2];
+            _mm_prefetch((const char *)w + b * bb + PREFETCH, _MM_HINT_T0);
+            widen_block16(w + b * bb, wtype, v);
+            widen_block16(w + (b + 1) * bb, wtype, u);
+            a[0] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + 32 * b), a[0]);
+            a[1] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + 32 * b + 16), a[1]);
+            a[2] = _mm512_fmadd_ps(u[0], _mm512_loadu_ps(x + 32 * b + 32), a[2]);
+            a[3] = _mm512_fmadd_ps(u[1], _mm512_loadu_ps(x + 32 * b + 48), a[3]);
+        }
+        if (b < nb) {
+            __m512 v[2];
+            widen_block16(w + b * bb, wtype, v);
+            a[0] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + 32 * b), a[0]);
+            a[1] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + 32 * b + 16), a[1]);
+        }
+        y[o] = ACC4_SUM(a) + (bias ? bias[o] : 0.0f);
+    }
+}
+
+static void row1_blocks512(const float *x, long K, const uint8_t *W, long ldw, long o0, long o1, const float *bias,
+                           float *y, int wtype) {
+    switch (wtype) {
+    case W_Q8_0: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q8_0); break;
+    case W_Q4_0: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_0); break;
+    default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1);
+    }
+}
+#endif
+
 /* K values of one weight row in float32 (K a multiple of 32 for the block formats) */
-static void widen_row(const void *src, int wtype, long K, float *out) {
+void widen_row(const void *src, int wtype, long K, float *out) {
     if (wtype == W_F32) {
         for (long k = 0; k < K; k++) out[k] = ((const float *)src)[k];
         return;
@@ -192,6 +196,9 @@ static void widen_row(const void *src, int wtype, long K, float *out) {
     if (wtype == W_BF16) {
         const uint16_t *s = (const uint16_t *)src;
         long k = 0;
+#ifdef PS_AVX512
+        for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, load16_bf16(s + k));
+#endif
 #ifdef PS_AVX2
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, load_bf16(s + k));
 #endif
@@ -202,7 +209,12 @@ static void widen_row(const void *src, int wtype, long K, float *out) {
     for (long b = 0; b < K / 32; b++) {
         const uint8_t *blk = (const uint8_t *)src + b * bb;
         float *o = out + b * 32;
-#ifdef PS_AVX2
+#if defined(PS_AVX512)
+        __m512 v[2];
+        widen_block16(blk, wtype, v);
+        _mm512_storeu_ps(o, v[0]);
+        _mm512_storeu_ps(o + 16, v[1]);
+#elif defined(PS_AVX2)
         __m256 v[4];
         widen_block(blk, wtype, v);
         for (int g = 0; g < 4; g++) _mm256_storeu_ps(o + 8 * g, v[g]);
@@ -317,30 +329,15 @@ ROW1(row1_16, uint16_t, load_bf16)
 
 /* one row of x against one float32 weight row w: y[0] (+ bias[0]) */
 static inline void one_row(const float *x, long K, const float *w, const float *bias, float *y) {
-#ifdef PS_AVX2
+#if defined(PS_AVX512)
+    row1_512(x, K, w, K, 0, 1, bias, y);
+#elif defined(PS_AVX2)
     row1(x, K, w, K, 0, 1, bias, y);
 #else
     tile(x, 1, K, K, w, 0, K, 0, 1, bias, y, 1);
 #endif
 }
 
-/* n units of work in two pieces a thread: the units of a piece (at least 1) */
-static inline long two_a_thread(long n) {
-    long threads = omp_get_max_threads(), per = (n + 2 * threads - 1) / (2 * threads);
-    return per < 1 ? 1 : per;
-}
-
-/* rows of a piece at one row of x: CHUNK_O, or fewer so that O rows make at least two pieces a
-   thread (a 576-row matrix is 5 pieces of 128: on 16 threads most would wait), at least 16 */
-static inline long piece_rows(long O) {
-    long rows = two_a_thread(O);
-    return rows > CHUNK_O ? CHUNK_O : rows < 16 ? 16 : rows;
-}
-
-static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
-                                                 loads straddle two lines (13% slower at 64 rows) */
-    return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
-}
 
 #ifdef PS_AVX2
 /* Many rows of x (a batch of decodes, a prefill chunk): the register tile above re-reads six
@@ -349,7 +346,11 @@ static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 
    rows laid out k-major (xp[panel][k][16]), and each widened weight value is broadcast against
    two vectors of 16 rows: 6 x 16 outputs in twelve accumulators, one load of x per 16 rows, no
    sums across lanes (the BLIS shape for AVX2). Each output is one fma chain over k in order. */
+#ifdef PS_AVX512 /* rows of x a panel holds: two registers' worth */
+#define PANEL_X 32
+#else
 #define PANEL_X 16
+#endif
 #ifndef BIG_ROWS /* rows from which x is paneled: at 8 and 12 rows the register tile above was
                      faster (70 vs 52, 93 vs 81 GFLOP/s), at 16 the panels (93 vs 79) */
 #define BIG_ROWS 16
@@ -368,6 +369,23 @@ static void panel_x(const float *x, long R, long K, long ldx, long r0, float *xp
 static inline __attribute__((always_inline)) void panel_tile(const float *w, long ldw, const float *xp, long K,
                                                              long o0, long no, long r0, long nr, const float *bias,
                                                              float *y, long ldy) {
+#ifdef PS_AVX512
+    __m512 a[TILE_O][2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {
+        __m512 x0 = _mm512_load_ps(xp + k * PANEL_X), x1 = _mm512_load_ps(xp + k * PANEL_X + 16);
+        _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {
+            __m512 b = _mm512_set1_ps(w[i * ldw + k]);
+            a[i][0] = _mm512_fmadd_ps(b, x0, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(b, x1, a[i][1]);
+        }
+    }
+    float v[TILE_O][PANEL_X];
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {
+        _mm512_storeu_ps(v[i], a[i][0]);
+        _mm512_storeu_ps(v[i] + 16, a[i][1]);
+    }
+#else
     __m256 a[TILE_O][2];
     _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
     _Pragma("GCC unroll 4") for (long k = 0; k < K; k++) {
@@ -383,6 +401,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *w, lon
         _mm256_storeu_ps(v[i], a[i][0]);
         _mm256_storeu_ps(v[i] + 8, a[i][1]);
     }
+#endif
     for (long i = 0; i < no; i++) {
         float add = bias ? bias[o0 + i] : 0.0f;
         for (long j = 0; j < nr; j++) y[(r0 + j) * ldy + o0 + i] = v[i][j] + add;
@@ -472,6 +491,7 @@ static int linear_panels(const float *x, long R, long K, long ldx, const void *W
    be had (y is then not all written), else 0. */
 int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                      const float *bias, float *y, long ldy) {
+    if (wtype & W_DOT16) return pageserve_linear_bf16(x, R, K, ldx, W, wtype, O, ldw, bias, y, ldy);
     int failed = 0;
 #ifdef PS_AVX2
     if (R == 1) { /* every format; a block format's blocks widened in registers */
@@ -479,12 +499,21 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
 #pragma omp parallel for schedule(dynamic, 1)
         for (long c = 0; c < chunks; c++) {
             long o0 = c * piece, o1 = o0 + piece < O ? o0 + piece : O;
+#ifdef PS_AVX512
+            if (wtype == W_BF16)
+                row1_16_512(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
+            else if (wtype == W_F32)
+                row1_512(x, K, (const float *)W, ldw, o0, o1, bias, y);
+            else
+                row1_blocks512(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
+#else
             if (wtype == W_BF16)
                 row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
             else if (wtype == W_F32)
                 row1(x, K, (const float *)W, ldw, o0, o1, bias, y);
             else
                 row1_blocks(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
+#endif
         }
         return 0;
     }

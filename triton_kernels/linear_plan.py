@@ -28,6 +28,8 @@ class LinearPlan:
 
     def __init__(self, kernel: CpuKernels):
         self.kernel = kernel
+        self.bf16 = kernel.bf16_dot  # the kernel multiplies in bfloat16: so must torch's matmul
+        self.multiplied = kernel.multiplied
         self.use_kernel = [False] * len(ROW_BUCKETS)
         self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
 
@@ -37,29 +39,29 @@ class LinearPlan:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.uses_kernel(x.shape[0]):
             return self.kernel(x, weight, bias)  # which checks the dtypes
-        return F.linear(x, self.widened(weight, x.dtype), bias)
+        return self.torch_linear(x, weight, bias)
 
-    def widened(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """weight in the activations' dtype: a matrix kept in bfloat16 or GGUF blocks for the C
-        linear is widened (exactly) for torch's matmul, per call (bfloat16: 2% of a 512-row
-        step's matmuls)."""
-        if weight.dtype == dtype:
-            return weight
-        return self.kernel.widen(weight) if weight.dtype == torch.uint8 else weight.to(dtype)
+    def torch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """torch's matmul of what the C linear computes: a matrix kept in bfloat16 or GGUF blocks
+        widened (exactly) per call (bfloat16: 2% of a 512-row step's matmuls); where the kernel
+        multiplies in bfloat16, torch's bfloat16 matmul of the rounded values, y in float32."""
+        if self.bf16:
+            y = F.linear(x.bfloat16(), self.multiplied(weight).bfloat16()).float()
+            return y if bias is None else (y + bias).bfloat16().float()
+        return F.linear(x, weight if weight.dtype == x.dtype else self.multiplied(weight), bias)
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
         """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
         follows their choice) at each row bucket, alternating, best of `reps`: the faster one
-        runs steps of that size. Weights in bfloat16 (float32 activations) time torch's
-        matmul with the float32 copy it is then given."""
+        runs steps of that size. Weights kept compact time torch's matmul with the copy it is
+        then given (torch_linear)."""
         if not weights or any(w.dtype not in (torch.float32, torch.bfloat16, torch.uint8) for w in weights):
             return
-        widened = lambda x, w: F.linear(x, self.widened(w, x.dtype))  # noqa: E731
         for i, rows in enumerate(ROW_BUCKETS):
             xs = {in_features(w): torch.randn(rows, in_features(w)) for w in weights}
             best = [float("inf"), float("inf")]
             for _ in range(reps):
-                for j, fn in enumerate((widened, self.kernel)):
+                for j, fn in enumerate((self.torch_linear, self.kernel)):
                     t = time.perf_counter()
                     for w in weights:
                         fn(xs[in_features(w)], w)

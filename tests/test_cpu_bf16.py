@@ -1,0 +1,189 @@
+"""bfloat16 arithmetic in the C kernels (triton_kernels/cpu_linear_bf16.c, `--dtype bfloat16` on a
+CPU with AVX512-BF16): the linear against exact products of the rounded inputs and against
+torch's bfloat16 matmul, the same bits for a row whatever the rows beside it up to 15 and
+whatever the weights' format, the small ops and attention rounded where torch's bfloat16 ops
+round, and an engine that runs so, with its decoder stack equal to its layers and its logits
+near HF's in bfloat16. Where the CPU lacks AVX512-BF16, `--dtype bfloat16` keeps torch's path."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.triton_kernels import cpu_kernels, linear_plan, torch_ops
+from pageserve.triton_kernels.cpu_kernels import blocks
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), bf16_dot=False)
+    if k is None or not k.has_bf16_dot:
+        pytest.skip("no C kernels with AVX512-BF16 on this CPU")
+    return cpu_kernels.CpuKernels(k.path, bf16_dot=True)
+
+
+def r16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in bfloat16 units in the last place of the larger."""
+    big = torch.maximum(got.abs(), want.abs()).clamp_min(1e-30)
+    return (got - want).abs() / (2.0 ** (torch.floor(torch.log2(big)) - 7))
+
+
+def q4_1(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gguf = pytest.importorskip("gguf")
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
+    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    return blocks(torch.from_numpy(np.ascontiguousarray(q)), "q4_1", cols)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 15, 16, 33, 64, 130])
+@pytest.mark.parametrize("out_features,in_features", [(1, 13), (7, 40), (64, 576), (130, 1536), (301, 96)])
+def test_linear_is_the_rounded_products_summed(lib, rows, out_features, in_features):
+    """y = round(sum of bf16(x) bf16(w) + bias): within one bfloat16 step of the exact sum
+    rounded, and of torch's bfloat16 matmul (which sums in another order)."""
+    gen = torch.Generator().manual_seed(rows * 31 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = r16(torch.randn(out_features, generator=gen))  # the engine's biases are bfloat16 values
+    for weight in (w, w.bfloat16()):
+        got = lib(x, weight, b)
+        assert torch.equal(got, r16(got))  # outputs are bfloat16 values
+        exact = r16(x).double() @ r16(w).double().T + r16(b).double()
+        assert ulps(got.double(), exact).max() <= 1.5, (weight.dtype, rows)  # half a step, and float32 sums
+        torch_bf16 = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
+        assert ulps(got, torch_bf16).max() <= 2
+
+
+def test_a_row_is_the_same_bits_beside_up_to_15_others_and_from_blocks(lib):
+    """Up to 15 rows each output sums its 32-value chunks into four accumulators in the same
+    order; GGUF blocks are the rounded widened values: one request's row is the same however
+    many share its step (below panels), and the same from Q4_1 blocks as from their values."""
+    gen = torch.Generator().manual_seed(5)
+    w = q4_1(200, 576, 1)
+    wide = lib.widen(w)
+    x = torch.randn(15, 576, generator=gen)
+    alone = torch.cat([lib(x[i:i + 1], w) for i in range(15)])
+    for rows in (2, 5, 15):
+        assert torch.equal(lib(x[:rows], w), alone[:rows])
+    assert torch.equal(lib(x, wide), alone)
+    assert torch.equal(lib(x[:1], wide.bfloat16()), alone[:1])
+    many = torch.randn(64, 576, generator=gen)
+    assert torch.equal(lib(many, w), lib(many, wide))  # panels: blocks against their values too
+
+
+def test_the_plan_gives_torch_the_same_arithmetic(lib):
+    """Where torch's matmul runs instead (a bucket where it was faster, past 512 rows), it
+    multiplies the same rounded values in bfloat16."""
+    plan = linear_plan.LinearPlan(lib)
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(600, 96, generator=gen), q4_1(40, 96, 3)
+    ours = lib(x, w)
+    theirs = plan(x, w)  # 600 rows: torch
+    assert torch.equal(theirs, r16(theirs)) and ulps(theirs, ours).max() <= 2
+
+
+def test_small_ops_round_where_torch_rounds(lib):
+    gen = torch.Generator().manual_seed(3)
+    t, h = 9, 96
+    x, res, w = (r16(torch.randn(t, h, generator=gen)) for _ in range(3))
+    w = w[0]
+    normed, new_res = lib.rms_norm(x, w, 1e-6, res)
+    want_n, want_r = torch_ops.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6, res.bfloat16())
+    assert torch.equal(new_res, want_r.float())
+    assert ulps(normed, want_n.float()).max() <= 1
+
+    heads, kv, d = 4, 2, 64
+    qkv = r16(torch.randn(t, (heads + 2 * kv) * d, generator=gen))
+    cache = torch.randn(64, d, generator=gen)
+    positions = torch.arange(t) * 7
+    cos, sin = torch_ops.rope_cos_sin(positions, cache, torch.float32)
+    ours = qkv.clone()
+    q, k = ours[:, :heads * d].view(t, heads, d), ours[:, heads * d:(heads + kv) * d].view(t, kv, d)
+    lib.rotary_embedding(q, k, cos[:, 0], sin[:, 0])
+    ref = qkv.bfloat16()
+    cb, sb = torch_ops.rope_cos_sin(positions, cache, torch.bfloat16)
+    torch_ops.rotary_embedding(ref[:, :heads * d].view(t, heads, d), ref[:, heads * d:(heads + kv) * d].view(t, kv, d),
+                               cb, sb)
+    assert torch.equal(ours, ref.float())
+
+    gate_up = r16(torch.randn(t, 2 * h, generator=gen) * 3)
+    got = lib.silu_and_mul(gate_up)
+    assert ulps(got, torch_ops.silu_and_mul(gate_up.bfloat16()).float()).max() <= 1
+
+
+def test_attention_rounds_scores_probabilities_and_output(lib):
+    """A decode step against torch_ops' bfloat16 decode path (scores of q k^T in bfloat16,
+    softmax in float32, probabilities in bfloat16): the output is bfloat16 values within a
+    step or two of it (the sums run in another order)."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv, d, bs, blocks_n, b = 6, 2, 64, 16, 12, 3
+    kc, vc = (r16(torch.randn(blocks_n, kv, bs, d, generator=gen)) for _ in range(2))
+    q = r16(torch.randn(b, heads, d, generator=gen))
+    k, v = (r16(torch.randn(b, kv, d, generator=gen)) for _ in range(2))
+    tables = torch.randperm(blocks_n, generator=gen)[:b * 4].view(b, 4).int()
+    lens = torch.tensor([20, 64, 37], dtype=torch.int32)
+    slots = (tables[torch.arange(b), (lens - 1) // bs].long() * bs + (lens - 1) % bs)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = lib.paged_attention(q, k, v, kc2, vc2, slots, tables, lens, d ** -0.5)
+    assert torch.equal(got, r16(got))
+    torch_ops.reshape_and_cache(k, v, kc, vc, slots)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    want = torch_ops.paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, qsl, lens, d ** -0.5).float()
+    assert ulps(got, want).max() <= 3
+
+
+@pytest.mark.engine
+def test_the_engine_multiplies_in_bfloat16_and_follows_hf_bfloat16(tmp_path, lib):
+    """--dtype bfloat16 with AVX512-BF16: float32 activations and KV cache, every weight a
+    bfloat16 value; the decode stack gives the layers' bits; next-token log-probabilities stay
+    near HF's in bfloat16 on the same weights (as near as HF bfloat16 is to HF float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from pageserve.runtime.kernels import TorchKernels
+
+    model_dir = build_tiny_model(tmp_path / "llama", arch="llama")
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    cfg, runner = llm.engine.config.model, llm.engine.runner
+    assert cfg.dtype == torch.float32 and cfg.bf16_matmuls and runner.kernels.cpu_lib.bf16_dot
+    assert all(torch.equal(p, r16(p)) for p in runner.model.parameters() if p.dtype == torch.float32)
+    prompt = [5, 17, 99, 3, 250, 41, 7, 8, 300, 12]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    stacked = llm.generate([prompt], params, use_tqdm=False)[0]
+    original = TorchKernels.decoder_stack
+    try:
+        TorchKernels.decoder_stack = lambda self, *args: None
+        layered = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        TorchKernels.decoder_stack = original
+    assert stacked.outputs[0].token_ids == layered.outputs[0].token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in stacked.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in layered.outputs[0].logprobs]
+
+    seq = prompt + list(stacked.outputs[0].token_ids)
+    with torch.inference_mode():
+        hf = {dt: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dt)(torch.tensor([seq])).logits[0]
+              .float().log_softmax(-1) for dt in (torch.float32, torch.bfloat16)}
+    ours = [d for d in stacked.prompt_logprobs[1:]]  # positions 1.. of the prompt
+    gap = max(abs(d[t].logprob - hf[torch.bfloat16][i, t].item()) for i, d in enumerate(ours) for t in d)
+    scale = max(abs(d[t].logprob - hf[torch.float32][i, t].item()) for i, d in enumerate(ours) for t in d)
+    hf_gap = (hf[torch.bfloat16] - hf[torch.float32]).abs().max().item()
+    assert gap <= 3 * max(hf_gap, 0.01), (gap, hf_gap, scale)
+
+
+def test_bfloat16_takes_the_c_kernels_unless_eager(lib, monkeypatch):
+    """bfloat16: bfloat16 matmuls in the C kernels; torch's bfloat16 with --enforce-eager or
+    without the kernels."""
+    from pageserve.runtime.engine_args import EngineArgs
+
+    cpu = torch.device("cpu")
+    assert EngineArgs(dtype="bfloat16").resolve_dtype(cpu) == (torch.float32, True)
+    assert EngineArgs(dtype="bfloat16", enforce_eager=True).resolve_dtype(cpu) == (torch.bfloat16, False)
+    monkeypatch.setenv("PAGESERVE_NO_CPU_KERNELS", "1")
+    assert EngineArgs(dtype="bfloat16").resolve_dtype(cpu) == (torch.bfloat16, False)

@@ -1,0 +1,261 @@
+/* The linear layer in bfloat16 arithmetic (a format code with W_DOT16 set): y = x W^T with x and
+   every weight rounded to bfloat16 (to nearest even, as torch's .bfloat16() rounds), products
+   summed in float32 by AVX512-BF16's vdpbf16ps, 32 products an instruction where the float32
+   kernel makes 16. The weights stay in their own format (float32, bfloat16, GGUF blocks),
+   widened as cpu_linear.c widens them, then rounded. torch's bfloat16 matmul computes the same
+   products, sums them in another order, and rounds y (plus the bias) to bfloat16, as this does.
+
+   Each output of a row of x sums its 32-value chunks c into accumulator c mod 4 whatever the
+   number of rows up to PANEL_ROWS, so those steps give a request the same bits; from there x is
+   cut into panels of 32 rows and each output is one chain over its pairs in order. */
+
+#include "cpu_weights.h"
+
+#ifdef PS_AVX512_BF16
+
+#define TILE_W 6 /* weight rows of a panel tile */
+#define PANEL_ROWS 16 /* rows of x from which they are paneled */
+
+/* 32 floats as 32 bfloat16 in order (vcvtne2ps2bf16 puts its second operand first) */
+static inline __m512bh round32(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+
+static inline __mmask16 first_n16(long n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* chunk c (values 32c..32c+31) of one weight row in bfloat16, zero past K (a block format's K
+   is a multiple of 32); full: the chunk is known to lie wholly before K */
+static inline __attribute__((always_inline)) __m512bh chunk_at(const void *w, int wtype, long c, long K, int full) {
+    long k = 32 * c, n = full ? 32 : K - k;
+    if (wtype == W_BF16) {
+        const uint16_t *h = (const uint16_t *)w + k;
+        return (__m512bh)(n >= 32 ? _mm512_loadu_si512(h) : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), h));
+    }
+    if (wtype == W_F32) {
+        const float *f = (const float *)w + k;
+        if (n >= 32) return round32(_mm512_loadu_ps(f), _mm512_loadu_ps(f + 16));
+        return round32(_mm512_maskz_loadu_ps(first_n16(n), f), _mm512_maskz_loadu_ps(first_n16(n - 16), f + 16));
+    }
+    __m512 v[2];
+    widen_block16((const uint8_t *)w + c * block_bytes(wtype), wtype, v);
+    return round32(v[0], v[1]);
+}
+
+#define chunk_of(w, wtype, c, K) chunk_at(w, wtype, c, K, 0)
+
+static inline long chunk_bytes(int wtype) { return wtype == W_F32 ? 128 : wtype == W_BF16 ? 64 : block_bytes(wtype); }
+
+#define DOT(acc, w, c, full) \
+    acc = _mm512_dpbf16_ps(acc, chunk_at(w, wtype, c, K, full), (__m512bh)_mm512_loadu_si512(xb + 32 * (c)))
+
+/* NW weight rows (w[]) against one row of x in bfloat16 (xb, zero-padded to whole chunks): the
+   sums of each row, chunk c into its accumulator c mod 4 */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, const void *const *w, int NW,
+                                                           int wtype, long K, float *out) {
+    __m512 a0[4], a1[4], a2[4], a3[4];
+    for (int r = 0; r < NW; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+    long n = (K + 31) / 32, c = 0, cb = chunk_bytes(wtype);
+    for (; c + 4 <= K / 32; c += 4)
+        _Pragma("GCC unroll 4") for (int r = 0; r < NW; r++) {
+            _mm_prefetch((const char *)w[r] + c * cb + PREFETCH, _MM_HINT_T0);
+            DOT(a0[r], w[r], c, 1);
+            DOT(a1[r], w[r], c + 1, 1);
+            DOT(a2[r], w[r], c + 2, 1);
+            DOT(a3[r], w[r], c + 3, 1);
+        }
+    _Pragma("GCC unroll 4") for (int r = 0; r < NW; r++) { /* up to four chunks left, the last maybe partial */
+        if (c < n) DOT(a0[r], w[r], c, 0);
+        if (c + 1 < n) DOT(a1[r], w[r], c + 1, 0);
+        if (c + 2 < n) DOT(a2[r], w[r], c + 2, 0);
+        if (c + 3 < n) DOT(a3[r], w[r], c + 3, 0);
+        out[r] = hsum16(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
+    }
+}
+
+/* rows o0..o1-1 of W against one row of x: four rows a quarter of the piece apart at once (four
+   streams from memory), the rest one at a time */
+static inline __attribute__((always_inline)) void row1_of(const uint16_t *xb, long K, const void *W, int wtype,
+                                                          long ldw, long o0, long o1, const float *bias, float *y) {
+    long q = (o1 - o0) / 4;
+    float s[4];
+    for (long o = o0; o < o0 + q; o++) {
+        const void *w[4] = {weight_row(W, wtype, ldw, o), weight_row(W, wtype, ldw, o + q),
+                            weight_row(W, wtype, ldw, o + 2 * q), weight_row(W, wtype, ldw, o + 3 * q)};
+        dot_rows(xb, w, 4, wtype, K, s);
+        for (int r = 0; r < 4; r++) y[o + r * q] = round_bf16(s[r] + (bias ? bias[o + r * q] : 0.0f));
+    }
+    for (long o = o0 + 4 * q; o < o1; o++) {
+        const void *w[1] = {weight_row(W, wtype, ldw, o)};
+        dot_rows(xb, w, 1, wtype, K, s);
+        y[o] = round_bf16(s[0] + (bias ? bias[o] : 0.0f));
+    }
+}
+
+static void row1(const uint16_t *xb, long K, const void *W, int wtype, long ldw, long o0, long o1,
+                 const float *bias, float *y) {
+    switch (wtype) { /* one copy per format, the format's branches gone */
+    case W_F32: row1_of(xb, K, W, W_F32, ldw, o0, o1, bias, y); break;
+    case W_BF16: row1_of(xb, K, W, W_BF16, ldw, o0, o1, bias, y); break;
+    case W_Q8_0: row1_of(xb, K, W, W_Q8_0, ldw, o0, o1, bias, y); break;
+    case W_Q4_0: row1_of(xb, K, W, W_Q4_0, ldw, o0, o1, bias, y); break;
+    default: row1_of(xb, K, W, W_Q4_1, ldw, o0, o1, bias, y);
+    }
+}
+
+/* one weight row in bfloat16, zero-padded to whole chunks (kc of them), at out */
+static void round_row(const void *w, int wtype, long K, long kc, uint16_t *out) {
+    for (long c = 0; c < kc; c++) _mm512_storeu_si512(out + 32 * c, (__m512i)chunk_of(w, wtype, c, K));
+}
+
+/* 2 to PANEL_ROWS - 1 rows of x: each weight row rounded once into this thread's copy, then
+   summed against every row of x as row1 sums it (the same bits) */
+static int linear_rows(const uint16_t *xb, long R, long K, long kc, const void *W, int wtype, long O, long ldw,
+                       const float *bias, float *y, long ldy) {
+    long piece = piece_rows(O), pieces = (O + piece - 1) / piece;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *wb = (uint16_t *)aligned_floats(16 * kc);
+        if (wb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long p = 0; p < pieces; p++) {
+            for (long o = p * piece; wb != NULL && o < O && o < (p + 1) * piece; o++) {
+                round_row(weight_row(W, wtype, ldw, o), wtype, K, kc, wb);
+                const void *w[1] = {wb};
+                for (long r = 0; r < R; r++) {
+                    float s;
+                    dot_rows(xb + r * 32 * kc, w, 1, W_BF16, 32 * kc, &s);
+                    y[r * ldy + o] = round_bf16(s + (bias ? bias[o] : 0.0f));
+                }
+            }
+        }
+        free(wb);
+    }
+    return failed;
+}
+
+/* TILE_W rounded weight rows (wp: pairs of bfloat16, `pairs` a row) against one panel of x:
+   each pair broadcast against two registers of 16 rows, 6 x 32 outputs in twelve accumulators,
+   each one chain over the pairs in order; rows r0.. (nr of them) of out, columns o0.. (no) */
+static inline void panel_tile(const uint32_t *wp, const uint32_t *xq, long pairs, long no, long nr,
+                              const float *bias, float *out, long ldo) {
+    __m512 a[TILE_W][2];
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_W; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 2") for (long k = 0; k < pairs; k++) {
+        __m512bh x0 = (__m512bh)_mm512_load_si512(xq + k * 32), x1 = (__m512bh)_mm512_load_si512(xq + k * 32 + 16);
+        _Pragma("GCC unroll 8") for (int i = 0; i < TILE_W; i++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)wp[i * pairs + k]);
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], b, x0);
+            a[i][1] = _mm512_dpbf16_ps(a[i][1], b, x1);
+        }
+    }
+    float v[TILE_W][32];
+    _Pragma("GCC unroll 8") for (int i = 0; i < TILE_W; i++) {
+        _mm512_storeu_ps(v[i], a[i][0]);
+        _mm512_storeu_ps(v[i] + 16, a[i][1]);
+    }
+    for (long i = 0; i < no; i++)
+        for (long j = 0; j < nr; j++) out[j * ldo + i] = round_bf16(v[i][j] + (bias ? bias[i] : 0.0f));
+}
+
+/* PANEL_ROWS rows of x or more: x in panels of 32 rows, pairs of values k-major (xp[panel][pair]
+   [32 rows], each a 32-bit pair as vdpbf16ps reads it). A piece of work is a run of up to four
+   tiles; where y's rows lie a multiple of 1 KB apart its outputs are summed into a scratch and
+   copied out, as cpu_linear.c's panels do (their writes would share a few L1 sets). */
+static int linear_panels(const uint16_t *xb, long R, long kc, const void *W, int wtype, long K, long O, long ldw,
+                         const float *bias, float *y, long ldy) {
+    long pairs = 16 * kc, panels = (R + 31) / 32, tiles = (O + TILE_W - 1) / TILE_W;
+    long run_tiles = two_a_thread(tiles), run = (run_tiles < 4 ? run_tiles : 4) * TILE_W, runs = (O + run - 1) / run;
+    int staged = ldy % 256 == 0;
+    uint32_t *xp = (uint32_t *)aligned_floats(panels * pairs * 32);
+    if (xp == NULL) return 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *wb = (uint16_t *)aligned_floats(TILE_W * 16 * kc);
+        float *stage = staged ? aligned_floats(R * run) : NULL;
+        if (wb == NULL || (staged && stage == NULL)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long p = 0; p < panels; p++)
+            for (long j = 0; j < 32; j++) {
+                const uint32_t *row = p * 32 + j < R ? (const uint32_t *)(xb + (p * 32 + j) * 32 * kc) : NULL;
+                for (long k = 0; k < pairs; k++) xp[(p * pairs + k) * 32 + j] = row ? row[k] : 0;
+            }
+#pragma omp for schedule(dynamic, 1)
+        for (long c = 0; c < runs; c++) {
+            long oc = c * run, nc = O - oc < run ? O - oc : run;
+            float *out = staged ? stage : y + oc;
+            long ldo = staged ? run : ldy;
+            if (wb == NULL || out == NULL) continue;
+            for (long o0 = oc; o0 < oc + nc; o0 += TILE_W) {
+                long no = O - o0 < TILE_W ? O - o0 : TILE_W;
+                for (long i = 0; i < TILE_W; i++) {
+                    if (i < no) round_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, kc, wb + i * 32 * kc);
+                    else memset(wb + i * 32 * kc, 0, 64 * (size_t)kc);
+                }
+                for (long p = 0; p < panels; p++) {
+                    long r0 = p * 32, nr = R - r0 < 32 ? R - r0 : 32;
+                    panel_tile((const uint32_t *)wb, xp + p * pairs * 32, pairs, no, nr, bias ? bias + o0 : NULL,
+                               out + r0 * ldo + (o0 - oc), ldo);
+                }
+            }
+            if (staged)
+                for (long r = 0; r < R; r++) memcpy(y + r * ldy + oc, stage + r * run, sizeof(float) * (size_t)nc);
+        }
+        free(wb);
+        free(stage);
+    }
+    free(xp);
+    return failed;
+}
+
+/* pageserve_linear of a format with W_DOT16 set. Returns 1 where scratch memory could not be had
+   (y is then not all written), 2 where this build has no AVX512-BF16. */
+int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                          const float *bias, float *y, long ldy) {
+    wtype &= ~W_DOT16;
+    long kc = (K + 31) / 32; /* chunks of 32 values a row */
+    uint16_t *xb = (uint16_t *)aligned_floats(R * 16 * kc);
+    if (xb == NULL) return 1;
+    for (long r = 0; r < R; r++) /* x rounded to bfloat16, zero-padded to whole chunks */
+        for (long c = 0; c < kc; c++)
+            _mm512_storeu_si512(xb + (r * kc + c) * 32, (__m512i)chunk_of(x + r * ldx, W_F32, c, K));
+    int failed = 0;
+    if (R == 1) {
+        long piece = piece_rows(O), pieces = (O + piece - 1) / piece;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long p = 0; p < pieces; p++) {
+            long o0 = p * piece, o1 = o0 + piece < O ? o0 + piece : O;
+            row1(xb, K, W, wtype, ldw, o0, o1, bias, y);
+        }
+    } else if (R < PANEL_ROWS) {
+        failed = linear_rows(xb, R, K, kc, W, wtype, O, ldw, bias, y, ldy);
+    } else {
+        failed = linear_panels(xb, R, kc, W, wtype, K, O, ldw, bias, y, ldy);
+    }
+    free(xb);
+    return failed;
+}
+
+#else
+
+int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                          const float *bias, float *y, long ldy) {
+    (void)x, (void)R, (void)K, (void)ldx, (void)W, (void)wtype, (void)O, (void)ldw, (void)bias, (void)y, (void)ldy;
+    return 2;
+}
+
+#endif
+
+/* 1 where this build has the bfloat16 dot product, else 0 */
+int pageserve_has_bf16_dot(void) {
+#ifdef PS_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}

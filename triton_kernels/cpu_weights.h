@@ -1,0 +1,171 @@
+/* Reading the weight formats (cpu_kernels.h's W_*), shared by the two linear layers
+   (cpu_linear.c: float32 arithmetic; cpu_linear_bf16.c: bfloat16 arithmetic): each value widened
+   to the float32 that GGUF's own dequantizer (or the checkpoint) gives, and how a matrix's rows
+   are shared out to the threads. */
+
+#ifndef PAGESERVE_CPU_WEIGHTS_H
+#define PAGESERVE_CPU_WEIGHTS_H
+
+#include "cpu_kernels.h"
+#include <omp.h>
+
+/* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch;
+   past a matrix's end it is a hint that fetches nothing, never a fault). The hardware's own
+   prefetch restarts at every piece of every matrix: in 64-row pieces, the default model's 121
+   matrices at one row read 9-10 GB/s on a 2-core EPYC where a plain stream over the same
+   regions reads 15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated
+   rounds; 2 KB: no gain) */
+#ifndef PREFETCH
+#define PREFETCH 4096
+#endif
+
+/* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
+   thread the OS has paused (the server's event loop shares the cores) holds up only one piece.
+   At one row of x the hardware's prefetch starts over at each piece; 128 rows, not 64: the
+   default model's 121 matrices at one row in a C harness, 64 and 128 alternated in one
+   process on a 2-core EPYC, in bfloat16 16.3 -> 15.5 ms (means of seven runs' medians), in
+   its own Q4_1 + Q8_0 10.2 -> 9.4 ms (medians of 61 rounds). Fewer where a matrix would not
+   give every thread two pieces (piece_rows). */
+#define CHUNK_O 128
+
+/* Weights in bfloat16 (the checkpoint's own values, kept at half the bytes where every
+   float32 weight's low 16 bits are zero): each is widened to float32 as it is loaded, an
+   exact conversion, so the sums are the float32 kernel's to the bit and one stream reads
+   half the bytes per step. */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+#ifdef PS_AVX2
+static inline __m256 load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (man << 13); /* inf, nan */
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    } else {
+        u = sign;
+    }
+    union { uint32_t u; float f; } v = {u};
+    return v.f;
+#endif
+}
+
+/* row o of W: rows ldw elements apart (bytes for the block formats) */
+static inline const void *weight_row(const void *W, int wtype, long ldw, long o) {
+    long unit = wtype == W_F32 ? 4 : wtype == W_BF16 ? 2 : 1;
+    return (const uint8_t *)W + o * ldw * unit;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+#ifdef PS_AVX2
+/* The 32 values of one block in four registers (values 0-7, 8-15, 16-23, 24-31). d * q is
+   exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
+   rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
+static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
+    __m256 d, m = _mm256_setzero_ps();
+#ifdef __F16C__
+    if (wtype == W_Q4_1) { /* d and m converted together */
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        d = _mm256_broadcastss_ps(both);
+        m = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+    } else {
+        d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    }
+#else
+    d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+    if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+#endif
+    if (wtype == W_Q8_0) {
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
+        return;
+    }
+    /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
+       high nibbles 16-31 (two byte shuffles a block, not ten) */
+    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : 2);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256i mask = _mm256_set1_epi32(0x0F);
+    __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
+                    _mm256_srli_epi32(b, 4)};
+    if (wtype == W_Q4_0) {
+        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
+    } else {
+        for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
+    }
+}
+#endif
+
+#ifdef PS_AVX512
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* one block's 32 values in two registers, those of widen_block: a Q4 block's nibbles index the
+   table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
+static inline __attribute__((always_inline)) void widen_block16(const uint8_t *blk, int wtype, __m512 v[2]) {
+    if (wtype == W_Q8_0) {
+        __m512 d = _mm512_set1_ps(f16_to_f32(load_u16(blk)));
+        for (int g = 0; g < 2; g++)
+            v[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * g)))), d);
+        return;
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if (wtype == W_Q4_1) {
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        table = _mm512_fmadd_ps(_mm512_broadcastss_ps(both), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(both)));
+    } else {
+        table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    }
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : 2))));
+    v[0] = _mm512_permutexvar_ps(q, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+#endif
+
+/* n units of work in two pieces a thread: the units of a piece (at least 1) */
+static inline long two_a_thread(long n) {
+    long threads = omp_get_max_threads(), per = (n + 2 * threads - 1) / (2 * threads);
+    return per < 1 ? 1 : per;
+}
+
+/* rows of a piece at one row of x: CHUNK_O, or fewer so that O rows make at least two pieces a
+   thread (a 576-row matrix is 5 pieces of 128: on 16 threads most would wait), at least 16 */
+static inline long piece_rows(long O) {
+    long rows = two_a_thread(O);
+    return rows > CHUNK_O ? CHUNK_O : rows < 16 ? 16 : rows;
+}
+
+static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
+                                                 loads straddle two lines (13% slower at 64 rows) */
+    return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
+}
+
+/* K values of one weight row in float32 (K a multiple of 32 for the block formats) */
+void widen_row(const void *src, int wtype, long K, float *out);
+
+#endif
