@@ -43,18 +43,20 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    from pageserve.loadtest import (bench_cache, bench_engine, bench_http, bench_offline, bench_sampling,
-                                    bench_serve, bench_structured, soak)
+    from pageserve.loadtest import (bench_accuracy, bench_cache, bench_engine, bench_http, bench_offline,
+                                    bench_peer, bench_sampling, bench_serve, bench_structured, soak)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     for name, module, help_text in (
             ("offline", bench_offline, "offline throughput against HF generate"),
+            ("accuracy", bench_accuracy, "next-token agreement and KL divergence against HF, per dtype"),
             ("engine", bench_engine, "the engine's own cost per step, with a null model"),
             ("cache", bench_cache, "prefix caching TTFT and swap vs recompute throughput"),
             ("http", bench_http, "concurrent streaming clients vs the offline engine, and TTFT"),
             ("sampling", bench_sampling, "what every logits processor costs beside a decode step"),
             ("serve", bench_serve, "a serving benchmark against any OpenAI-compatible server"),
+            ("peer", bench_peer, "the same load against several servers side by side, rounds alternated"),
             ("structured", bench_structured, "decode speed with a JSON schema vs without; grammar compile"),
             ("soak", soak, "minutes of mixed load, then errors, RSS growth and free KV blocks")):
         b = bench_sub.add_parser(name, help=help_text)
