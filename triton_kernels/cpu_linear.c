@@ -24,31 +24,41 @@ static inline float wval(const void *w, long i, int w16) {
 #ifdef PS_AVX2
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
 
-/* sums over k < k8 of TILE_O weight rows (w, rows ldw apart) against NR rows of x (ldx apart):
-   TILE_O x NR accumulators (of the tiles timed on a 2-core EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2,
-   7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109 GFLOP/s at 32 rows where 4x2 made 79).
-   WT, LOAD: the weights' element type and its load as 8 floats. */
-#define MICRO_TILE(NAME, NR, WT, LOAD)                                                                  \
+/* sums over k < kv (a multiple of the vector width) of TILE_O weight rows (w, rows ldw apart)
+   against NR rows of x (ldx apart): TILE_O x NR accumulators (of the tiles timed on a 2-core
+   EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2, 7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109
+   GFLOP/s at 32 rows where 4x2 made 79). WT, LOAD: the weights' element type and its load as a
+   vector of floats; V, N, VOP: the vector type, its width, its intrinsics' prefix; HSUM. */
+#define MICRO_TILE(NAME, NR, WT, LOAD, V, N, VOP, HSUM)                                                 \
     static inline __attribute__((always_inline)) void NAME(const float *x, long ldx, const WT *w, long ldw, \
-                                                           long k8, float s[TILE_O][2]) {              \
-        __m256 a[TILE_O][NR];                                                                           \
+                                                           long kv, float s[TILE_O][2]) {              \
+        V a[TILE_O][NR];                                                                                \
         _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
-            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_setzero_ps();         \
-        for (long k = 0; k < k8; k += 8) {                                                              \
-            __m256 xv[NR];                                                                              \
-            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k); \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = VOP##_setzero_ps();          \
+        for (long k = 0; k < kv; k += N) {                                                              \
+            V xv[NR];                                                                                   \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) xv[r] = VOP##_loadu_ps(x + r * ldx + k); \
             _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++) {                                  \
-                __m256 wv = LOAD(w + i * ldw + k);                                                      \
-                _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = _mm256_fmadd_ps(wv, xv[r], a[i][r]); \
+                V wv = LOAD(w + i * ldw + k);                                                           \
+                _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) a[i][r] = VOP##_fmadd_ps(wv, xv[r], a[i][r]); \
             }                                                                                           \
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < TILE_O; i++)                                        \
-            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) s[i][r] = hsum8(a[i][r]);              \
+            _Pragma("GCC unroll 2") for (int r = 0; r < NR; r++) s[i][r] = HSUM(a[i][r]);               \
     }
-MICRO_TILE(micro_1, 1, float, load_f32)
-MICRO_TILE(micro_2, 2, float, load_f32)
-MICRO_TILE(micro16_1, 1, uint16_t, load_bf16)
-MICRO_TILE(micro16_2, 2, uint16_t, load_bf16)
+#if defined(PS_AVX512)
+#define TILE_N 16
+MICRO_TILE(micro_1, 1, float, _mm512_loadu_ps, __m512, 16, _mm512, hsum16)
+MICRO_TILE(micro_2, 2, float, _mm512_loadu_ps, __m512, 16, _mm512, hsum16)
+MICRO_TILE(micro16_1, 1, uint16_t, load16_bf16, __m512, 16, _mm512, hsum16)
+MICRO_TILE(micro16_2, 2, uint16_t, load16_bf16, __m512, 16, _mm512, hsum16)
+#else
+#define TILE_N 8
+MICRO_TILE(micro_1, 1, float, load_f32, __m256, 8, _mm256, hsum8)
+MICRO_TILE(micro_2, 2, float, load_f32, __m256, 8, _mm256, hsum8)
+MICRO_TILE(micro16_1, 1, uint16_t, load_bf16, __m256, 8, _mm256, hsum8)
+MICRO_TILE(micro16_2, 2, uint16_t, load_bf16, __m256, 8, _mm256, hsum8)
+#endif
 #endif
 
 
@@ -244,9 +254,9 @@ void pageserve_widen(const void *W, int wtype, long R, long K, long ldw, float *
    two x rows at a time */
 static void tile(const float *x, long R, long K, long ldx, const void *wt, int w16, long ldw, long o0,
                  long no, const float *bias, float *y, long ldy) {
-    long k8 = 0;
+    long k8 = 0; /* columns the vectors take: a multiple of their width */
 #ifdef PS_AVX2
-    if (no == TILE_O) k8 = K & ~7L; /* a partial tile (the last of a matrix) runs the scalar loop */
+    if (no == TILE_O) k8 = K & ~(long)(TILE_N - 1); /* a partial tile (the last of a matrix) runs the scalar loop */
     const float *w = (const float *)wt;
     const uint16_t *w_16 = (const uint16_t *)wt;
 #endif
@@ -358,10 +368,11 @@ static inline void one_row(const float *x, long K, const float *w, const float *
 
 /* rows r0..r0+15 of x (zero past R) into xp[k][16] */
 static void panel_x(const float *x, long R, long K, long ldx, long r0, float *xp) {
-    for (long j = 0; j < PANEL_X; j++) {
-        const float *row = r0 + j < R ? x + (r0 + j) * ldx : NULL;
-        for (long k = 0; k < K; k++) xp[k * PANEL_X + j] = row ? row[k] : 0.0f;
-    }
+    for (long k0 = 0; k0 < K; k0 += 16) /* a cache line of each row at a time */
+        for (long j = 0; j < PANEL_X; j++) {
+            const float *row = r0 + j < R ? x + (r0 + j) * ldx : NULL;
+            for (long k = k0; k < K && k < k0 + 16; k++) xp[k * PANEL_X + j] = row ? row[k] : 0.0f;
+        }
 }
 
 /* y[r0 + j, o0 + i] for i < no, j < nr: TILE_O weight rows (w, rows ldw apart) against one

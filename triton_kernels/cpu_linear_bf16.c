@@ -13,11 +13,16 @@
 
 #ifdef PS_AVX512_BF16
 
-#define TILE_W 6 /* weight rows of a panel tile */
+#define TILE_W 8 /* weight rows of a panel tile: 16 accumulators (12 left the dot products' latency bare) */
 #define PANEL_ROWS 16 /* rows of x from which they are paneled */
 
 /* 32 floats as 32 bfloat16 in order (vcvtne2ps2bf16 puts its second operand first) */
 static inline __m512bh round32(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+
+/* 16 floats rounded to bfloat16 values, as round_bf16 rounds each */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 static inline __mmask16 first_n16(long n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
@@ -152,11 +157,12 @@ static inline void panel_tile(const uint32_t *wp, const uint32_t *xq, long pairs
     }
     float v[TILE_W][32];
     _Pragma("GCC unroll 8") for (int i = 0; i < TILE_W; i++) {
-        _mm512_storeu_ps(v[i], a[i][0]);
-        _mm512_storeu_ps(v[i] + 16, a[i][1]);
+        __m512 b = _mm512_set1_ps(bias && i < no ? bias[i] : 0.0f);
+        _mm512_storeu_ps(v[i], round16(_mm512_add_ps(a[i][0], b)));
+        _mm512_storeu_ps(v[i] + 16, round16(_mm512_add_ps(a[i][1], b)));
     }
     for (long i = 0; i < no; i++)
-        for (long j = 0; j < nr; j++) out[j * ldo + i] = round_bf16(v[i][j] + (bias ? bias[i] : 0.0f));
+        for (long j = 0; j < nr; j++) out[j * ldo + i] = v[i][j];
 }
 
 /* PANEL_ROWS rows of x or more: x in panels of 32 rows, pairs of values k-major (xp[panel][pair]
@@ -180,11 +186,14 @@ static int linear_panels(const uint16_t *xb, long R, long kc, const void *W, int
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (long p = 0; p < panels; p++)
+        for (long pk = 0; pk < panels * pairs; pk += 16) { /* 16 pairs of each of the 32 rows: a cache line of each row at a time */
+            long p = pk / pairs, k0 = pk % pairs;
+            uint32_t *dst = xp + pk * 32;
             for (long j = 0; j < 32; j++) {
-                const uint32_t *row = p * 32 + j < R ? (const uint32_t *)(xb + (p * 32 + j) * 32 * kc) : NULL;
-                for (long k = 0; k < pairs; k++) xp[(p * pairs + k) * 32 + j] = row ? row[k] : 0;
+                const uint32_t *row = p * 32 + j < R ? (const uint32_t *)(xb + (p * 32 + j) * 32 * kc) + k0 : NULL;
+                for (long k = 0; k < 16; k++) dst[k * 32 + j] = row ? row[k] : 0;
             }
+        }
 #pragma omp for schedule(dynamic, 1)
         for (long c = 0; c < runs; c++) {
             long oc = c * run, nc = O - oc < run ? O - oc : run;
