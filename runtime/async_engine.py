@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from pageserve.runtime.engine import LLMEngine, RequestFailedError, StepFailed
@@ -211,9 +211,9 @@ class AsyncEngine:
         s = self.engine.stats()
         return replace(s, scheduler=replace(s.scheduler, num_waiting=self.num_queued))
 
-    def compile_grammar(self, regex: str) -> None:
+    def compile_grammar(self, regex: str) -> Future:
         """Compile a grammar ahead of the first request that needs it (in the grammar worker)."""
-        self.engine.grammar.submit(regex)
+        return self.engine.grammar.submit(regex)
 
     def _check_accepting(self, num_requests: int) -> None:
         if self.error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import time
@@ -27,6 +28,7 @@ from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.stats import EngineStats, IterationCounters
 from pageserve.runtime.swap_space import SwapSpace
+from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
 from pageserve.runtime.worker import kv_pool_blocks
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
@@ -107,7 +109,10 @@ class LLMEngine:
                         f" per rank, {parallel.tensor_parallel_size} ranks" if parallel.tensor_parallel_size > 1
                         else "")
             engine = cls(config, tokenizer, executor)
+            started = time.perf_counter()
             engine.warm_up()
+            logger.info("warm-up: %.1f s (every kernel path of the largest step and of a decode)",
+                        time.perf_counter() - started)
         except BaseException:
             executor.shutdown()
             raise
@@ -127,11 +132,17 @@ class LLMEngine:
         self.executor.warm_up(sched.max_num_seqs)
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = [self.add_request([0] * length, params, request_id=f"warmup-{i}") for i in range(n)]
-        while self.has_unfinished_requests():
-            self.step()
+        # then two rows, one with every sampling path and one as a chat front end samples, so
+        # that a first request finds nothing left to set up (apart: in the large step, every
+        # row would take the full-vocabulary sort)
+        ids = []
+        for batch in ([GREEDY_PARAMS] * n, [WORST_CASE_MIN_P, SamplingParams(temperature=0.7, top_p=0.9)]):
+            for params in batch:
+                params = dataclasses.replace(params, max_tokens=2, ignore_eos=True,
+                                             output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.add_request([0] * length, params, request_id=f"warmup-{len(ids)}"))
+            while self.has_unfinished_requests():
+                self.step()
         assert not any(rid in self.requests for rid in ids)
         self.kv.pool.reset_prefix_cache()
         self.reset_stats()

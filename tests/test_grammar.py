@@ -214,6 +214,18 @@ def test_a_grammar_that_compiles_too_long_is_stopped(tiny_model_dir):
         c.shutdown()
 
 
+def test_the_compiler_process_runs_below_the_server(compiler):
+    """A compile beside serving gets a smaller share of a busy core than the model's threads."""
+    import os
+
+    from pageserve.grammar import worker
+
+    compiler.submit("(low|priority)").result(timeout=60)
+    child = compiler._worker._proc
+    assert child.poll() is None
+    assert os.getpriority(os.PRIO_PROCESS, child.pid) == os.getpriority(os.PRIO_PROCESS, 0) + worker.NICE
+
+
 def test_a_compile_cut_short_by_shutdown_blames_no_grammar(tiny_model_dir, caplog):
     """shutdown() kills the child mid-compile (a server that failed to bind its port, say):
     the compile ends saying so, not as "ran out of memory", and the grammar is not remembered

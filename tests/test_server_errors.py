@@ -142,7 +142,11 @@ def guarded(tiny_model_dir):
                            env={"PAGESERVE_API_KEY": "key-two"})
     yield srv
     assert srv.stop() == 0
-    assert "key-one" not in srv.output() and "key-two" not in srv.output()
+    out = srv.output()
+    assert "key-one" not in out and "key-two" not in out
+    # start-up warmed every path and compiled the JSON grammar before it began to serve
+    assert out.index("INFO pageserve.runtime.engine: warm-up: ") < out.index("grammar warm-up: ") \
+        < out.index("serving tiny on")
 
 
 def _auth(key):
