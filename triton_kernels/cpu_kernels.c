@@ -72,21 +72,27 @@ void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const flo
 /* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial,
    the power of two put into the exponent bits); within 2 ulp of expf over [-87, 88], where
    libm's scalar expf made SiLU-and-mul 5x slower than torch's vectorised one */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+#define DEFINE_EXP(NAME, V, P, SI, FLOOR)                                                               \
+    static inline V NAME(V x) {                                                                         \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                         \
+        V fx = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f)));            \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                            \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), x);                                         \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                            \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                          \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));                        \
+        return P##_mul_ps(y, P##_castsi##SI##_ps(P##_slli_epi32(                                        \
+                                 P##_add_epi32(P##_cvtps_epi32(fx), P##_set1_epi32(127)), 23)));       \
+    }
+DEFINE_EXP(exp8, __m256, _mm256, 256, _mm256_floor_ps)
+#ifdef PS_AVX512
+#define FLOOR16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+DEFINE_EXP(exp16, __m512, _mm512, 512, FLOOR16) /* the same values as exp8's, lane for lane */
+#endif
 #endif
 
 /* out[T, I] = silu(x[:, :I]) * x[:, I:], x rows ldx apart; r16: silu's value and the product
@@ -97,6 +103,13 @@ void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out
         const float *g = x + t * ldx, *u = g + I;
         float *o = out + t * I;
         long i = 0;
+#ifdef PS_AVX512
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_storeu_ps(o + i, r16 ? silu : _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+        }
+#endif
 #ifdef PS_AVX2
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= I; i += 8) {
@@ -146,17 +159,41 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
 static inline __attribute__((always_inline)) void dot4_heads(const float *q, int NH, const float *k, long D,
                                                               __m128 out[3]) {
     __m256 a[3][4];
-    for (int h = 0; h < NH; h++)
-        for (int r = 0; r < 4; r++) a[h][r] = _mm256_setzero_ps();
-    for (long i = 0; i < D; i += 8) {
-        __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + D + i), k2 = _mm256_loadu_ps(k + 2 * D + i),
-               k3 = _mm256_loadu_ps(k + 3 * D + i);
-        for (int h = 0; h < NH; h++) {
-            __m256 qv = _mm256_loadu_ps(q + h * D + i);
-            a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
-            a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
-            a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);
-            a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);
+#ifdef PS_AVX512
+    if (D % 16 == 0) { /* 16 a register, the halves added before the reduction below */
+        __m512 z[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) z[h][r] = _mm512_setzero_ps();
+        for (long i = 0; i < D; i += 16) {
+            __m512 k0 = _mm512_loadu_ps(k + i), k1 = _mm512_loadu_ps(k + D + i), k2 = _mm512_loadu_ps(k + 2 * D + i),
+                   k3 = _mm512_loadu_ps(k + 3 * D + i);
+            for (int h = 0; h < NH; h++) {
+                __m512 qv = _mm512_loadu_ps(q + h * D + i);
+                z[h][0] = _mm512_fmadd_ps(qv, k0, z[h][0]);
+                z[h][1] = _mm512_fmadd_ps(qv, k1, z[h][1]);
+                z[h][2] = _mm512_fmadd_ps(qv, k2, z[h][2]);
+                z[h][3] = _mm512_fmadd_ps(qv, k3, z[h][3]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++)
+                a[h][r] = _mm256_add_ps(_mm512_castps512_ps256(z[h][r]),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z[h][r]), 1)));
+    } else
+#endif
+    {
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) a[h][r] = _mm256_setzero_ps();
+        for (long i = 0; i < D; i += 8) {
+            __m256 k0 = _mm256_loadu_ps(k + i), k1 = _mm256_loadu_ps(k + D + i), k2 = _mm256_loadu_ps(k + 2 * D + i),
+                   k3 = _mm256_loadu_ps(k + 3 * D + i);
+            for (int h = 0; h < NH; h++) {
+                __m256 qv = _mm256_loadu_ps(q + h * D + i);
+                a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
+                a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);
+                a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);
+            }
         }
     }
     for (int h = 0; h < NH; h++) {
@@ -224,6 +261,15 @@ static void attend_range(const float *q, const float *k, const float *v, const i
         j = 0;
 #ifdef PS_AVX2
         __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
+#ifdef PS_AVX512
+        __m512 m16 = _mm512_set1_ps(mx[g]), tot16 = _mm512_setzero_ps();
+        for (; j + 16 <= L; j += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m16));
+            _mm512_storeu_ps(sg + j, e);
+            tot16 = _mm512_add_ps(tot16, e);
+        }
+        tot = _mm256_add_ps(_mm512_castps512_ps256(tot16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot16), 1)));
+#endif
         for (; j + 8 <= L; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
             _mm256_storeu_ps(sg + j, e);
@@ -255,6 +301,18 @@ static void attend_range(const float *q, const float *k, const float *v, const i
             float *ag = acc + g * D;
             long d0 = 0;
 #ifdef PS_AVX2
+#ifdef PS_AVX512
+            for (; d0 + 64 <= D; d0 += 64) { /* the same chains over the run, 16 a register */
+                __m512 o[4];
+                for (int r = 0; r < 4; r++) o[r] = _mm512_loadu_ps(ag + d0 + 16 * r);
+                for (long i = 0; i < n; i++) {
+                    __m512 p = _mm512_set1_ps(pg[i]);
+                    const float *vr = vb + i * D + d0;
+                    for (int r = 0; r < 4; r++) o[r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * r), o[r]);
+                }
+                for (int r = 0; r < 4; r++) _mm512_storeu_ps(ag + d0 + 16 * r, o[r]);
+            }
+#endif
             for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the run */
                 __m256 o[8];
                 for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + d0 + 8 * r);

@@ -60,7 +60,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, c
     long n = (K + 31) / 32, c = 0, cb = chunk_bytes(wtype);
     for (; c + 4 <= K / 32; c += 4)
         _Pragma("GCC unroll 4") for (int r = 0; r < NW; r++) {
-            _mm_prefetch((const char *)w[r] + c * cb + PREFETCH, _MM_HINT_T0);
+            for (long b = 0; b < 4 * cb; b += 64) /* every line the four chunks read */
+                _mm_prefetch((const char *)w[r] + c * cb + b + PREFETCH, _MM_HINT_T0);
             DOT(a0[r], w[r], c, 1);
             DOT(a1[r], w[r], c + 1, 1);
             DOT(a2[r], w[r], c + 2, 1);
