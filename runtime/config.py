@@ -60,8 +60,9 @@ class ModelConfig:
     # the window every layer attends within (the widest, where they differ), so that KV wholly
     # before it is never read again; 0 when any layer attends to the whole context
     sliding_window: int = 0
-    # CPU C kernels (--dtype bfloat16 on a CPU with AVX512-BF16): every matmul rounds its inputs
-    # and weights to bfloat16 and sums in float32; `dtype` (activations, KV cache) is float32
+    # CPU C kernels with AVX512-BF16 (--dtype bfloat16 or auto): every matmul rounds its inputs
+    # and weights to bfloat16 and sums in float32, each op's output is rounded to bfloat16;
+    # `dtype` (the tensors, the KV cache) is float32
     bf16_matmuls: bool = False
 
     def __post_init__(self):

@@ -104,8 +104,9 @@ class LLMEngine:
             executor.allocate_kv_cache(cache_cfg)
             config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                                   seed=args.seed, debug_checks=args.debug_checks, parallel=parallel)
-            logger.info("engine ready: %s, %s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
-                        f"{model_cfg.dtype}{' (bfloat16 matmuls)' if model_cfg.bf16_matmuls else ''}", num_blocks, args.block_size, num_blocks * block_bytes / GiB,
+            logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
+                        model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
+                        args.block_size, num_blocks * block_bytes / GiB,
                         f" per rank, {parallel.tensor_parallel_size} ranks" if parallel.tensor_parallel_size > 1
                         else "")
             engine = cls(config, tokenizer, executor)

@@ -188,12 +188,13 @@ class EngineArgs:
 
     def resolve_dtype(self, device: torch.device) -> tuple[torch.dtype, bool]:
         """--dtype as (activations' dtype, whether the CPU C kernels multiply in bfloat16).
-        auto: bfloat16 on CUDA. On a CPU, float32 where the C kernels run (they keep the
-        matrices compact, in GGUF blocks or bfloat16, and multiply exactly in float32: 3-5x
-        torch's bfloat16 path on an AVX512-BF16 CPU); without them, torch's bfloat16 where the
-        CPU multiplies bfloat16 itself, else float32. bfloat16 on a CPU whose C kernels have
-        AVX512-BF16: float32 activations, every matmul in bfloat16 (its inputs rounded, sums
-        in float32); elsewhere torch's bfloat16. The log says which and why."""
+        bfloat16 on a CPU whose C kernels have AVX512-BF16: every matmul in bfloat16 (inputs
+        rounded, sums in float32, outputs rounded where torch's bfloat16 rounds them), held in
+        float32 tensors; elsewhere torch's bfloat16. auto: bfloat16 on CUDA. On a CPU, the C
+        kernels wherever they build, in bfloat16 arithmetic where they have it (the fastest
+        there from 8 streams up; docs/performance.md) and else in float32 (exact sums over
+        compact matrices); without them, torch's bfloat16 where the CPU multiplies bfloat16
+        itself, else float32. The log says which and why."""
         if device.type == "cuda":
             return (torch.bfloat16 if self.dtype == "auto" else parse_dtype(self.dtype)), False
         if self.dtype not in ("auto", "bfloat16"):
@@ -201,13 +202,15 @@ class EngineArgs:
         lib = None
         if self.attention_backend in ("auto", "torch") and not self.enforce_eager:
             lib = cpu_kernels.load(cache_root() / "kernels")
-        units = ", ".join(u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in cpu_flags()) or "none"
+        if lib is not None and lib.has_bf16_dot:
+            logger.info("--dtype %s: the C kernels multiply in bfloat16 (%s)%s, float32 tensors between the "
+                        "matmuls and in the KV cache", self.dtype, lib.isa,
+                        ", the fastest path here (--dtype float32: exact float32 sums)" if self.dtype == "auto"
+                        else "")
+            return torch.float32, True
         if self.dtype == "bfloat16":
-            if lib is not None and lib.has_bf16_dot:
-                logger.info("--dtype bfloat16: the C kernels multiply in bfloat16 (%s), float32 between the "
-                            "matmuls and in the KV cache", lib.isa)
-                return torch.float32, True
             return torch.bfloat16, False
+        units = ", ".join(u for u in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if u in cpu_flags()) or "none"
         if lib is not None:
             why, dtype = f"float32 arithmetic in the C kernels ({lib.isa}) over compact matrices: exact, and " \
                          "the fastest path here", torch.float32

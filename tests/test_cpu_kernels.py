@@ -20,17 +20,25 @@ from tests.test_parity import random_prompts, run_ours
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
-def kernel(request, tmp_path_factory):
-    """The kernels built for this CPU, and, where it has AVX-512, built for AVX2 too (the path
-    older CPUs take): every property below holds for each."""
-    if request.param == "avx2" and "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-    extra = ("-mno-avx512f",) if request.param == "avx2" else ()
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), extra_flags=extra)
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """The kernels built for this CPU (what an engine here loads)."""
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
     if k is None:
         pytest.skip("no C compiler here: the CPU path keeps torch's matmul")
-    assert request.param == "native" or k.isa == "AVX2"
+    return k
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernel(request, native, tmp_path_factory):
+    """The kernels built for this CPU, and, where it has AVX-512, built for AVX2 too (the path
+    older CPUs take): every property of the kernels themselves holds for each."""
+    if request.param == "native":
+        return native
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), extra_flags=("-mno-avx512f",))
+    assert k.isa == "AVX2"
     return k
 
 
@@ -103,7 +111,7 @@ def test_narrowing_keeps_exact_matrices_only():
 
 @pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, kernel, monkeypatch, arch):
+def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, native, monkeypatch, arch):
     """float32 activations over a bfloat16 checkpoint keep the matrices (the tied embedding
     too) in bfloat16: the same tokens and logprobs, to the bit, as with float32 copies, through
     prompt chunks past the C kernel's rows (torch's matmul on a widened copy), the decoder stack
@@ -348,7 +356,7 @@ def test_no_compiler_keeps_torch(tmp_path, monkeypatch):
 
 
 @pytest.mark.engine
-def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypatch):
+def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, native, monkeypatch):
     """Chunked prompts (up to 64 rows a step) and decodes all go through the C kernels."""
     def everywhere(self, weights, reps=3):
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
@@ -360,13 +368,13 @@ def test_greedy_parity_with_the_kernel_on_every_step(tmp_path, kernel, monkeypat
               debug_checks=True)
     kernels = llm.engine.runner.kernels
     assert kernels.linear_plan is not None and all(kernels.linear_plan.use_kernel)
-    if kernel.vectorized:  # built with AVX2 + FMA: the C small ops and decode attention too
+    if native.vectorized:  # built with AVX2 + FMA: the C small ops and decode attention too
         assert kernels.ops.rms_norm.__self__ is kernels.linear_plan.kernel and kernels.cpu_lib is not None
     assert run_ours(llm, prompts, 16) == expected
 
 
 @pytest.mark.engine
-def test_enforce_eager_keeps_torch_ops(tiny_model_dir, kernel):
+def test_enforce_eager_keeps_torch_ops(tiny_model_dir, native):
     import argparse
 
     from pageserve.app.serve import add_args
@@ -409,14 +417,14 @@ def test_weights_move_into_one_huge_page_buffer():
 
 
 @pytest.mark.engine
-def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, kernel, monkeypatch):
+def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch):
     """A decode-only step of a Llama-style model runs its whole decoder stack in one C call
     (Kernels.decoder_stack): the same logprobs, to the bit, as the layers one by one, at one
     and at several rows a step, with q/k/v biases."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime.kernels import TorchKernels
 
-    if not kernel.vectorized:
+    if not native.vectorized:
         pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
 
     def everywhere(self, weights, reps=3):
@@ -463,16 +471,21 @@ def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
         assert model.stack_weights() is None
 
 
-def test_auto_dtype_is_float32_in_the_c_kernels(kernel, monkeypatch, caplog):
-    """auto on a CPU: float32 where the C kernels build (the log says so and why), whatever
-    the CPU; without them torch's bfloat16 where the CPU multiplies bfloat16, else float32."""
+def test_auto_dtype_takes_the_c_kernels(native, monkeypatch, caplog):
+    """auto on a CPU: the C kernels wherever they build (the log says so and why), in bfloat16
+    arithmetic where they have AVX512-BF16, else float32; without them torch's bfloat16 where
+    the CPU multiplies bfloat16, else float32."""
     from pageserve.runtime.config import cpu_has_fast_bf16
     from pageserve.runtime.engine_args import EngineArgs
 
     cpu = torch.device("cpu")
     with caplog.at_level("INFO"):
-        assert EngineArgs().resolve_dtype(cpu) == (torch.float32, False)
-    assert "--dtype auto: float32 (float32 arithmetic in the C kernels" in caplog.text
+        got = EngineArgs().resolve_dtype(cpu)
+    if native.has_bf16_dot:
+        assert got == (torch.float32, True) and "--dtype auto: the C kernels multiply in bfloat16" in caplog.text
+    else:
+        assert got == (torch.float32, False)
+        assert "--dtype auto: float32 (float32 arithmetic in the C kernels" in caplog.text
     assert EngineArgs(dtype="float32").resolve_dtype(cpu) == (torch.float32, False)
     monkeypatch.setenv("PAGESERVE_NO_CPU_KERNELS", "1")
     assert EngineArgs().resolve_dtype(cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32, False)

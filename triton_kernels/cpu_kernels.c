@@ -106,7 +106,8 @@ void pageserve_silu_and_mul(const float *x, long ldx, long T, long I, float *out
 #ifdef PS_AVX512
         for (; i + 16 <= I; i += 16) {
             __m512 gv = _mm512_loadu_ps(g + i);
-            __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+            __m512 silu = _mm512_div_ps(gv, den);
             _mm512_storeu_ps(o + i, r16 ? silu : _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
         }
 #endif
@@ -177,8 +178,7 @@ static inline __attribute__((always_inline)) void dot4_heads(const float *q, int
         }
         for (int h = 0; h < NH; h++)
             for (int r = 0; r < 4; r++)
-                a[h][r] = _mm256_add_ps(_mm512_castps512_ps256(z[h][r]),
-                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z[h][r]), 1)));
+                a[h][r] = add_halves(z[h][r]);
     } else
 #endif
     {
@@ -268,7 +268,7 @@ static void attend_range(const float *q, const float *k, const float *v, const i
             _mm512_storeu_ps(sg + j, e);
             tot16 = _mm512_add_ps(tot16, e);
         }
-        tot = _mm256_add_ps(_mm512_castps512_ps256(tot16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tot16), 1)));
+        tot = add_halves(tot16);
 #endif
         for (; j + 8 <= L; j += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));

@@ -35,9 +35,10 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 #ifdef PS_AVX512
-static inline float hsum16(__m512 v) {
-    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+static inline __m256 add_halves(__m512 v) { /* lanes i and i + 8 added */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+static inline float hsum16(__m512 v) { return hsum8(add_halves(v)); }
 #endif
 
 /* f rounded to a bfloat16 value, as vcvtneps2bf16 rounds: to nearest even, a denormal to zero,

@@ -86,9 +86,10 @@ DOT16 = 8  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_
 class CpuKernels:
     """The compiled library. `linear` is F.linear; `rms_norm`, `rotary_embedding` and
     `silu_and_mul` are torch_ops' functions of the same names, for float32 CPU tensors.
-    bf16_dot: every matmul (linear, decode_layers) rounds x and the weights to bfloat16 and sums
-    their products in float32 with AVX512-BF16's dot product (ValueError where the build has
-    none); activations stay float32."""
+    bf16_dot: bfloat16 arithmetic (ValueError where the build has no AVX512-BF16): every matmul
+    rounds x and the weights to bfloat16 and sums their products in float32 (vdpbf16ps), and
+    every op rounds its output to bfloat16 where torch's bfloat16 op would; the tensors stay
+    float32."""
 
     def __init__(self, path: Path, bf16_dot: bool = False):
         torch.get_num_threads()  # torch (and its libgomp) first: the kernels share that runtime
@@ -139,9 +140,9 @@ class CpuKernels:
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
-        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt | self._dot, out_features,
-                                      weight.stride(0), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                      out_features):
+        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt | self._dot,
+                                      out_features, weight.stride(0), None if bias is None else bias.data_ptr(),
+                                      out.data_ptr(), out_features):
             raise MemoryError("cpu linear: no memory for its scratch (widened weights, panels of x)")
         return out
 
@@ -291,8 +292,9 @@ class CpuKernels:
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
-        return DecodeStack(weights, (ctypes.c_int * len(formats))(*(f | self._dot for f in formats)), kv, final_norm, eps, hidden,
-                           len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
+        formats = (ctypes.c_int * len(formats))(*(f | self._dot for f in formats))
+        return DecodeStack(weights, formats, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
+                           block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:

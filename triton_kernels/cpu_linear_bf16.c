@@ -187,7 +187,7 @@ static int linear_panels(const uint16_t *xb, long R, long kc, const void *W, int
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (long pk = 0; pk < panels * pairs; pk += 16) { /* 16 pairs of each of the 32 rows: a cache line of each row at a time */
+        for (long pk = 0; pk < panels * pairs; pk += 16) { /* 16 pairs of the 32 rows: a line of each row */
             long p = pk / pairs, k0 = pk % pairs;
             uint32_t *dst = xp + pk * 32;
             for (long j = 0; j < 32; j++) {
