@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -49,13 +50,26 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
+def _text_size(body) -> int:
+    """About how many characters the template will write: every message's text, thinking and
+    tool calls, and the tools' descriptions and schemas."""
+    size = 0
+    for m in body.messages:
+        size += len(m.text()) + len(m.reasoning_content or "") + len(m.reasoning or "")
+        for call in m.tool_calls or ():
+            size += len(call.function.name) + len(call.function.arguments)
+    for tool in getattr(body, "tools", None) or ():
+        size += len(tool.function.description or "") + len(orjson.dumps(tool.function.parameters))
+    return size + len(orjson.dumps(getattr(body, "chat_template_kwargs", None)))
+
+
 async def chat_prompt(state: ServerState, body) -> tuple[str, list[int]]:
     """The rendered conversation (what a reasoning parser reads) and its token ids."""
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
             getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None),
             tool_format(state.settings.tool_call_parser))
     # a big conversation renders off the loop, so that streams go on meanwhile
-    if len(body.messages) > 64 or sum(len(m.text()) for m in body.messages) > LONG_TEXT:
+    if len(body.messages) > 64 or _text_size(body) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
     else:
         text = render_chat(*args)

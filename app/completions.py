@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.requests import Request
@@ -11,10 +12,14 @@ from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
 from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.json_out import dumps
 from pageserve.app.logprobs import completion_logprobs
 from pageserve.app.protocol import CompletionRequest
 from pageserve.app.state import ServerState
 from pageserve.app.structured import structured_outputs
+
+# prompt tokens with logprobs past which a whole reply is built in a worker thread
+LARGE_REPLY_TOKENS = 2048
 
 
 def split_prompts(prompt) -> list[str | list[int]]:
@@ -58,14 +63,19 @@ async def completions(request: Request) -> Response:
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()
-    choices, num_generated = [], 0
-    for r in index:
-        for c in outs[r].outputs:
-            num_generated += len(c.token_ids)
-            choices.append(job.choice(outs[r], c, first=True, final=True))
-    choices.sort(key=lambda c: c["index"])
-    return json_response({**head, "choices": choices,
-                          "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))})
+
+    def reply() -> dict:
+        choices, num_generated = [], 0
+        for r in index:
+            for c in outs[r].outputs:
+                num_generated += len(c.token_ids)
+                choices.append(job.choice(outs[r], c, first=True, final=True))
+        choices.sort(key=lambda c: c["index"])
+        return {**head, "choices": choices,
+                "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
+    if echo_logprobs is not None and num_prompt > LARGE_REPLY_TOKENS:  # a long list of dicts: off the loop
+        return Response(await asyncio.to_thread(lambda: dumps(reply())), media_type="application/json")
+    return json_response(reply())
 
 
 class _Job:

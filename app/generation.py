@@ -76,6 +76,11 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     random suffix to the response id, so a client that reuses its X-Request-Id never meets
     its earlier request. Each is checked as the engine takes it (an error names `param` for
     the prompt); nothing is left running if one of them is refused."""
+    limit = state.settings.max_prompt_logprobs_tokens
+    if params.prompt_logprobs is not None and (total := sum(map(len, prompts))) > limit:
+        raise bad_request(f"prompt logprobs (echo with logprobs, or prompt_logprobs) were asked for {total} "
+                          f"prompt tokens; the server's limit is {limit} a request (--max-prompt-logprobs-tokens)",
+                          "prompt_logprobs")
     engine = state.engine
     stream = engine.new_stream(len(prompts))
     index: dict[str, int] = {}

@@ -7,14 +7,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from pageserve.app.body_check import MANY_VALUES, BodyChecker, BodyError, parse
 from pageserve.app.errors import APIError, bad_request, from_validation_error
 from pageserve.app.json_out import dumps
 from pageserve.runtime.async_engine import (EngineDeadError, QueueFullError, RequestFailedError,
@@ -24,13 +25,18 @@ logger = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=BaseModel)
 
-# Deepest nesting of objects and arrays a body may have. A JSON schema in `response_format` or a
-# tool's `parameters` nests two levels per schema level, so this leaves room for 30 of them.
-MAX_JSON_DEPTH = 64
+# where the API-key check leaves who is calling (app/server.py): a hash of the key, never the key
+OWNER = "pageserve.owner"
 
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
+
+
+def owner(request: Request) -> str:
+    """Who made this request, for what it may see of stored state: a short hash of its API key,
+    "" when the server takes no key (everyone is the same owner then)."""
+    return request.scope.get(OWNER, "")
 
 
 def json_response(content, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -57,31 +63,26 @@ def _too_large(max_bytes: int) -> APIError:
 
 
 async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body:
+    """The body, parsed and validated into `model`. A body of many values is checked first by
+    the app's BodyChecker, in its own process, and then parsed in a worker thread: the event
+    loop never holds still for it."""
     raw = await read_body(request, max_bytes)
+    checker: BodyChecker | None = getattr(request.app.state, "body_checker", None)
+    max_tokens = checker.max_tokens if checker is not None else sys.maxsize
     try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the body must be a JSON object, not {type(obj).__name__}")
-    if _too_deep(obj, MAX_JSON_DEPTH):
-        raise bad_request(f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels")
+        if checker is None or raw.count(b",") <= MANY_VALUES:
+            return _validate(model, parse(raw, max_tokens))
+        await checker.check(raw)
+        return await asyncio.to_thread(lambda: _validate(model, parse(raw, max_tokens)))
+    except BodyError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def _validate(model: type[Body], obj: dict) -> Body:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
-
-
-def _too_deep(obj: dict, limit: int) -> bool:
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
 
 
 def api_route(handler: Callable[[Request], Awaitable[Response]]):

@@ -58,6 +58,12 @@ class _EngineCollector(Collector):
         yield success
 
 
+def log_id(request_id: str) -> str:
+    """A request id as the log shows it: a stored response's id is what it takes to read or
+    delete it, so only its first 8 hex digits (enough to follow one in the log)."""
+    return request_id[:13] + "..." if request_id.startswith("resp_") else request_id
+
+
 class Metrics:
     def __init__(self, engine: AsyncEngine, model_name: str, log_requests: bool = True,
                  log_prompts: bool = False, detokenize=None):
@@ -78,7 +84,7 @@ class Metrics:
         self.detokenize = detokenize
         engine.on_finished.append(self.observe)
         if log_requests:
-            engine.on_abort.append(lambda rid: logger.info("aborted request %s", rid))
+            engine.on_abort.append(lambda rid: logger.info("aborted request %s", log_id(rid)))
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -90,7 +96,7 @@ class Metrics:
             reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "pooled"
             ttft = m.time_to_first_token
             logger.info("finished request %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, %s%s",
-                        out.request_id, m.num_prompt_tokens, m.num_output_tokens,
+                        log_id(out.request_id), m.num_prompt_tokens, m.num_output_tokens,
                         "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
                         f", prompt {self._prompt(out)!r}" if self.log_prompts else "")
 

@@ -5,6 +5,7 @@ message, function calls), whole or as the documented stream of events. GET and D
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -15,13 +16,13 @@ from pageserve.app.chat import chat_prompt
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import (cached_tokens, collect, error_event, failure, sampling_params,
                                       sse_response, start)
-from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.http import api_route, json_response, owner, read_json, until_disconnected
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
                                     NamedToolChoice, ResponsesRequest, ToolCall)
 from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.response_output import ResponseOutput, item_id
-from pageserve.app.response_store import StoredResponse
+from pageserve.app.response_store import ChainTooLong, StoredResponse, check_chain
 from pageserve.app.state import ServerState
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 from pageserve.grammar.matcher import reasoning_end_position
@@ -32,15 +33,16 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # ---- input ----
 
-def _input_items(state: ServerState, body: ResponsesRequest) -> list[dict]:
-    """The request's input as item dicts, each with an id; item references resolved."""
+def _input_items(state: ServerState, who: str, body: ResponsesRequest) -> list[dict]:
+    """The request's input as item dicts, each with an id; item references resolved among the
+    caller's own stored responses."""
     if isinstance(body.input, str):
         return [{"id": item_id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": body.input}]}]
     items = []
     for i, item in enumerate(body.input):
         if item.type == "item_reference":
-            found = state.responses.find_item(item.id)
+            found = state.responses.find_item(who, item.id)
             if found is None:
                 raise bad_request(f"item_reference {item.id!r} names no item of a stored response", f"input.{i}.id")
             items.append(found)
@@ -130,11 +132,21 @@ async def create_response(request: Request) -> Response:
     if body.truncation == "auto":
         raise bad_request("truncation auto is not supported: a conversation longer than the model's context "
                           "is a 400", "truncation")
+    who = owner(request)
     previous = None
     if body.previous_response_id is not None:
-        previous = _stored(state, body.previous_response_id)
-    items = _input_items(state, body)
-    messages = chat_messages(body.instructions, [*(previous.conversation() if previous else ()), *items])
+        previous = _stored(state, who, body.previous_response_id)
+    items = _input_items(state, who, body)
+    if previous is None:
+        messages = chat_messages(body.instructions, items)
+    else:
+        try:
+            check_chain(previous.turns + 1, previous.items + len(items))
+        except ChainTooLong as e:
+            raise bad_request(str(e), "previous_response_id") from None
+        # a chain of many turns is many JSON documents to read: off the event loop
+        messages = await asyncio.to_thread(lambda: chat_messages(body.instructions,
+                                                                 [*previous.conversation(), *items]))
     tools, plan = _tool_plan(state, body)
     grammar = _text_format(body)
     if plan is not None and plan.grammar is not None:
@@ -156,7 +168,7 @@ async def create_response(request: Request) -> Response:
     rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input")
     answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
-                     want_logprobs, thinking, previous, items)
+                     want_logprobs, thinking, previous, items, who)
     if body.stream:
         return sse_response(answer.events(stream), stream, named=True)
     try:
@@ -174,7 +186,7 @@ class _Answer:
 
     def __init__(self, state: ServerState, body: ResponsesRequest, rid: str, model: str, temperature: float,
                  top_p: float, num_prompt: int, parse_tools: ToolFormat | None, want_logprobs: bool,
-                 thinking: ReasoningStream | None, previous: StoredResponse | None, items: list[dict]):
+                 thinking: ReasoningStream | None, previous: StoredResponse | None, items: list[dict], who: str):
         self.state, self.body, self.rid, self.model = state, body, rid, model
         self.temperature, self.top_p = temperature, top_p
         self.num_prompt, self.num_output, self.cached = num_prompt, 0, 0
@@ -185,7 +197,7 @@ class _Answer:
         self.thinking = thinking  # the reasoning parser's split of this answer, when one is on
         self.token_ids: list[int] = []  # the whole output's, to tell its reasoning tokens
         self.reasoning_end: int | None = None  # where the thinking ended in token_ids, once it has
-        self.previous, self.items = previous, items
+        self.previous, self.items, self.owner = previous, items, who
 
     def feed(self, out) -> None:
         """One engine output (a delta when streaming, the whole answer otherwise)."""
@@ -270,7 +282,7 @@ class _Answer:
         status = "incomplete" if cut else "completed"
         resp = self.response(status, self.output.items, self.usage(), "max_output_tokens" if cut else None)
         if self.body.store:
-            self.state.responses.put(StoredResponse.build(resp, tuple(self.items), self.previous))
+            self.state.responses.put(self.owner, self.rid, StoredResponse.build(resp, tuple(self.items), self.previous))
         return resp
 
     async def events(self, stream):
@@ -316,8 +328,9 @@ def _not_found(response_id: str) -> APIError:
                     code="response_not_found")
 
 
-def _stored(state: ServerState, response_id: str) -> StoredResponse:
-    stored = state.responses.get(response_id)
+def _stored(state: ServerState, who: str, response_id: str) -> StoredResponse:
+    """`who`'s stored response of that id; 404 for another owner's, as for one that never was."""
+    stored = state.responses.get(who, response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored
@@ -325,23 +338,23 @@ def _stored(state: ServerState, response_id: str) -> StoredResponse:
 
 @api_route
 async def get_response(request: Request) -> Response:
-    stored = _stored(request.app.state.server, request.path_params["response_id"])
-    return json_response(stored.response)
+    stored = _stored(request.app.state.server, owner(request), request.path_params["response_id"])
+    return Response(stored.response_bytes, media_type="application/json")
 
 
 @api_route
 async def delete_response(request: Request) -> Response:
     state: ServerState = request.app.state.server
     rid = request.path_params["response_id"]
-    if not state.responses.delete(rid):
+    if not state.responses.delete(owner(request), rid):
         raise _not_found(rid)
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
 @api_route
 async def list_input_items(request: Request) -> Response:
-    stored = _stored(request.app.state.server, request.path_params["response_id"])
-    data = list(stored.input_items)
+    stored = _stored(request.app.state.server, owner(request), request.path_params["response_id"])
+    data = stored.input_items
     if request.query_params.get("order", "desc") == "desc":
         data.reverse()
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,

@@ -66,13 +66,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "reasoning (chat) and reasoning items (responses), never to content; structured "
                         "output and tool grammars apply from the end of the thinking on")
     g.add_argument("--max-stored-responses", type=int, default=1024,
-                   help="finished /v1/responses answers kept in memory (least recently used first out) "
-                        "for previous_response_id and GET /v1/responses/{id}; 0 keeps none. They are "
-                        "never written to disk: a restart forgets them")
+                   help="finished /v1/responses answers kept in memory per API key (least recently used "
+                        "first out) for previous_response_id and GET /v1/responses/{id}; only the key "
+                        "that made one sees it; 0 keeps none. They are never written to disk: a restart "
+                        "forgets them")
     g.add_argument("--max-stored-responses-mb", type=float, default=256,
-                   help="the stored responses' size as JSON (their objects in memory take a few times "
-                        "that), each counted with the whole conversation it continues; a response over it "
-                        "alone is not stored")
+                   help="the bytes one API key's stored responses may hold (kept as JSON), each counted "
+                        "with the whole conversation it continues; a response over it alone is not stored")
+    g.add_argument("--max-prompt-logprobs-tokens", type=int, default=32768,
+                   help="prompt tokens one request may ask logprobs of (echo with logprobs, or "
+                        "prompt_logprobs), over all its prompts: each holds about 2.5 KB at 20 logprobs "
+                        "until the request ends")
     g.add_argument("--headless", action="store_true",
                    help="with --nnodes above 1, on nodes 1..: run only this node's tensor-parallel ranks "
                         "(no engine, no API); give the same model and engine flags as node 0")
@@ -131,6 +135,7 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           generation_config=ns.generation_config,
                           max_stored_responses=ns.max_stored_responses,
                           max_stored_responses_mb=ns.max_stored_responses_mb,
+                          max_prompt_logprobs_tokens=ns.max_prompt_logprobs_tokens,
                           reasoning_parser=ns.reasoning_parser)
 
 

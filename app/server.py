@@ -4,6 +4,7 @@ task started and stopped with the app."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 
@@ -16,7 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pageserve.app.body_check import BodyChecker
 from pageserve.app.errors import APIError
+from pageserve.app.http import OWNER
 from pageserve.app.metrics import Metrics
 from pageserve.app.openapi import openapi_document
 from pageserve.app.routes import ROUTES, served_routes
@@ -29,31 +32,40 @@ _OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but the open ones of the route table,
-    compared in constant time against every key."""
+    compared in constant time against every key. The request's scope then names its owner (a
+    hash of the key) for what it may see of stored state."""
 
     def __init__(self, app, api_keys: tuple[str, ...]):
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.keys = [(k.encode(), key_owner(k)) for k in api_keys]
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] == "http" and scope["path"] not in _OPEN_PATHS
-                and scope["method"] != "OPTIONS" and not self._authorized(scope)):
-            err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await err.response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
+            who = self._owner(scope)
+            if who is None:
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await err.response()(scope, receive, send)
+                return
+            scope[OWNER] = who
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope) -> bool:
+    def _owner(self, scope) -> str | None:
         header = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 header = value
         given = header[7:] if header[:7].lower() == b"bearer " else b""
-        ok = False
-        for key in self.keys:  # no early exit: the time does not tell which key came close
-            ok |= hmac.compare_digest(given, key)
-        return ok
+        who = None
+        for key, tag in self.keys:  # no early exit: the time does not tell which key came close
+            if hmac.compare_digest(given, key):
+                who = tag
+        return who
+
+
+def key_owner(key: str) -> str:
+    """The owner tag of an API key: enough of its SHA-256 to tell keys apart, not to recover one."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class RequestIdMiddleware:
@@ -107,10 +119,12 @@ def build_app(state: ServerState) -> Starlette:
             yield
         finally:
             await state.engine.stop()
+            app.state.body_checker.close()
 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = state
+    app.state.body_checker = BodyChecker(state.max_model_len)  # bodies of many values, parsed aside first
     app.state.metrics = Metrics(state.engine, state.model_name, state.settings.log_requests,
                                 state.settings.log_prompts, state.detokenize)
     app.state.openapi = openapi_document(served)

@@ -69,6 +69,7 @@ class ServerSettings:
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
     max_stored_responses: int = 1024  # finished Responses API answers kept for previous_response_id
     max_stored_responses_mb: float = 256  # ... and the bytes they may take
+    max_prompt_logprobs_tokens: int = 32768  # prompt tokens with logprobs in one request
     reasoning_parser: str | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
     def __post_init__(self):
@@ -84,6 +85,8 @@ class ServerSettings:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.max_stored_responses_mb < 0:
             raise ValueError("--max-stored-responses-mb must be >= 0")
+        if self.max_prompt_logprobs_tokens < 0:
+            raise ValueError("--max-prompt-logprobs-tokens must be >= 0")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)  # the names it knows, for a wrong one
 

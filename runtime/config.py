@@ -168,6 +168,10 @@ class ExecutorBackend(_Choice):
     MP = "mp"  # one worker process per rank on this machine (multiprocessing)
 
 
+SECRET_ENV = "PAGESERVE_DISTRIBUTED_SECRET"
+MIN_SECRET_BYTES = 16
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -176,6 +180,8 @@ class ParallelConfig:
     master_port: int = 0  # MASTER_PORT; 0: a free port on this machine
     nnodes: int = 1  # machines the ranks span; node 0 runs the engine, the others only workers
     node_rank: int = 0
+    # the key that authenticates every message between nodes (HMAC-SHA256); needed with nnodes > 1
+    secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "distributed_executor_backend",
@@ -192,6 +198,11 @@ class ParallelConfig:
         if self.nnodes > 1 and not self.master_port:
             raise ValueError("--nnodes above 1 needs the rendezvous port that every node is given: "
                              "--master-port (or MASTER_PORT)")
+        if self.nnodes > 1 and len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"--nnodes above 1 needs a shared secret of at least {MIN_SECRET_BYTES} bytes, the "
+                             f"same on every node: {SECRET_ENV} (or --distributed-secret); for example "
+                             "`export PAGESERVE_DISTRIBUTED_SECRET=$(openssl rand -hex 32)` on one node, copied "
+                             "to the others")
 
     @property
     def ranks_per_node(self) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
                                       ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
-                                      cpu_has_fast_bf16, parse_dtype)
+                                      SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
 from pageserve.triton_kernels import cpu_kernels
@@ -57,6 +57,7 @@ class EngineArgs:
     nnodes: int = 1  # machines the ranks span (ranks per node: tensor_parallel_size / nnodes)
     node_rank: int = 0  # 0 runs the engine; the others run only workers (`serve --headless`)
     master_addr: str | None = None  # the rendezvous: node 0's address (default $MASTER_ADDR, else 127.0.0.1)
+    distributed_secret: str | None = None  # authenticates the nodes' messages (default $PAGESERVE_DISTRIBUTED_SECRET)
     master_port: int | None = None  # default $MASTER_PORT, else a free port (one node only)
     debug_checks: bool = False
 
@@ -147,6 +148,10 @@ class EngineArgs:
         g.add_argument("--master-port", type=int, default=None,
                        help="the rendezvous port on node 0 (default $MASTER_PORT, else a free port; "
                             "needed with --nnodes above 1)")
+        g.add_argument("--distributed-secret", default=None,
+                       help="with --nnodes above 1: a secret shared by every node, which signs every "
+                            "message node 0 sends the others (HMAC-SHA256); a node refuses one that fails. "
+                            f"Better set as ${SECRET_ENV}, which `ps` does not show")
         return parser
 
     @classmethod
@@ -165,7 +170,8 @@ class EngineArgs:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               distributed_executor_backend=ExecutorBackend(self.distributed_executor_backend),
                               master_addr=self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                              master_port=port, nnodes=self.nnodes, node_rank=self.node_rank)
+                              master_port=port, nnodes=self.nnodes, node_rank=self.node_rank,
+                              secret=(self.distributed_secret or os.environ.get(SECRET_ENV, "")).encode())
 
     def resolve_device(self) -> DeviceConfig:
         if self.device == "auto":

@@ -7,13 +7,17 @@ their pipes and answer each with ("ok", value) or ("error", traceback); only ran
 carries anything (its sampled tokens), the others answer None, which tells the executor they
 are alive and in step. With more than one node, rank 0 relays every message's bytes to the
 ranks of the other nodes by a broadcast over a gloo group of its own (`Relay`); those ranks
-answer nothing: one that fails exits, and the collectives it leaves fail the engine's ranks."""
+answer nothing: one that fails exits, and the collectives it leaves fail the engine's ranks.
+Every relayed message is signed with the nodes' shared secret and numbered: a rank unpickles
+only what rank 0 signed for that place in the sequence, and exits on anything else."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import logging
 import os
 import pickle
@@ -24,7 +28,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pageserve.runtime.config import (SECRET_ENV, CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
+                                      SchedulerConfig)
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.model_runner import ModelRunner, StepResult, kv_block_bytes
@@ -37,27 +42,54 @@ _ENGINE_GONE = pickle.dumps(("engine_gone", ()))  # the pipe closed without a "s
 # the relay's receivers wait between steps for as long as the server idles: no timeout there
 # (a dead head still ends the wait, as gloo's connection to it closes)
 _RELAY_TIMEOUT = datetime.timedelta(days=365)
+_MAX_MESSAGE = 1 << 32  # bytes: a step is far smaller; a size above it is not rank 0's
+
+
+class NotAuthentic(Exception):
+    """A relayed message that the shared secret did not sign (or not for its place)."""
+
+
+def seal(secret: bytes, seq: int, payload: bytes) -> bytes:
+    """payload behind its HMAC-SHA256 over (seq, payload): the number makes a replayed or
+    reordered message fail too."""
+    return hmac.digest(secret, seq.to_bytes(8, "little") + payload, hashlib.sha256) + payload
+
+
+def unseal(secret: bytes, seq: int, data: bytes) -> bytes:
+    mac, payload = data[:32], data[32:]
+    if len(data) < 32 or not hmac.compare_digest(mac, hmac.digest(secret, seq.to_bytes(8, "little") + payload,
+                                                                  hashlib.sha256)):
+        raise NotAuthentic(f"relayed message {seq} is not signed with this node's secret "
+                           f"(--distributed-secret / ${SECRET_ENV}): refused")
+    return payload
 
 
 class Relay:
-    """Rank 0 -> the ranks of the other nodes: each message as bytes, broadcast (its length,
-    then the bytes) over a gloo group of rank 0 and those ranks, so that a message crosses
-    machines through torch.distributed whatever the device backend (NCCL included)."""
+    """Rank 0 -> the ranks of the other nodes: each message as bytes, sealed with the shared
+    secret, broadcast (its length, then the bytes) over a gloo group of rank 0 and those ranks,
+    so that a message crosses machines through torch.distributed whatever the device backend
+    (NCCL included)."""
 
     def __init__(self, parallel: ParallelConfig):
         remote = range(parallel.ranks_per_node, parallel.tensor_parallel_size)  # every rank makes the group
         self.group = dist.new_group([0, *remote], backend="gloo", timeout=_RELAY_TIMEOUT)
+        self.secret, self.seq = parallel.secret, 0
 
     def send(self, payload: bytes) -> None:
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+        self.seq += 1
+        data = seal(self.secret, self.seq, payload)
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
 
     def recv(self) -> bytes:
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
+        if not 0 <= int(size) <= _MAX_MESSAGE:
+            raise NotAuthentic(f"a relayed message of {int(size)} bytes: refused")
         data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.group)
-        return data.numpy().tobytes()
+        self.seq += 1
+        return unseal(self.secret, self.seq, data.numpy().tobytes())
 
     def min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -121,6 +121,8 @@ class _PageOrigin:
     def __init__(self):
         self.script: list[str] = []
         self.bodies: list[dict] = []
+        self.models_status = 200  # 401: /v1/models asks for a key, in words of its own
+        self.authorizations: list[str | None] = []  # the Authorization header of each /v1/models
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -142,10 +144,20 @@ class _PageOrigin:
                 if self.path.split("?")[0] == "/chat.html":
                     self._send(200, PAGE.read_bytes(), "text/html; charset=utf-8")
                 elif self.path == "/v1/models":
+                    origin.authorizations.append(self.headers.get("Authorization"))
+                    if origin.models_status == 401:
+                        self._send(401, b'{"error": {"message": "Session expired: type the API key of the other '
+                                        b'server here"}}', "application/json", Access_Control_Allow_Origin="*")
+                        return
                     self._send(200, b'{"object": "list", "data": [{"id": "fake-model", "object": "model"}]}',
-                               "application/json")
+                               "application/json", Access_Control_Allow_Origin="*")
                 else:
                     self._send(404, b"{}", "application/json")
+
+            def do_OPTIONS(self):  # CORS preflight: any origin, the Authorization header allowed
+                self._send(204, b"", "text/plain", Access_Control_Allow_Origin="*",
+                           Access_Control_Allow_Headers="authorization, content-type",
+                           Access_Control_Allow_Methods="GET, POST")
 
             def do_POST(self):
                 origin.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -394,12 +406,27 @@ def test_the_chat_page_in_chromium(tiny_model_dir, guarded, tmp_path):
         page.wait().until(lambda d: page.el("#key-box").is_displayed())
         page.el("#api-key").send_keys(KEY + Keys.ENTER)
         page.models_ready()
-        assert driver.execute_script("return sessionStorage.getItem('pageserve.apiKey')") == KEY
+        assert driver.execute_script(f"return sessionStorage.getItem('pageserve.apiKey {guarded.url}')") == KEY
         assert driver.execute_script("return localStorage.length + document.cookie.length") == 0
         page.fill("#max-tokens", "6")
         page.send("Hi")
         page.wait_answer_ends()
         assert page.state() == "done" and not page.errors()
+
+        # 6. the same page pointed at another origin: the saved key stays home; that origin's
+        # 401 text is not shown; a key typed for it goes to it, kept apart from this server's
+        origin.models_status = 401
+        page = _Page(driver, f"{guarded.url}/?api={origin.url}")
+        page.wait().until(lambda d: page.el("#key-box").is_displayed())
+        assert origin.authorizations[-1] is None, "the key saved for this server went to another origin"
+        reason = page.el("#key-reason").text
+        assert origin.url in reason and "Session expired" not in reason
+        origin.models_status = 200
+        page.el("#api-key").send_keys("other-key" + Keys.ENTER)
+        page.models_ready()
+        assert origin.authorizations[-1] == "Bearer other-key"
+        assert KEY not in " ".join(a or "" for a in origin.authorizations)
+        assert driver.execute_script(f"return sessionStorage.getItem('pageserve.apiKey {guarded.url}')") == KEY
     finally:
         with contextlib.suppress(Exception):
             driver.quit()

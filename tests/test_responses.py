@@ -285,7 +285,7 @@ def test_a_call_that_is_not_valid_closes_incomplete(fmt, pieces):
     text = INVALID_LAST_CALL[fmt]
     body = ResponsesRequest(model="m", input="hi", store=False)
     answer = _Answer(SimpleNamespace(), body, "resp_1", "m", 1.0, 1.0, 3, tool_format(fmt), False, None,
-                     None, [])
+                     None, [], "")
     cuts = [len(text) * i // pieces for i in range(pieces)] + [len(text)]
     for i in range(pieces):
         answer.feed(SimpleNamespace(metrics=None, outputs=[SimpleNamespace(
@@ -295,3 +295,41 @@ def test_a_call_that_is_not_valid_closes_incomplete(fmt, pieces):
     assert [(o["type"], o["status"]) for o in resp["output"]] == [("function_call", "completed"),
                                                                  ("function_call", "incomplete")]
     assert json.loads(resp["output"][0]["arguments"]) == {"a": 1} and resp["status"] == "completed"
+
+
+def test_two_api_keys_each_see_only_their_own_responses(tiny_model_dir, caplog):
+    """Key B gets 404 on everything of key A's (as for an id that never was), cannot pull A's
+    items into its own conversation nor plant one that A's reference resolves to; A's
+    conversation continues unharmed. The log shows a response id's prefix only."""
+    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.02,
+                                   max_model_len=1024), api_keys=("key-a", "key-b"))
+    try:
+        a, b = (openai.OpenAI(base_url=f"{s.url}/v1", api_key=k, max_retries=0) for k in ("key-a", "key-b"))
+        mine = {"type": "message", "role": "user", "id": "msg_mine", "content": "A's secret"}
+        caplog.set_level("INFO", logger="pageserve.requests")
+        first = a.responses.create(model=s.model, input=[mine, {"role": "user", "content": "more"}],
+                                   max_output_tokens=3)
+        own_ids = [i.id for i in a.responses.input_items.list(first.id).data]
+        assert "msg_mine" in own_ids and len(own_ids) == 2
+        for call in (lambda: b.responses.retrieve(first.id), lambda: b.responses.delete(first.id),
+                     lambda: b.responses.input_items.list(first.id),
+                     lambda: b.responses.create(model=s.model, input="go on", previous_response_id=first.id)):
+            with pytest.raises(openai.NotFoundError) as err:
+                call()
+            assert err.value.body["code"] == "response_not_found"
+        for ref in own_ids:  # A's items (its own id and the one the server made) do not resolve for B
+            with pytest.raises(openai.BadRequestError) as err:
+                b.responses.create(model=s.model, input=[{"type": "item_reference", "id": ref}])
+            assert err.value.body["param"] == "input.0.id"
+        plant = {"type": "message", "role": "user", "id": "msg_mine", "content": "B's plant"}
+        b.responses.create(model=s.model, input=[plant], max_output_tokens=2)
+        second = a.responses.create(model=s.model, previous_response_id=first.id, max_output_tokens=2,
+                                    input=[{"type": "item_reference", "id": "msg_mine"}])
+        items = a.responses.input_items.list(second.id, order="asc").data
+        assert [i.content[0].text for i in items] == ["A's secret"]
+        assert a.responses.retrieve(first.id).output_text == first.output_text
+        no_key = httpx.get(f"{s.url}/v1/responses/{first.id}")
+        assert no_key.status_code == 401
+        assert first.id not in caplog.text and f"finished request {first.id[:13]}..." in caplog.text
+    finally:
+        s.stop()

@@ -1,9 +1,10 @@
 """Tensor parallelism across nodes, on one machine: two processes act as two nodes (--nnodes 2,
 --tensor-parallel-size 2, one rank each, gloo on 127.0.0.1). Node 0 runs the engine (the
 offline API, or the real server) and rank 0; node 1 runs `pageserve serve --headless` and
-rank 1, which gets every step from rank 0 over torch.distributed. The tokens are those of one
-rank; a clean stop of node 0 ends node 1 with status 0; a node 0 killed outright ends node 1
-(non-zero) within seconds; no process is left behind either way."""
+rank 1, which gets every step from rank 0 over torch.distributed, signed with the nodes' shared
+secret. The tokens are those of one rank; a clean stop of node 0 ends node 1 with status 0; a
+node 0 killed outright ends node 1 (non-zero) within seconds; no process is left behind either
+way; a message that the secret did not sign is refused before it is read."""
 
 import os
 import signal
@@ -16,12 +17,20 @@ import psutil
 import pytest
 
 from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.config import SECRET_ENV
 from tests.live_server import ROOT, SubprocessServer, free_socket
 from tests.test_tensor_parallel import _children
 from tests.test_tensor_parallel_models import prompts
 
+SECRET = "a secret the two test nodes share"
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "0.01", "--swap-space", "0",
                 "--max-num-batched-tokens", "64"]
+
+
+@pytest.fixture(autouse=True)
+def _shared_secret(monkeypatch):
+    """Both nodes take it from the environment (the subprocesses inherit it)."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
 
 
 def free_port() -> int:
@@ -165,7 +174,70 @@ def test_node_flags_resolve_and_refuse_what_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size \(3\) must be a multiple of --nnodes \(2\)"):
         ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1)
     with pytest.raises(ValueError, match=r"--node-rank must be in 0\.\.1, got 2"):
-        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1)
+        ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1, secret=SECRET.encode())
+    # several nodes need the shared secret: from the environment, or the flag over it
+    assert parallel.secret == SECRET.encode()
+    ns = build_parser().parse_args(["serve", "m", "-tp", "2", "--nnodes", "2", "--master-port", "1",
+                                    "--distributed-secret", "x" * 16])
+    assert EngineArgs.from_cli_args(ns).parallel_config().secret == b"x" * 16
+    assert "secret" not in repr(parallel) and SECRET not in repr(parallel)
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ValueError, match=f"needs a shared secret of at least 16 bytes.*{SECRET_ENV}"):
+        EngineArgs(tensor_parallel_size=2, nnodes=2, master_port=1).parallel_config()
+    assert ParallelConfig(tensor_parallel_size=2).secret == b""  # one node: nothing crosses a network
+
+
+@pytest.mark.unit
+def test_a_sealed_message_opens_only_with_its_secret_and_its_number():
+    from pageserve.runtime.worker import NotAuthentic, seal, unseal
+
+    key, payload = b"k" * 32, b"the step's bytes"
+    assert unseal(key, 7, seal(key, 7, payload)) == payload
+    for bad in (seal(key, 6, payload),  # replayed or out of order
+                seal(b"x" * 32, 7, payload),  # another secret
+                seal(key, 7, payload)[:-1] + b"!",  # tampered
+                b"short"):
+        with pytest.raises(NotAuthentic, match="refused"):
+            unseal(key, 7, bad)
+
+
+# node 0's rank 0 as someone who reached the master port without the secret: it joins the
+# process group, answers the KV sizing, then relays a pickle that would write a file if unpickled
+_FORGER = """
+import datetime, os, pickle, sys
+import torch.distributed as dist
+from pageserve.runtime.config import ParallelConfig
+from pageserve.runtime.worker import Relay
+
+class Payload:
+    def __reduce__(self):
+        return (open, (sys.argv[2], "w"))
+
+port = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+relay = Relay(ParallelConfig(tensor_parallel_size=2, nnodes=2, master_port=port, secret=b"not the nodes' secret"))
+relay.min(1 << 30)
+relay.send(pickle.dumps(("execute", (Payload(),))))
+"""
+
+
+@pytest.mark.engine
+def test_a_node_refuses_a_message_its_secret_did_not_sign(tiny_model_dir, tmp_path):
+    port = free_port()
+    marker = tmp_path / "unpickled"
+    node1 = HeadlessNode(tiny_model_dir, port, f"headless-{port}.log")
+    forger = subprocess.Popen([sys.executable, "-c", _FORGER, str(port), str(marker)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert node1.wait(60) == 1, node1.output()
+        assert "relayed message 1 is not signed with this node's secret" in node1.output()
+        assert not marker.exists()
+    finally:
+        if node1.proc.poll() is None:
+            node1.wait(0)
+        forger.kill()
+        forger.wait()
 
 
 @pytest.mark.unit

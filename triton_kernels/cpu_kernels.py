@@ -16,7 +16,9 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -369,37 +371,84 @@ def _build_key(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+_announced: set[Path] = set()  # the libraries whose choice the log has said
+
+
 def load(cache_dir: Path, bf16_dot: bool = False, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
-    """The library, built into `cache_dir` on first use; None where it cannot be built.
-    bf16_dot: see CpuKernels. extra_flags: for the compiler after FLAGS (tests build the AVX2
-    kernels on an AVX-512 CPU with -mno-avx512f)."""
+    """The library, built into `cache_dir` on first use (and again when the file there does not
+    load); None where it cannot be built or must not be trusted. bf16_dot: see CpuKernels.
+    extra_flags: for the compiler after FLAGS (tests build the AVX2 kernels on an AVX-512 CPU
+    with -mno-avx512f)."""
     if os.environ.get("PAGESERVE_NO_CPU_KERNELS") == "1":
         return None
     flags = [*FLAGS, *extra_flags]
     path = cache_dir / f"cpu_kernels-{_build_key(flags)}.so"
-    if not path.is_file():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.info("no C compiler: the CPU path keeps torch's ops")
+    for attempt in range(2):
+        if not path.is_file() and not _build(cache_dir, path, flags):
             return None
-        tmp = None
+        if (why := _untrusted(path)) is not None:
+            logger.warning("not loading the CPU kernels from %s: %s; keeping torch's ops (remove it, or point "
+                           "$PAGESERVE_CACHE at a folder only you can write)", path, why)
+            return None
         try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
-            os.close(fd)
-            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                           text=True, timeout=120)
-            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = (getattr(e, "stderr", "") or str(e)).strip()
-            logger.warning("building the CPU kernels failed; keeping torch's ops: %s",
-                           detail.splitlines()[-1] if detail else e)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            return None
+            lib = CpuKernels(path, bf16_dot) if not attempt else _load_fresh(path, bf16_dot)
+        except (OSError, AttributeError) as e:  # a torn or foreign file, or one missing a kernel
+            if attempt:
+                logger.warning("loading the CPU kernels failed after a rebuild; keeping torch's ops: %s", e)
+                return None
+            logger.warning("the CPU kernels at %s do not load (%s): building them again", path, e)
+            path.unlink(missing_ok=True)
+            continue
+        if path not in _announced:
+            _announced.add(path)
+            logger.info("CPU kernels: %s, from %s", lib.isa, path)
+        return lib
+    return None
+
+
+def _load_fresh(path: Path, bf16_dot: bool) -> CpuKernels:
+    """The rebuilt library, through a link of another name: dlopen would hand back the handle
+    of the file that failed, as it is still loaded under `path`."""
+    link = path.with_name(f"{path.stem}-{os.getpid()}.so")
+    link.unlink(missing_ok=True)
+    os.link(path, link)
     try:
-        return CpuKernels(path, bf16_dot)
-    except OSError as e:
-        logger.warning("loading the CPU kernels failed; keeping torch's ops: %s", e)
-        return None
+        return CpuKernels(link, bf16_dot)
+    finally:
+        link.unlink()
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why a compiled file may not be loaded: code that another user could have written (the
+    file, or its folder, owned by someone else or writable by others)."""
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid not in (os.getuid(), 0):
+            return f"{p} belongs to another user (uid {st.st_uid})"
+        if st.st_mode & 0o022 and not (p.is_dir() and st.st_mode & stat.S_ISVTX and st.st_uid == os.getuid()):
+            return f"{p} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _build(cache_dir: Path, path: Path, flags: list[str]) -> bool:
+    compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler:
+        logger.info("no C compiler: the CPU path keeps torch's ops")
+        return False
+    tmp = None
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
+        os.close(fd)
+        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
+        os.replace(tmp, path)
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        logger.warning("building the CPU kernels with %s failed; keeping torch's ops: %s", " ".join(compiler),
+                       detail.splitlines()[-1] if detail else e)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False

@@ -1,0 +1,108 @@
+"""What one request may cost the others: a body of millions of token ids is refused without
+holding the event loop (the real server, /health timed throughout), a prompt's length is checked
+before its ids, a conversation is measured by all its text when choosing where to render it,
+and prompt logprobs are bounded per request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pageserve.runtime.engine_args import EngineArgs
+from tests.live_server import InProcessServer, SubprocessServer
+
+MILLIONS = 8_000_000
+
+
+@pytest.mark.server
+@pytest.mark.slow  # a server process and two 16 MB bodies: about 20 s
+def test_health_answers_within_100_ms_while_8_million_ids_are_refused(tiny_model_dir):
+    srv = SubprocessServer(str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "512",
+                           "--kv-cache-memory", "0.01", "--swap-space", "0")
+    try:
+        ids = b",".join([b"7"] * MILLIONS)
+        bodies = {"/v1/completions": b'{"max_tokens": 4, "prompt": [' + ids + b"]}",
+                  "/detokenize": b'{"tokens": [' + ids + b"]}"}
+        with httpx.Client(timeout=10) as health:
+            health.get(f"{srv.url}/health")  # the connection made before the clock runs
+            for path, body in bodies.items():
+                answer: dict = {}
+
+                def send(path=path, body=body, answer=answer):
+                    r = httpx.post(f"{srv.url}{path}", content=body, timeout=120,
+                                   headers={"Content-Type": "application/json"})
+                    answer["status"], answer["body"] = r.status_code, r.json()
+
+                sender = threading.Thread(target=send)
+                sender.start()
+                waits = []
+                while sender.is_alive():
+                    t = time.perf_counter()
+                    assert health.get(f"{srv.url}/health").status_code == 200
+                    waits.append(time.perf_counter() - t)
+                    time.sleep(0.01)
+                sender.join()
+                assert answer["status"] == 400, answer
+                assert str(MILLIONS) in answer["body"]["error"]["message"]
+                assert len(waits) >= 10 and max(waits) < 0.1, f"{path}: /health waited {max(waits):.3f} s"
+        ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [7] * 100, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    finally:
+        srv.stop()
+
+
+@pytest.mark.unit
+def test_a_prompt_too_long_is_refused_before_its_ids_are_read(tiny_llm):
+    from pageserve.runtime.input_processor import InvalidRequest
+    from pageserve.sampling.params import SamplingParams
+
+    inputs = tiny_llm.engine.inputs
+    too_long = [1] * inputs.max_model_len + [10**9]  # the last id is outside the vocabulary too
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        inputs.process(too_long, SamplingParams())
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        inputs.process_embedding(too_long)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        inputs.process([1, 10**9], SamplingParams())
+
+
+@pytest.mark.unit
+def test_every_text_of_a_conversation_counts_where_it_renders():
+    from pageserve.app.chat import _text_size
+    from pageserve.app.protocol import ChatCompletionRequest
+    from pageserve.app.state import LONG_TEXT
+
+    big = "x" * (LONG_TEXT + 1)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": big}}
+    tool = {"type": "function", "function": {"name": "f", "description": big}}
+    for body in ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]},
+                 {"messages": [{"role": "assistant", "content": "a", "reasoning_content": big}]},
+                 {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
+                 {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"context": big}}):
+        assert _text_size(ChatCompletionRequest.model_validate(body)) > LONG_TEXT, body
+    small = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert _text_size(small) < 100
+
+
+@pytest.mark.server
+def test_prompt_logprobs_are_bounded_per_request(tiny_model_dir):
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                     max_model_len=512), max_prompt_logprobs_tokens=64)
+    try:
+        def post(path, **body):
+            return httpx.post(f"{srv.url}{path}", json={"max_tokens": 2, **body}, timeout=30)
+        for r in (post("/v1/completions", prompt=[[5] * 40, [6] * 40], echo=True, logprobs=2),
+                  post("/v1/completions", prompt=[5] * 80, prompt_logprobs=1)):
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "prompt_logprobs" and "--max-prompt-logprobs-tokens" in err["message"]
+            assert "limit is 64" in err["message"]
+        r = post("/v1/completions", prompt=[[5] * 40], echo=True, logprobs=2)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 42
+        assert post("/v1/completions", prompt=[[5] * 40, [6] * 40], logprobs=2).status_code == 200  # no echo
+        srv.wait_idle()
+    finally:
+        srv.stop()
