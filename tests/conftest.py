@@ -24,6 +24,18 @@ def tiny_llm(tiny_model_dir):
                max_num_batched_tokens=64, debug_checks=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    """The real server on the tiny model, in this process, for a module's tests."""
+    from pageserve.runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                   max_model_len=512))
+    yield s
+    s.stop()
+
+
 def assert_pool_clean(engine) -> None:
     """Every block back in the pool, nothing left running, counts add up."""
     assert not engine.requests, f"requests left behind: {list(engine.requests)}"

@@ -17,21 +17,11 @@ def run(module, *flags: str) -> dict:
     return module.main(module.add_args(argparse.ArgumentParser()).parse_args(list(flags)))
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    from pageserve.runtime.engine_args import EngineArgs
-    from tests.live_server import InProcessServer
-
-    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
-                                   max_model_len=512))
-    yield s
-    s.stop()
-
-
 @pytest.mark.server
-def test_every_server_every_round_every_concurrency(srv, tmp_path, capsys):
+def test_every_server_every_round_every_concurrency(tiny_server, tmp_path, capsys):
     out = tmp_path / "peer.json"
-    r = run(bench_peer, "--server", f"a={srv.url}", "--server", f"b={srv.url}", "--streams", "1,3", "--rounds", "2",
+    url = tiny_server.url
+    r = run(bench_peer, "--server", f"a={url}", "--server", f"b={url}", "--streams", "1,3", "--rounds", "2",
             "--prompt-words", "12", "--output-len", "4:6", "--min-requests", "3", "--requests-per-stream", "1",
             "--output-json", str(out))
     cells = r["cells"]
@@ -54,7 +44,7 @@ def test_every_server_every_round_every_concurrency(srv, tmp_path, capsys):
     assert png[:4] == b"\x89PNG" and len(png) > 5000
     printed = capsys.readouterr().out
     assert "a / b:" in printed and "tok/s" in printed
-    srv.wait_idle()
+    tiny_server.wait_idle()
 
 
 def test_bad_server_flags_are_one_clear_error():

@@ -254,24 +254,13 @@ def test_metrics_and_goodput_follow_vllms_definitions():
 # ---------------------------------------------------------------- against the real server
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    from pageserve.runtime.engine_args import EngineArgs
-    from tests.live_server import InProcessServer
-
-    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
-                                   max_model_len=512))
-    yield s
-    s.stop()
-
-
 def run_bench(*flags: str) -> dict:
     return bench_serve.main(bench_serve.add_args(argparse.ArgumentParser()).parse_args(list(flags)))
 
 
 @pytest.mark.server
-def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tiny_model_dir, tmp_path, capsys):
-    run_bench("--base-url", srv.url, "--random-input-len", "40", "--random-range-ratio", "0.5",
+def test_random_run_has_vllms_keys_and_the_servers_counts(tiny_server, tiny_model_dir, tmp_path, capsys):
+    run_bench("--base-url", tiny_server.url, "--random-input-len", "40", "--random-range-ratio", "0.5",
               "--random-output-len", "6", "--num-prompts", "8", "--max-concurrency", "3",
               "--request-rate", "50", "--goodput", "ttft:600000", "tpot:600000", "e2el:600000",
               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99.9",
@@ -280,7 +269,7 @@ def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tiny_model_dir, t
     r = json.loads((tmp_path / "out" / "r.json").read_text())
     assert (r["completed"], r["failed"], r["num_prompts"], r["max_concurrency"], r["request_rate"]) == (
         8, 0, 8, 3, 50.0)
-    assert r["backend"] == "openai" and r["model_id"] == r["tokenizer_id"] == srv.model
+    assert r["backend"] == "openai" and r["model_id"] == r["tokenizer_id"] == tiny_server.model
     # the server's usage: prompts cut to [20, 60] of its own tokens (the tiny vocabulary splits
     # words into several tokens, so a word count would be far off)
     assert all(20 <= n <= 60 for n in r["input_lens"]) and len(set(r["input_lens"])) > 2
@@ -298,7 +287,7 @@ def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tiny_model_dir, t
         assert 0 < r[f"median_{name}_ms"] <= r[f"p99.9_{name}_ms"] and r[f"std_{name}_ms"] >= 0
         assert r[f"p50_{name}_ms"] == pytest.approx(r[f"median_{name}_ms"])
     assert r["mean_e2el_ms"] == pytest.approx(1000 * sum(r["latencies"]) / 8)
-    strict = run_bench("--base-url", srv.url, "--random-input-len", "12", "--random-output-len", "3",
+    strict = run_bench("--base-url", tiny_server.url, "--random-input-len", "12", "--random-output-len", "3",
                        "--num-prompts", "2", "--goodput", "ttft:0.001", "--disable-tqdm", "--temperature", "0",
                        "--machine-limits", str(tiny_model_dir))
     assert strict["completed"] == 2 and strict["request_goodput"] == 0  # nobody meets it
@@ -310,11 +299,11 @@ def test_random_run_has_vllms_keys_and_the_servers_counts(srv, tiny_model_dir, t
     assert f"= {ratio:.0f}% of the 64-row matmul ceiling" in printed
     assert f"= {strict['median_itl_ms'] / limits['memory_floor_ms']:.2f}x the memory floor" in printed
     assert "input_lens" not in strict and "p99_ttft_ms" in strict and "p99_e2el_ms" not in strict
-    srv.wait_idle()
+    tiny_server.wait_idle()
 
 
 @pytest.mark.server
-def test_sharegpt_and_custom_lengths_come_from_the_servers_tokenizer(srv, tiny_model_dir, tmp_path):
+def test_sharegpt_and_custom_lengths_come_from_the_servers_tokenizer(tiny_server, tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -322,27 +311,28 @@ def test_sharegpt_and_custom_lengths_come_from_the_servers_tokenizer(srv, tiny_m
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps([_conversation(f"Tell me about the {topic} please", reply)
                                 for topic, reply in zip(("fox", "cache", "numbers"), replies)]))
-    r = run_bench("--base-url", srv.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+    r = run_bench("--base-url", tiny_server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
                   "--num-prompts", "3", "--ignore-eos", "--save-detailed", "--disable-tqdm", "--temperature", "0")
     assert sorted(r["output_lens"]) == sorted(len(tok.encode(x, add_special_tokens=False)) for x in replies)
     rows = [{"prompt": "The lazy dog", "output_tokens": 4}, {"prompt": "def add(a, b):", "output_tokens": 7}]
     path = tmp_path / "custom.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in rows))
-    r = run_bench("--base-url", srv.url, "--dataset-name", "custom", "--dataset-path", str(path),
+    r = run_bench("--base-url", tiny_server.url, "--dataset-name", "custom", "--dataset-path", str(path),
                   "--num-prompts", "2", "--ignore-eos", "--save-detailed", "--disable-tqdm", "--temperature", "0")
     assert sorted(r["output_lens"]) == [4, 7]
     assert sorted(r["input_lens"]) == sorted(len(tok.encode(x["prompt"])) for x in rows)
-    srv.wait_idle()
+    tiny_server.wait_idle()
 
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_the_cli_with_pageserves_older_flags_streams_chat_and_plots(srv, tmp_path):
+def test_the_cli_with_pageserves_older_flags_streams_chat_and_plots(tiny_server, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "pageserve.app.cli", "bench", "serve", "--base-url", srv.url, "--endpoint", "chat",
-         "--dataset", "shared-prefix", "--prefix-len", "16", "--prefix-repetition-num-prefixes", "2",
-         "--input-len", "4:8", "--output-len", "3:3", "--num-prompts", "4", "--ignore-eos", "--temperature", "0",
+        [sys.executable, "-m", "pageserve.app.cli", "bench", "serve", "--base-url", tiny_server.url,
+         "--endpoint", "chat", "--dataset", "shared-prefix", "--prefix-len", "16",
+         "--prefix-repetition-num-prefixes", "2", "--input-len", "4:8", "--output-len", "3:3", "--num-prompts", "4",
+         "--ignore-eos", "--temperature", "0",
          "--slo-e2e-ms", "600000", "--output-json", str(out_json), "--output-png", str(out_png), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -353,7 +343,7 @@ def test_the_cli_with_pageserves_older_flags_streams_chat_and_plots(srv, tmp_pat
     assert r["total_input_tokens"] > 4 * (16 + 4)  # and the chat template's own tokens
     assert r["request_goodput"] == r["request_throughput"] and "input_lens" not in r
     assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
-    srv.wait_idle()
+    tiny_server.wait_idle()
 
 
 def test_machine_limits_that_cannot_be_measured_leave_the_run_alone(tmp_path, capsys):

@@ -17,28 +17,17 @@ pytestmark = pytest.mark.server
 PROMPT = "Paged attention keeps the KV cache in fixed-size blocks."
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    from pageserve.runtime.engine_args import EngineArgs
-    from tests.live_server import InProcessServer
-
-    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
-                                   max_model_len=512))
-    yield s
-    s.stop()
-
-
 def by_rank(position: dict[int, Logprob]) -> list[int]:
     return sorted(position, key=lambda t: position[t].rank)
 
 
-def test_greedy_logprobs_have_vllms_shape_and_match_the_server(tiny_llm, srv):
+def test_greedy_logprobs_have_vllms_shape_and_match_the_server(tiny_llm, tiny_server):
     ids = tiny_llm.tokenizer.encode(PROMPT)
     n, k = len(ids), 3
     out = tiny_llm.generate(ids, SamplingParams(temperature=0, max_tokens=6, logprobs=k, prompt_logprobs=k,
                                                 ignore_eos=True), use_tqdm=False)[0]
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
-        "model": srv.model, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+    r = httpx.post(f"{tiny_server.url}/v1/completions", timeout=60, json={
+        "model": tiny_server.model, "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
         "logprobs": k, "echo": True})
     assert r.status_code == 200, r.text
     server = r.json()["choices"][0]["logprobs"]
