@@ -106,3 +106,39 @@ def test_prompt_logprobs_are_bounded_per_request(tiny_model_dir):
         srv.wait_idle()
     finally:
         srv.stop()
+
+
+_SHAPES = """
+import os, sys, torch
+if sys.argv[1] == "bounded":
+    from pageserve.runtime.cpu_env import bound_onednn_cache
+    bound_onednn_cache()
+else:
+    os.environ["LRU_CACHE_CAPACITY"] = os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "1024"  # the defaults
+torch.set_num_threads(1)
+w = torch.randn(1536, 576).bfloat16()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+torch.nn.functional.linear(torch.randn(1, 576).bfloat16(), w)
+before = rss()
+for m in range(2, 602):  # a step's token count, different each time
+    torch.nn.functional.linear(torch.randn(m, 576).bfloat16(), w)
+print(rss() - before)
+"""
+
+
+@pytest.mark.slow  # 1,200 matmuls of new shapes: about 20 s
+def test_the_bf16_matmuls_keep_a_bounded_number_of_compiled_shapes():
+    """torch's bfloat16 CPU matmuls compile a oneDNN kernel per new shape and cache it twice
+    (ideep's cache, oneDNN's): at the defaults 300 token counts kept 210 MB here; bounded, 64 MB at most."""
+    import subprocess
+    import sys
+
+    grown = {}
+    for mode in ("defaults", "bounded"):
+        out = subprocess.run([sys.executable, "-c", _SHAPES, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        grown[mode] = int(out.stdout.split()[-1])
+    if grown["defaults"] < 50 << 20:
+        pytest.skip(f"torch's bf16 matmul compiles no kernel per shape here ({grown['defaults'] >> 20} MB)")
+    assert grown["bounded"] < grown["defaults"] / 3, grown
