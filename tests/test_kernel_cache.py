@@ -74,15 +74,36 @@ def test_a_library_that_does_not_load_is_built_again(cache, tmp_path, caplog, da
     assert "do not load" in caplog.text and "building them again" in caplog.text
 
 
-@pytest.mark.parametrize("who", ["the file", "its folder"])
-def test_a_library_others_can_write_is_refused(cache, caplog, who):
+def test_a_library_others_can_write_is_refused(cache, caplog):
     folder, name, runs = cache
     assert cpu_kernels.load(folder) is not None  # built, private: loads
-    (name if who == "the file" else folder).chmod(0o777 if who == "its folder" else 0o757)
+    name.chmod(0o757)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert cpu_kernels.load(folder) is None
     assert "writable by other users" in caplog.text and "keeping torch's ops" in caplog.text
     assert _runs(runs) == 1  # refused, not rebuilt over
+
+
+def test_a_folder_of_ours_that_others_can_write_is_closed_first(cache, caplog):
+    folder, name, runs = cache
+    folder.chmod(0o777)  # a umask of 000 (002 gives 775: the same)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load(folder) is not None
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755 and "closed it" in caplog.text
+
+
+def test_a_library_of_another_user_is_refused(cache, caplog):
+    import os
+
+    folder, name, runs = cache
+    assert cpu_kernels.load(folder) is not None
+    try:
+        os.chown(name, 65534, -1)  # nobody's: only root can give a file away
+    except PermissionError:
+        pytest.skip("not root: no file of another user can be made here")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load(folder) is None
+    assert "belongs to another user (uid 65534)" in caplog.text
 
 
 def test_a_failed_build_names_the_compiler_and_keeps_torch(cache, monkeypatch, caplog):

@@ -11,6 +11,7 @@ keeps torch's matmul: the kernel is a speed-up, never a requirement."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -420,8 +421,17 @@ def _load_fresh(path: Path, bf16_dot: bool) -> CpuKernels:
 
 def _untrusted(path: Path) -> str | None:
     """Why a compiled file may not be loaded: code that another user could have written (the
-    file, or its folder, owned by someone else or writable by others)."""
-    for p in (path, path.parent):
+    file, or its folder, owned by someone else or writable by others). A folder of this user's
+    that others may write to (a umask of 002) is closed first: a file they put there is theirs,
+    which the file's own check refuses."""
+    folder = path.parent
+    st = folder.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        with contextlib.suppress(OSError):
+            folder.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
+            logger.warning("%s was writable by other users: closed it (mode %o)", folder,
+                           stat.S_IMODE(st.st_mode) & ~0o022)
+    for p in (path, folder):
         st = p.stat()
         if st.st_uid not in (os.getuid(), 0):
             return f"{p} belongs to another user (uid {st.st_uid})"
