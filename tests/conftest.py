@@ -24,6 +24,17 @@ def tiny_llm(tiny_model_dir):
                max_num_batched_tokens=64, debug_checks=True)
 
 
+@pytest.fixture(scope="session")
+def native_kernels(tmp_path_factory):
+    """The C kernels built from this checkout for this CPU (what an engine here loads), once."""
+    from pageserve.triton_kernels import cpu_kernels
+
+    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    if k is None:
+        pytest.skip("no C compiler here: the CPU path keeps torch's ops")
+    return k
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
     """The real server on the tiny model, in this process, for a module's tests."""

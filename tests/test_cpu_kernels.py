@@ -21,12 +21,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    """The kernels built for this CPU (what an engine here loads)."""
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
-    if k is None:
-        pytest.skip("no C compiler here: the CPU path keeps torch's matmul")
-    return k
+def native(native_kernels):
+    return native_kernels
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])

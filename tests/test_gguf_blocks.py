@@ -29,20 +29,12 @@ QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationT
           "q4_1": gguf.GGMLQuantizationType.Q4_1}
 
 
-@pytest.fixture(scope="module")
-def native_kernel(tmp_path_factory):
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
-    if k is None:
-        pytest.skip("no C compiler here: no C kernels")
-    return k
-
-
 @pytest.fixture(scope="module", params=["native", "x86-64"])
-def kernel(request, native_kernel, tmp_path_factory):
+def kernel(request, native_kernels, tmp_path_factory):
     """The kernels built for this machine, and for any x86-64 (no AVX2, no F16C: the scalar
     paths, the software half-float conversion)."""
     if request.param == "native":
-        return native_kernel
+        return native_kernels
     if platform.machine() != "x86_64":
         pytest.skip("the portable build is an x86-64 one")
     with pytest.MonkeyPatch.context() as patch:
@@ -97,7 +89,7 @@ def test_blocks_refuse_a_wrong_size(kernel):
 
 
 @pytest.mark.parametrize("collide", [False, True])
-def test_equal_rows_all_take_the_blocks_of_their_values(native_kernel, monkeypatch, collide):
+def test_equal_rows_all_take_the_blocks_of_their_values(native_kernels, monkeypatch, collide):
     """A file row whose values several of our rows hold fills each of them; a matrix one of
     whose rows no file row holds stays float32. `collide`: every key's first word made the
     same, so that only the second tells rows apart."""
@@ -113,13 +105,13 @@ def test_equal_rows_all_take_the_blocks_of_their_values(native_kernel, monkeypat
         monkeypatch.setattr(weight_formats, "_row_keys", first_words_alike)
 
     raw = quantized("q8_0", 6, 64, seed=3)
-    values = native_kernel.widen(blocks(torch.from_numpy(raw), "q8_0", 64))
+    values = native_kernels.widen(blocks(torch.from_numpy(raw), "q8_0", 64))
     rows = [4, 0, 4, 2, 0, 4, 5]  # row 4 three times, row 0 twice; rows 1 and 3 nobody's
     model = torch.nn.Sequential(torch.nn.Linear(64, 7, bias=False), torch.nn.Linear(64, 2, bias=False))
     model[0].weight.data = values[rows].clone()
     model[1].weight.data = torch.stack([values[2], values[2] + 1])  # its second row is in no file
     monkeypatch.setattr(weight_formats, "gguf_block_tensors", lambda path: iter([("w", "q8_0", 64, raw)]))
-    saved = weight_formats.keep_gguf_blocks(model, Path("unused.gguf"), native_kernel)
+    saved = weight_formats.keep_gguf_blocks(model, Path("unused.gguf"), native_kernels)
     assert getattr(model[0].weight, "block_format", None) == "q8_0" and model[1].weight.dtype == torch.float32
     assert np.array_equal(model[0].weight.numpy(), raw[rows]) and saved == 7 * 64 * 4 - raw[rows].nbytes
 
@@ -137,7 +129,7 @@ def qtype_of(gguf_name: str):
 
 
 @pytest.mark.engine
-def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernel):
+def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernels):
     from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster
