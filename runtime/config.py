@@ -215,6 +215,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiModalConfig:
+    """A model that takes images: at most `max_images` a prompt (--limit-mm-per-prompt), and
+    the vision encoder's outputs kept within `encoder_cache_bytes` (--mm-encoder-cache-mb)."""
+    max_images: int
+    encoder_cache_bytes: int
+
+    def __post_init__(self):
+        if self.max_images < 0:
+            raise ValueError(f"the image limit a prompt must be >= 0, got {self.max_images}")
+        if self.encoder_cache_bytes <= 0:
+            raise ValueError(f"mm_encoder_cache_mb must be > 0, got {self.encoder_cache_bytes / 2 ** 20}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -223,6 +237,7 @@ class EngineConfig:
     seed: int
     debug_checks: bool  # check pool integrity after every step (tests)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal: MultiModalConfig | None = None  # None: the model takes text only
 
 
 def parse_dtype(name: str) -> torch.dtype:

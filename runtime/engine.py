@@ -16,12 +16,15 @@ from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.config import EngineConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
+from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.engine_args import GiB, EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
-from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
+from pageserve.runtime.models import registry
+from pageserve.runtime.models.loader import ModelLoadError, load_tokenizer, read_config, resolve_model
 from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from pageserve.runtime.multimodal import MultiModalProcessor
 from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
@@ -60,8 +63,10 @@ class LLMEngine:
         self.executor = executor
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, config.cache.sliding_window)
+        mm = config.multimodal
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
-                                   config.cache.preemption_mode)
+                                   config.cache.preemption_mode,
+                                   EncoderCacheManager(mm.encoder_cache_bytes) if mm is not None else None)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor()
         self.counters = IterationCounters()
@@ -70,6 +75,10 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
                                      config.scheduler.max_num_seqs, self.grammar.regex)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
+        # the model's processor for prompts with images (None: the model takes text only)
+        self.images = None if mm is None else MultiModalProcessor(
+            config.model.path, registry.model_class(config.model.architecture), config.model.hf_config,
+            config.model.hidden_size, config.model.dtype, mm.max_images, mm.encoder_cache_bytes)
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
 
     @property
@@ -90,6 +99,8 @@ class LLMEngine:
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
+        if parallel.tensor_parallel_size > 1 and registry.takes_images(model_cfg.architecture):
+            raise ModelLoadError(f"{model_cfg.architecture} runs on one rank for now (--tensor-parallel-size 1)")
         if parallel.tensor_parallel_size == 1:
             runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
             executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
@@ -103,7 +114,8 @@ class LLMEngine:
                                           model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
             executor.allocate_kv_cache(cache_cfg)
             config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                                  seed=args.seed, debug_checks=args.debug_checks, parallel=parallel)
+                                  seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,
+                                  multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens))
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,
@@ -183,7 +195,7 @@ class LLMEngine:
         pooling = p.params is None
         params = _POOLING_PARAMS if pooling else p.params
         req = self._new_request(request_id, p.prompt_token_ids, params, p.max_tokens, p.prompt,
-                                p.cache_salt, pooling, arrival_time)
+                                p.cache_salt, pooling, arrival_time, p.mm_items)
         if pooling:
             self.scheduler.add_request(req)
             return req.request_id
@@ -232,14 +244,14 @@ class LLMEngine:
                                       p.include_stop_str_in_output, p.skip_special_tokens)
 
     def _new_request(self, request_id, token_ids, params, max_tokens, prompt, cache_salt,
-                     pooling: bool = False, arrival_time: float | None = None) -> Request:
+                     pooling: bool = False, arrival_time: float | None = None, mm_items: tuple = ()) -> Request:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if "#" in request_id:
             raise ValueError(f"request id {request_id!r}: '#' is kept for the sequences of n > 1")
         req = Request(request_id, token_ids, params, max_tokens, self.config.model.eos_token_ids,
-                      prompt, cache_salt, pooling)
+                      prompt, cache_salt, pooling, mm_items)
         if arrival_time is not None:  # when the server took it, not when the engine got it
             req.arrival_time = arrival_time
         self.requests[request_id] = req

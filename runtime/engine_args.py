@@ -4,6 +4,7 @@ frozen configs."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -11,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
-                                      ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
+                                      MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
@@ -26,6 +27,8 @@ def triton_interpreting() -> bool:
 
 
 GiB = 1 << 30
+MAX_IMAGES = 8  # a prompt's images, unless --limit-mm-per-prompt says otherwise
+ENCODER_CACHE_TOKENS = 4096  # image tokens' outputs the encoder cache holds by default
 CPU_KV_CACHE_GIB = 4.0
 SWAP_SPACE_GIB = {"cuda": 4.0, "cpu": 1.0}  # committed at start-up: less where it is the same RAM as the pool
 
@@ -59,6 +62,8 @@ class EngineArgs:
     master_addr: str | None = None  # the rendezvous: node 0's address (default $MASTER_ADDR, else 127.0.0.1)
     distributed_secret: str | None = None  # authenticates the nodes' messages (default $PAGESERVE_DISTRIBUTED_SECRET)
     master_port: int | None = None  # default $MASTER_PORT, else a free port (one node only)
+    limit_mm_per_prompt: dict | str | None = None  # {"image": N}, or its JSON
+    mm_encoder_cache_mb: float | None = None  # the vision encoder's outputs kept (default: 4096 tokens' worth)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -79,6 +84,9 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         PreemptionMode(self.preemption_mode)  # its own check, before anything loads
         self.parallel_config()
+        self.max_images()
+        if self.mm_encoder_cache_mb is not None and not self.mm_encoder_cache_mb > 0:
+            raise ValueError(f"mm_encoder_cache_mb must be > 0, got {self.mm_encoder_cache_mb}")
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
 
@@ -132,6 +140,12 @@ class EngineArgs:
                             "largest (then 1, 2, 4 and every multiple of 8 up to it), several are the "
                             "sizes; default: up to --max-num-seqs, at most 512. A decode step of n "
                             "requests replays the smallest size >= n")
+        g = parser.add_argument_group("images (vision-language models)")
+        g.add_argument("--limit-mm-per-prompt", default=None,
+                       help=f'JSON, as vLLM: {{"image": N}}, the most images one prompt may hold (default {MAX_IMAGES})')
+        g.add_argument("--mm-encoder-cache-mb", type=float, default=None,
+                       help="memory for the vision encoder's outputs between the steps that read them "
+                            f"(default: {ENCODER_CACHE_TOKENS} image tokens' worth)")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many devices (one worker process each; on CPU, "
@@ -286,6 +300,33 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompts_first=device.type == "cpu",
         )
+
+    def max_images(self) -> int:
+        """--limit-mm-per-prompt's image count (vLLM's JSON form); 8 when unset."""
+        limit = self.limit_mm_per_prompt
+        if isinstance(limit, str):
+            try:
+                limit = json.loads(limit)
+            except json.JSONDecodeError:
+                raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 4}}', got {limit!r}") from None
+        limit = limit or {}
+        if not isinstance(limit, dict) or set(limit) - {"image"}:
+            raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (images are the only input beside "
+                             f"text), got {self.limit_mm_per_prompt!r}")
+        n = limit.get("image", MAX_IMAGES)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt's image count must be an integer >= 0, got {n!r}")
+        return n
+
+    def multimodal_config(self, model: ModelConfig, max_num_batched_tokens: int) -> MultiModalConfig | None:
+        if not registry.takes_images(model.architecture):
+            return None
+        if self.mm_encoder_cache_mb is not None:
+            budget = int(self.mm_encoder_cache_mb * 2 ** 20)
+        else:
+            row = model.hidden_size * torch.empty((), dtype=model.dtype).element_size()
+            budget = max(max_num_batched_tokens, ENCODER_CACHE_TOKENS) * row
+        return MultiModalConfig(self.max_images(), budget)
 
     def swap_space_gib(self, device: torch.device) -> float:
         return SWAP_SPACE_GIB[device.type] if self.swap_space is None else self.swap_space

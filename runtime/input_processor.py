@@ -28,6 +28,7 @@ class ProcessedRequest:
     prompt: str | None = None  # the text, when it was given as text
     cache_salt: str | None = None
     grammar: str | None = None  # the regex the output must match
+    mm_items: tuple = ()  # multimodal.ImageItem of each image, in prompt order
 
 
 class InputProcessor:
@@ -39,9 +40,11 @@ class InputProcessor:
         self.grammar_regex = grammar_regex  # StructuredOutputsParams -> regex, ValueError if unenforceable
 
     def process(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-                param: str = "prompt", strict_max_tokens: bool = False) -> ProcessedRequest:
+                param: str = "prompt", strict_max_tokens: bool = False, mm_items: tuple = (),
+                prompt_text: str | None = None) -> ProcessedRequest:
         """`strict_max_tokens`: a max_tokens that does not fit beside the prompt is an error (the
-        server, as vLLM's), not cut to what fits (the offline API)."""
+        server, as vLLM's), not cut to what fits (the offline API). `mm_items`: the images of a
+        prompt the multimodal processor made (their tokens are in `prompt`)."""
         ids = self._prompt_ids(prompt, param, self.max_model_len - 1)
         room = self.max_model_len - len(ids)
         if room < 1:  # at least one output token must fit
@@ -69,8 +72,8 @@ class InputProcessor:
             if spec.reasoning_start is not None:
                 self.check_token_ids((spec.reasoning_start,), "structured_outputs.reasoning_start")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else None,
-                                cache_salt, grammar)
+        return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else prompt_text,
+                                cache_salt, grammar, tuple(mm_items))
 
     def process_embedding(self, prompt: str | list[int], param: str = "input") -> ProcessedRequest:
         ids = self._prompt_ids(prompt, param, self.max_model_len)

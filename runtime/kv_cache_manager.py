@@ -20,11 +20,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_digest(parent: bytes, token_ids: list[int]) -> bytes:
-    """Chained digest of a full block: the parent's digest (or the salt) and the block's tokens."""
+def block_digest(parent: bytes, token_ids: list[int], images: bytes = b"") -> bytes:
+    """Chained digest of a full block: the parent's digest (or the salt), the block's tokens,
+    and the digests of the images whose tokens the block holds (their tokens are all alike)."""
     h = hashlib.blake2b(parent, key=_DIGEST_KEY, digest_size=16)
     h.update(array.array("q", token_ids).tobytes())
+    h.update(images)
     return h.digest()
+
+
+def image_keys(items, lo: int, hi: int) -> bytes:
+    """The digest and offset of each image with tokens in positions [lo, hi)."""
+    return b"".join(i.digest + i.offset.to_bytes(8, "little") for i in items if i.offset < hi and i.end > lo)
 
 
 class KVCacheManager:
@@ -79,7 +86,8 @@ class KVCacheManager:
                 parent = b"p" + hashes[-1]
             else:  # the first block chains from the salt, so salted requests never share blocks
                 parent = b"s" + request.cache_salt.encode() if request.cache_salt else b"-"
-            hashes.append(block_digest(parent, tokens[i * bs:(i + 1) * bs]))
+            images = image_keys(request.mm_items, i * bs, (i + 1) * bs) if request.mm_items else b""
+            hashes.append(block_digest(parent, tokens[i * bs:(i + 1) * bs], images))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -11,7 +11,8 @@ from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.outputs import Logprob, RequestOutput
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
-# a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt"}
+# a string, token ids, or a dict {"prompt" or "prompt_token_ids", optional "cache_salt", and
+# "multi_modal_data": {"image": a PIL image or a list}, whose prompt has a placeholder per image}
 Prompt = str | list[int] | dict
 
 
@@ -37,11 +38,22 @@ class LLM:
         checked = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
             try:
-                prompt, salt = _unpack(p)
-                checked.append(self.engine.inputs.process(prompt, sp, salt))
+                prompt, salt, images = _unpack(p)
+                checked.append(self._process(prompt, sp, salt, images))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
+
+    def _process(self, prompt, params: SamplingParams, salt: str | None, images):
+        if images is None:
+            return self.engine.inputs.process(prompt, params, salt)
+        if self.engine.images is None:
+            raise ValueError(f"{self.engine.config.model.architecture} takes no images")
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt with multi_modal_data is text, with the model's image placeholder per image")
+        images = images if isinstance(images, (list, tuple)) else [images]
+        ids, items = self.engine.images.process(prompt, list(images))
+        return self.engine.inputs.process(ids, params, salt, mm_items=items, prompt_text=prompt)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -126,11 +138,18 @@ def _is_single_prompt(prompts) -> bool:
     return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
 
 
-def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None]:
+def _unpack(prompt: Prompt) -> tuple[str | list[int], str | None, object]:
+    """(text or ids, cache salt, the images of multi_modal_data or None)."""
     if not isinstance(prompt, dict):
-        return prompt, None
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        return prompt, None, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
     if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' "
-                         f"(and optionally 'cache_salt'); got keys {sorted(prompt)}")
-    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")
+                         f"(and optionally 'cache_salt', 'multi_modal_data'); got keys {sorted(prompt)}")
+    images = None
+    data = prompt.get("multi_modal_data")
+    if data is not None:
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            raise ValueError(f"multi_modal_data takes {{'image': PIL image or a list of them}}, got {data!r:.80}")
+        images = data["image"]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt"), images

@@ -20,6 +20,7 @@ from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
+from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
@@ -39,6 +40,7 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by (child) request id
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     pooled: list[torch.Tensor] = field(default_factory=list)  # per pooling request, in order
+    encoder_seconds: float = 0.0  # spent in the vision encoder this step
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
@@ -78,6 +80,7 @@ class ModelRunner:
         self.profiled_peak: int | None = None  # bytes, KV cache excluded (CUDA profile)
         self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
+        self.images = EncoderOutputs()  # the vision encoder's outputs (multimodal models)
 
     def _load_model(self, path: Path) -> CausalLM:
         cfg = self.model_cfg
@@ -310,14 +313,24 @@ class ModelRunner:
             self.counts.release(rid)  # never outnumber the running sequences (its seed stays)
         if self.swapper is not None:
             self.swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
+        self.images.free(out.freed_images)
         result = StepResult()
         if not out.requests:
             return result
         ids, pos, meta, logits_rows = self._prepare(out)
+        images = None
+        if any(r.mm_items for r in out.requests):
+            starts = [0]
+            for r in out.requests:
+                starts.append(starts[-1] + len(r.token_ids))
+            images = self.images.step_embeddings(self.model, out.requests, starts, self.device)
+            result.encoder_seconds = self.images.take_seconds()
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
-        size = self.graphs.size_for(meta, self.device) if self.graphs is not None else None
-        if size is None:
+        size = self.graphs.size_for(meta, self.device) if self.graphs is not None and images is None else None
+        if images is not None:
+            hidden = self.model(ids, pos, meta, self.kv_caches, images)
+        elif size is None:
             hidden = self.model(ids, pos, meta, self.kv_caches)
         else:
             hidden = self.graphs.run(size, ids, pos, meta)

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pageserve.runtime.config import PreemptionMode, SchedulerConfig
+from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.stats import SchedulerStats
@@ -41,6 +42,7 @@ class ScheduledRequest:
     # (None while the request's grammar waits for the end of its reasoning)
     request_tokens: list[int] = field(default_factory=list)  # all its tokens (read only)
     eos_token_ids: tuple[int, ...] = ()
+    mm_items: tuple = ()  # the request's images (multimodal.ImageItem): the runner encodes those the chunk reaches
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block)
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
+    freed_images: list[bytes] = field(default_factory=list)  # encoder outputs the runner may drop
 
     @property
     def is_empty(self) -> bool:
@@ -66,11 +69,13 @@ def _decoding(req: Request) -> bool:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, swap: SwapSpace | None = None,
-                 preemption_mode: PreemptionMode = PreemptionMode.SWAP):
+                 preemption_mode: PreemptionMode = PreemptionMode.SWAP,
+                 encoder_cache: EncoderCacheManager | None = None):
         self.config = config
         self.kv = kv
         self.swap = swap or SwapSpace(0)
         self.preemption_mode = PreemptionMode(preemption_mode)
+        self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.block_size = kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -118,7 +123,13 @@ class Scheduler:
         for req, num_new in scheduled:
             self._emit(out, req, num_new)
         self._last_scheduled = scheduled
+        out.freed_images = self.encoder_cache.take_freed()
         return out
+
+    def _fit(self, req: Request, num_new: int, start: int | None = None) -> int:
+        """num_new cut where the encoder cache cannot hold the images the chunk reaches."""
+        start = req.num_computed_tokens if start is None else start
+        return self.encoder_cache.schedulable(req, start, num_new)
 
     def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
                           skip_decodes: bool) -> tuple[int, bool]:
@@ -128,7 +139,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0 or (skip_decodes and _decoding(req)):
                 i += 1
                 continue
@@ -139,6 +150,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                self.encoder_cache.hold(req, req.num_computed_tokens, num_new)
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
@@ -161,7 +173,9 @@ class Scheduler:
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
         while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs:
             req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new <= 0:
+                break
             # room for the swapped blocks and this step's tokens, all at once, keeping a block
             # per running request free so that it is not swapped straight back out
             if not self.kv.allocate_slots(req, num_new, keep_free=len(self.running)):
@@ -173,6 +187,7 @@ class Scheduler:
             self.num_swapped_in_blocks += valid - first
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.encoder_cache.hold(req, req.num_computed_tokens, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
         return budget
@@ -190,7 +205,9 @@ class Scheduler:
             num_new = req.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._fit(req, min(num_new, budget), num_hit)
+            if num_new <= 0:
+                break
             # keep a block per running request free: admitting a request only to preempt it at
             # the next block boundary of the others would thrash (recompute mode above all)
             if not self.kv.allocate_slots(req, num_new, hits, keep_free=len(self.running)):
@@ -203,6 +220,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.encoder_cache.hold(req, num_hit, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(grammar_waits))
@@ -223,6 +241,7 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             request_tokens=req.token_ids,
             eos_token_ids=req.eos_token_ids,
+            mm_items=req.mm_items,
             matcher=req.matcher if req.matcher is None or req.matcher.active else None,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
@@ -251,6 +270,7 @@ class Scheduler:
             self.num_recomputed += 1
         # the freed blocks are rewritten only by this step's forward, after the swap-out copy
         self.kv.free(req)
+        self.encoder_cache.release(req)
         out.preempted.append(req.request_id)
         self.num_preemptions += 1
         if not self._warned_preemption:
@@ -268,6 +288,7 @@ class Scheduler:
         for req, num_new in self._last_scheduled:
             req.num_computed_tokens += num_new
             self.kv.cache_computed_blocks(req)
+            self.encoder_cache.release_done(req)
             reqs.append(req)
         self._last_scheduled = []
         return reqs
@@ -305,4 +326,5 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        self.encoder_cache.release(req)
         self._finished_ids.append(req.request_id)

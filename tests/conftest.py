@@ -55,6 +55,8 @@ def assert_pool_clean(engine) -> None:
     engine.kv.check_integrity()
     free, cached, in_use = engine.kv.pool.counts()
     assert in_use == 0 and free + cached == engine.kv.pool.num_blocks
+    images = engine.scheduler.encoder_cache
+    assert images.used == 0 and not images.refs and not any(images.held.values())
 
 
 @pytest.fixture(autouse=True)

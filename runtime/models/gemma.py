@@ -20,6 +20,7 @@ from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import AttentionMetadata, Kernels
 from pageserve.runtime.models import parallel
 from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
+from pageserve.runtime.models.vision import language_model_weights
 
 
 def layer_windows(hf: dict, num_layers: int, pattern: int) -> list[int]:
@@ -90,9 +91,12 @@ class GemmaCausalLM(CausalLM):
         self.local_cos_sin_cache = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # rounded to the dtype, as HF
+        if images is not None:  # image embeddings are not scaled
+            x[images[0]] = images[1].to(x.dtype)
         rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)
         local = rope
         if self.local_cos_sin_cache is not None and any(layer.window for layer in self.layers):
@@ -127,26 +131,6 @@ class Gemma3ForCausalLM(GemmaCausalLM):
     qk_norm = True
     window_pattern = 6
     local_rope = True
-
-
-# the multimodal checkpoint's parts that text alone never reads
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-# where its language model sits: transformers' hub layout, and the one transformers 4.5x saved
-_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
-
-
-def language_model_weights(weights):
-    """A multimodal checkpoint's text weights under the names of the text-only model."""
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for prefix in _LANGUAGE_MODEL_PREFIXES:
-            if name.startswith(prefix):
-                name = "model." + name[len(prefix):]
-                break
-        else:
-            name = name.removeprefix("language_model.")  # language_model.lm_head.weight
-        yield name, tensor
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -219,6 +219,7 @@ class CausalLM(nn.Module):
     architecture file says what differs: `mlp(cfg, layer)` (the feed-forward of each layer),
     `qk_norm`, and `rename` (its checkpoint's names onto the layout above)."""
     qk_norm = False
+    towers: tuple[str, ...] = ()  # submodules a multimodal model loads itself (its vision encoder)
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__()
@@ -240,9 +241,11 @@ class CausalLM(nn.Module):
         return name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Final hidden states (after the last norm) of every token of the step."""
-        x = self.embed(input_ids)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final hidden states (after the last norm) of every token of the step. `images`:
+        (rows, embeddings) that replace those rows' token embeddings (image tokens)."""
+        x = self.embed(input_ids, images)
         stacked = self.kernels.decoder_stack(self, x, positions, meta, kv_caches)
         if stacked is not None:
             return stacked
@@ -272,12 +275,18 @@ class CausalLM(nn.Module):
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
         return out
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The token embeddings in the activations' dtype (the norms'): a tied embedding may be
-        kept in bfloat16 or GGUF blocks under float32 activations (weight_formats.py)."""
+        kept in bfloat16 or GGUF blocks under float32 activations (weight_formats.py). `images`:
+        (rows, embeddings) written over those rows."""
         if type(self.embed_tokens) is nn.Embedding:
-            return self.kernels.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
-        return self.embed_tokens(input_ids)
+            x = self.kernels.embedding(input_ids, self.embed_tokens.weight).to(self.norm.weight.dtype)
+        else:
+            x = self.embed_tokens(input_ids)
+        if images is not None:
+            rows, values = images
+            x[rows] = values.to(x.dtype)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -307,7 +316,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take Hugging Face tensor names; fuse q/k/v, gate/up and the experts as they arrive.
         Every element of every parameter must be written exactly once."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(self.towers)}
         written = dict.fromkeys(params, 0)
         seen: set[tuple[str, str]] = set()
         for name, tensor in weights:

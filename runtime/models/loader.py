@@ -167,19 +167,21 @@ def read_config(path: Path) -> dict:
 
 
 def text_part_config(path: Path, cfg: dict) -> dict:
-    """A multimodal checkpoint served as text only: its text_config, as transformers fills it in
-    (a real one leaves out what its config class defaults, heads and head_dim included), with
-    the top level's architecture and EOS ids."""
+    """A multimodal checkpoint: its text_config, as transformers fills it in (a real one leaves
+    out what its config class defaults, heads and head_dim included), with the top level's
+    architecture and EOS ids, and the whole config (vision included) under "_multimodal"."""
     from transformers import AutoConfig
 
     if not isinstance(cfg.get("text_config"), dict):
         raise ModelLoadError(f"{path / 'config.json'} has no text_config, which {cfg['architectures'][0]} needs")
     try:
-        text = AutoConfig.from_pretrained(str(path)).get_text_config().to_dict()
+        full = AutoConfig.from_pretrained(str(path))
+        text = full.get_text_config().to_dict()
     except Exception as e:  # transformers raises many kinds of errors on a config it cannot read
         raise ModelLoadError(f"cannot read the text_config of {path / 'config.json'}: "
                              f"{type(e).__name__}: {e}") from None
     text["architectures"] = cfg["architectures"]
+    text["_multimodal"] = full.to_dict()
     for key in ("eos_token_id", "tie_word_embeddings"):
         if cfg.get(key) is not None:
             text[key] = cfg[key]

@@ -13,7 +13,8 @@ class Entry(NamedTuple):
     cls: str
     qkv_bias: bool = False  # the q/k/v projections' bias when config.json does not say
     sliding_window: bool = False  # serves config.json's sliding_window (else the context is capped at it)
-    text_config: bool = False  # a multimodal checkpoint served text only: its config is config.json's text_config
+    text_config: bool = False  # a multimodal checkpoint: its config is config.json's text_config (the whole
+    # of it under "_multimodal")
 
 
 _MODELS = {
@@ -27,6 +28,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
     "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
+    "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
     "Gemma3ForConditionalGeneration": Entry("gemma", "Gemma3ForConditionalGeneration", sliding_window=True,
                                             text_config=True),
 }
@@ -45,6 +47,10 @@ def entry(architecture: str) -> Entry:
 def model_class(architecture: str) -> type:
     e = entry(architecture)
     return getattr(importlib.import_module(f"pageserve.runtime.models.{e.module}"), e.cls)
+
+
+def takes_images(architecture: str) -> bool:
+    return hasattr(model_class(architecture), "encode_image")
 
 
 def layer_windows(architecture: str, hf: dict, num_layers: int) -> list[int]:

@@ -34,7 +34,8 @@ def matrix_owners(model) -> list[torch.nn.Module]:
     """The modules whose `weight` is a matrix a step multiplies by: every linear layer, and the
     embedding where the lm_head is tied to it (on one rank: a split embedding is all-reduced,
     and stays float32)."""
-    owners = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    towers = getattr(model, "towers", ())  # a vision encoder multiplies with torch, in float32
+    owners = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.startswith(towers)]
     if getattr(model, "lm_head", True) is None and type(model.embed_tokens) is torch.nn.Embedding:
         owners.append(model.embed_tokens)
     return owners

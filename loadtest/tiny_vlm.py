@@ -1,0 +1,66 @@
+"""Small random-weight vision-language models in Hugging Face format, built from the real
+config classes with their real processors (saved beside the weights, as the hub has them),
+for parity tests against transformers and for benchmarks with images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pageserve.loadtest.tiny_model import build_tokenizer
+
+# renders OpenAI-style content parts ({"type": "image"} / {"type": "text"}) or a plain string
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.15)
+
+
+def _tokenizer(path: Path, *image_tokens: str):
+    tok = build_tokenizer(path)
+    tok.add_special_tokens({"additional_special_tokens": list(image_tokens)})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_llava(path: Path, seed: int = 0) -> Path:
+    """LLaVA-1.5's shape: a two-layer CLIP tower on 28x28 images in 7x7 patches (16 image
+    tokens, the class token dropped), read at its second-to-last layer, a GeLU projector, a
+    two-layer Llama."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(path, "<image>")
+    image_token = tok.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                    pad_token_id=tok.pad_token_id, **TEXT)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32)
+    cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_token,
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                   projector_hidden_act="gelu", image_seq_length=16)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # a projector loud enough that the image moves the tiny model's answer
+        model.model.multi_modal_projector.linear_2.weight.mul_(8)
+    model.save_pretrained(path)
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=7, num_additional_image_tokens=1,
+                                vision_feature_select_strategy="default",
+                                chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, width: int, height: int, mode: str = "RGB"):
+    """A noise image (PIL) of the given size."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)

@@ -1,0 +1,92 @@
+"""The scheduler's account of the vision encoder's outputs the runner keeps (--mm-encoder-cache-mb):
+a step may compute an image's tokens only while its encoder output is held. A request holds an
+image from the step that first computes its tokens until its tokens are all computed (then
+they live in the KV cache), or until it is preempted or finishes. Requests sharing an image
+share one output. The runner drops an output when no request holds it (`take_freed`)."""
+
+from __future__ import annotations
+
+from pageserve.runtime.request import Request
+
+
+class EncoderCacheManager:
+    def __init__(self, budget_bytes: int, whole_images: bool = False):
+        """whole_images: an image's tokens are computed in one step, never split across chunks
+        (models whose image tokens attend to each other both ways)."""
+        self.budget = budget_bytes
+        self.whole_images = whole_images
+        self.used = 0
+        self.refs: dict[bytes, int] = {}  # digest -> requests holding it
+        self.sizes: dict[bytes, int] = {}
+        self.held: dict[str, set[bytes]] = {}  # request id -> the digests it holds
+        self._freed: list[bytes] = []
+
+    def schedulable(self, req: Request, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` the request may compute this step: the
+        chunk ends before the first image it reaches whose output does not fit in what is left
+        (and, with whole_images, before an image it would cut)."""
+        if not req.mm_items:
+            return num_new
+        held = self.held.get(req.request_id, ())
+        need = 0
+        counted: set[bytes] = set()
+        for item in req.mm_items:
+            if item.offset >= start + num_new:
+                break
+            if item.end <= start:
+                continue
+            if self.whole_images and item.end > start + num_new:
+                return max(0, item.offset - start)
+            d = item.digest
+            if d in held or d in self.refs or d in counted:
+                continue
+            if self.used + need + item.nbytes > self.budget:
+                return max(0, item.offset - start)
+            need += item.nbytes
+            counted.add(d)
+        return num_new
+
+    def hold(self, req: Request, start: int, num_new: int) -> None:
+        """The request computes [start, start + num_new) this step: hold the images it reaches."""
+        if not req.mm_items:
+            return
+        held = self.held.setdefault(req.request_id, set())
+        for item in req.mm_items:
+            if item.offset >= start + num_new:
+                break
+            d = item.digest
+            if item.end <= start or d in held:
+                continue
+            held.add(d)
+            if d not in self.refs:
+                self.refs[d], self.sizes[d] = 0, item.nbytes
+                self.used += item.nbytes
+            self.refs[d] += 1
+
+    def release_done(self, req: Request) -> None:
+        """After a step: the images whose tokens are all computed go."""
+        held = self.held.get(req.request_id)
+        if held:
+            done = {i.digest for i in req.mm_items if i.end <= req.num_computed_tokens}
+            # an image repeated later in the prompt stays held until its last copy is computed
+            done -= {i.digest for i in req.mm_items if i.end > req.num_computed_tokens}
+            for d in held & done:
+                self._drop(req, d)
+
+    def release(self, req: Request) -> None:
+        """The request was preempted or finished: everything it holds goes."""
+        for d in list(self.held.get(req.request_id, ())):
+            self._drop(req, d)
+        self.held.pop(req.request_id, None)
+
+    def _drop(self, req: Request, digest: bytes) -> None:
+        self.held[req.request_id].discard(digest)
+        self.refs[digest] -= 1
+        if not self.refs[digest]:
+            del self.refs[digest]
+            self.used -= self.sizes.pop(digest)
+            self._freed.append(digest)
+
+    def take_freed(self) -> list[bytes]:
+        freed, self._freed = self._freed, []
+        return freed

@@ -1,0 +1,181 @@
+"""Images into the engine. Before a request is queued, the model's own Hugging Face processor
+turns the prompt text (one placeholder per image) and the images into token ids, with each
+image's placeholder expanded into its image tokens, and into pixel tensors. Each image becomes
+an `ImageItem`: where its tokens sit in the prompt, a digest of its pixels (the prefix cache
+keys those tokens by it), and its tensors for the vision encoder. In a step, the runner encodes
+the images whose tokens the step computes (once each; `EncoderOutputs` keeps the output until
+the scheduler's EncoderCacheManager lets it go) and writes their rows over those tokens'
+embeddings."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pageserve.runtime.input_processor import InvalidRequest
+
+# a decoded image may hold at most this many pixels (PIL's own bomb limit is 89 M)
+DEFAULT_MAX_PIXELS = 40_000_000
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageItem:
+    """One image of a prompt: its tokens are prompt positions [offset, offset + length); the
+    encoder's output rows go, in order, to the positions of that span marked in `embed_mask`
+    (all of them when it is None: some models put text tokens, row and column markers, inside
+    an image's span)."""
+    digest: bytes
+    offset: int
+    length: int
+    num_embeds: int
+    nbytes: int  # of its encoder output, which the encoder cache budgets
+    data: dict = field(repr=False)  # the processor's tensors for this image alone
+    embed_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def image_digest(image) -> bytes:
+    """A digest of a PIL image's pixels, mode and size."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of `token` in `ids`."""
+    runs, i, n = [], 0, len(ids)
+    while i < n:
+        if ids[i] == token:
+            j = i
+            while j < n and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+class MultiModalProcessor:
+    """The model's HF processor and the per-model rules (its class's `image_spans`,
+    `split_images`, `image_token_id`, `image_placeholder`)."""
+
+    def __init__(self, path: str, model_cls, hf_config: dict, hidden_size: int, dtype: torch.dtype,
+                 max_images: int, encoder_cache_bytes: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+        from transformers import AutoProcessor
+
+        self.hf = AutoProcessor.from_pretrained(path)
+        self.model_cls = model_cls
+        self.image_token_id = model_cls.image_token(hf_config)
+        self.placeholder = model_cls.image_placeholder or getattr(self.hf, "image_token", None)
+        if not self.placeholder:
+            raise ValueError(f"{path}: the processor names no image token")
+        self.row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+        self.max_images = max_images
+        self.encoder_cache_bytes = encoder_cache_bytes
+        self.max_pixels = max_pixels
+
+    def check_images(self, images: list, param: str) -> None:
+        if len(images) > self.max_images:
+            raise InvalidRequest(f"{len(images)} images in one prompt; this server takes at most "
+                                 f"{self.max_images} (--limit-mm-per-prompt)", param)
+        for i, image in enumerate(images):
+            w, h = image.size
+            if w * h > self.max_pixels:
+                raise InvalidRequest(f"image {i} has {w}x{h} pixels, more than the {self.max_pixels} "
+                                     "this server decodes", param)
+
+    def process(self, text: str, images: list, add_special_tokens: bool = True,
+                param: str = "prompt") -> tuple[list[int], tuple[ImageItem, ...]]:
+        """Token ids of the prompt with each image's tokens in place, and the images. The text
+        must hold exactly one placeholder per image."""
+        self.check_images(images, param)
+        found = text.count(self.placeholder)
+        if found != len(images):
+            raise InvalidRequest(f"the prompt has {found} image placeholders ({self.placeholder!r}) for "
+                                 f"{len(images)} images", param)
+        images = [im.convert("RGB") if im.mode != "RGB" else im for im in images]
+        kwargs = {"images": images} if images else {}
+        try:
+            out = self.hf(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
+        except (ValueError, TypeError, OSError) as e:
+            raise InvalidRequest(f"the images could not be processed: {e}", param) from None
+        ids = out["input_ids"][0].tolist()
+        if not images:
+            return ids, ()
+        spans = self.model_cls.image_spans(ids, self.image_token_id, len(images))
+        datas = self.model_cls.split_images(out, len(images))
+        items = []
+        for image, (offset, length), data in zip(images, spans, datas):
+            mask = torch.tensor(ids[offset:offset + length]) == self.image_token_id
+            n = int(mask.sum())
+            items.append(ImageItem(image_digest(image), offset, length, n, n * self.row_bytes, data,
+                                   None if n == length else mask))
+        for i, item in enumerate(items):
+            if item.nbytes > self.encoder_cache_bytes:
+                raise InvalidRequest(f"image {i} becomes {item.num_embeds} tokens, whose encoder output "
+                                     f"({item.nbytes / 2 ** 20:.1f} MiB) is more than the encoder cache holds "
+                                     f"({self.encoder_cache_bytes / 2 ** 20:.1f} MiB, --mm-encoder-cache-mb)",
+                                     param)
+        return ids, tuple(items)
+
+
+class EncoderOutputs:
+    """The runner's side: encoder outputs by image digest, computed when a step first needs
+    them and dropped when the scheduler says so."""
+
+    def __init__(self):
+        self.outputs: dict[bytes, torch.Tensor] = {}
+        self.seconds = 0.0  # spent encoding, since the last take_seconds
+
+    def free(self, digests: list[bytes]) -> None:
+        for d in digests:
+            self.outputs.pop(d, None)
+
+    def take_seconds(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+    def step_embeddings(self, model, requests, starts: list[int],
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the step's flat batch, their embeddings) for the image tokens the step
+        computes, or None when it computes none. `starts`: each request's first row."""
+        rows, values = [], []
+        for r, first in zip(requests, starts):
+            lo, hi = r.start_pos, r.start_pos + len(r.token_ids)
+            for item in r.mm_items:
+                a, b = max(lo, item.offset), min(hi, item.end)
+                if a >= b:
+                    continue
+                out = self._encode(model, item)
+                span = torch.arange(a, b)
+                if item.embed_mask is None:
+                    index = span - item.offset
+                else:
+                    rank = torch.cumsum(item.embed_mask.long(), 0) - 1
+                    keep = item.embed_mask[a - item.offset:b - item.offset]
+                    span, index = span[keep], rank[a - item.offset:b - item.offset][keep]
+                rows.append(span - lo + first)
+                values.append(out[index.to(out.device)])
+        if not rows:
+            return None
+        return torch.cat(rows).to(device), torch.cat(values)
+
+    def _encode(self, model, item: ImageItem) -> torch.Tensor:
+        out = self.outputs.get(item.digest)
+        if out is None:
+            t = time.perf_counter()
+            out = model.encode_image(item.data)
+            if out.shape[0] != item.num_embeds:
+                raise RuntimeError(f"the vision encoder gave {out.shape[0]} rows for an image of "
+                                   f"{item.num_embeds} tokens")
+            self.outputs[item.digest] = out
+            self.seconds += time.perf_counter() - t
+        return out
