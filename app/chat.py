@@ -29,9 +29,11 @@ _RESERVED = {"conversation", "messages", "tools", "tokenize", "add_generation_pr
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list | None = None,
-                template_kwargs: dict | None = None, tool_parser: ToolFormat | None = None) -> str:
+                template_kwargs: dict | None = None, tool_parser: ToolFormat | None = None,
+                image_placeholder: str = "") -> str:
     """`tool_parser`: the tool-call format the prompt describes tools and earlier calls in
-    (hermes when None), for a template that does not render them itself."""
+    (hermes when None), for a template that does not render them itself. Each image part is
+    written as `image_placeholder` (which the model's processor expands into its tokens)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model has no chat template: start the server with --chat-template "
@@ -39,7 +41,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
     if continue_final_message and messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last", "messages")
     dicts, template_tools = (tool_parser or tool_format(None)).chat_dicts(
-        messages, tools, template if isinstance(template, str) else "")
+        messages, tools, template if isinstance(template, str) else "", image_placeholder)
     try:
         return tokenizer.apply_chat_template(
             dicts, tools=template_tools, tokenize=False,
@@ -63,17 +65,38 @@ def _text_size(body) -> int:
     return size + len(orjson.dumps(getattr(body, "chat_template_kwargs", None)))
 
 
-async def chat_prompt(state: ServerState, body) -> tuple[str, list[int]]:
-    """The rendered conversation (what a reasoning parser reads) and its token ids."""
+async def chat_prompt(state: ServerState, body, param: str = "messages") -> tuple[str, list[int], tuple]:
+    """The rendered conversation (what a reasoning parser reads), its token ids (each image's
+    tokens in place) and its images (runtime.multimodal.ImageItem). `param`: the request field
+    the messages came from, for errors."""
+    images = await load_images(state, body.messages, param)
+    placeholder = state.engine.image_placeholder if images else ""
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
             getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None),
-            tool_format(state.settings.tool_call_parser))
+            tool_format(state.settings.tool_call_parser), placeholder)
     # a big conversation renders off the loop, so that streams go on meanwhile
     if len(body.messages) > 64 or _text_size(body) > LONG_TEXT:
         text = await asyncio.to_thread(render_chat, *args)
     else:
         text = render_chat(*args)
-    return text, await state.tokenize(text, add_special_tokens=False)  # the template wrote them
+    if images:  # the template wrote the special tokens
+        ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False)
+        return text, ids, items
+    return text, await state.tokenize(text, add_special_tokens=False), ()
+
+
+async def load_images(state: ServerState, messages: list[ChatMessage], param: str) -> list:
+    """The messages' images in order, decoded and checked (400s name the message)."""
+    parts = [(f"{param}.{i}.content", url) for i, m in enumerate(messages) for url in m.image_urls()]
+    if not parts:
+        return []
+    if state.engine.image_placeholder is None:
+        raise bad_request(f"the model {state.model_name} takes no images", parts[0][0])
+    limit = state.engine.max_images
+    if len(parts) > limit:
+        raise bad_request(f"{len(parts)} images in one prompt; this server takes at most {limit} "
+                          "(--limit-mm-per-prompt)", parts[limit][0])
+    return [await state.media.load(url, param) for param, url in parts]
 
 
 @api_route
@@ -93,7 +116,7 @@ async def chat_completions(request: Request) -> Response:
             raise bad_request(f"tool calls and {source} cannot be combined; use tool_choice none", source)
         grammar = plan.grammar
     tool_parser = plan.format if plan is not None and plan.parse else None
-    prompt_text, prompt_ids = await chat_prompt(state, body)
+    prompt_text, prompt_ids, images = await chat_prompt(state, body)
     thinking = state.reasoning
     if thinking is not None:
         grammar = thinking.after_reasoning(grammar, prompt_text)
@@ -101,7 +124,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
     rid = request_id("chatcmpl", request)
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages")
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images)
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:

@@ -79,6 +79,8 @@ class Metrics:
                               _TOKEN_GAP_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.encoder = histogram("mm_encoder_seconds", "Vision encoder time of a request with images.",
+                                 _LATENCY_BUCKETS)
         self.log_requests = log_requests
         self.log_prompts = log_prompts
         self.detokenize = detokenize
@@ -92,12 +94,15 @@ class Metrics:
                             (self.e2e, m.e2e_time), (self.queue, m.queue_time)):
             if value is not None:
                 hist.observe(value)
+        if m.num_images:
+            self.encoder.observe(m.encoder_time)
         if self.log_requests:
             reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "pooled"
             ttft = m.time_to_first_token
-            logger.info("finished request %s: prompt %d tokens, output %d tokens, ttft %s, total %.3f s, %s%s",
-                        log_id(out.request_id), m.num_prompt_tokens, m.num_output_tokens,
-                        "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
+            logger.info("finished request %s: prompt %d tokens%s, output %d tokens, ttft %s, total %.3f s, %s%s",
+                        log_id(out.request_id), m.num_prompt_tokens,
+                        f" ({m.num_images} images, encoder {m.encoder_time:.3f} s)" if m.num_images else "",
+                        m.num_output_tokens, "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
                         f", prompt {self._prompt(out)!r}" if self.log_prompts else "")
 
     def _prompt(self, out: RequestOutput) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 def _integral(value):
@@ -49,16 +49,32 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class ImageURL(_Body):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(_Body):
-    type: Literal["text"]
-    text: str
+    """A text part, or an image (a data: URL, or an http(s) URL the server may fetch)."""
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data):
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise ValueError(f"content parts of type {data.get('type')!r} are not supported (only 'text')")
+    def _known_type(cls, data):
+        if isinstance(data, dict) and data.get("type") not in ("text", "image_url"):
+            raise ValueError(f"content parts of type {data.get('type')!r} are not supported "
+                             "(only 'text' and 'image_url')")
         return data
+
+    @model_validator(mode="after")
+    def _fields(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs 'text'")
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError("an image_url part needs 'image_url': {'url': ...}")
+        return self
 
 
 class FunctionCall(_Body):
@@ -81,12 +97,18 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None  # an earlier answer's thinking (vLLM's field; `reasoning` too)
     reasoning: str | None = None
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as text, each image part as `image_placeholder`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if part.type == "text" else image_placeholder for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if part.type == "image_url"]
 
 
 class JsonSchemaFormat(_Body):
@@ -239,6 +261,25 @@ class InputTextPart(_Body):
     _check = _only("content parts", ("input_text", "output_text", "text"))
 
 
+class InputImagePart(_Body):
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)  # a data: URL, or an http(s) URL the server may fetch
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+INPUT_PART_TYPES = ("input_text", "output_text", "text", "input_image")
+InputPart = Annotated[InputTextPart | InputImagePart, Field(discriminator="type")]
+
+
+def _known_parts(parts):
+    if isinstance(parts, list):
+        for part in parts:
+            if isinstance(part, dict) and part.get("type") not in INPUT_PART_TYPES:
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported "
+                                 f"(only {', '.join(repr(t) for t in INPUT_PART_TYPES)})")
+    return parts
+
+
 class ReasoningText(_Body):
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -247,8 +288,13 @@ class ReasoningText(_Body):
 class MessageItem(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputTextPart]
+    content: str | list[InputPart]
     id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value):
+        return _known_parts(value)
 
 
 class FunctionCallItem(_Body):

@@ -61,6 +61,14 @@ def _text(parts) -> str:
     return parts if isinstance(parts, str) else "".join(p.get("text", "") for p in parts)
 
 
+def _content(parts) -> str | list[dict]:
+    """A message item's content for a chat message: its text, or its parts where it has images."""
+    if isinstance(parts, str) or not any(p.get("type") == "input_image" for p in parts):
+        return _text(parts)
+    return [{"type": "image_url", "image_url": {"url": p["image_url"]}} if p.get("type") == "input_image"
+            else {"type": "text", "text": p.get("text", "")} for p in parts]
+
+
 def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
     """Items -> chat messages: function calls join the assistant message before them (or make
     one), their outputs become tool messages, a reasoning item becomes the next assistant
@@ -75,7 +83,7 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
         if kind == "reasoning":
             thought = "".join(p["text"] for p in item.get("content") or item.get("summary") or ())
         elif kind == "message":
-            messages.append(ChatMessage(role=item["role"], content=_text(item["content"])))
+            messages.append(ChatMessage(role=item["role"], content=_content(item["content"])))
         elif kind == "function_call":
             call = ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
             names[item["call_id"]] = item["name"]
@@ -157,7 +165,7 @@ async def create_response(request: Request) -> Response:
     parse_tools = plan.format if plan is not None and plan.parse else None
     view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
                            tools=tools, chat_template_kwargs=body.chat_template_kwargs)
-    prompt_text, prompt_ids = await chat_prompt(state, view)
+    prompt_text, prompt_ids, images = await chat_prompt(state, view, "input")
     thinking = None
     if state.reasoning is not None:  # the parser reads where the template left the think block
         grammar = state.reasoning.after_reasoning(grammar, prompt_text)
@@ -166,7 +174,7 @@ async def create_response(request: Request) -> Response:
     params = sampling_params(body, body.max_output_tokens, (body.top_logprobs or 0) if want_logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
     rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input")
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input", images)
     answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
                      want_logprobs, thinking, previous, items, who)
     if body.stream:

@@ -36,6 +36,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "$PAGESERVE_API_KEY")
     g.add_argument("--allowed-origins", action="append", default=None,
                    help="CORS origins allowed (a JSON list, comma-separated, or repeated); none by default")
+    g.add_argument("--allowed-media-domains", action="append", default=None,
+                   help="hosts whose http(s) image URLs the server fetches (a JSON list, comma-separated, or "
+                        "repeated); none by default: images come as data: URLs. Private, loopback and "
+                        "link-local addresses are refused whatever this allows")
     g.add_argument("--max-request-body-mb", type=float, default=32.0,
                    help="larger request bodies get a 413")
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
@@ -93,7 +97,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
-def _origins(values: list[str] | None) -> tuple[str, ...]:
+def _list_flag(values: list[str] | None, flag: str) -> tuple[str, ...]:
+    """A repeatable flag whose values are JSON lists or comma-separated."""
     out: list[str] = []
     for v in values or []:
         v = v.strip()
@@ -101,7 +106,7 @@ def _origins(values: list[str] | None) -> tuple[str, ...]:
             try:
                 items = orjson.loads(v)
             except orjson.JSONDecodeError:
-                raise ValueError(f"--allowed-origins: {v!r} is not a JSON list") from None
+                raise ValueError(f"{flag}: {v!r} is not a JSON list") from None
             out.extend(str(i) for i in items)
         else:
             out.extend(o.strip() for o in v.split(",") if o.strip())
@@ -124,7 +129,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
-                          allowed_origins=_origins(ns.allowed_origins),
+                          allowed_origins=_list_flag(ns.allowed_origins, "--allowed-origins"),
+                          allowed_media_domains=_list_flag(ns.allowed_media_domains, "--allowed-media-domains"),
                           max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
                           max_num_queued_reqs=ns.max_num_queued_reqs,
                           log_requests=not ns.disable_log_requests, log_prompts=ns.enable_log_prompts,

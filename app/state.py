@@ -12,6 +12,7 @@ from typing import Any
 
 from pageserve.app.errors import APIError
 from pageserve.app.logprobs import TokenText
+from pageserve.app.media import MediaLoader, MediaSettings
 from pageserve.app.reasoning import ReasoningParser, reasoning_parser_class
 from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from pageserve.app.response_store import ResponseStore
@@ -71,6 +72,7 @@ class ServerSettings:
     max_stored_responses_mb: float = 256  # ... and the bytes they may take
     max_prompt_logprobs_tokens: int = 32768  # prompt tokens with logprobs in one request
     reasoning_parser: str | None = None  # --reasoning-parser: thinking goes to reasoning_content
+    allowed_media_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may name (none: data: URLs only)
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -103,6 +105,7 @@ class ServerState:
     sampling_defaults: dict = field(init=False)
     responses: ResponseStore = field(init=False)  # stored Responses API answers
     reasoning: ReasoningParser | None = field(init=False)  # splits thinking from the answer
+    media: MediaLoader = field(init=False)  # images from the requests' URLs
 
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
@@ -112,6 +115,7 @@ class ServerState:
                                                      self.engine.generation_config)
         self.responses = ResponseStore(self.settings.max_stored_responses,
                                        int(self.settings.max_stored_responses_mb * 2**20))
+        self.media = MediaLoader(MediaSettings(tuple(d.lower() for d in self.settings.allowed_media_domains)))
         name = self.settings.reasoning_parser
         self.reasoning = reasoning_parser_class(name)(self.tokenizer) if name is not None else None
 

@@ -206,6 +206,23 @@ class AsyncEngine:
         """Thread-safe."""
         return self.engine.tokenize(text, add_special_tokens)
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text a prompt holds for each of its images; None: the model takes text only."""
+        images = self.engine.images
+        return images.placeholder if images is not None else None
+
+    @property
+    def max_images(self) -> int:
+        images = self.engine.images
+        return images.max_images if images is not None else 0
+
+    def process_images(self, text: str, images: list, param: str = "prompt",
+                       add_special_tokens: bool = True) -> tuple[list[int], tuple]:
+        """Thread-safe (run it off the event loop): the prompt's token ids with each image's
+        tokens in place of its placeholder, and the images for add_request."""
+        return self.engine.images.process(text, images, add_special_tokens, param)
+
     def stats(self) -> EngineStats:
         """The engine's figures; requests handed in but not yet in the engine count as waiting."""
         s = self.engine.stats()
@@ -231,10 +248,13 @@ class AsyncEngine:
         return RequestStream(self)
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
-                    params: SamplingParams, cache_salt: str | None = None, param: str = "prompt") -> None:
+                    params: SamplingParams, cache_salt: str | None = None, param: str = "prompt",
+                    images: tuple = ()) -> None:
         """Check the request now, once (InvalidRequest naming the field at fault, `param` for
-        the prompt), and queue it for the next step; its outputs go to `stream`."""
-        checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True)
+        the prompt), and queue it for the next step; its outputs go to `stream`. `images`: what
+        process_images made of the prompt's images."""
+        checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True,
+                                             mm_items=images)
         self._enqueue(stream, _PendingRequest(request_id, checked))
 
     def add_embedding_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],

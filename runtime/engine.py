@@ -297,6 +297,9 @@ class LLMEngine:
                                         timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         scheduled = self.scheduler.update_after_step()
+        for rid, seconds in result.encoder_seconds.items():
+            if rid in self.requests:
+                self.requests[rid].encoder_seconds += seconds
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):

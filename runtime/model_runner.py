@@ -40,7 +40,7 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # by (child) request id
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     pooled: list[torch.Tensor] = field(default_factory=list)  # per pooling request, in order
-    encoder_seconds: float = 0.0  # spent in the vision encoder this step
+    encoder_seconds: dict[str, float] = field(default_factory=dict)  # request id -> in the vision encoder
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:

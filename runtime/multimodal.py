@@ -133,14 +133,14 @@ class EncoderOutputs:
 
     def __init__(self):
         self.outputs: dict[bytes, torch.Tensor] = {}
-        self.seconds = 0.0  # spent encoding, since the last take_seconds
+        self.seconds: dict[str, float] = {}  # request id -> spent encoding its images, since take_seconds
 
     def free(self, digests: list[bytes]) -> None:
         for d in digests:
             self.outputs.pop(d, None)
 
-    def take_seconds(self) -> float:
-        s, self.seconds = self.seconds, 0.0
+    def take_seconds(self) -> dict[str, float]:
+        s, self.seconds = self.seconds, {}
         return s
 
     def step_embeddings(self, model, requests, starts: list[int],
@@ -154,7 +154,7 @@ class EncoderOutputs:
                 a, b = max(lo, item.offset), min(hi, item.end)
                 if a >= b:
                     continue
-                out = self._encode(model, item)
+                out = self._encode(model, item, r.request_id)
                 span = torch.arange(a, b)
                 if item.embed_mask is None:
                     index = span - item.offset
@@ -168,7 +168,7 @@ class EncoderOutputs:
             return None
         return torch.cat(rows).to(device), torch.cat(values)
 
-    def _encode(self, model, item: ImageItem) -> torch.Tensor:
+    def _encode(self, model, item: ImageItem, request_id: str) -> torch.Tensor:
         out = self.outputs.get(item.digest)
         if out is None:
             t = time.perf_counter()
@@ -177,5 +177,5 @@ class EncoderOutputs:
                 raise RuntimeError(f"the vision encoder gave {out.shape[0]} rows for an image of "
                                    f"{item.num_embeds} tokens")
             self.outputs[item.digest] = out
-            self.seconds += time.perf_counter() - t
+            self.seconds[request_id] = self.seconds.get(request_id, 0.0) + time.perf_counter() - t
         return out

@@ -36,7 +36,7 @@ def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetri
     return RequestMetrics(req.arrival_time, req.first_token_time, finished, req.scheduled_time,
                           req.num_prompt_tokens, sum(m.num_output_tokens for m in members),
                           max(m.num_output_tokens for m in members),
-                          max(m.num_cached_tokens for m in members))
+                          max(m.num_cached_tokens for m in members), len(req.mm_items), req.encoder_seconds)
 
 
 class OutputProcessor:

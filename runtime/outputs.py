@@ -35,6 +35,8 @@ class RequestMetrics:
     num_output_tokens: int = 0  # all sequences of the request, so far
     longest_output: int = 0  # tokens of its longest sequence
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    num_images: int = 0
+    encoder_time: float = 0.0  # seconds in the vision encoder for its images
 
     @property
     def queue_time(self) -> float | None:

@@ -73,12 +73,13 @@ class ToolFormat:
         """A call id as the format's template expects it."""
         return call_id
 
-    def chat_dicts(self, messages: list, tools: list | None, template: str) -> tuple[list[dict], list | None]:
+    def chat_dicts(self, messages: list, tools: list | None, template: str,
+                   image_placeholder: str = "") -> tuple[list[dict], list | None]:
         native_tools, native_calls = "tools" in template, "tool_calls" in template
         names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
         out = []
         for m in messages:
-            d = {"role": m.role, "content": m.text()}
+            d = {"role": m.role, "content": m.text(image_placeholder)}
             if m.name is not None:
                 d["name"] = m.name
             if m.reasoning_content or m.reasoning:  # templates that show past thinking read this name
@@ -93,7 +94,7 @@ class ToolFormat:
                 else:
                     d["content"] = "\n".join(([d["content"]] if d["content"] else []) + [self.write_calls(calls)])
             if m.role == "tool" and not native_calls:
-                d = {"role": "user", "content": self.write_result(m.text(), m.tool_call_id, names.get(m.tool_call_id))}
+                d = {"role": "user", "content": self.write_result(m.text(image_placeholder), m.tool_call_id, names.get(m.tool_call_id))}
             elif m.tool_call_id is not None:
                 d["tool_call_id"] = self.template_call_id(m.tool_call_id)
                 if m.role == "tool" and "name" not in d and m.tool_call_id in names:
