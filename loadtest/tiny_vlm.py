@@ -64,3 +64,31 @@ def random_image(seed: int, width: int, height: int, mode: str = "RGB"):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
+
+
+def build_idefics3(path: Path, seed: int = 0) -> Path:
+    """Idefics3 / SmolVLM's shape: images split into up to 2x2 tiles of 32x32 and a global
+    view, each tile a two-layer SigLIP-like tower on 4x4 patches (64), pixel-shuffled by 2 into
+    16 image tokens, and a two-layer Llama."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok = _tokenizer(path, "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *grid)
+    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                                 do_image_splitting=True)
+    proc = transformers.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=16,
+                                          chat_template=CHAT_TEMPLATE)
+    text = transformers.LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                    pad_token_id=tok.pad_token_id, **TEXT)
+    vision = transformers.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=4)
+    cfg = transformers.Idefics3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), scale_factor=2,
+                                      image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.connector.modality_projection.proj.weight.mul_(8)
+    model.save_pretrained(path)
+    proc.save_pretrained(path)
+    return path

@@ -64,8 +64,9 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 
 
 class MultiModalProcessor:
-    """The model's HF processor and the per-model rules (its class's `image_spans`,
-    `split_images`, `image_token_id`, `image_placeholder`)."""
+    """The model's HF processor and the per-model rules: its class's `image_token` (config ->
+    the image token id), `image_placeholder` (None: the processor's image_token), and
+    `image_inputs` (the processor's output -> each image's span in the prompt and tensors)."""
 
     def __init__(self, path: str, model_cls, hf_config: dict, hidden_size: int, dtype: torch.dtype,
                  max_images: int, encoder_cache_bytes: int, max_pixels: int = DEFAULT_MAX_PIXELS):
@@ -110,10 +111,9 @@ class MultiModalProcessor:
         ids = out["input_ids"][0].tolist()
         if not images:
             return ids, ()
-        spans = self.model_cls.image_spans(ids, self.image_token_id, len(images))
-        datas = self.model_cls.split_images(out, len(images))
         items = []
-        for image, (offset, length), data in zip(images, spans, datas):
+        spans = self.model_cls.image_inputs(out, ids, self.image_token_id, len(images), self.hf)
+        for image, (offset, length, data) in zip(images, spans, strict=True):
             mask = torch.tensor(ids[offset:offset + length]) == self.image_token_id
             n = int(mask.sum())
             items.append(ImageItem(image_digest(image), offset, length, n, n * self.row_bytes, data,

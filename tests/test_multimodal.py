@@ -5,10 +5,12 @@ prefix cache keyed by the image, and the encoder cache's budget."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from pageserve.loadtest.tiny_vlm import build_llava, random_image
+from pageserve.loadtest.tiny_vlm import build_idefics3, build_llava, random_image
 from pageserve.runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
@@ -42,66 +44,75 @@ CASES = [  # (text, images): one image, two images, text before and after, an im
     (chat("The quick brown fox jumps over the lazy dog. <image> Paged attention keeps blocks."), [(5, 33, 80)]),
 ]
 
+# family -> (builder, HF class, max_model_len, KV blocks for the preemption test: the longest
+# request's and a few more)
+FAMILIES = {
+    "llava": (build_llava, "LlavaForConditionalGeneration", 128, 8),
+    "idefics3": (build_idefics3, "Idefics3ForConditionalGeneration", 256, 16),
+}
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    from transformers import LlavaForConditionalGeneration
 
-    model_dir = build_llava(tmp_path_factory.mktemp("llava"))
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """A tiny model of the family, its cases and HF's greedy answers to them."""
+    import transformers
+
+    build, hf_name, max_len, kv_blocks = FAMILIES[request.param]
+    model_dir = build(tmp_path_factory.mktemp(request.param))
+    hf_cls = getattr(transformers, hf_name)
     cases = [(text, [random_image(*spec) for spec in specs]) for text, specs in CASES]
-    expected = [hf_greedy(LlavaForConditionalGeneration, model_dir, text, images) for text, images in cases]
-    return model_dir, cases, expected
+    expected = [hf_greedy(hf_cls, model_dir, text, images) for text, images in cases]
+    return SimpleNamespace(name=request.param, dir=model_dir, hf_cls=hf_cls, max_len=max_len, kv_blocks=kv_blocks,
+                           cases=cases, expected=expected)
+
+
+def llm_for(family, **kw) -> LLM:
+    kw = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": family.max_len, "debug_checks": True, **kw}
+    return LLM(str(family.dir), **kw)
 
 
 def prompt(text, images):
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
-def test_llava_greedy_parity_chunked_inside_images(llava):
-    """Budgets of 7 and 16 tokens: every image's 16 tokens are split across chunks."""
-    model_dir, cases, expected = llava
+def test_greedy_parity_chunked_inside_images(family):
+    """Budgets of 7 and 16 tokens: every image's tokens are split across chunks."""
     for budget in (7, 16):
-        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256,
-                  max_num_batched_tokens=budget, debug_checks=True)
-        outs = llm.generate([prompt(*c) for c in cases], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected, f"budget {budget}"
+        llm = llm_for(family, max_num_batched_tokens=budget)
+        outs = llm.generate([prompt(*c) for c in family.cases], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == family.expected, f"budget {budget}"
         assert_pool_clean(llm.engine)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_llava_parity_under_preemption(llava, mode):
-    model_dir, cases, expected = llava
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=8 * BLOCK_BYTES / 2 ** 30, max_model_len=128,
-              swap_space=(8 if mode == "swap" else 0) * BLOCK_BYTES / 2 ** 30, preemption_mode=mode,
-              max_num_batched_tokens=32, debug_checks=True)
-    outs = llm.generate([prompt(*c) for c in cases * 2], GREEDY, use_tqdm=False)
+def test_parity_under_preemption(family, mode):
+    blocks = family.kv_blocks
+    llm = llm_for(family, kv_cache_memory=blocks * BLOCK_BYTES / 2 ** 30, preemption_mode=mode,
+                  swap_space=(blocks if mode == "swap" else 0) * BLOCK_BYTES / 2 ** 30, max_num_batched_tokens=32)
+    outs = llm.generate([prompt(*c) for c in family.cases * 2], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     if mode == "recompute":
         assert llm.engine.scheduler.num_recomputed > 0
-    assert [o.outputs[0].token_ids for o in outs] == expected * 2
+    assert [o.outputs[0].token_ids for o in outs] == family.expected * 2
     assert_pool_clean(llm.engine)
 
 
-def test_the_image_changes_the_answer(llava):
+def test_the_image_changes_the_answer(family):
     """The tiny model's answers depend on the image: otherwise parity would prove little."""
-    model_dir, cases, expected = llava
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256, debug_checks=True)
-    text, _ = cases[0]
+    llm = llm_for(family)
+    text, _ = family.cases[0]
     outs = llm.generate([prompt(text, [random_image(s, 40, 50)]) for s in range(6)], GREEDY, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
 
 
-def test_prefix_cache_keys_image_tokens_by_the_image(llava):
+def test_prefix_cache_keys_image_tokens_by_the_image(family):
     """The same image and question hit the cache; a different image with the same text hits
     only the blocks before the image, and gets its own answer (HF's for that image)."""
-    from transformers import LlavaForConditionalGeneration
-
-    model_dir, cases, expected = llava
     text = chat("The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
                 "<image> What is it?")
     first, other = random_image(11, 40, 40), random_image(12, 40, 40)
-    want_other = hf_greedy(LlavaForConditionalGeneration, model_dir, text, [other])
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256, debug_checks=True)
+    want_other = hf_greedy(family.hf_cls, family.dir, text, [other])
+    llm = llm_for(family)
     ids, items = llm.engine.images.process(text, [first])
     image_block = items[0].offset // 16 * 16  # tokens before the image's first block
     assert image_block >= 16
@@ -116,34 +127,31 @@ def test_prefix_cache_keys_image_tokens_by_the_image(llava):
     assert_pool_clean(llm.engine)
 
 
-def test_encoder_cache_budget_holds_one_image_at_a_time(llava):
-    """A budget of one image's output: prompts take turns at their images, and every answer is
-    still HF's; the cache never holds more than its budget."""
-    model_dir, cases, expected = llava
-    one_image = 16 * 64 * 4
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256, max_num_batched_tokens=128,
-              mm_encoder_cache_mb=one_image / 2 ** 20, debug_checks=True)
+def test_encoder_cache_budget_holds_one_image_at_a_time(family):
+    """A budget of the largest image's output: prompts take turns at their images, and every
+    answer is still HF's; the cache never holds more than its budget."""
+    probe = llm_for(family).engine.images
+    one_image = max(item.nbytes for text, images in family.cases for item in probe.process(text, images)[1])
+    llm = llm_for(family, max_num_batched_tokens=128, mm_encoder_cache_mb=one_image / 2 ** 20)
     cache = llm.engine.scheduler.encoder_cache
     peak = []
-    step = llm.engine.step
+    schedule = llm.engine.scheduler.schedule
 
     def watched():
-        out = step()
+        out = schedule()
         peak.append(cache.used)
         return out
 
-    llm.engine.step = watched
-    outs = llm.generate([prompt(*c) for c in cases], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert max(peak) <= one_image
-    assert not llm.engine.runner.images.outputs or len(llm.engine.runner.images.outputs) <= 1
+    llm.engine.scheduler.schedule = watched
+    outs = llm.generate([prompt(*c) for c in family.cases], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == family.expected
+    assert 0 < max(peak) <= one_image
+    assert len(llm.engine.runner.images.outputs) <= 1
     assert_pool_clean(llm.engine)
 
 
-def test_image_input_errors(llava, tiny_llm):
-    model_dir, cases, _ = llava
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=256,
-              limit_mm_per_prompt='{"image": 1}')
+def test_image_input_errors(family, tiny_llm):
+    llm = llm_for(family, limit_mm_per_prompt='{"image": 1}')
     image = random_image(1, 30, 30)
     with pytest.raises(ValueError, match="2 images in one prompt; this server takes at most 1"):
         llm.generate(prompt(chat("<image><image>"), [image, image]), GREEDY, use_tqdm=False)
@@ -152,7 +160,31 @@ def test_image_input_errors(llava, tiny_llm):
     with pytest.raises(ValueError, match="takes no images"):
         tiny_llm.generate(prompt("<image>", [image]), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt takes"):
-        LLM(str(model_dir), limit_mm_per_prompt='{"video": 1}')
+        LLM(str(family.dir), limit_mm_per_prompt='{"video": 1}')
     # the engine serves on
-    assert llm.generate(prompt(*cases[0]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt(*family.cases[0]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert_pool_clean(llm.engine)
+
+
+def test_idefics3_tower_reads_only_a_tiles_real_patches(tmp_path):
+    """Tiles padded past their pixels (as HF batches them): the tower's output equals HF's
+    Idefics3 vision transformer's, positions bucketed over the real patches only."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    from pageserve.runtime.models.idefics3 import Idefics3VisionTower
+    from pageserve.runtime.models.vision import load_exact
+
+    model_dir = build_idefics3(tmp_path / "m")
+    hf = Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).model.vision_model
+    tower = Idefics3VisionTower(hf.config.to_dict())
+    load_exact(tower, hf.state_dict().items(), "vision tower")
+    pixels = torch.randn(3, 3, 32, 32)
+    mask = torch.zeros(3, 32, 32, dtype=torch.bool)
+    mask[0] = True
+    mask[1, :20, :32] = True  # 5 of 8 patch rows
+    mask[2, :32, :12] = True  # 3 of 8 patch columns
+    patches = mask.unfold(1, 4, 4).unfold(2, 4, 4).sum(dim=(-1, -2)) > 0
+    with torch.inference_mode():
+        want = hf(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
+        got = tower(pixels, mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -36,15 +36,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return mm.get("image_token_index", mm.get("image_token_id"))
 
     @staticmethod
-    def image_spans(ids: list[int], token: int, num_images: int) -> list[tuple[int, int]]:
+    def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:
+        """(offset, length, tensors) of each image: one run of image tokens each."""
         runs = image_token_runs(ids, token)
         if len(runs) != num_images:
             raise ValueError(f"{len(runs)} runs of image tokens for {num_images} images")
-        return runs
-
-    @staticmethod
-    def split_images(processed, num_images: int) -> list[dict]:
-        return [{"pixel_values": processed["pixel_values"][i:i + 1]} for i in range(num_images)]
+        return [(offset, length, {"pixel_values": processed["pixel_values"][i:i + 1]})
+                for i, (offset, length) in enumerate(runs)]
 
     def __init__(self, cfg, kernels):
         super().__init__(cfg, kernels)

@@ -29,6 +29,8 @@ _MODELS = {
     "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
     "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
     "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
+    "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True),
+    "SmolVLMForConditionalGeneration": Entry("idefics3", "SmolVLMForConditionalGeneration", text_config=True),
     "Gemma3ForConditionalGeneration": Entry("gemma", "Gemma3ForConditionalGeneration", sliding_window=True,
                                             text_config=True),
 }
