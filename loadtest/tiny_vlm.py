@@ -92,3 +92,40 @@ def build_idefics3(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     proc.save_pretrained(path)
     return path
+
+
+GEMMA3_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<start_of_image>")
+
+
+def build_gemma3(path: Path, seed: int = 0) -> Path:
+    """Gemma 3's shape: a two-layer SigLIP tower on 28x28 images in 7x7 patches, pooled 2x2 into 4
+    image tokens that attend to each other both ways; a two-layer Gemma 3 text model with a
+    sliding and a global layer (tests/test_gemma3_multimodal's)."""
+    import transformers
+
+    from pageserve.loadtest.tiny_model import ARCHITECTURES
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(path, "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    tok._set_model_specific_special_tokens({"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                            "image_token": "<image_soft_token>"})
+    tok.chat_template = GEMMA3_TEMPLATE
+    _, _, extra = ARCHITECTURES["gemma3_text"]
+    # a narrower init than the others': at 0.15 this Gemma answers every prompt with one token
+    text = {**TEXT, "initializer_range": 0.02, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+            "bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id, **extra}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    ids = tok.convert_tokens_to_ids
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
+                                    image_token_index=ids("<image_soft_token>"), eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 2.0)
+    model.save_pretrained(path)
+    images = transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28})
+    transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
+                                 chat_template=GEMMA3_TEMPLATE).save_pretrained(path)
+    return path

@@ -220,6 +220,7 @@ class MultiModalConfig:
     the vision encoder's outputs kept within `encoder_cache_bytes` (--mm-encoder-cache-mb)."""
     max_images: int
     encoder_cache_bytes: int
+    whole_images: bool = False  # an image's tokens attend to each other: never split across steps
 
     def __post_init__(self):
         if self.max_images < 0:

@@ -22,7 +22,7 @@ from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, Uni
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.models import registry
-from pageserve.runtime.models.loader import ModelLoadError, load_tokenizer, read_config, resolve_model
+from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
 from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from pageserve.runtime.multimodal import MultiModalProcessor
 from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
@@ -63,10 +63,11 @@ class LLMEngine:
         self.executor = executor
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, config.cache.sliding_window)
-        mm = config.multimodal
+        self.images = self._image_processor(config)  # prompts with images (None: the model takes text only)
+        mm = config.multimodal if self.images is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
                                    config.cache.preemption_mode,
-                                   EncoderCacheManager(mm.encoder_cache_bytes) if mm is not None else None)
+                                   None if mm is None else EncoderCacheManager(mm.encoder_cache_bytes, mm.whole_images))
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor()
         self.counters = IterationCounters()
@@ -75,11 +76,21 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
                                      config.scheduler.max_num_seqs, self.grammar.regex)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
-        # the model's processor for prompts with images (None: the model takes text only)
-        self.images = None if mm is None else MultiModalProcessor(
-            config.model.path, registry.model_class(config.model.architecture), config.model.hf_config,
-            config.model.hidden_size, config.model.dtype, mm.max_images, mm.encoder_cache_bytes)
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
+
+    @staticmethod
+    def _image_processor(config: EngineConfig) -> MultiModalProcessor | None:
+        mm, model = config.multimodal, config.model
+        if mm is None:
+            return None
+        try:
+            return MultiModalProcessor(model.path, registry.model_class(model.architecture), model.hf_config,
+                                       model.hidden_size, model.dtype, mm.max_images, mm.encoder_cache_bytes,
+                                       config.scheduler.max_num_batched_tokens if mm.whole_images else None)
+        except (OSError, ValueError, TypeError, KeyError) as e:  # a checkpoint without its processor files
+            logger.warning("%s: no image processor in %s (%s: %s); serving text only", model.architecture,
+                           model.path, type(e).__name__, e)
+            return None
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -99,8 +110,6 @@ class LLMEngine:
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
-        if parallel.tensor_parallel_size > 1 and registry.takes_images(model_cfg.architecture):
-            raise ModelLoadError(f"{model_cfg.architecture} runs on one rank for now (--tensor-parallel-size 1)")
         if parallel.tensor_parallel_size == 1:
             runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
             executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)

@@ -321,12 +321,17 @@ class EngineArgs:
     def multimodal_config(self, model: ModelConfig, max_num_batched_tokens: int) -> MultiModalConfig | None:
         if not registry.takes_images(model.architecture):
             return None
+        if model.tp_size > 1:
+            logger.warning("%s: images are not served with tensor parallelism yet; serving text only",
+                           model.architecture)
+            return None
         if self.mm_encoder_cache_mb is not None:
             budget = int(self.mm_encoder_cache_mb * 2 ** 20)
         else:
             row = model.hidden_size * torch.empty((), dtype=model.dtype).element_size()
             budget = max(max_num_batched_tokens, ENCODER_CACHE_TOKENS) * row
-        return MultiModalConfig(self.max_images(), budget)
+        both_ways = getattr(registry.model_class(model.architecture), "images_attend_both_ways", False)
+        return MultiModalConfig(self.max_images(), budget, both_ways)
 
     def swap_space_gib(self, device: torch.device) -> float:
         return SWAP_SPACE_GIB[device.type] if self.swap_space is None else self.swap_space

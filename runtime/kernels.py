@@ -30,6 +30,10 @@ class AttentionMetadata:
     # torch backend: sliding window (0: full attention) -> its plan, built on first use, so that
     # a model whose every layer has a window never plans the whole context
     window_plans: dict = field(default_factory=dict)
+    # [T] int64: the last position each query token may attend, where that is past its own:
+    # an image's tokens see the whole image in models whose image tokens attend both ways
+    # (None: every token is causal)
+    key_limit: torch.Tensor | None = None
 
 
 class Kernels:
@@ -173,7 +177,7 @@ class TorchKernels(Kernels):
 
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
-        if self.cpu_lib is not None and not sliding_window and not softcap:
+        if self.cpu_lib is not None and not sliding_window and not softcap and meta.key_limit is None:
             return self.cpu_lib.paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                                 meta.seq_lens, scale,
                                                 None if meta.max_query_len == 1 else meta.query_start_loc)
@@ -182,7 +186,7 @@ class TorchKernels(Kernels):
         if plan is None:
             plan = meta.window_plans[sliding_window] = torch_ops.plan_paged_attention(
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, self.block_size,
-                self.num_heads, self.num_kv_heads, sliding_window)
+                self.num_heads, self.num_kv_heads, sliding_window, meta.key_limit)
         return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
                                          meta.query_start_loc, meta.seq_lens, scale, plan,
                                          self.workspace, sliding_window, softcap)
@@ -232,6 +236,12 @@ class TritonKernels(Kernels):
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.key_limit is not None:  # image tokens seeing each other: prefill chunks with images only
+            plan = torch_ops.plan_paged_attention(meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                                  self.block_size, self.num_heads, self.num_kv_heads,
+                                                  sliding_window, meta.key_limit)
+            return torch_ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                             meta.seq_lens, scale, plan, None, sliding_window, softcap)
         return self._paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len,
                                      sliding_window, softcap)

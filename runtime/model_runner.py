@@ -325,6 +325,8 @@ class ModelRunner:
                 starts.append(starts[-1] + len(r.token_ids))
             images = self.images.step_embeddings(self.model, out.requests, starts, self.device)
             result.encoder_seconds = self.images.take_seconds()
+            if images is not None and getattr(self.model, "images_attend_both_ways", False):
+                meta.key_limit = self.images.key_limit(out.requests, starts, pos)
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
         size = self.graphs.size_for(meta, self.device) if self.graphs is not None and images is None else None

@@ -69,7 +69,10 @@ class MultiModalProcessor:
     `image_inputs` (the processor's output -> each image's span in the prompt and tensors)."""
 
     def __init__(self, path: str, model_cls, hf_config: dict, hidden_size: int, dtype: torch.dtype,
-                 max_images: int, encoder_cache_bytes: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+                 max_images: int, encoder_cache_bytes: int, max_image_tokens: int | None = None,
+                 max_pixels: int = DEFAULT_MAX_PIXELS):
+        """max_image_tokens: the most tokens one image may take (its tokens must fit in one step
+        where the model's image tokens attend to each other); None: no limit."""
         from transformers import AutoProcessor
 
         self.hf = AutoProcessor.from_pretrained(path)
@@ -82,6 +85,7 @@ class MultiModalProcessor:
         self.max_images = max_images
         self.encoder_cache_bytes = encoder_cache_bytes
         self.max_pixels = max_pixels
+        self.max_image_tokens = max_image_tokens
 
     def check_images(self, images: list, param: str) -> None:
         if len(images) > self.max_images:
@@ -119,6 +123,10 @@ class MultiModalProcessor:
             items.append(ImageItem(image_digest(image), offset, length, n, n * self.row_bytes, data,
                                    None if n == length else mask))
         for i, item in enumerate(items):
+            if self.max_image_tokens is not None and item.length > self.max_image_tokens:
+                raise InvalidRequest(f"image {i} becomes {item.length} tokens, which this model computes in one "
+                                     f"step; a step holds at most {self.max_image_tokens} "
+                                     "(--max-num-batched-tokens)", param)
             if item.nbytes > self.encoder_cache_bytes:
                 raise InvalidRequest(f"image {i} becomes {item.num_embeds} tokens, whose encoder output "
                                      f"({item.nbytes / 2 ** 20:.1f} MiB) is more than the encoder cache holds "
@@ -167,6 +175,19 @@ class EncoderOutputs:
         if not rows:
             return None
         return torch.cat(rows).to(device), torch.cat(values)
+
+    @staticmethod
+    def key_limit(requests, starts: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """AttentionMetadata.key_limit for a model whose image tokens attend to each other:
+        each token's own position, an image token's its image's last."""
+        limit = positions.clone()
+        for r, first in zip(requests, starts):
+            lo, hi = r.start_pos, r.start_pos + len(r.token_ids)
+            for item in r.mm_items:
+                a, b = max(lo, item.offset), min(hi, item.end)
+                if a < b:
+                    limit[a - lo + first:b - lo + first] = item.end - 1
+        return limit
 
     def _encode(self, model, item: ImageItem, request_id: str) -> torch.Tensor:
         out = self.outputs.get(item.digest)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pageserve.loadtest.tiny_vlm import build_idefics3, build_llava, random_image
+from pageserve.loadtest.tiny_vlm import build_gemma3, build_idefics3, build_llava, random_image
 from pageserve.runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
@@ -44,11 +44,12 @@ CASES = [  # (text, images): one image, two images, text before and after, an im
     (chat("The quick brown fox jumps over the lazy dog. <image> Paged attention keeps blocks."), [(5, 33, 80)]),
 ]
 
-# family -> (builder, HF class, max_model_len, KV blocks for the preemption test: the longest
-# request's and a few more)
+# family -> (builder, HF class, the image placeholder, max_model_len, KV blocks for the
+# preemption test: the longest request's and a few more)
 FAMILIES = {
-    "llava": (build_llava, "LlavaForConditionalGeneration", 128, 8),
-    "idefics3": (build_idefics3, "Idefics3ForConditionalGeneration", 256, 16),
+    "llava": (build_llava, "LlavaForConditionalGeneration", "<image>", 128, 8),
+    "idefics3": (build_idefics3, "Idefics3ForConditionalGeneration", "<image>", 256, 16),
+    "gemma3": (build_gemma3, "Gemma3ForConditionalGeneration", "<start_of_image>", 128, 8),
 }
 
 
@@ -57,13 +58,16 @@ def family(request, tmp_path_factory):
     """A tiny model of the family, its cases and HF's greedy answers to them."""
     import transformers
 
-    build, hf_name, max_len, kv_blocks = FAMILIES[request.param]
+    build, hf_name, placeholder, max_len, kv_blocks = FAMILIES[request.param]
     model_dir = build(tmp_path_factory.mktemp(request.param))
     hf_cls = getattr(transformers, hf_name)
-    cases = [(text, [random_image(*spec) for spec in specs]) for text, specs in CASES]
+
+    def fmt(text: str) -> str:
+        return text.replace("<image>", placeholder)
+    cases = [(fmt(text), [random_image(*spec) for spec in specs]) for text, specs in CASES]
     expected = [hf_greedy(hf_cls, model_dir, text, images) for text, images in cases]
     return SimpleNamespace(name=request.param, dir=model_dir, hf_cls=hf_cls, max_len=max_len, kv_blocks=kv_blocks,
-                           cases=cases, expected=expected)
+                           cases=cases, expected=expected, fmt=fmt, placeholder=placeholder)
 
 
 def llm_for(family, **kw) -> LLM:
@@ -76,12 +80,35 @@ def prompt(text, images):
 
 
 def test_greedy_parity_chunked_inside_images(family):
-    """Budgets of 7 and 16 tokens: every image's tokens are split across chunks."""
+    """Budgets of 7 and 16 tokens: every image's tokens are split across chunks (Gemma 3's, which
+    attend to each other both ways, are moved whole to the next step instead)."""
     for budget in (7, 16):
         llm = llm_for(family, max_num_batched_tokens=budget)
         outs = llm.generate([prompt(*c) for c in family.cases], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == family.expected, f"budget {budget}"
         assert_pool_clean(llm.engine)
+
+
+def test_prompt_logprobs_match_hf(family):
+    """Every prompt position's log-probability, image tokens and the text after them: Gemma 3's
+    image tokens attending to each other both ways move these by 0.02-0.04 against a causal
+    mask, far above the tolerance."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(family.dir)
+    hf = family.hf_cls.from_pretrained(family.dir, dtype=torch.float32)
+    llm = llm_for(family, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([prompt(*c) for c in family.cases], params, use_tqdm=False)
+    for (text, images), out in zip(family.cases, outs):
+        inputs = proc(text=[text], images=images, return_tensors="pt")
+        ids = inputs["input_ids"][0]
+        assert out.prompt_token_ids == ids.tolist()
+        with torch.inference_mode():
+            want = hf(**inputs).logits[0].log_softmax(-1)[torch.arange(len(ids) - 1), ids[1:]]
+        got = torch.tensor([entry[int(t)].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])])
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
+    assert_pool_clean(llm.engine)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -108,8 +135,8 @@ def test_the_image_changes_the_answer(family):
 def test_prefix_cache_keys_image_tokens_by_the_image(family):
     """The same image and question hit the cache; a different image with the same text hits
     only the blocks before the image, and gets its own answer (HF's for that image)."""
-    text = chat("The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in blocks. "
-                "<image> What is it?")
+    text = family.fmt(chat("The quick brown fox jumps over the lazy dog. Paged attention keeps the KV cache in "
+                           "blocks. <image> What is it?"))
     first, other = random_image(11, 40, 40), random_image(12, 40, 40)
     want_other = hf_greedy(family.hf_cls, family.dir, text, [other])
     llm = llm_for(family)
@@ -154,8 +181,8 @@ def test_image_input_errors(family, tiny_llm):
     llm = llm_for(family, limit_mm_per_prompt='{"image": 1}')
     image = random_image(1, 30, 30)
     with pytest.raises(ValueError, match="2 images in one prompt; this server takes at most 1"):
-        llm.generate(prompt(chat("<image><image>"), [image, image]), GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"has 0 image placeholders \('<image>'\) for 1 images"):
+        llm.generate(prompt(family.fmt(chat("<image><image>")), [image, image]), GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=f"has 0 image placeholders \\('{family.placeholder}'\\) for 1 images"):
         llm.generate(prompt(chat("no placeholder"), [image]), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="takes no images"):
         tiny_llm.generate(prompt("<image>", [image]), GREEDY, use_tqdm=False)
@@ -188,3 +215,41 @@ def test_idefics3_tower_reads_only_a_tiles_real_patches(tmp_path):
         want = hf(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
         got = tower(pixels, mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_encoder_cache_manager_budget_and_whole_images():
+    """Chunks stop before an image whose output does not fit, or (whole_images) one they would
+    cut; holds are shared by digest and released when computed, preempted or finished."""
+    from pageserve.runtime.encoder_cache import EncoderCacheManager
+    from pageserve.runtime.multimodal import ImageItem
+    from pageserve.runtime.request import Request
+
+    def item(digest, offset, length=4):
+        return ImageItem(digest, offset, length, length, length * 100, {})
+
+    def request(rid, *items):
+        r = Request(rid, list(range(40)), SamplingParams(), 4, (), mm_items=items)
+        return r
+
+    a = request("a", item(b"x", 10), item(b"y", 20))
+    b = request("b", item(b"x", 5))
+    cache = EncoderCacheManager(budget_bytes=800)
+    assert cache.schedulable(a, 0, 40) == 40  # both fit: 400 + 400
+    cache.hold(a, 0, 40)
+    assert cache.used == 800 and cache.schedulable(b, 0, 40) == 40  # b shares x
+    cache.hold(b, 0, 40)
+    assert cache.used == 800 and cache.refs == {b"x": 2, b"y": 1}
+    c = request("c", item(b"z", 3))
+    assert cache.schedulable(c, 0, 40) == 3  # z does not fit: the chunk stops before it
+    a.num_computed_tokens = 24
+    cache.release_done(a)
+    assert cache.refs == {b"x": 1} and cache.take_freed() == [b"y"]
+    assert cache.schedulable(c, 0, 40) == 40
+    cache.release(b)
+    assert cache.used == 0 and cache.take_freed() == [b"x"]
+    whole = EncoderCacheManager(budget_bytes=10_000, whole_images=True)
+    assert whole.schedulable(a, 0, 12) == 10  # would cut x: stop before it
+    assert whole.schedulable(a, 0, 14) == 14
+    assert whole.schedulable(a, 12, 1) == 0  # resumed inside x (a prefix hit): the rest at once or nothing
+    assert whole.schedulable(a, 12, 2) == 2

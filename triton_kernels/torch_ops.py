@@ -49,7 +49,7 @@ class AttentionGroup:
 
 def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_size: int, num_kv_heads: int,
-                group_size: int, sliding_window: int = 0) -> AttentionGroup:
+                group_size: int, sliding_window: int = 0, key_limit: torch.Tensor | None = None) -> AttentionGroup:
     q_start = query_start_loc[:-1][sel].long()
     q_lens = query_start_loc[1:][sel].long() - q_start
     ctx = seq_lens[sel].long()
@@ -70,12 +70,14 @@ def _plan_group(sel: torch.Tensor, block_tables: torch.Tensor, query_start_loc: 
     q_rows = (q_start[:, None] + qi).reshape(-1)
     # query i of a request sits at position ctx - q_len + i and sees every position up to it
     q_pos = (ctx - q_lens)[:, None] + qi
+    # the last position a query sees: its own, or its image's last where image tokens see each other
+    limit = q_pos if key_limit is None else key_limit[q_rows].view(b, max_q)
     pos = torch.arange(num_blocks * block_size, device=dev)
     if first is None:
-        allowed = pos[None, None, :] <= q_pos[:, :, None]  # [b, Q, L]
+        allowed = pos[None, None, :] <= limit[:, :, None]  # [b, Q, L]
     else:  # gathered slot j of request r holds position first[r] * block_size + j
         seq_pos = (first * block_size + pos[None, :])[:, None, :]
-        allowed = (seq_pos <= q_pos[:, :, None]) & (seq_pos > q_pos[:, :, None] - sliding_window)
+        allowed = (seq_pos <= limit[:, :, None]) & (seq_pos > q_pos[:, :, None] - sliding_window)
     if group_size > 1:
         allowed = allowed[:, :, None, :].expand(b, max_q, group_size, pos.numel())
     allowed = allowed.reshape(1, b, max_q * group_size, pos.numel())
@@ -107,15 +109,17 @@ def decode_group_sizes(ctx_lens: list[int], block_size: int) -> list[int]:
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                          seq_lens: torch.Tensor, block_size: int, num_heads: int,
-                         num_kv_heads: int, sliding_window: int = 0) -> list[AttentionGroup]:
+                         num_kv_heads: int, sliding_window: int = 0,
+                         key_limit: torch.Tensor | None = None) -> list[AttentionGroup]:
     """Index tensors for one step, built once and shared by every layer. Decodes (one query
     token) are sorted by context length and padded in a few groups; prefill chunks form their
     own group, so a decode is never padded to a chunk's length. sliding_window: each request
     gathers only the blocks from the first one its window can see (the plan is then that
-    window's; layers with another window need their own)."""
+    window's; layers with another window need their own). key_limit: [T] the last position each
+    query token sees (AttentionMetadata.key_limit), None: its own."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     args = (block_tables, query_start_loc, seq_lens, block_size, num_kv_heads, num_heads // num_kv_heads,
-            sliding_window)
+            sliding_window, key_limit)
     groups = []
     decodes = (q_lens == 1).nonzero().squeeze(1)
     if decodes.numel():

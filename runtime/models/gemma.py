@@ -5,8 +5,7 @@ query_pre_attn_scalar, and sliding-window attention on the layers config.json's 
 marks "sliding_attention". Gemma 2 soft-caps the attention scores and the final logits
 (cap * tanh(x / cap)). Gemma 3 adds a per-head
 q/k norm and its own RoPE base for the sliding layers (rope_local_base_freq). Gemma 3's
-multimodal checkpoint (Gemma3ForConditionalGeneration) is served as text only: its language
-model's weights, the vision tower and projector left unread."""
+multimodal checkpoint is gemma3_mm.py."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import AttentionMetadata, Kernels
 from pageserve.runtime.models import parallel
 from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
-from pageserve.runtime.models.vision import language_model_weights
 
 
 def layer_windows(hf: dict, num_layers: int, pattern: int) -> list[int]:
@@ -131,11 +129,3 @@ class Gemma3ForCausalLM(GemmaCausalLM):
     qk_norm = True
     window_pattern = 6
     local_rope = True
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """Gemma 3 with its vision tower, served as text: config.json's text_config (the loader
-    reads it) and the weights under language_model."""
-
-    def load_weights(self, weights) -> None:
-        super().load_weights(language_model_weights(weights))

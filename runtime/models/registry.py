@@ -31,7 +31,7 @@ _MODELS = {
     "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
     "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True),
     "SmolVLMForConditionalGeneration": Entry("idefics3", "SmolVLMForConditionalGeneration", text_config=True),
-    "Gemma3ForConditionalGeneration": Entry("gemma", "Gemma3ForConditionalGeneration", sliding_window=True,
+    "Gemma3ForConditionalGeneration": Entry("gemma3_mm", "Gemma3ForConditionalGeneration", sliding_window=True,
                                             text_config=True),
 }
 
