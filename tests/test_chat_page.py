@@ -434,3 +434,85 @@ def test_the_chat_page_in_chromium(tiny_model_dir, guarded, tmp_path):
         origin.stop()
         if srv is not None:
             srv.stop()
+
+
+_PASTE = """
+const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+const data = new DataTransfer();
+data.items.add(new File([bytes], "pasted.png", {type: "image/png"}));
+document.getElementById("input").dispatchEvent(
+  new ClipboardEvent("paste", {clipboardData: data, bubbles: true, cancelable: true}));
+"""
+
+
+def test_an_image_pasted_into_the_page_reaches_the_model(tmp_path):
+    """On a vision-language model (tiny LLaVA): a pasted image shows in the composer and in the
+    message, goes out as an image_url data: URL, and the answer is HF's greedy answer for that
+    image (another image, another answer); Stop still frees the request."""
+    import base64
+    import io
+
+    from pageserve.loadtest.tiny_vlm import build_llava, random_image
+    from pageserve.runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+    from tests.test_multimodal_served import QUESTION, hf_answer, image_message
+
+    driver, profile = _chromium()
+    model_dir = build_llava(tmp_path / "llava")
+    srv = InProcessServer(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory=0.05,
+                                     max_model_len=1024, debug_checks=True), served_model_names=("llava",))
+    execute = srv.engine.runner.execute
+
+    def slow(out):  # long enough a stream to stop
+        time.sleep(0.01)
+        return execute(out)
+    srv.engine.runner.execute = slow
+    try:
+        page = _Page(driver, f"{srv.url}/")
+        page.models_ready()
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "12")
+        answers = []
+        for seed in (31, 32):
+            page.el("#new-chat").click()
+            image = random_image(seed, 40, 40)
+            buf = io.BytesIO()
+            image.save(buf, format="PNG")
+            driver.execute_script(_PASTE, base64.b64encode(buf.getvalue()).decode())
+            page.wait().until(lambda d: len(page.els("#attachments img")) == 1)
+            page.send(QUESTION)
+            page.wait_answer_ends()
+            assert page.state() == "done", page.errors()
+            assert not page.els("#attachments img")  # sent: the composer is clear again
+            shown = page.els(".msg.user img")
+            assert len(shown) == 1 and shown[0].get_attribute("src").startswith("data:image/png;base64,")
+            # the text as the page keeps it (its Markdown rendering folds the noise's whitespace)
+            history = driver.execute_script("return chat.history")
+            assert history[0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+            answer = history[1]["content"]
+            assert answer == hf_answer(str(model_dir), image_message("x"), [image])
+            answers.append(answer)
+        assert answers[0] != answers[1]
+
+        # Stop during a long answer about an image: the request is aborted, its blocks freed
+        page.el("#new-chat").click()
+        page.fill("#max-tokens", "900")
+        page.fill("#extra", '{"ignore_eos": true}')
+        driver.execute_script(_PASTE, base64.b64encode(buf.getvalue()).decode())
+        page.wait().until(lambda d: len(page.els("#attachments img")) == 1)
+        page.send("Tell me a long story about it")
+        page.wait().until(lambda d: page.state() == "streaming" and len(page.last_answer().text) > 40)
+        page.el("#stop").click()
+        page.wait_answer_ends(10)
+        assert page.state() == "stopped"
+        deadline = time.monotonic() + 10
+        while _metric(srv.url, "num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the stopped request is still running"
+            time.sleep(0.05)
+        srv.wait_idle()
+        srv.engine.check_integrity()
+    finally:
+        with contextlib.suppress(Exception):
+            driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+        srv.stop()
