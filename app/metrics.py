@@ -51,6 +51,8 @@ class _EngineCollector(Collector):
                            "recomputed (the others were swapped out).", sched.num_recomputed)
         yield self._family(c, "prompt_tokens", "Prompt tokens computed.", s.prompt_tokens)
         yield self._family(c, "generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield self._family(c, "engine_step_seconds", "Time in the model runner's steps.", s.step_seconds)
+        yield self._family(c, "mm_encoder_step_seconds", "Of which in the vision encoder.", s.encoder_seconds)
         success = CounterMetricFamily(_P + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):

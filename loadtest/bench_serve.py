@@ -41,7 +41,10 @@ async def send(client: httpx.AsyncClient, cfg: Settings, model: str, req: Sample
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
-        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": req.prompt}]
+        content = req.prompt if not req.images else [
+            {"type": "text", "text": req.prompt},
+            *({"type": "image_url", "image_url": {"url": url}} for url in req.images)]
+        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": content}]
     else:
         url, body["prompt"] = "/v1/completions", req.prompt
     out = Outcome(prompt_len=req.prompt_len)
@@ -123,6 +126,7 @@ async def run(cfg: Settings) -> tuple[str, str | None, list[SampleRequest], list
                 bar.update(1)
             return out
 
+        engine_before = await engine_seconds(client)
         began = time.perf_counter()
         tasks = []
         for req, due in zip(dataset, arrival_times(cfg, len(dataset))):
@@ -134,7 +138,30 @@ async def run(cfg: Settings) -> tuple[str, str | None, list[SampleRequest], list
         duration = time.perf_counter() - began
         if bar is not None:
             bar.close()
-    return model, tokens.name, dataset, outcomes, duration
+        engine_after = await engine_seconds(client)
+    engine = None
+    if engine_before and engine_after:
+        engine = {k: engine_after[k] - engine_before[k] for k in engine_after}
+    return model, tokens.name, dataset, outcomes, duration, engine
+
+
+_ENGINE_SECONDS = {"pageserve:engine_step_seconds_total": "step_seconds",
+                   "pageserve:mm_encoder_step_seconds_total": "encoder_seconds"}
+
+
+async def engine_seconds(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """pageserve's time in model steps and in the vision encoder, from /metrics (None from
+    servers that do not report them)."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        name = line.split("{", 1)[0]
+        if name in _ENGINE_SECONDS:
+            found[_ENGINE_SECONDS[name]] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == len(_ENGINE_SECONDS) else None
 
 
 def result_path(cfg: Settings, model: str, date: str) -> str:
@@ -173,7 +200,7 @@ def measure_limits(model: str | None, itls: list[float], output_tok_s: float) ->
 
 def main(ns: argparse.Namespace) -> dict:
     cfg = resolve(ns)
-    model, tokenizer_id, _, outs, duration = asyncio.run(run(cfg))
+    model, tokenizer_id, _, outs, duration, engine = asyncio.run(run(cfg))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     result = {"date": date, "endpoint_type": cfg.backend, "backend": cfg.backend, "label": cfg.label,
               "model_id": model, "tokenizer_id": tokenizer_id, "num_prompts": cfg.num_prompts,
@@ -182,7 +209,14 @@ def main(ns: argparse.Namespace) -> dict:
               "base_url": cfg.base_url, "endpoint": cfg.endpoint, "dataset_name": cfg.dataset_name,
               "goodput_slos_ms": dict(cfg.goodput) or None,
               **summarize(outs, duration, dict(cfg.goodput), cfg.percentile_metrics, cfg.metric_percentiles)}
+    if engine is not None and engine["encoder_seconds"] > 0:
+        result["engine_step_seconds"] = engine["step_seconds"]
+        result["mm_encoder_seconds"] = engine["encoder_seconds"]
+        result["mm_encoder_share_of_steps"] = engine["encoder_seconds"] / max(engine["step_seconds"], 1e-9)
     print_report(result, cfg.percentile_metrics, cfg.metric_percentiles)
+    if "mm_encoder_share_of_steps" in result:
+        print(f"vision encoder: {result['mm_encoder_seconds']:.2f} s of {result['engine_step_seconds']:.2f} s "
+              f"in model steps ({100 * result['mm_encoder_share_of_steps']:.0f}%)")
     for o in [o for o in outs if not o.success][:10]:
         print(f"error: {o.error}")
     if cfg.machine_limits is not None:

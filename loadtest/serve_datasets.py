@@ -1,5 +1,5 @@
-"""The prompts of `pageserve bench serve`: vLLM's `random`, `sharegpt`, `prefix_repetition` and
-`custom` datasets.
+"""The prompts of `pageserve bench serve`: vLLM's `random`, `random-mm` (random prompts with
+images), `sharegpt`, `prefix_repetition` and `custom` datasets.
 
 The bench carries no tokenizer of its own. Where the server answers `POST /tokenize` and
 `POST /detokenize` (pageserve and vLLM both do), lengths are counted and synthetic prompts cut
@@ -30,8 +30,9 @@ MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 @dataclass(slots=True)
 class SampleRequest:
     prompt: str
-    prompt_len: int  # tokens, as the dataset counted them
+    prompt_len: int  # tokens, as the dataset counted them (its images' not included)
     output_len: int  # the request's max_tokens
+    images: tuple[str, ...] = ()  # data: URLs, sent as image_url parts after the text
 
 
 class ServerTokens:
@@ -211,7 +212,54 @@ def _oversample(cfg, samples: list[SampleRequest]) -> list[SampleRequest]:
     return samples
 
 
-BUILDERS = {"random": random_dataset, "prefix_repetition": prefix_repetition_dataset,
+def parse_buckets(text: str) -> tuple[tuple[int, int, float], ...]:
+    """vLLM's --random-mm-bucket-config: {(height, width, frames): probability}; frames is 1 for
+    an image (video is not served). Returns (height, width, probability) with the probabilities
+    summing to 1."""
+    import ast
+
+    try:
+        config = ast.literal_eval(text)
+        buckets = tuple((int(h), int(w), float(p)) for (h, w, t), p in config.items() if t == 1 and p > 0)
+        ok = bool(buckets) and all(h > 0 and w > 0 for h, w, _ in buckets) and \
+            all(t == 1 for (_, _, t) in config)
+    except (ValueError, SyntaxError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError("--random-mm-bucket-config is {(height, width, 1): probability, ...} (images only), "
+                         f"got {text!r}")
+    total = sum(p for _, _, p in buckets)
+    return tuple((h, w, p / total) for h, w, p in buckets)
+
+
+def random_image_url(rng: random.Random, height: int, width: int) -> str:
+    """A noise image as a JPEG data: URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(rng.getrandbits(32)).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def random_mm_dataset(cfg, tokens) -> list[SampleRequest]:
+    """vLLM's random-mm: the random dataset's prompts, each with --random-mm-base-items-per-request
+    noise images of sizes drawn from --random-mm-bucket-config."""
+    samples = await random_dataset(cfg, tokens)
+    rng = random.Random(cfg.seed + 1)
+    sizes = [(h, w) for h, w, _ in cfg.mm_buckets]
+    weights = [p for _, _, p in cfg.mm_buckets]
+    for sample in samples:
+        picks = rng.choices(sizes, weights, k=cfg.mm_items_per_request)
+        sample.images = tuple(random_image_url(rng, h, w) for h, w in picks)
+    return samples
+
+
+BUILDERS = {"random": random_dataset, "random-mm": random_mm_dataset, "prefix_repetition": prefix_repetition_dataset,
             "sharegpt": sharegpt_dataset, "custom": custom_dataset}
 
 

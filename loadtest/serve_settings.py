@@ -7,6 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from pageserve.loadtest.serve_datasets import parse_buckets
 from pageserve.loadtest.serve_metrics import METRICS, SLO_METRICS
 
 ENDPOINTS = {"completions": "completions", "/v1/completions": "completions",
@@ -41,7 +42,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--disable-tqdm", "--no-progress", dest="disable_tqdm", action="store_true")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix_repetition", "custom"),
+    data.add_argument("--dataset-name", choices=("random", "random-mm", "sharegpt", "prefix_repetition", "custom"),
                       default=None,
                       help="default: random. random's prompts are common English words cut to the "
                       "token count through the server's /tokenize and /detokenize (vLLM's are random "
@@ -77,6 +78,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       "tokens (vLLM counts them with its own tokenizer, BOS included)")
     data.add_argument("--custom-output-len", type=int, default=256,
                       help="for rows without output_tokens")
+    data.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                      help="random-mm: images a request (chat endpoint)")
+    data.add_argument("--random-mm-bucket-config", default="{(448, 448, 1): 1.0}",
+                      help="random-mm: {(height, width, 1): probability, ...}, the images' sizes")
 
     report = parser.add_argument_group("results")
     report.add_argument("--percentile-metrics", default=None,
@@ -147,6 +152,8 @@ class Settings:
     result_filename: str | None
     output_png: str | None  # None: beside a saved result; "": none
     machine_limits: str | None = None  # None: not measured; "": the default model
+    mm_items_per_request: int = 0  # random-mm: images a request
+    mm_buckets: tuple[tuple[int, int, float], ...] = ()  # random-mm: (height, width, probability)
 
 
 def _length(text: str | None) -> tuple[int | None, tuple[int, int] | None]:
@@ -195,13 +202,18 @@ def resolve(ns: argparse.Namespace) -> Settings:
         legacy = {"synthetic": "random", "shared-prefix": "prefix_repetition"}
         name, path = (legacy[ns.dataset], None) if ns.dataset in legacy else ("custom", ns.dataset)
     name = name or "random"
-    if name in ("random", "prefix_repetition") and path is not None:
+    if name in ("random", "random-mm", "prefix_repetition") and path is not None:
         raise ValueError(f"the {name} dataset takes no --dataset-path")
     if name in ("sharegpt", "custom") and path is None:
         raise ValueError(f"the {name} dataset needs --dataset-path")
     in_n, in_range = _length(ns.input_len)
     out_n, out_range = _length(ns.output_len)
-    endpoint = ENDPOINTS[ns.endpoint] if ns.endpoint else BACKENDS.get(ns.backend, "completions")
+    endpoint = ENDPOINTS[ns.endpoint] if ns.endpoint else BACKENDS.get(ns.backend, "chat" if name == "random-mm"
+                                                                         else "completions")
+    if name == "random-mm" and endpoint != "chat":
+        raise ValueError("the random-mm dataset sends images, which only the chat endpoint takes")
+    if ns.random_mm_base_items_per_request < 1:
+        raise ValueError("--random-mm-base-items-per-request must be at least 1")
     if ns.backend and BACKENDS[ns.backend] != endpoint:
         raise ValueError(f"--backend {ns.backend} does not serve the {endpoint} endpoint")
     backend = ns.backend or ("openai-chat" if endpoint == "chat" else "openai")
@@ -234,7 +246,7 @@ def resolve(ns: argparse.Namespace) -> Settings:
         backend=backend, label=ns.label or backend,
         seed=ns.seed, num_prompts=ns.num_prompts, request_rate=ns.request_rate,
         burstiness=ns.burstiness, max_concurrency=ns.max_concurrency,
-        ignore_eos=ns.ignore_eos or name == "random",
+        ignore_eos=ns.ignore_eos or name in ("random", "random-mm"),
         sampling=tuple((k, getattr(ns, k)) for k in ("temperature", "top_p", "top_k")
                        if getattr(ns, k) is not None),
         progress=not ns.disable_tqdm, dataset_name=name, dataset_path=path,
@@ -251,4 +263,6 @@ def resolve(ns: argparse.Namespace) -> Settings:
         metric_percentiles=percentiles, save_result=ns.save_result or ns.output_json is not None,
         save_detailed=ns.save_detailed, result_dir=ns.result_dir,
         result_filename=ns.output_json if ns.output_json is not None else ns.result_filename,
-        output_png=ns.output_png, machine_limits=ns.machine_limits)
+        output_png=ns.output_png, machine_limits=ns.machine_limits,
+        mm_items_per_request=ns.random_mm_base_items_per_request if name == "random-mm" else 0,
+        mm_buckets=parse_buckets(ns.random_mm_bucket_config) if name == "random-mm" else ())

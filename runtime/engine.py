@@ -178,7 +178,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(self.scheduler.stats(), c.steps, c.prompt_tokens, c.generation_tokens,
-                           c.kv_waste, dict(c.finished))
+                           c.kv_waste, dict(c.finished), c.step_seconds, c.encoder_seconds)
 
     # ---- requests in ----
 
@@ -294,6 +294,7 @@ class LLMEngine:
         if self._grammar_waiting:
             self._resolve_grammars()
         sched = self.scheduler.schedule()
+        started = time.perf_counter()
         try:
             result = self.executor.execute(sched)  # also runs the step's swaps and copies
         except ExecutorDeadError:  # the ranks are gone: no step can run again
@@ -306,7 +307,9 @@ class LLMEngine:
                                         timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         scheduled = self.scheduler.update_after_step()
+        self.counters.step_seconds += time.perf_counter() - started
         for rid, seconds in result.encoder_seconds.items():
+            self.counters.encoder_seconds += seconds
             if rid in self.requests:
                 self.requests[rid].encoder_seconds += seconds
         outputs: list[RequestOutput] = []

@@ -63,6 +63,20 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+def equal_image_spans(ids: list[int], token: int, num_images: int) -> list[tuple[int, int]]:
+    """(offset, length) of each image where every image has as many image tokens as the others
+    (one resolution): the image tokens in order, cut into equal runs (two images side by side
+    make one run of tokens)."""
+    positions = [i for i, t in enumerate(ids) if t == token]
+    if not num_images or len(positions) % num_images:
+        raise ValueError(f"{len(positions)} image tokens for {num_images} images")
+    n = len(positions) // num_images
+    spans = [(positions[k * n], n) for k in range(num_images)]
+    if any(positions[k * n + n - 1] - positions[k * n] != n - 1 for k in range(num_images)):
+        raise ValueError("an image's tokens are not contiguous")
+    return spans
+
+
 class MultiModalProcessor:
     """The model's HF processor and the per-model rules: its class's `image_token` (config ->
     the image token id), `image_placeholder` (None: the processor's image_token), and

@@ -15,6 +15,8 @@ class IterationCounters:
     kv_waste_sum: float = 0.0  # per step: allocated slots not holding a token / allocated slots
     kv_waste_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # generation requests by finish reason
+    step_seconds: float = 0.0  # in the model runner (forward, sampling, swaps, the vision encoder)
+    encoder_seconds: float = 0.0  # of which in the vision encoder
 
     def count_finished(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -44,6 +46,8 @@ class EngineStats:
     generation_tokens: int
     kv_waste: float
     finished: dict[str, int]  # a copy
+    step_seconds: float = 0.0
+    encoder_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -42,6 +42,7 @@ CASES = [  # (text, images): one image, two images, text before and after, an im
     (chat("Compare <image> with <image>: which is brighter?"), [(2, 30, 30), (3, 64, 48)]),
     (chat("<image>"), [(4, 28, 28)]),
     (chat("The quick brown fox jumps over the lazy dog. <image> Paged attention keeps blocks."), [(5, 33, 80)]),
+    (chat("<image><image> side by side"), [(6, 20, 20), (7, 50, 40)]),  # one run of image tokens
 ]
 
 # family -> (builder, HF class, the image placeholder, max_model_len, KV blocks for the

@@ -275,3 +275,29 @@ def test_node_openai_and_ai_sdk_send_images(server, tmp_path):
     want = hf_answer(server.settings.model_path, image_message("x"), [image])
     assert out == {"openai": want, "aisdk": want}
     server.wait_idle()
+
+
+def test_bench_serve_random_mm(server, capsys):
+    """vLLM's random-mm dataset: every request carries its images (chat endpoint), the prompt
+    tokens the server counts include the images', and the report gives the encoder's share."""
+    import argparse
+
+    from pageserve.loadtest import bench_serve
+
+    ns = bench_serve.add_args(argparse.ArgumentParser()).parse_args([
+        "--base-url", server.url, "--dataset-name", "random-mm", "--random-input-len", "20",
+        "--random-output-len", "4", "--num-prompts", "6", "--max-concurrency", "3", "--disable-tqdm",
+        "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config", "{(40, 30, 1): 0.5, (64, 64, 1): 0.5}",
+        "--temperature", "0", "--output-png", "", "--save-detailed"])
+    r = bench_serve.main(ns)
+    assert (r["completed"], r["failed"], r["backend"]) == (6, 0, "openai-chat")
+    assert all(n >= 20 + 2 * 16 for n in r["input_lens"])  # two images of 16 tokens each, and the text
+    assert 0 < r["mm_encoder_seconds"] < r["engine_step_seconds"] and 0 < r["mm_encoder_share_of_steps"] < 1
+    assert "vision encoder:" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="images only"):
+        bench_serve.resolve(bench_serve.add_args(argparse.ArgumentParser()).parse_args(
+            ["--dataset-name", "random-mm", "--random-mm-bucket-config", "{(8, 8, 4): 1.0}"]))
+    with pytest.raises(ValueError, match="only the chat endpoint"):
+        bench_serve.resolve(bench_serve.add_args(argparse.ArgumentParser()).parse_args(
+            ["--dataset-name", "random-mm", "--endpoint", "completions"]))
+    server.wait_idle()

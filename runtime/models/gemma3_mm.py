@@ -14,7 +14,7 @@ from torch import nn
 
 from pageserve.runtime.models.gemma import Gemma3ForCausalLM
 from pageserve.runtime.models.vision import SiglipVisionTower, language_model_weights, load_exact
-from pageserve.runtime.multimodal import image_token_runs
+from pageserve.runtime.multimodal import equal_image_spans
 
 
 class Gemma3Projector(nn.Module):
@@ -48,11 +48,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     @staticmethod
     def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:
-        runs = image_token_runs(ids, token)
-        if len(runs) != num_images:
-            raise ValueError(f"{len(runs)} runs of image tokens for {num_images} images")
         return [(offset, length, {"pixel_values": processed["pixel_values"][i:i + 1]})
-                for i, (offset, length) in enumerate(runs)]
+                for i, (offset, length) in enumerate(equal_image_spans(ids, token, num_images))]
 
     def __init__(self, cfg, kernels):
         super().__init__(cfg, kernels)

@@ -13,7 +13,7 @@ from torch import nn
 from pageserve.runtime.models.llama import LlamaForCausalLM
 from pageserve.runtime.models.vision import (ClipVisionTower, activation, feature_layers, language_model_weights,
                                              load_exact)
-from pageserve.runtime.multimodal import image_token_runs
+from pageserve.runtime.multimodal import equal_image_spans
 
 
 class Projector(nn.Module):
@@ -37,12 +37,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     @staticmethod
     def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:
-        """(offset, length, tensors) of each image: one run of image tokens each."""
-        runs = image_token_runs(ids, token)
-        if len(runs) != num_images:
-            raise ValueError(f"{len(runs)} runs of image tokens for {num_images} images")
+        """(offset, length, tensors) of each image: as many image tokens each."""
         return [(offset, length, {"pixel_values": processed["pixel_values"][i:i + 1]})
-                for i, (offset, length) in enumerate(runs)]
+                for i, (offset, length) in enumerate(equal_image_spans(ids, token, num_images))]
 
     def __init__(self, cfg, kernels):
         super().__init__(cfg, kernels)
