@@ -129,3 +129,48 @@ def build_gemma3(path: Path, seed: int = 0) -> Path:
     transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
                                  chat_template=GEMMA3_TEMPLATE).save_pretrained(path)
     return path
+
+
+def build_smolvlm_shape(path: Path, language_model: Path | None = None, image_splitting: bool = False,
+                        seed: int = 0) -> Path:
+    """SmolVLM-256M-Instruct's shape (Idefics3: a SigLIP-B/16 tower on 512x512 tiles, pixel
+    shuffle by 4 into 64 tokens a tile, a SmolLM2-135M language model over a 49,280-token
+    vocabulary): the language model and tokenizer of `language_model` (default: the default
+    model, SmolLM2-135M-Instruct), the vision tower and connector random. For timing: its text is
+    real language, its view of an image is not. image_splitting off: one 512x512 view of each
+    image (SmolVLM's default splits a 448x448 image into 16 tiles and a global view)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from pageserve.runtime.models.loader import resolve_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    lm = Path(language_model or resolve_model(None))
+    tok = transformers.AutoTokenizer.from_pretrained(lm)
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>", "<global-img>", *grid]})
+    images = transformers.Idefics3ImageProcessor(size={"longest_edge": 2048}, max_image_size={"longest_edge": 512},
+                                                 do_image_splitting=image_splitting)
+    proc = transformers.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=64,
+                                          chat_template=tok.chat_template)
+    text = transformers.AutoConfig.from_pretrained(lm).to_dict()
+    text.update(vocab_size=49280, tie_word_embeddings=True)
+    vision = transformers.Idefics3VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                               num_attention_heads=12, image_size=512, patch_size=16)
+    cfg = transformers.Idefics3Config(text_config=text, vision_config=vision.to_dict(), scale_factor=4,
+                                      image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(cfg)
+    weights = load_file(str(lm / "model.safetensors"))
+    text_model = model.model.text_model
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            if name == "embed_tokens.weight":  # the image tokens' rows stay random
+                text_model.embed_tokens.weight[:tensor.shape[0]] = tensor
+            elif name != "lm_head.weight":
+                text_model.get_parameter(name).copy_(tensor)
+    model.save_pretrained(path)
+    proc.save_pretrained(path)
+    return path

@@ -221,6 +221,7 @@ class MultiModalConfig:
     max_images: int
     encoder_cache_bytes: int
     whole_images: bool = False  # an image's tokens attend to each other: never split across steps
+    encoder_step_tokens: int | None = None  # image tokens a step may encode (one image always may)
 
     def __post_init__(self):
         if self.max_images < 0:

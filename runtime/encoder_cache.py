@@ -10,11 +10,15 @@ from pageserve.runtime.request import Request
 
 
 class EncoderCacheManager:
-    def __init__(self, budget_bytes: int, whole_images: bool = False):
+    def __init__(self, budget_bytes: int, whole_images: bool = False, step_tokens: int | None = None):
         """whole_images: an image's tokens are computed in one step, never split across chunks
-        (models whose image tokens attend to each other both ways)."""
+        (models whose image tokens attend to each other both ways). step_tokens: the image
+        tokens a step may encode (vLLM's max_num_encoder_input_tokens); a step may always
+        encode one image. None: no limit."""
         self.budget = budget_bytes
         self.whole_images = whole_images
+        self.step_tokens = step_tokens
+        self.step_left = step_tokens  # what this step may still encode
         self.used = 0
         self.refs: dict[bytes, int] = {}  # digest -> requests holding it
         self.sizes: dict[bytes, int] = {}
@@ -28,7 +32,7 @@ class EncoderCacheManager:
         if not req.mm_items:
             return num_new
         held = self.held.get(req.request_id, ())
-        need = 0
+        need = encode = 0
         counted: set[bytes] = set()
         for item in req.mm_items:
             if item.offset >= start + num_new:
@@ -40,11 +44,22 @@ class EncoderCacheManager:
             d = item.digest
             if d in held or d in self.refs or d in counted:
                 continue
-            if self.used + need + item.nbytes > self.budget:
+            if self.used + need + item.nbytes > self.budget or not self._may_encode(encode + item.num_embeds,
+                                                                                     first=not encode):
                 return max(0, item.offset - start)
             need += item.nbytes
+            encode += item.num_embeds
             counted.add(d)
         return num_new
+
+    def _may_encode(self, tokens: int, first: bool) -> bool:
+        """Within this step's encoder budget (a step's first image always is)."""
+        if self.step_left is None:
+            return True
+        return tokens <= self.step_left or (first and self.step_left == self.step_tokens)
+
+    def begin_step(self) -> None:
+        self.step_left = self.step_tokens
 
     def hold(self, req: Request, start: int, num_new: int) -> None:
         """The request computes [start, start + num_new) this step: hold the images it reaches."""
@@ -61,6 +76,8 @@ class EncoderCacheManager:
             if d not in self.refs:
                 self.refs[d], self.sizes[d] = 0, item.nbytes
                 self.used += item.nbytes
+                if self.step_left is not None:
+                    self.step_left = max(0, self.step_left - item.num_embeds)
             self.refs[d] += 1
 
     def release_done(self, req: Request) -> None:

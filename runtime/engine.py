@@ -67,7 +67,8 @@ class LLMEngine:
         mm = config.multimodal if self.images is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv, SwapSpace(config.cache.num_swap_blocks),
                                    config.cache.preemption_mode,
-                                   None if mm is None else EncoderCacheManager(mm.encoder_cache_bytes, mm.whole_images))
+                                   None if mm is None else EncoderCacheManager(mm.encoder_cache_bytes, mm.whole_images,
+                                                                               mm.encoder_step_tokens))
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor()
         self.counters = IterationCounters()
@@ -124,7 +125,8 @@ class LLMEngine:
             executor.allocate_kv_cache(cache_cfg)
             config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                                   seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,
-                                  multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens))
+                                  multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens,
+                                                                    device.device))
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,

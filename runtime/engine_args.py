@@ -64,6 +64,7 @@ class EngineArgs:
     master_port: int | None = None  # default $MASTER_PORT, else a free port (one node only)
     limit_mm_per_prompt: dict | str | None = None  # {"image": N}, or its JSON
     mm_encoder_cache_mb: float | None = None  # the vision encoder's outputs kept (default: 4096 tokens' worth)
+    max_num_encoder_input_tokens: int | None = None  # image tokens a step may encode (default: one image on CPU)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -85,6 +86,8 @@ class EngineArgs:
         PreemptionMode(self.preemption_mode)  # its own check, before anything loads
         self.parallel_config()
         self.max_images()
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens must be >= 1, got {self.max_num_encoder_input_tokens}")
         if self.mm_encoder_cache_mb is not None and not self.mm_encoder_cache_mb > 0:
             raise ValueError(f"mm_encoder_cache_mb must be > 0, got {self.mm_encoder_cache_mb}")
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
@@ -143,6 +146,10 @@ class EngineArgs:
         g = parser.add_argument_group("images (vision-language models)")
         g.add_argument("--limit-mm-per-prompt", default=None,
                        help=f'JSON, as vLLM: {{"image": N}}, the most images one prompt may hold (default {MAX_IMAGES})')
+        g.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                       help="image tokens one step may encode (a step may always encode one image): lower "
+                            "it to keep long vision-encoder steps from stalling the other streams "
+                            "(default: one image a step on CPU, --max-num-batched-tokens on GPU)")
         g.add_argument("--mm-encoder-cache-mb", type=float, default=None,
                        help="memory for the vision encoder's outputs between the steps that read them "
                             f"(default: {ENCODER_CACHE_TOKENS} image tokens' worth)")
@@ -318,7 +325,8 @@ class EngineArgs:
             raise ValueError(f"limit_mm_per_prompt's image count must be an integer >= 0, got {n!r}")
         return n
 
-    def multimodal_config(self, model: ModelConfig, max_num_batched_tokens: int) -> MultiModalConfig | None:
+    def multimodal_config(self, model: ModelConfig, max_num_batched_tokens: int,
+                          device: torch.device) -> MultiModalConfig | None:
         if not registry.takes_images(model.architecture):
             return None
         if model.tp_size > 1:
@@ -331,7 +339,10 @@ class EngineArgs:
             row = model.hidden_size * torch.empty((), dtype=model.dtype).element_size()
             budget = max(max_num_batched_tokens, ENCODER_CACHE_TOKENS) * row
         both_ways = getattr(registry.model_class(model.architecture), "images_attend_both_ways", False)
-        return MultiModalConfig(self.max_images(), budget, both_ways)
+        # a CPU gains nothing from encoding images side by side, and a step of several stalls every
+        # stream: one image a step there (vLLM's default elsewhere)
+        step = self.max_num_encoder_input_tokens or (1 if device.type == "cpu" else max_num_batched_tokens)
+        return MultiModalConfig(self.max_images(), budget, both_ways, step)
 
     def swap_space_gib(self, device: torch.device) -> float:
         return SWAP_SPACE_GIB[device.type] if self.swap_space is None else self.swap_space

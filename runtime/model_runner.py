@@ -80,7 +80,7 @@ class ModelRunner:
         self.profiled_peak: int | None = None  # bytes, KV cache excluded (CUDA profile)
         self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
-        self.images = EncoderOutputs()  # the vision encoder's outputs (multimodal models)
+        self.images = EncoderOutputs(model_cfg.bf16_matmuls)  # the vision encoder's outputs (multimodal models)
 
     def _load_model(self, path: Path) -> CausalLM:
         cfg = self.model_cfg

@@ -153,7 +153,10 @@ class EncoderOutputs:
     """The runner's side: encoder outputs by image digest, computed when a step first needs
     them and dropped when the scheduler says so."""
 
-    def __init__(self):
+    def __init__(self, bf16: bool = False):
+        """bf16: the encoder's matmuls in bfloat16 (--dtype auto on CPUs with AVX512-BF16, where
+        the language model's are too)."""
+        self.bf16 = bf16
         self.outputs: dict[bytes, torch.Tensor] = {}
         self.seconds: dict[str, float] = {}  # request id -> spent encoding its images, since take_seconds
 
@@ -207,7 +210,8 @@ class EncoderOutputs:
         out = self.outputs.get(item.digest)
         if out is None:
             t = time.perf_counter()
-            out = model.encode_image(item.data)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                out = model.encode_image(item.data)
             if out.shape[0] != item.num_embeds:
                 raise RuntimeError(f"the vision encoder gave {out.shape[0]} rows for an image of "
                                    f"{item.num_embeds} tokens")

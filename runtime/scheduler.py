@@ -106,6 +106,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
+        self.encoder_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         # prompts first: decodes wait one step (never two in a row) while prompts are admitted

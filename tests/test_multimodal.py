@@ -254,3 +254,26 @@ def test_encoder_cache_manager_budget_and_whole_images():
     assert whole.schedulable(a, 0, 14) == 14
     assert whole.schedulable(a, 12, 1) == 0  # resumed inside x (a prefix hit): the rest at once or nothing
     assert whole.schedulable(a, 12, 2) == 2
+
+
+@pytest.mark.unit
+def test_encoder_step_budget_lets_one_image_a_step_through():
+    from pageserve.runtime.encoder_cache import EncoderCacheManager
+    from pageserve.runtime.multimodal import ImageItem
+    from pageserve.runtime.request import Request
+
+    def request(rid, *offsets):
+        items = tuple(ImageItem(rid.encode() + bytes([o]), o, 4, 4, 400, {}) for o in offsets)
+        return Request(rid, list(range(40)), SamplingParams(), 4, (), mm_items=items)
+
+    cache = EncoderCacheManager(budget_bytes=10_000, step_tokens=1)  # one image a step (the CPU default)
+    a, b = request("a", 2, 10), request("b", 5)
+    cache.begin_step()
+    assert cache.schedulable(a, 0, 40) == 10  # the first image only: the chunk stops before the second
+    cache.hold(a, 0, 10)
+    assert cache.schedulable(b, 0, 40) == 5  # this step has encoded its image
+    cache.begin_step()
+    assert cache.schedulable(b, 0, 40) == 40
+    wide = EncoderCacheManager(budget_bytes=10_000, step_tokens=8)
+    wide.begin_step()
+    assert wide.schedulable(a, 0, 40) == 40  # 8 tokens: both of a's
