@@ -174,3 +174,37 @@ def build_smolvlm_shape(path: Path, language_model: Path | None = None, image_sp
     model.save_pretrained(path)
     proc.save_pretrained(path)
     return path
+
+
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def build_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
+    """Qwen2.5-VL's shape: images resized to multiples of 8 pixels (4-pixel patches merged 2x2
+    into a token), a two-block vision tower whose first block attends within windows of 2x2
+    tokens and whose second attends to the whole image, 2-D rotary positions in the tower, and
+    a two-layer Qwen2 language model with M-RoPE (sections 2, 3, 3 of a 16-wide head). Saved
+    with its image processor and tokenizer (transformers' Qwen2.5-VL processor also wants a video
+    processor, which needs torchvision)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(path, "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    tok.chat_template = CHAT_TEMPLATE.replace("<image>", QWEN_PLACEHOLDER)
+    tok.save_pretrained(path)
+    ids = tok.convert_tokens_to_ids
+    text = {**TEXT, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64,
+                  hidden_act="silu")
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                                        video_token_id=ids("<|video_pad|>"),
+                                        vision_start_token_id=ids("<|vision_start|>"),
+                                        vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(seed)
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).save_pretrained(path)
+    transformers.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8 * 4,
+                                       max_pixels=64 * 64).save_pretrained(path)
+    return path

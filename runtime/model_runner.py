@@ -20,7 +20,7 @@ from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
-from pageserve.runtime.multimodal import EncoderOutputs
+from pageserve.runtime.multimodal import EncoderOutputs, mrope_positions
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
@@ -181,6 +181,8 @@ class ModelRunner:
             return []
         if self.model_cfg.tp_size > 1:  # NCCL all-reduces captured inside graphs: not checked on GPUs yet
             return []
+        if getattr(self.model, "mrope_section", None):  # the graphs take 1-D positions
+            return []
         return capture_sizes(self.device_cfg.cuda_graph_sizes or None, max_num_seqs)
 
     def _profile_graph_pool(self, max_num_seqs: int) -> int:
@@ -318,6 +320,9 @@ class ModelRunner:
         if not out.requests:
             return result
         ids, pos, meta, logits_rows = self._prepare(out)
+        if getattr(self.model, "mrope_section", None):  # positions are (t, h, w) triples
+            pos = torch.cat([mrope_positions(r.mm_items, r.start_pos, len(r.token_ids)) for r in out.requests],
+                            dim=1).to(self.device)
         images = None
         if any(r.mm_items for r in out.requests):
             starts = [0]

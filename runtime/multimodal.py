@@ -77,6 +77,27 @@ def equal_image_spans(ids: list[int], token: int, num_images: int) -> list[tuple
     return spans
 
 
+def mrope_positions(items, start: int, n: int) -> torch.Tensor:
+    """[3, n] M-RoPE positions (t, h, w) of a request's tokens [start, start + n): a text token's
+    are its index plus what the images before it added (each moves the text after it on by its
+    grid's largest side, not by its token count); an image's tokens are (0, row, column) of its
+    token grid after the text before it. Output tokens are text."""
+    out = torch.arange(start, start + n).expand(3, n).clone()
+    shift = 0  # what the images so far added to the text positions
+    for item in items:
+        t, h, w = item.data["mrope_grid"]
+        delta = max(h, w) - item.length
+        lo, hi = max(start, item.offset), min(start + n, item.end)
+        if lo < hi:
+            i = torch.arange(lo - item.offset, hi - item.offset)
+            grid = torch.stack([i // (h * w), i // w % h, i % w])
+            out[:, lo - start:hi - start] = item.offset + shift + grid
+        if item.end < start + n:
+            out[:, max(item.end - start, 0):] += delta
+        shift += delta
+    return out
+
+
 class MultiModalProcessor:
     """The model's HF processor and the per-model rules: its class's `image_token` (config ->
     the image token id), `image_placeholder` (None: the processor's image_token), and
@@ -89,7 +110,8 @@ class MultiModalProcessor:
         where the model's image tokens attend to each other); None: no limit."""
         from transformers import AutoProcessor
 
-        self.hf = AutoProcessor.from_pretrained(path)
+        own = getattr(model_cls, "processor", None)  # a model's own, where transformers' cannot load
+        self.hf = own(path) if own is not None else AutoProcessor.from_pretrained(path)
         self.model_cls = model_cls
         self.image_token_id = model_cls.image_token(hf_config)
         self.placeholder = model_cls.image_placeholder or getattr(self.hf, "image_token", None)

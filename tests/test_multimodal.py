@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pageserve.loadtest.tiny_vlm import build_gemma3, build_idefics3, build_llava, random_image
+from pageserve.loadtest.tiny_vlm import (QWEN_PLACEHOLDER, build_gemma3, build_idefics3, build_llava, build_qwen2_5_vl,
+                                         random_image)
 from pageserve.runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
@@ -25,10 +26,20 @@ def chat(*parts: str) -> str:
     return f"<|im_start|>user\n{''.join(parts)}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def hf_greedy(hf_cls, model_dir, text: str, images: list, max_new_tokens: int = 12) -> list[int]:
+def hf_processor(model_dir, hf_cls):
+    """The model's HF processor; for Qwen2.5-VL its image processor with the token expansion
+    of transformers' processor (which also wants torchvision for its video half)."""
     from transformers import AutoProcessor
 
-    proc = AutoProcessor.from_pretrained(model_dir)
+    if hf_cls.__name__ == "Qwen2_5_VLForConditionalGeneration":
+        from pageserve.runtime.models.qwen2_5_vl import Qwen2VLPrompts
+
+        return Qwen2VLPrompts(str(model_dir))
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def hf_greedy(hf_cls, model_dir, text: str, images: list, max_new_tokens: int = 12) -> list[int]:
+    proc = hf_processor(model_dir, hf_cls)
     inputs = proc(text=[text], images=images or None, return_tensors="pt", add_special_tokens=True)
     model = hf_cls.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
@@ -51,6 +62,7 @@ FAMILIES = {
     "llava": (build_llava, "LlavaForConditionalGeneration", "<image>", 128, 8),
     "idefics3": (build_idefics3, "Idefics3ForConditionalGeneration", "<image>", 256, 16),
     "gemma3": (build_gemma3, "Gemma3ForConditionalGeneration", "<start_of_image>", 128, 8),
+    "qwen2_5_vl": (build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", QWEN_PLACEHOLDER, 256, 16),
 }
 
 
@@ -94,9 +106,7 @@ def test_prompt_logprobs_match_hf(family):
     """Every prompt position's log-probability, image tokens and the text after them: Gemma 3's
     image tokens attending to each other both ways move these by 0.02-0.04 against a causal
     mask, far above the tolerance."""
-    from transformers import AutoProcessor
-
-    proc = AutoProcessor.from_pretrained(family.dir)
+    proc = hf_processor(family.dir, family.hf_cls)
     hf = family.hf_cls.from_pretrained(family.dir, dtype=torch.float32)
     llm = llm_for(family, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

@@ -194,6 +194,8 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     params = params.get("full_attention", params)  # per layer type (Gemma 3): the global layers'
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None and (scaling.get("rope_type", scaling.get("type")) in ("default", "mrope")):
+        scaling = None  # M-RoPE's sections are its model's (qwen2_5_vl.py); the table is the default one
     return float(theta), scaling
 
 

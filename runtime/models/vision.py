@@ -132,7 +132,7 @@ class SiglipVisionTower(nn.Module):
 # where a multimodal checkpoint keeps its language model: transformers' hub layout, and the one
 # transformers 4.5x saved
 _LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "model.text_model.")
-_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.")
+_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.", "visual.")
 
 
 def language_model_weights(weights, towers: list | None = None):
