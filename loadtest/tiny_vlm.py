@@ -57,6 +57,37 @@ def build_llava(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def build_llava_next(path: Path, seed: int = 0) -> Path:
+    """LLaVA-NeXT's shape: build_llava's tower and language model, images tiled at the best of
+    28x56, 56x28 or 56x56 pixels in 28x28 tiles plus a global view, the tiles' 4x4 features
+    cut back to the image's aspect with a newline token after each row."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(path, "<image>")
+    text = transformers.LlamaConfig(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                    pad_token_id=tok.pad_token_id, **TEXT)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32)
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    cfg = transformers.LlavaNextConfig(text_config=text, vision_config=vision,
+                                       image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                       vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                       image_grid_pinpoints=pinpoints, projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = transformers.LlavaNextForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.multi_modal_projector.linear_2.weight.mul_(8)
+        model.model.image_newline.normal_(0, 1.0)
+    model.save_pretrained(path)
+    images = transformers.LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                  image_grid_pinpoints=pinpoints)
+    transformers.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=7, num_additional_image_tokens=1,
+                                    vision_feature_select_strategy="default",
+                                    chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path
+
+
 def random_image(seed: int, width: int, height: int, mode: str = "RGB"):
     """A noise image (PIL) of the given size."""
     import numpy as np

@@ -63,18 +63,27 @@ def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def equal_image_spans(ids: list[int], token: int, num_images: int) -> list[tuple[int, int]]:
-    """(offset, length) of each image where every image has as many image tokens as the others
-    (one resolution): the image tokens in order, cut into equal runs (two images side by side
-    make one run of tokens)."""
+def counted_image_spans(ids: list[int], token: int, counts: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of each image, given how many image tokens each has: the image tokens in
+    order, cut into runs of those lengths (two images side by side make one run of tokens)."""
     positions = [i for i, t in enumerate(ids) if t == token]
-    if not num_images or len(positions) % num_images:
-        raise ValueError(f"{len(positions)} image tokens for {num_images} images")
-    n = len(positions) // num_images
-    spans = [(positions[k * n], n) for k in range(num_images)]
-    if any(positions[k * n + n - 1] - positions[k * n] != n - 1 for k in range(num_images)):
-        raise ValueError("an image's tokens are not contiguous")
+    if len(positions) != sum(counts):
+        raise ValueError(f"{len(positions)} image tokens for images of {sum(counts)}")
+    spans, at = [], 0
+    for n in counts:
+        if positions[at + n - 1] - positions[at] != n - 1:
+            raise ValueError("an image's tokens are not contiguous")
+        spans.append((positions[at], n))
+        at += n
     return spans
+
+
+def equal_image_spans(ids: list[int], token: int, num_images: int) -> list[tuple[int, int]]:
+    """counted_image_spans where every image has as many tokens as the others (one resolution)."""
+    total = sum(1 for t in ids if t == token)
+    if not num_images or total % num_images:
+        raise ValueError(f"{total} image tokens for {num_images} images")
+    return counted_image_spans(ids, token, [total // num_images] * num_images)
 
 
 def mrope_positions(items, start: int, n: int) -> torch.Tensor:

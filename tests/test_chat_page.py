@@ -38,14 +38,19 @@ def _tiny_server(tiny_model_dir, step_sleep: float = 0.0, **settings):
 
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
                                      max_model_len=1024, debug_checks=True), **settings)
-    if step_sleep:  # a slower model, so that a stream lasts long enough to watch and to stop
-        execute = srv.engine.runner.execute
-
-        def slow(out):
-            time.sleep(step_sleep)
-            return execute(out)
-        srv.engine.runner.execute = slow
+    if step_sleep:
+        _slow_down(srv, step_sleep)
     return srv
+
+
+def _slow_down(srv, step_sleep: float) -> None:
+    """A slower model, so that a stream lasts long enough to watch and to stop."""
+    execute = srv.engine.runner.execute
+
+    def slow(out):
+        time.sleep(step_sleep)
+        return execute(out)
+    srv.engine.runner.execute = slow
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +248,19 @@ def _metric(url: str, name: str, label: str = "") -> float:
     return float(m.group(1))
 
 
+def _stop_and_check_freed(page, srv) -> None:
+    """Stop the streaming answer: the server stops running it and frees its blocks."""
+    page.el("#stop").click()
+    page.wait_answer_ends(10)
+    assert page.state() == "stopped"
+    deadline = time.monotonic() + 10
+    while _metric(srv.url, "num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the stopped request is still running"
+        time.sleep(0.05)
+    srv.wait_idle()
+    srv.engine.check_integrity()
+
+
 class _Page:
     def __init__(self, driver, url: str):
         from selenium.webdriver.common.by import By
@@ -341,16 +359,8 @@ def test_the_chat_page_in_chromium(tiny_model_dir, guarded, tmp_path):
         shot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "chat_page.png")
         assert driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size < 300_000
-        page.el("#stop").click()
-        page.wait_answer_ends(10)
-        assert page.state() == "stopped"
-        deadline = time.monotonic() + 10
-        while _metric(srv.url, "num_requests_running") != 0:
-            assert time.monotonic() < deadline, "the stopped request is still running"
-            time.sleep(0.05)
+        _stop_and_check_freed(page, srv)
         assert _metric(srv.url, "request_success_total", 'finished_reason="abort"') == aborted + 1
-        srv.wait_idle()
-        srv.engine.check_integrity()
 
         # 3. a bad request (max tokens beyond the context) is shown; the next one works
         page.fill("#max-tokens", "100000")
@@ -461,12 +471,7 @@ def test_an_image_pasted_into_the_page_reaches_the_model(tmp_path):
     model_dir = build_llava(tmp_path / "llava")
     srv = InProcessServer(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory=0.05,
                                      max_model_len=1024, debug_checks=True), served_model_names=("llava",))
-    execute = srv.engine.runner.execute
-
-    def slow(out):  # long enough a stream to stop
-        time.sleep(0.01)
-        return execute(out)
-    srv.engine.runner.execute = slow
+    _slow_down(srv, 0.01)
     try:
         page = _Page(driver, f"{srv.url}/")
         page.models_ready()
@@ -502,15 +507,7 @@ def test_an_image_pasted_into_the_page_reaches_the_model(tmp_path):
         page.wait().until(lambda d: len(page.els("#attachments img")) == 1)
         page.send("Tell me a long story about it")
         page.wait().until(lambda d: page.state() == "streaming" and len(page.last_answer().text) > 40)
-        page.el("#stop").click()
-        page.wait_answer_ends(10)
-        assert page.state() == "stopped"
-        deadline = time.monotonic() + 10
-        while _metric(srv.url, "num_requests_running") != 0:
-            assert time.monotonic() < deadline, "the stopped request is still running"
-            time.sleep(0.05)
-        srv.wait_idle()
-        srv.engine.check_integrity()
+        _stop_and_check_freed(page, srv)
     finally:
         with contextlib.suppress(Exception):
             driver.quit()

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pageserve.loadtest.tiny_vlm import (QWEN_PLACEHOLDER, build_gemma3, build_idefics3, build_llava, build_qwen2_5_vl,
-                                         random_image)
+from pageserve.loadtest.tiny_vlm import (QWEN_PLACEHOLDER, build_gemma3, build_idefics3, build_llava, build_llava_next,
+                                         build_qwen2_5_vl, random_image)
 from pageserve.runtime import LLM, SamplingParams
 from tests.conftest import assert_pool_clean
 
@@ -60,6 +60,7 @@ CASES = [  # (text, images): one image, two images, text before and after, an im
 # preemption test: the longest request's and a few more)
 FAMILIES = {
     "llava": (build_llava, "LlavaForConditionalGeneration", "<image>", 128, 8),
+    "llava_next": (build_llava_next, "LlavaNextForConditionalGeneration", "<image>", 256, 16),
     "idefics3": (build_idefics3, "Idefics3ForConditionalGeneration", "<image>", 256, 16),
     "gemma3": (build_gemma3, "Gemma3ForConditionalGeneration", "<start_of_image>", 128, 8),
     "qwen2_5_vl": (build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration", QWEN_PLACEHOLDER, 256, 16),

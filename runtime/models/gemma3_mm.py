@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pageserve.runtime.models.gemma import Gemma3ForCausalLM
-from pageserve.runtime.models.vision import SiglipVisionTower, language_model_weights, load_exact
-from pageserve.runtime.multimodal import equal_image_spans
+from pageserve.runtime.models.vision import SiglipVisionTower, TakesImages, language_model_weights, load_exact
 
 
 class Gemma3Projector(nn.Module):
@@ -36,20 +35,9 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(h.type_as(x), self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TakesImages, Gemma3ForCausalLM):
     towers = ("vision_tower.", "multi_modal_projector.")
-    image_placeholder = None  # the processor's (<start_of_image>, which it expands)
-    images_attend_both_ways = True
-
-    @staticmethod
-    def image_token(hf: dict) -> int:
-        mm = hf["_multimodal"]
-        return mm.get("image_token_index", mm.get("image_token_id"))
-
-    @staticmethod
-    def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:
-        return [(offset, length, {"pixel_values": processed["pixel_values"][i:i + 1]})
-                for i, (offset, length) in enumerate(equal_image_spans(ids, token, num_images))]
+    images_attend_both_ways = True  # image_placeholder: the processor's <start_of_image>, which it expands
 
     def __init__(self, cfg, kernels):
         super().__init__(cfg, kernels)

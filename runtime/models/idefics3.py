@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pageserve.runtime.models.llama import LlamaForCausalLM
-from pageserve.runtime.models.vision import VisionEncoder, language_model_weights, load_exact
+from pageserve.runtime.models.vision import TakesImages, VisionEncoder, language_model_weights, load_exact
 from pageserve.runtime.multimodal import image_token_runs
 
 
@@ -59,14 +59,9 @@ def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
     return x.reshape(tiles, seq // (scale * scale), d * scale * scale)
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(TakesImages, LlamaForCausalLM):
     towers = ("vision_model.", "connector.")
     image_placeholder = "<image>"
-
-    @staticmethod
-    def image_token(hf: dict) -> int:
-        mm = hf["_multimodal"]
-        return mm.get("image_token_id", mm.get("image_token_index"))
 
     @staticmethod
     def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pageserve.runtime.models.llama import LlamaForCausalLM
-from pageserve.runtime.models.vision import activation, language_model_weights, load_exact
+from pageserve.runtime.models.vision import TakesImages, activation, language_model_weights, load_exact
 from pageserve.runtime.multimodal import image_token_runs
 
 
@@ -150,15 +150,10 @@ class Qwen2VLPrompts:
         return out
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+class Qwen2_5_VLForConditionalGeneration(TakesImages, LlamaForCausalLM):
     towers = ("visual.",)
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     processor = Qwen2VLPrompts
-
-    @staticmethod
-    def image_token(hf: dict) -> int:
-        mm = hf["_multimodal"]
-        return mm.get("image_token_id", mm.get("image_token_index"))
 
     @staticmethod
     def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:

@@ -29,6 +29,7 @@ _MODELS = {
     "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
     "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
     "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
+    "LlavaNextForConditionalGeneration": Entry("llava", "LlavaNextForConditionalGeneration", text_config=True),
     "Qwen2_5_VLForConditionalGeneration": Entry("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True,
                                                 text_config=True),
     "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True),

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pageserve.runtime.multimodal import equal_image_spans
+
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
@@ -127,6 +129,33 @@ class SiglipVisionTower(nn.Module):
         x = e.patch_embedding(pixel_values.to(e.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
         x = self.encoder(x + e.position_embedding.weight[:x.shape[1]])[-1]
         return self.post_layernorm(x) if self.post_layernorm is not None else x
+
+
+class TakesImages:
+    """What the engine asks of a model that takes images (runtime/multimodal.py), mixed in before
+    its language model's class: `encode_image(data)` -> [image tokens, hidden]; `image_token`,
+    the id the processor writes for each of an image's tokens; `image_inputs`, the processor's
+    output -> each image's (offset, length, tensors) in the prompt (here: every image as many
+    tokens, `pixel_values` one row each); `image_placeholder`, the text for an image before
+    processing (None: the processor's image_token); `processor`, a class standing in for
+    transformers' AutoProcessor (None: AutoProcessor); `images_attend_both_ways`, an image's
+    tokens attend to each other in both directions."""
+    image_placeholder: str | None = None
+    processor = None
+    images_attend_both_ways = False
+
+    @staticmethod
+    def image_token(hf: dict) -> int:
+        mm = hf["_multimodal"]
+        return mm.get("image_token_id", mm.get("image_token_index"))
+
+    @staticmethod
+    def image_inputs(processed, ids: list[int], token: int, num_images: int, processor) -> list[tuple]:
+        return [(offset, length, {"pixel_values": processed["pixel_values"][i:i + 1]})
+                for i, (offset, length) in enumerate(equal_image_spans(ids, token, num_images))]
+
+    def encode_image(self, data: dict) -> torch.Tensor:
+        raise NotImplementedError
 
 
 # where a multimodal checkpoint keeps its language model: transformers' hub layout, and the one
