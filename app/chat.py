@@ -86,8 +86,10 @@ async def chat_prompt(state: ServerState, body, param: str = "messages") -> tupl
 
 
 async def load_images(state: ServerState, messages: list[ChatMessage], param: str) -> list:
-    """The messages' images in order, decoded and checked (400s name the message)."""
-    parts = [(f"{param}.{i}.content", url) for i, m in enumerate(messages) for url in m.image_urls()]
+    """The messages' images in order, decoded and checked (a 400 names the part; the Responses
+    API's, its `input`: its items are not these messages one for one)."""
+    parts = [(f"{param}.{i}.content.{j}" if param == "messages" else param, url)
+             for i, m in enumerate(messages) for j, url in m.image_urls()]
     if not parts:
         return []
     if state.engine.image_placeholder is None:

@@ -105,10 +105,11 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text if part.type == "text" else image_placeholder for part in self.content)
 
-    def image_urls(self) -> list[str]:
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, URL) of each image part."""
         if not isinstance(self.content, list):
             return []
-        return [part.image_url.url for part in self.content if part.type == "image_url"]
+        return [(j, part.image_url.url) for j, part in enumerate(self.content) if part.type == "image_url"]
 
 
 class JsonSchemaFormat(_Body):

@@ -20,7 +20,7 @@ from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
-from pageserve.runtime.multimodal import EncoderOutputs, mrope_positions
+from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
@@ -320,18 +320,7 @@ class ModelRunner:
         if not out.requests:
             return result
         ids, pos, meta, logits_rows = self._prepare(out)
-        if getattr(self.model, "mrope_section", None):  # positions are (t, h, w) triples
-            pos = torch.cat([mrope_positions(r.mm_items, r.start_pos, len(r.token_ids)) for r in out.requests],
-                            dim=1).to(self.device)
-        images = None
-        if any(r.mm_items for r in out.requests):
-            starts = [0]
-            for r in out.requests:
-                starts.append(starts[-1] + len(r.token_ids))
-            images = self.images.step_embeddings(self.model, out.requests, starts, self.device)
-            result.encoder_seconds = self.images.take_seconds()
-            if images is not None and getattr(self.model, "images_attend_both_ways", False):
-                meta.key_limit = self.images.key_limit(out.requests, starts, pos)
+        pos, images, result.encoder_seconds = self.images.prepare(self.model, out.requests, pos, meta, self.device)
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
         size = self.graphs.size_for(meta, self.device) if self.graphs is not None and images is None else None

@@ -199,6 +199,25 @@ class EncoderOutputs:
         s, self.seconds = self.seconds, {}
         return s
 
+    def prepare(self, model, requests, positions: torch.Tensor, meta,
+                device: torch.device) -> tuple[torch.Tensor, tuple | None, dict[str, float]]:
+        """What a step needs of the images: its positions (M-RoPE (t, h, w) triples where the
+        model takes them), the rows of the image tokens it computes and their embeddings (None:
+        none), and the seconds each request spent in the encoder. Sets meta.key_limit where the
+        model's image tokens attend to each other."""
+        if getattr(model, "mrope_section", None):
+            positions = torch.cat([mrope_positions(r.mm_items, r.start_pos, len(r.token_ids)) for r in requests],
+                                  dim=1).to(device)
+        if not any(r.mm_items for r in requests):
+            return positions, None, {}
+        starts = [0]
+        for r in requests:
+            starts.append(starts[-1] + len(r.token_ids))
+        images = self.step_embeddings(model, requests, starts, device)
+        if images is not None and getattr(model, "images_attend_both_ways", False):
+            meta.key_limit = self.key_limit(requests, starts, positions)
+        return positions, images, self.take_seconds()
+
     def step_embeddings(self, model, requests, starts: list[int],
                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the step's flat batch, their embeddings) for the image tokens the step

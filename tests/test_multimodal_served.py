@@ -109,6 +109,11 @@ def test_jpeg_webp_gif_and_responses_input_image(server):
         {"role": "user", "content": [{"type": "input_text", "text": QUESTION},
                                      {"type": "input_image", "image_url": raw}]}])
     assert resp.output_text == chat.choices[0].message.content
+    bad = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": "llava", "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": data_url(b"GIF89a broken")}]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+    assert "not an image this server reads" in bad.json()["error"]["message"]
     server.wait_idle()
 
 
@@ -179,7 +184,7 @@ def test_decompression_bomb_refused_before_decoding(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                    json={"model": "llava", "messages": image_message(data_url(buf.getvalue())), "max_tokens": 4})
     assert r.status_code == 400 and "8000x8000 pixels" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "messages.0.content"
+    assert r.json()["error"]["param"] == "messages.0.content.1"  # the image part
 
 
 def test_a_text_model_refuses_images(tiny_server):
@@ -187,7 +192,7 @@ def test_a_text_model_refuses_images(tiny_server):
                    json={"model": tiny_server.model, "max_tokens": 4,
                          "messages": image_message(data_url(png(random_image(1, 8, 8))))})
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "messages.0.content"
+    assert r.json()["error"]["param"] == "messages.0.content.1"
 
 
 class _Images(BaseHTTPRequestHandler):

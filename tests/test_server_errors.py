@@ -33,7 +33,7 @@ BAD = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content.0.image_url.url", "required"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-     400, "messages.0.content", "takes no images"),
+     400, "messages.0.content.0", "takes no images"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature", "valid number"),
     (CHAT, {"messages": MSG, "temperature": -1}, 400, "temperature", "greater than or equal"),
     (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p", "less than or equal"),
