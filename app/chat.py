@@ -98,7 +98,7 @@ async def load_images(state: ServerState, messages: list[ChatMessage], param: st
     if len(parts) > limit:
         raise bad_request(f"{len(parts)} images in one prompt; this server takes at most {limit} "
                           "(--limit-mm-per-prompt)", parts[limit][0])
-    return [await state.media.load(url, param) for param, url in parts]
+    return [await state.media.load(url, where) for where, url in parts]
 
 
 @api_route
