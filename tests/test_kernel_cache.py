@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pageserve.runtime.models.loader import cache_root
-from pageserve.triton_kernels import cpu_kernels
+from pageserve.triton_kernels import cpu_build, cpu_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ def cache(tmp_path, real_library, monkeypatch):
                       f"shutil.copy({str(real_library)!r}, sys.argv[sys.argv.index('-o') + 1])\n")
     monkeypatch.setenv("CC", f"{sys.executable} '{script}'")
     monkeypatch.setattr(cpu_kernels, "_announced", set())
-    name = folder / f"cpu_kernels-{cpu_kernels._build_key(cpu_kernels.FLAGS)}.so"
+    name = folder / f"cpu_kernels-{cpu_build.build_key(cpu_kernels.FLAGS)}.so"
     return folder, name, tmp_path / "runs"
 
 

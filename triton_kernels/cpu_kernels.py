@@ -4,37 +4,26 @@ attention of any step, and the whole decoder stack of a Llama-style model for a 
 step in one call (cpu_kernels.c). linear_plan.py chooses between the C linear and torch's
 matmul by the number of rows in a step.
 
-The C files are compiled once per machine with the system's C compiler (`cc -O3 -march=native
--fopenmp`) into a cache folder the caller names, and called through ctypes (which releases
-the GIL). Where there is no compiler, or the build fails, `load` returns None and the engine
-keeps torch's matmul: the kernel is a speed-up, never a requirement."""
+The C files are compiled once per machine (cpu_build.py) into a cache folder the caller names,
+and called through ctypes (which releases the GIL). Where there is no compiler, or the build
+fails, `load` returns None and the engine keeps torch's matmul: the kernel is a speed-up, never
+a requirement."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import shutil
-import stat
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pageserve.triton_kernels.cpu_build import FLAGS, build, build_key, untrusted
+
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.c", "cpu_linear_bf16.c", "cpu_kernels.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_weights.h")]
-# -ffp-contract=off: no fused a * b + c that the source does not write (GCC fused a scalar
-# tail in one inlining and not another: one rounding, whatever the inlining)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -358,20 +347,6 @@ class DecodeStack:
     scratch: torch.Tensor  # the step's intermediate activations, grown to the largest step
 
 
-def _build_key(flags: list[str]) -> str:
-    h = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
-        h.update(path.read_bytes())
-    h.update(" ".join(flags).encode())
-    h.update(platform.machine().encode())
-    try:  # -march=native: a different CPU model needs its own build
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-        h.update(flags.encode())
-    except (OSError, StopIteration):
-        pass
-    return h.hexdigest()[:16]
-
-
 _announced: set[Path] = set()  # the libraries whose choice the log has said
 
 
@@ -383,11 +358,11 @@ def load(cache_dir: Path, bf16_dot: bool = False, extra_flags: tuple[str, ...] =
     if os.environ.get("PAGESERVE_NO_CPU_KERNELS") == "1":
         return None
     flags = [*FLAGS, *extra_flags]
-    path = cache_dir / f"cpu_kernels-{_build_key(flags)}.so"
+    path = cache_dir / f"cpu_kernels-{build_key(flags)}.so"
     for attempt in range(2):
-        if not path.is_file() and not _build(cache_dir, path, flags):
+        if not path.is_file() and not build(cache_dir, path, flags):
             return None
-        if (why := _untrusted(path)) is not None:
+        if (why := untrusted(path)) is not None:
             logger.warning("not loading the CPU kernels from %s: %s; keeping torch's ops (remove it, or point "
                            "$PAGESERVE_CACHE at a folder only you can write)", path, why)
             return None
@@ -417,48 +392,3 @@ def _load_fresh(path: Path, bf16_dot: bool) -> CpuKernels:
         return CpuKernels(link, bf16_dot)
     finally:
         link.unlink()
-
-
-def _untrusted(path: Path) -> str | None:
-    """Why a compiled file may not be loaded: code that another user could have written (the
-    file, or its folder, owned by someone else or writable by others). A folder of this user's
-    that others may write to (a umask of 002) is closed first: a file they put there is theirs,
-    which the file's own check refuses."""
-    folder = path.parent
-    st = folder.stat()
-    if st.st_uid == os.getuid() and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        with contextlib.suppress(OSError):
-            folder.chmod(stat.S_IMODE(st.st_mode) & ~0o022)
-            logger.warning("%s was writable by other users: closed it (mode %o)", folder,
-                           stat.S_IMODE(st.st_mode) & ~0o022)
-    for p in (path, folder):
-        st = p.stat()
-        if st.st_uid not in (os.getuid(), 0):
-            return f"{p} belongs to another user (uid {st.st_uid})"
-        if st.st_mode & 0o022 and not (p.is_dir() and st.st_mode & stat.S_ISVTX and st.st_uid == os.getuid()):
-            return f"{p} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def _build(cache_dir: Path, path: Path, flags: list[str]) -> bool:
-    compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler:
-        logger.info("no C compiler: the CPU path keeps torch's ops")
-        return False
-    tmp = None
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
-        os.close(fd)
-        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
-        os.replace(tmp, path)
-        return True
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = (getattr(e, "stderr", "") or str(e)).strip()
-        logger.warning("building the CPU kernels with %s failed; keeping torch's ops: %s", " ".join(compiler),
-                       detail.splitlines()[-1] if detail else e)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        return False
