@@ -35,6 +35,23 @@ def native_kernels(tmp_path_factory):
     return k
 
 
+@pytest.fixture(scope="session")
+def portable_kernels(tmp_path_factory):
+    """The C kernels built for any x86-64 (no AVX2, no F16C: the scalar paths, the software
+    half-float conversion), once."""
+    import platform
+
+    from pageserve.triton_kernels import cpu_kernels
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is an x86-64 one")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu_kernels.FLAGS])
+        k = cpu_kernels.load(tmp_path_factory.mktemp("portable"))
+    assert k is not None and not k.vectorized
+    return k
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
     """The real server on the tiny model, in this process, for a module's tests."""

@@ -7,7 +7,6 @@ greedy tokens."""
 
 from __future__ import annotations
 
-import platform
 import random
 from pathlib import Path
 
@@ -30,18 +29,12 @@ QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationT
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64"])
-def kernel(request, native_kernels, tmp_path_factory):
+def kernel(request, native_kernels):
     """The kernels built for this machine, and for any x86-64 (no AVX2, no F16C: the scalar
     paths, the software half-float conversion)."""
     if request.param == "native":
         return native_kernels
-    if platform.machine() != "x86_64":
-        pytest.skip("the portable build is an x86-64 one")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64" for f in cpu_kernels.FLAGS])
-        k = cpu_kernels.load(tmp_path_factory.mktemp("portable"))
-    assert k is not None and not k.vectorized
-    return k
+    return request.getfixturevalue("portable_kernels")
 
 
 def quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:

@@ -59,20 +59,29 @@ static inline float round_bf16(float f) {
 }
 
 /* A matrix's format (the `wtype` of pageserve_linear): float32; bfloat16 (a float32 model's
-   matrices kept at half the bytes where every value's low 16 bits are zero); or one of GGUF's
-   blocks of 32 values, kept as the file holds them: Q8_0 (f16 scale d, 32 int8: d * q), Q4_0
-   (d, 16 bytes of nibbles: d * (q - 8)), Q4_1 (d, f16 offset m, nibbles: d * q + m); the low
-   nibbles of a block are its values 0-15, the high ones 16-31. A value is widened to the
-   float32 that GGUF's own dequantizer computes (one product, one sum, each rounded as
-   numpy's float32 does), so every sum is that of the dequantized float32 matrix, to the bit. */
-enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4 };
+   matrices kept at half the bytes where every value's low 16 bits are zero); or blocks of 32
+   values. GGUF's, kept as the file holds them: Q8_0 (f16 scale d, 32 int8: d * q), Q4_0 (d, 16
+   bytes of nibbles: d * (q - 8)), Q4_1 (d, f16 offset m, nibbles: d * q + m). A quantized
+   checkpoint's (cpu_blocks.py packs them), each with a float32 scale s first: I8 (32 int8:
+   q * s), F8 (32 float8 e4m3fn codes: q * s; a NaN code widens to a NaN), I4 (a zero point
+   byte z, then nibbles: (q - z) * s). The low nibbles of a block are its values 0-15, the high
+   ones 16-31. A value is widened to the float32 that its dequantizer computes (GGUF's own; for
+   the others the float32 product above), each product and sum rounded once, so every sum is
+   that of the dequantized float32 matrix, to the bit. */
+/* the block formats: W_Q8_0 and up */
+enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_I8 = 5, W_F8 = 6, W_I4 = 7 };
 /* or'ed into a format: multiply in bfloat16 (cpu_linear_bf16.c) rather than float32 */
 enum { W_DOT16 = 8 };
 
 /* bytes of one block of 32 values */
 static inline long block_bytes(int wtype) {
-    wtype &= ~W_DOT16;
-    return wtype == W_Q8_0 ? 34 : wtype == W_Q4_0 ? 18 : 20;
+    switch (wtype & ~W_DOT16) {
+    case W_Q8_0: return 34;
+    case W_Q4_0: return 18;
+    case W_Q4_1: return 20;
+    case W_I4: return 21;
+    default: return 36; /* W_I8, W_F8 */
+    }
 }
 
 /* elements (bytes for the block formats) from one row of a contiguous K-column matrix to the next */

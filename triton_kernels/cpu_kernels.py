@@ -1,8 +1,8 @@
-"""Float32 kernels for the CPU path in C: the linear layer over float32, bfloat16 or GGUF-block
-weights (cpu_linear.c); RMSNorm with the residual, rotary embedding, SiLU-and-mul, causal paged
-attention of any step, and the whole decoder stack of a Llama-style model for a decode-only
-step in one call (cpu_kernels.c). linear_plan.py chooses between the C linear and torch's
-matmul by the number of rows in a step.
+"""Float32 kernels for the CPU path in C: the linear layer over float32, bfloat16 or blocks of
+32 values (cpu_blocks.py's formats; cpu_linear.c); RMSNorm with the residual, rotary embedding,
+SiLU-and-mul, causal paged attention of any step, and the whole decoder stack of a Llama-style
+model for a decode-only step in one call (cpu_kernels.c). linear_plan.py chooses between the C
+linear and torch's matmul by the number of rows in a step.
 
 The C files are compiled once per machine (cpu_build.py) into a cache folder the caller names,
 and called through ctypes (which releases the GIL). Where there is no compiler, or the build
@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS, blocks, in_features, weight_format
 from pageserve.triton_kernels.cpu_build import FLAGS, build, build_key, untrusted
 
-logger = logging.getLogger(__name__)
+__all__ = ["BLOCK_FORMATS", "blocks", "in_features", "weight_format", "CpuKernels", "DecodeStack", "load"]
 
+logger = logging.getLogger(__name__)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -36,40 +38,6 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
         return t
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-# formats of a matrix (the C file's W_F32 ...): float32, bfloat16, and GGUF's blocks of 32 values
-BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20)}  # name -> (code, bytes a block)
-
-
-def blocks(raw: torch.Tensor, block_format: str, in_features: int) -> torch.Tensor:
-    """`raw` ([rows, bytes a row] uint8, as a GGUF file holds a quantized matrix) marked as a
-    matrix of `in_features` columns in `block_format`: a weight the C linear takes."""
-    if block_format not in BLOCK_FORMATS or in_features % 32 or raw.dtype != torch.uint8 or raw.dim() != 2 \
-            or raw.shape[1] != in_features // 32 * BLOCK_FORMATS[block_format][1]:
-        raise ValueError(f"{tuple(raw.shape)} {raw.dtype} is not {in_features} columns of {block_format} blocks")
-    p = torch.nn.Parameter(raw, requires_grad=False)
-    p.block_format, p.in_features = block_format, in_features
-    return p
-
-
-def in_features(weight: torch.Tensor) -> int:
-    """Columns of a matrix in any format (a GGUF-block one's rows are bytes)."""
-    return getattr(weight, "in_features", None) or weight.shape[1]
-
-
-def weight_format(weight: torch.Tensor) -> tuple[int, int]:
-    """(format code, columns) of a CPU matrix: float32, bfloat16, or uint8 blocks (`blocks`)."""
-    if not weight.is_cpu or weight.dim() != 2:
-        raise TypeError(f"cpu kernels take 2-D CPU matrices, got {tuple(weight.shape)} on {weight.device}")
-    if weight.dtype == torch.float32:
-        return 0, weight.shape[1]
-    if weight.dtype == torch.bfloat16:
-        return 1, weight.shape[1]
-    block_format = getattr(weight, "block_format", None)
-    if weight.dtype == torch.uint8 and block_format in BLOCK_FORMATS:
-        return BLOCK_FORMATS[block_format][0], weight.in_features
-    raise TypeError(f"cpu kernels take float32, bfloat16 or GGUF-block matrices, got {weight.dtype}")
 
 
 DOT16 = 8  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
@@ -120,7 +88,7 @@ class CpuKernels:
         self.path = path
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear of float32 x; the weight float32, bfloat16 or in GGUF blocks
+        """F.linear of float32 x; the weight float32, bfloat16 or in blocks
         (`weight_format`), widened as it is read: the same sums as of its float32 values, bit
         for bit."""
         fmt, k_w = weight_format(weight)

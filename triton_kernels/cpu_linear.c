@@ -1,5 +1,5 @@
 /* The linear layer of the CPU path in C: y[R, O] = x[R, K] @ W[O, K]^T (+ bias), the weights in
-   float32, bfloat16 or GGUF blocks (cpu_kernels.h). torch's float32 matmul (MKL sgemm) reads
+   float32, bfloat16 or blocks of 32 values (cpu_kernels.h). torch's float32 matmul (MKL sgemm) reads
    the weights at 11-15 GB/s for one row of x on a 2-core machine that streams 25-33 GB/s, and
    does not use the second core: a decode step of one request spends most of its time there.
    This kernel streams each weight row once per block of x rows, six weight rows at a time,
@@ -90,7 +90,10 @@ static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long
     switch (wtype) { /* one copy per format, the format's branches gone */
     case W_Q8_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q8_0); break;
     case W_Q4_0: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_0); break;
-    default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1);
+    case W_I8: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_I8); break;
+    case W_F8: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_F8); break;
+    case W_I4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_I4); break;
+    default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
 #endif
@@ -192,7 +195,10 @@ static void row1_blocks512(const float *x, long K, const uint8_t *W, long ldw, l
     switch (wtype) {
     case W_Q8_0: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q8_0); break;
     case W_Q4_0: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_0); break;
-    default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1);
+    case W_I8: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_I8); break;
+    case W_F8: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_F8); break;
+    case W_I4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_I4); break;
+    default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
 #endif
@@ -229,17 +235,7 @@ void widen_row(const void *src, int wtype, long K, float *out) {
         widen_block(blk, wtype, v);
         for (int g = 0; g < 4; g++) _mm256_storeu_ps(o + 8 * g, v[g]);
 #else
-        float d = f16_to_f32(load_u16(blk)), m = wtype == W_Q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
-        if (wtype == W_Q8_0) {
-            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
-        } else {
-            const uint8_t *q = blk + (wtype == W_Q4_1 ? 4 : 2);
-            for (int j = 0; j < 16; j++) {
-                int lo = q[j] & 0x0F, hi = q[j] >> 4;
-                o[j] = wtype == W_Q4_0 ? d * (float)(lo - 8) : d * (float)lo + m;
-                o[j + 16] = wtype == W_Q4_0 ? d * (float)(hi - 8) : d * (float)hi + m;
-            }
-        }
+        widen_block_scalar(blk, wtype, o);
 #endif
     }
 }

@@ -1,7 +1,7 @@
 /* The linear layer in bfloat16 arithmetic (a format code with W_DOT16 set): y = x W^T with x and
    every weight rounded to bfloat16 (to nearest even, as torch's .bfloat16() rounds), products
    summed in float32 by AVX512-BF16's vdpbf16ps, 32 products an instruction where the float32
-   kernel makes 16. The weights stay in their own format (float32, bfloat16, GGUF blocks),
+   kernel makes 16. The weights stay in their own format (float32, bfloat16, blocks),
    widened as cpu_linear.c widens them, then rounded. torch's bfloat16 matmul computes the same
    products, sums them in another order, and rounds y (plus the bias) to bfloat16, as this does.
 
@@ -102,7 +102,10 @@ static void row1(const uint16_t *xb, long K, const void *W, int wtype, long ldw,
     case W_BF16: row1_of(xb, K, W, W_BF16, ldw, o0, o1, bias, y); break;
     case W_Q8_0: row1_of(xb, K, W, W_Q8_0, ldw, o0, o1, bias, y); break;
     case W_Q4_0: row1_of(xb, K, W, W_Q4_0, ldw, o0, o1, bias, y); break;
-    default: row1_of(xb, K, W, W_Q4_1, ldw, o0, o1, bias, y);
+    case W_I8: row1_of(xb, K, W, W_I8, ldw, o0, o1, bias, y); break;
+    case W_F8: row1_of(xb, K, W, W_F8, ldw, o0, o1, bias, y); break;
+    case W_I4: row1_of(xb, K, W, W_I4, ldw, o0, o1, bias, y); break;
+    default: row1_of(xb, K, W, W_Q4_1, ldw, o0, o1, bias, y); /* W_Q4_1 */
     }
 }
 

@@ -76,14 +76,73 @@ static inline uint16_t load_u16(const uint8_t *p) {
     return v;
 }
 
+/* a block's float32 scale (cpu_kernels.h's I8, F8, I4) */
+static inline float f32_at(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* the 16 bits of a half float that is e4m3fn code b divided by 256, exactly (its exponent field
+   moved into the half's, whose bias is 8 more; subnormals included); a NaN for a NaN code (0x7F,
+   0xFF), whose bits moved so would read 1.875 */
+static inline uint16_t f8_half_bits(uint8_t b) {
+    return (b & 0x7F) == 0x7F ? (uint16_t)((b & 0x80) << 8 | 0x7F80) : (uint16_t)((b & 0x80) << 8 | (b & 0x7F) << 7);
+}
+
+/* one block's 32 values, one at a time (the builds without AVX2) */
+static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
+    if (wtype >= W_I8) {
+        float s = f32_at(blk);
+        if (wtype == W_I8) {
+            for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[4 + j] * s;
+        } else if (wtype == W_F8) {
+            float s256 = 256.0f * s; /* exact: (q / 256) * (256 s) is q * s, rounded once */
+            for (int j = 0; j < 32; j++) o[j] = f16_to_f32(f8_half_bits(blk[4 + j])) * s256;
+        } else {
+            int z = blk[4];
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)((blk[5 + j] & 0x0F) - z) * s;
+                o[j + 16] = (float)((blk[5 + j] >> 4) - z) * s;
+            }
+        }
+        return;
+    }
+    float d = f16_to_f32(load_u16(blk)), m = wtype == W_Q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
+    if (wtype == W_Q8_0) {
+        for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[2 + j] * d;
+        return;
+    }
+    const uint8_t *q = blk + (wtype == W_Q4_1 ? 4 : 2);
+    for (int j = 0; j < 16; j++) {
+        int lo = q[j] & 0x0F, hi = q[j] >> 4;
+        o[j] = wtype == W_Q4_0 ? d * (float)(lo - 8) : d * (float)lo + m;
+        o[j + 16] = wtype == W_Q4_0 ? d * (float)(hi - 8) : d * (float)hi + m;
+    }
+}
+
 #ifdef PS_AVX2
+#ifdef __F16C__
+/* 16 e4m3fn codes as f8_half_bits gives them: the sign-extended byte shifted left 7 holds the
+   sign at bit 15 and the code's other bits at 7-13 (bit 14, a copy of the sign, cleared); adding
+   1 at bit 7 carries into bit 14 for a NaN code alone, whose half it makes a NaN */
+static inline __m256i f8_halves(__m128i bytes) {
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16((short)0xBF80));
+    __m256i nan = _mm256_and_si256(_mm256_add_epi16(h, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000));
+    return _mm256_or_si256(h, nan);
+}
+#endif
+
 /* The 32 values of one block in four registers (values 0-7, 8-15, 16-23, 24-31). d * q is
    exact in float32 (an 11-bit mantissa times a 4- or 8-bit integer), so Q4_1's fma(d, q, m)
    rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
 static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
     __m256 d, m = _mm256_setzero_ps();
+    if (wtype >= W_I8) {
+        d = _mm256_set1_ps(f32_at(blk));
+    }
 #ifdef __F16C__
-    if (wtype == W_Q4_1) { /* d and m converted together */
+    else if (wtype == W_Q4_1) { /* d and m converted together */
         uint32_t dm;
         memcpy(&dm, blk, 4);
         __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
@@ -93,24 +152,43 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
         d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
     }
 #else
-    d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
-    if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+    else {
+        d = _mm256_set1_ps(f16_to_f32(load_u16(blk)));
+        if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
+    }
 #endif
-    if (wtype == W_Q8_0) {
+    if (wtype == W_Q8_0 || wtype == W_I8) {
+        const uint8_t *q = blk + (wtype == W_I8 ? 4 : 2);
         for (int g = 0; g < 4; g++)
-            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * g)))), d);
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * g)))), d);
+        return;
+    }
+    if (wtype == W_F8) {
+#ifdef __F16C__
+        d = _mm256_mul_ps(d, _mm256_set1_ps(256.0f)); /* exact: (q / 256) * (256 s) is q * s, rounded once */
+        for (int h = 0; h < 2; h++) {
+            __m256i halves = f8_halves(_mm_loadu_si128((const __m128i *)(blk + 4 + 16 * h)));
+            v[2 * h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), d);
+            v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), d);
+        }
+#else
+        float o[32];
+        widen_block_scalar(blk, wtype, o);
+        for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(o + 8 * g);
+#endif
         return;
     }
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : 2);
+    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : 2);
     __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
     __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
                     _mm256_srli_epi32(b, 4)};
-    if (wtype == W_Q4_0) {
-        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))));
+    if (wtype == W_Q4_0 || wtype == W_I4) {
+        __m256i zero = _mm256_set1_epi32(wtype == W_I4 ? blk[4] : 8);
+        for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], zero)));
     } else {
         for (int g = 0; g < 4; g++) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[g]), m);
     }
@@ -122,13 +200,23 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* one block's 32 values in two registers, those of widen_block: a Q4 block's nibbles index the
-   table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
+/* one block's 32 values in two registers, those of widen_block: a 4-bit block's nibbles index
+   the table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
 static inline __attribute__((always_inline)) void widen_block16(const uint8_t *blk, int wtype, __m512 v[2]) {
-    if (wtype == W_Q8_0) {
-        __m512 d = _mm512_set1_ps(f16_to_f32(load_u16(blk)));
+    if (wtype == W_Q8_0 || wtype == W_I8) {
+        __m512 d = _mm512_set1_ps(wtype == W_I8 ? f32_at(blk) : f16_to_f32(load_u16(blk)));
+        const uint8_t *q = blk + (wtype == W_I8 ? 4 : 2);
         for (int g = 0; g < 2; g++)
-            v[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * g)))), d);
+            v[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)))), d);
+        return;
+    }
+    if (wtype == W_F8) { /* as f8_halves, 32 at once (h | (h + 0x80) & 0x4000 in one ternary op) */
+        __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 4)));
+        __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16((short)0xBF80));
+        h = _mm512_ternarylogic_epi32(h, _mm512_add_epi16(h, _mm512_set1_epi16(0x80)), _mm512_set1_epi16(0x4000), 0xF8);
+        __m512 d = _mm512_set1_ps(256.0f * f32_at(blk));
+        v[0] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), d);
+        v[1] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), d);
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -138,10 +226,13 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         memcpy(&dm, blk, 4);
         __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
         table = _mm512_fmadd_ps(_mm512_broadcastss_ps(both), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(both)));
+    } else if (wtype == W_I4) {
+        table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)blk[4])), _mm512_set1_ps(f32_at(blk)));
     } else {
         table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : 2))));
+    __m512i q = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : 2))));
     v[0] = _mm512_permutexvar_ps(q, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }

@@ -1,0 +1,122 @@
+"""The matrix formats of the CPU kernels' C linear (cpu_kernels.h's W_*): float32, bfloat16, and
+blocks of 32 values kept as uint8 rows. GGUF's blocks come as the file holds them; a quantized
+checkpoint's codes (compressed-tensors, AWQ, GPTQ, FP8) are packed here, each block its own
+float32 scale ahead of the codes, little-endian:
+
+    i8  36 bytes: scale s, 32 int8 q                           value (float)q * s
+    f8  36 bytes: scale s, 32 float8 e4m3fn codes q            value (float)q * s (a NaN code: NaN)
+    i4  21 bytes: scale s, zero point z, 16 bytes of nibbles   value (float)(q - z) * s
+
+each product rounded once. An i4 block's byte i holds value i in its low nibble and value i + 16
+in its high one, as GGUF's Q4 blocks do."""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (format code, bytes a block of 32 values)
+BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21)}
+F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
+
+
+def blocks(raw: torch.Tensor, block_format: str, in_features: int) -> torch.Tensor:
+    """`raw` ([rows, bytes a row] uint8, as a GGUF file holds a quantized matrix) marked as a
+    matrix of `in_features` columns in `block_format`: a weight the C linear takes."""
+    if block_format not in BLOCK_FORMATS or in_features % 32 or raw.dtype != torch.uint8 or raw.dim() != 2 \
+            or raw.shape[1] != in_features // 32 * BLOCK_FORMATS[block_format][1]:
+        raise ValueError(f"{tuple(raw.shape)} {raw.dtype} is not {in_features} columns of {block_format} blocks")
+    p = torch.nn.Parameter(raw, requires_grad=False)
+    p.block_format, p.in_features = block_format, in_features
+    return p
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """Columns of a matrix in any format (a block format's rows are bytes)."""
+    return getattr(weight, "in_features", None) or weight.shape[1]
+
+
+def weight_format(weight: torch.Tensor) -> tuple[int, int]:
+    """(format code, columns) of a CPU matrix: float32, bfloat16, or uint8 blocks (`blocks`)."""
+    if not weight.is_cpu or weight.dim() != 2:
+        raise TypeError(f"cpu kernels take 2-D CPU matrices, got {tuple(weight.shape)} on {weight.device}")
+    if weight.dtype == torch.float32:
+        return 0, weight.shape[1]
+    if weight.dtype == torch.bfloat16:
+        return 1, weight.shape[1]
+    block_format = getattr(weight, "block_format", None)
+    if weight.dtype == torch.uint8 and block_format in BLOCK_FORMATS:
+        return BLOCK_FORMATS[block_format][0], weight.in_features
+    raise TypeError(f"cpu kernels take float32, bfloat16 or block-format matrices, got {weight.dtype}")
+
+
+def int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] with one scale a row ([N]) as `i8` blocks."""
+    n, k = _codes_shape(codes, torch.int8, "int8_blocks")
+    s = _scale_bytes(_row_scales(scales, n, "int8_blocks"), n, k // 32)
+    return blocks(torch.cat([s, codes.view(torch.uint8).reshape(n, k // 32, 32)], 2).view(n, -1), "i8", k)
+
+
+def fp8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes [N, K] with one scale a row ([N], each below 2**120 in size) as `f8`
+    blocks."""
+    n, k = _codes_shape(codes, torch.float8_e4m3fn, "fp8_blocks")
+    scales = _row_scales(scales, n, "fp8_blocks")
+    if not bool((scales.abs() < F8_SCALE_LIMIT).all()):
+        raise ValueError(f"fp8_blocks: scales must be finite and below 2**120 in size, got max "
+                         f"{scales.abs().max().item()}")
+    s = _scale_bytes(scales, n, k // 32)
+    return blocks(torch.cat([s, codes.view(torch.uint8).reshape(n, k // 32, 32)], 2).view(n, -1), "f8", k)
+
+
+def int4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """4-bit codes [N, K] (any integer dtype, values 0-15) in groups of `group_size` columns, each
+    with its scale and zero point (scales, zeros: [N, K / group_size], zeros 0-15), as `i4`
+    blocks: each block of 32 takes its group's scale and zero point (group_size a multiple of 32
+    that divides K; K itself for one group a row)."""
+    if codes.dim() != 2 or codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise ValueError(f"int4_blocks: codes must be an integer [N, K] tensor, got {tuple(codes.shape)} "
+                         f"{codes.dtype}")
+    n, k = codes.shape
+    if k % 32:
+        raise ValueError(f"int4_blocks: K = {k} columns is not a multiple of 32 (a block's values)")
+    if group_size <= 0 or group_size % 32 or k % group_size:
+        raise ValueError(f"int4_blocks: a group of {group_size} columns must be a multiple of 32 that divides "
+                         f"K = {k}")
+    groups = k // group_size
+    if scales.shape != (n, groups) or not scales.dtype.is_floating_point:
+        raise ValueError(f"int4_blocks: scales must be floating [{n}, {groups}], got {tuple(scales.shape)} "
+                         f"{scales.dtype}")
+    if zeros.shape != (n, groups) or zeros.dtype.is_floating_point or zeros.dtype == torch.bool:
+        raise ValueError(f"int4_blocks: zeros must be integer [{n}, {groups}], got {tuple(zeros.shape)} "
+                         f"{zeros.dtype}")
+    for name, t in (("codes", codes), ("zeros", zeros)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > 15):
+            raise ValueError(f"int4_blocks: {name} must lie in 0..15, got {int(t.min())}..{int(t.max())}")
+    per_group = group_size // 32
+    nb = k // 32
+    s = _scale_bytes(scales.to(torch.float32).repeat_interleave(per_group, 1), n, nb)
+    z = zeros.to(torch.uint8).repeat_interleave(per_group, 1).reshape(n, nb, 1)
+    q = codes.to(torch.uint8).reshape(n, nb, 32)
+    nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)
+    return blocks(torch.cat([s, z, nibbles], 2).view(n, -1), "i4", k)
+
+
+def _codes_shape(codes: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[int, int]:
+    if codes.dim() != 2 or codes.dtype != dtype:
+        raise ValueError(f"{name}: codes must be {dtype} [N, K], got {tuple(codes.shape)} {codes.dtype}")
+    if codes.shape[1] % 32:
+        raise ValueError(f"{name}: K = {codes.shape[1]} columns is not a multiple of 32 (a block's values)")
+    return codes.shape[0], codes.shape[1]
+
+
+def _row_scales(scales: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    """One float32 scale a row (a bfloat16 or float16 checkpoint's scales convert exactly)."""
+    if scales.shape not in ((n,), (n, 1)) or not scales.dtype.is_floating_point:
+        raise ValueError(f"{name}: scales must be floating [{n}], got {tuple(scales.shape)} {scales.dtype}")
+    return scales.to(torch.float32).reshape(n, 1)
+
+
+def _scale_bytes(scales: torch.Tensor, n: int, nb: int) -> torch.Tensor:
+    """float32 scales [n, nb] (one a block) as the blocks' first four bytes [n, nb, 4] (the CPU
+    kernels read their machine's order, little-endian on every one they build for)."""
+    return scales.expand(n, nb).contiguous().view(torch.uint8).reshape(n, nb, 4)
