@@ -23,7 +23,10 @@
 7. moe: the mixture-of-experts feed-forward at Mixtral-8x7B's expert shapes (8 experts, top 2,
    hidden 4096, intermediate 14336, bf16) for 1, 16, 256 and 2048 tokens: torch_ops.fused_moe
    against the Triton fused_moe, their agreement with a float32 computation, and the expert
-   weights the Triton version reads as a fraction of 4.8 TB/s.
+   weights the Triton version reads as a fraction of 4.8 TB/s;
+8. quant (loadtest/gpu_quant_check.py): W4A16 (groups of 128), FP8 and INT8 linear layers at
+   4096 -> 14336 and 14336 -> 4096 for 1, 16 and 256 tokens against the bf16 matmul of the
+   dequantized weight: error relative to the output's scale, median time against bf16.
 
     python -m pageserve.loadtest.gpu_check [--out DIR]   # on the GPU machine
     python -m pageserve.loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
@@ -56,6 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs  # noqa: E402
+from pageserve.loadtest.gpu_quant_check import section_quant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -384,7 +388,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe,quant")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -397,7 +401,7 @@ def main() -> int:
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness,
-                "moe": section_moe}
+                "moe": section_moe, "quant": section_quant}
     start = time.perf_counter()
     for name in args.sections.split(","):
         print(f"\n-- {name} --", flush=True)

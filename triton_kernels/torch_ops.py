@@ -273,3 +273,47 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight of a W4A16 layer: qweight int32 [N, K / 8] (column 8i + j in
+    bits 4j..4j+3 of word i), scales float32 and zeros uint8 [N, K / G]; w = (q - z) * s."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    z = zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
+    return (q - z).float() * scales.repeat_interleave(group_size, dim=1)
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
+    w = dequantize_int4(qweight, scales, zeros, group_size)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+QUANT_EPS = 1e-10  # the smallest row maximum a per-token scale is taken from (all-zero rows)
+QUANT_MAX = {"fp8": 448.0, "int8": 127.0}  # float8_e4m3fn's largest finite value; int8's, symmetric
+
+
+def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row quantization of x [M, K] for kind "fp8" (float8_e4m3fn) or "int8":
+    x_scale [M, 1] float32 = max(amax |x[m]|, QUANT_EPS) / QUANT_MAX[kind], xq = x / x_scale
+    clamped to +-QUANT_MAX and rounded to nearest even. Returns (xq, x_scale)."""
+    qmax = QUANT_MAX[kind]
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=QUANT_EPS) / qmax
+    y = (xf / x_scale).clamp(-qmax, qmax)
+    return (y.to(torch.float8_e4m3fn) if kind == "fp8" else y.round().to(torch.int8)), x_scale
+
+
+def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind: str,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x [M, K] quantized per token, times wq [N, K] (float8_e4m3fn for "fp8", int8 for
+    "int8") with w_scale [N] float32 per output channel: (xq @ wq^T) * x_scale * w_scale
+    (+ bias), in float32 (exact for int8 while partial sums stay under 2^24), in x's dtype."""
+    xq, x_scale = quantize_per_token(x, kind)
+    y = (xq.float() @ wq.float().t()) * x_scale * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

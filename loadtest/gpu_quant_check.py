@@ -1,0 +1,112 @@
+"""The GPU check's quant section (loadtest/gpu_check.py runs it): the quantized linear layers at
+Llama-3-8B's MLP shapes (4096 -> 14336 and 14336 -> 4096) for 1, 16 and 256 tokens in bf16.
+
+One random W4A16 layer (groups of 128) is the weight; its dequantized bf16 copy w is the
+reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channel. Each
+method's largest error relative to the reference's largest value, and its median time against
+the bf16 matmul's (CUDA events, after warm-up). fp8 and int8 run twice: gemm="auto" (torch's
+scaled matmul where it applies; the path is reported) and the Triton GEMM alone."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 128
+# the largest error a correct kernel shows here, over the reference's largest value: bf16
+# rounding alone for int4; the activations' per-token rounding (3 mantissa bits for fp8,
+# 1/254 of the row's maximum for int8) for the others. A wrong kernel is off by about 1.
+MAX_REL_ERR = {"int4": 2e-2, "int8": 4e-2, "fp8": 1e-1}
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 -> int32 [N, K / 8], column 8i + j in bits 4j..4j+3 of word i."""
+    shifts = torch.arange(0, 32, 4, device=q.device)
+    words = (q.view(q.shape[0], -1, 8).long() << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def median_time(fn, iters: int) -> float:
+    """Median seconds of one call: CUDA events around each call after warm-up (wall clock on CPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    if not torch.cuda.is_available():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+
+
+def make_layers(n: int, k: int, device, generator) -> dict:
+    """The int4 layer, its dequantized bf16 weight, and the fp8 and int8 layers made from it."""
+    from pageserve.triton_kernels import torch_ops
+
+    q = torch.randint(0, 16, (n, k), generator=generator, device=device, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (n, k // GROUP), generator=generator, device=device, dtype=torch.int32)
+    # scales that give outputs of about unit size for unit inputs
+    scales = (torch.rand(n, k // GROUP, generator=generator, device=device) + 0.5) * (2.0 / (15 * k ** 0.5))
+    layers = {"int4": (pack_int4(q), scales, zeros.to(torch.uint8))}
+    del q
+    w = torch_ops.dequantize_int4(*layers["int4"], GROUP)
+    for kind, dtype in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        qmax = torch_ops.QUANT_MAX[kind]
+        w_scale = w.abs().amax(1) / qmax
+        wq = (w / w_scale[:, None]).clamp(-qmax, qmax)
+        layers[kind] = ((wq if kind == "fp8" else wq.round()).to(dtype), w_scale)
+        del wq
+    layers["bf16"] = w.to(torch.bfloat16)
+    return layers
+
+
+def section_quant(args, report, device):
+    from pageserve.triton_kernels.int4_linear import int4_linear
+    from pageserve.triton_kernels.scaled_linear import auto_gemm, scaled_linear
+
+    if args.smoke:
+        shapes, batches, iters = [(256, 96)], (1, 5), 2
+    else:
+        shapes, batches, iters = [(4096, 14336), (14336, 4096)], (1, 16, 256), 50
+    g = torch.Generator(device=device).manual_seed(0)
+    cases = []
+    report["quant"] = {"group_size": GROUP, "dtype": "bfloat16", "cases": cases}  # filled case by case
+    for k, n in shapes:
+        layers = make_layers(n, k, device, g)
+        w = layers["bf16"]
+        print(f"  {k} -> {n}, bf16 activations, int4 groups of {GROUP}:")
+        for m in batches:
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+            want = F.linear(x, w).float()
+            scale = want.abs().max().item()
+            t_bf16 = median_time(lambda: F.linear(x, w), iters)
+            methods = {"int4": ("int4", "triton", lambda: int4_linear(x, *layers["int4"], GROUP))}
+            for kind in ("fp8", "int8"):
+                wq, w_scale = layers[kind]
+                methods[kind] = (kind, "auto", lambda wq=wq, ws=w_scale, kind=kind: scaled_linear(x, wq, ws, kind))
+                methods[f"{kind} triton"] = (kind, "triton", lambda wq=wq, ws=w_scale, kind=kind:
+                                             scaled_linear(x, wq, ws, kind, gemm="triton"))
+            print(f"    M {m:4d}: bf16 matmul {t_bf16 * 1e6:9.1f} us")
+            for name, (kind, gemm, fn) in methods.items():
+                err = ((fn().float() - want).abs().max() / scale).item()
+                t = median_time(fn, iters)
+                path = auto_gemm(m, n, k, kind, x.device, x.dtype, False) if gemm == "auto" else "triton"
+                ok = err < MAX_REL_ERR[kind]
+                cases.append({"k": k, "n": n, "batch": m, "method": name, "gemm": path, "us": t * 1e6,
+                              "bf16_us": t_bf16 * 1e6, "speedup_vs_bf16": t_bf16 / t, "max_rel_err": err, "ok": ok})
+                print(f"      {name:11s} ({path:16s}) {t * 1e6:9.1f} us, {t_bf16 / t:5.2f}x bf16; "
+                      f"max |err| / max |y| {err:.1e} {'ok' if ok else 'FAILED'}")
+        del layers, w
+    if not all(c["ok"] for c in cases):
+        raise RuntimeError("a quantized linear layer differs from the bf16 matmul beyond its bound")
