@@ -64,6 +64,8 @@ class ModelConfig:
     # and weights to bfloat16 and sums in float32, each op's output is rounded to bfloat16;
     # `dtype` (the tensors, the KV cache) is float32
     bf16_matmuls: bool = False
+    # --quantization: the checkpoint's method forced, or "fp8" made at load time (None: config.json's)
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.max_model_len < 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pageserve.runtime import quantization
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
                                       MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
@@ -39,6 +40,7 @@ class EngineArgs:
     revision: str | None = None  # of a hub model
     download_dir: str | None = None  # the Hugging Face cache to look in (and download into)
     dtype: str = "auto"
+    quantization: str | None = None  # force the checkpoint's method, or "fp8" made at load time
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool (CPU default 4; CUDA: a cap)
@@ -105,6 +107,10 @@ class EngineArgs:
                        help="Hugging Face cache folder for hub models (default: $HF_HOME's)")
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
+        g.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(quantization.CHOICES) + "}",
+                       help="the checkpoint's quantization method (default: its config.json's "
+                            "quantization_config); fp8 on an unquantized checkpoint quantizes the decoder "
+                            "layers' matrices to FP8 at load time, one scale per output row")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="context length (prompt + output); default: the model's own limit")
         g.add_argument("--seed", type=int, default=0)
@@ -264,6 +270,7 @@ class EngineArgs:
         if partial:
             raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial[0]}) "
                                  "are not supported yet")
+        quantization.method_for(hf, self.quantization)  # refused here, in one line, before any weight is read
         dtype, bf16_matmuls = self.resolve_dtype(device)
         try:
             return ModelConfig(
@@ -285,6 +292,7 @@ class EngineArgs:
                 eos_token_ids=eos_token_ids(hf, tokenizer),
                 dtype=dtype,
                 bf16_matmuls=bf16_matmuls,
+                quantization=self.quantization,
                 max_model_len=max_len,
                 hf_config=hf,
                 tp_size=self.tensor_parallel_size,

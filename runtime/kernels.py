@@ -57,8 +57,17 @@ class Kernels:
         """Per-step work shared by all layers."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Every linear layer's matmul, the lm_head's included."""
+        """Every linear layer's matmul, the lm_head's included. A quantized weight (packed:
+        runtime/quantization/load.py) carries `quant`, and takes `quant_linear`."""
+        quant = getattr(weight, "quant", None)
+        if quant is not None:
+            return self.quant_linear(x, weight, quant, bias)
         return F.linear(x, weight, bias)
+
+    def quant_linear(self, x: torch.Tensor, weight: torch.Tensor, quant, bias: torch.Tensor | None) -> torch.Tensor:
+        """Torch: the weight dequantized to float32 and multiplied in x's dtype (the CPU path
+        without the C kernels, which read the blocks themselves)."""
+        return F.linear(x, quant.dequantize(weight).to(x.dtype), bias)
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The rows of an embedding table."""
@@ -132,7 +141,7 @@ class TorchKernels(Kernels):
 
     def linear(self, x, weight, bias=None):
         if self.linear_plan is None:
-            return F.linear(x, weight, bias)
+            return super().linear(x, weight, bias)
         return self.linear_plan(x, weight, bias)
 
     def embedding(self, ids, weight):
@@ -216,6 +225,17 @@ class TritonKernels(Kernels):
         self._reshape_and_cache = reshape_and_cache
         self._paged_attention = paged_attention
         self._kernels = attention_module
+
+    def quant_linear(self, x, weight, quant, bias):
+        """W4A16 through the Triton GEMM that unpacks in its inner loop; FP8 and INT8 with the
+        activations quantized per token (torch's scaled matmul where the device has it)."""
+        if quant.kind == "int4":
+            from pageserve.triton_kernels.int4_linear import int4_linear
+
+            return int4_linear(x, weight, quant.scales, quant.zeros, quant.group_size, bias)
+        from pageserve.triton_kernels.scaled_linear import scaled_linear
+
+        return scaled_linear(x, weight, quant.scales, quant.kind, bias)
 
     def decode_shapes(self, max_seq_len, device):
         shapes = [(1, 1)]  # the one-pass decode

@@ -21,6 +21,7 @@ from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.multimodal import EncoderOutputs
+from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
@@ -87,15 +88,21 @@ class ModelRunner:
         with torch.device("meta"):
             model = registry.model_class(cfg.architecture)(cfg, self.kernels)
         parallel.check_supported(model, cfg)
+        model = model.to(cfg.dtype)  # on the meta device: nothing is allocated in any other dtype
+        c_kernels = self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None)
+        quant = quantized_load(cfg.hf_config, cfg.quantization, model, path,
+                               BlockStorage() if c_kernels else PackedStorage())
         model = model.to_empty(device=self.device)
         try:
-            model.load_weights(iter_safetensors(path))
+            weights = iter_safetensors(path)
+            model.load_weights(weights if quant is None else quant.stream(weights))
         except ModelLoadError:
             raise
         except ValueError as e:
             raise ModelLoadError(f"weights in {path} do not fit the model: {e}") from None
-        model = model.to(cfg.dtype)
-        if self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None):
+        if quant is not None:
+            quant.finish()
+        if c_kernels:
             self._compact_matrices(model, path)
         if self.device.type == "cpu":
             weights_in_huge_pages(model)

@@ -19,6 +19,7 @@ from torch import nn
 from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import AttentionMetadata, Kernels
 from pageserve.runtime.models import parallel
+from pageserve.runtime.quantization.qtensor import QuantTensor
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -308,9 +309,16 @@ class CausalLM(nn.Module):
             return f"{prefix}.qkv_proj.{kind}", (slice(start, start + rows),)
         if m := _GATE_UP.fullmatch(name):
             prefix, part = m.groups()
-            inter = self.get_submodule(prefix).down_proj.weight.shape[1]
+            inter = self.get_submodule(prefix).down_proj.in_features
             return f"{prefix}.gate_up_proj.weight", (slice(0, inter) if part == "gate" else slice(inter, 2 * inter),)
         return name, ()
+
+    def checkpoint_target(self, name: str) -> str | None:
+        """Our parameter that the checkpoint tensor `name` fills (None: none of ours)."""
+        try:
+            return self._target(self.rename(name.removeprefix("model.")))[0]
+        except AttributeError:
+            return None
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -332,6 +340,17 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name}") from None
             if target not in params:
                 raise ValueError(f"unexpected weight {name}")
+            if isinstance(tensor, QuantTensor):  # a quantized layer's storage (runtime/quantization/load.py)
+                loader = getattr(self.get_submodule(target.rpartition(".")[0]), "quant_load", None)
+                if loader is None:
+                    raise ValueError(f"weight {name} is quantized, but {target} is not a quantized layer")
+                if (target, repr(index)) in seen:
+                    raise ValueError(f"weight {name} fills a part of {target} that another tensor filled")
+                seen.add((target, repr(index)))
+                module = target.rpartition(".")[0]
+                for part, count in loader.write(target, index, tensor).items():
+                    written[f"{module}.{part}"] += count
+                continue
             dst = params[target][index]
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -144,6 +144,11 @@ class TakesImages:
     processor = None
     images_attend_both_ways = False
 
+    def checkpoint_target(self, name: str) -> str | None:
+        """Our language model's parameter that a checkpoint tensor fills (None: a tower's)."""
+        renamed = [n for n, _ in language_model_weights([(name, None)])]
+        return super().checkpoint_target(renamed[0]) if renamed else None
+
     @staticmethod
     def image_token(hf: dict) -> int:
         mm = hf["_multimodal"]

@@ -62,3 +62,27 @@ def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
     got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     assert llm.engine.runner.kernels.ops.fused_moe.__module__ == "pageserve.triton_kernels.fused_moe"
     assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8"])
+def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
+    """A quantized checkpoint's linear layers through the Triton W4A16 GEMM and the FP8 / INT8
+    scaled GEMM (activations quantized per token), in the engine: W4A16 multiplies the same
+    values as the torch backend (the same tokens); W8A8 also rounds each token's activations to
+    8 bits, which the weight-only torch backend does not, so only each prompt's first token is
+    held to the torch backend's."""
+    from pageserve.loadtest.quantized_copy import quantized_copy
+    from pageserve.loadtest.tiny_model import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src")
+    model_dir = quantized_copy(src, tmp_path / fmt, fmt, group_size=32)
+    prompts = PROMPTS[:2]
+    want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
+    got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
+    weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
+    assert weight.quant.kind == {"ct-fp8": "fp8", "ct-int8": "int8"}.get(fmt, "int4")
+    if fmt == "ct-w4a16-asym":
+        assert got == want
+    else:
+        assert [t[0] for t in got] == [t[0] for t in want]
+    assert_pool_clean(llm.engine)

@@ -1,0 +1,182 @@
+"""A quantized copy of a model directory in the layout a quantization tool writes: FP8, INT8 or
+4-bit weights of every decoder layer's linear layers (round to nearest, no calibration), packed
+by hand from each format's specification, with the config's `quantization_config`:
+
+- ct-fp8 / ct-fp8-tensor: compressed-tensors `float-quantized`, FP8 E4M3 weights with a scale per
+  output channel / per tensor, dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC);
+- ct-int8: compressed-tensors `int-quantized`, INT8 weights per channel, dynamic per-token INT8
+  activations (W8A8);
+- ct-w4a16 / ct-w4a16-asym: compressed-tensors `pack-quantized`, 4-bit in groups, symmetric /
+  with zero points (eight values an int32 word along the row, signed values plus 8);
+- awq: AutoAWQ's GEMM packing (qweight [K, N/8], columns in the order 0 2 4 6 1 3 5 7);
+- gptq: AutoGPTQ's packing (qweight [K/8, N], zero points stored minus one).
+
+`reference`: also a plain float32 copy whose weights are the quantized values, dequantized
+here from the codes (value = (code - zero) * scale): what a correct reader of the quantized
+copy must compute with.
+
+    python -m pageserve.loadtest.quantized_copy /tmp/smollm2-w4 --format ct-w4a16
+    pageserve bench offline --model /tmp/smollm2-w4 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from pageserve.runtime.models.loader import GGUF_SOURCE, resolve_model
+
+FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq")
+LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
+
+
+def rtn_int4(w: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch.dtype):
+    """Round-to-nearest 4-bit codes (0..15), scales [N, K/G] (in scale_dtype's values) and zeros."""
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    if symmetric:
+        scales = (g.abs().amax(dim=2) / 7).clamp(min=1e-8).to(scale_dtype).float()
+        zeros = torch.full_like(scales, 8)
+    else:
+        lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
+        scales = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype).float()
+        zeros = (-lo / scales).round().clamp(1, 15)  # >= 1: GPTQ's original format cannot store 0
+    codes = ((g / scales[:, :, None]).round() + zeros[:, :, None]).clamp(0, 15)
+    return codes.view(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def dequant_int4(codes, scales, zeros, group):
+    return (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """uint8 4-bit values [R, C] -> int32 [R, C / 8]: value 8i + j of a row at bits 4j of word i."""
+    v = values.to(torch.int32).view(values.shape[0], -1, 8)
+    return sum(v[:, :, j] << (4 * j) for j in range(8)).to(torch.int32)
+
+
+def _ct_config(fmt: str, group: int) -> dict:
+    dyn = lambda t: {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token", "dynamic": True}  # noqa: E731
+    if fmt.startswith("ct-fp8"):
+        weights = {"num_bits": 8, "type": "float", "symmetric": True,
+                   "strategy": "tensor" if fmt == "ct-fp8-tensor" else "channel", "dynamic": False}
+        form, act = "float-quantized", dyn("float")
+    elif fmt == "ct-int8":
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+        form, act = "int-quantized", dyn("int")
+    else:
+        weights = {"num_bits": 4, "type": "int", "symmetric": fmt == "ct-w4a16", "strategy": "group",
+                   "group_size": group, "dynamic": False}
+        form, act = "pack-quantized", None
+    return {"quant_method": "compressed-tensors", "format": form, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": act,
+                                          "output_activations": None, "format": form}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
+    """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
+    n, k = w.shape
+    if fmt.startswith("ct-fp8") or fmt == "ct-int8":
+        top = 448.0 if fmt != "ct-int8" else 127.0
+        amax = w.abs().amax() if fmt == "ct-fp8-tensor" else w.abs().amax(dim=1)
+        scale = (amax / top).clamp(min=1e-8).to(scale_dtype).float()
+        ratio = w / (scale if scale.dim() == 0 else scale[:, None])
+        if fmt == "ct-int8":
+            codes = ratio.round().clamp(-127, 127).to(torch.int8)
+        else:
+            codes = ratio.clamp(-top, top).to(torch.float8_e4m3fn)
+        deq = codes.float() * (scale if scale.dim() == 0 else scale[:, None])
+        stored = scale.reshape(1) if fmt == "ct-fp8-tensor" else scale[:, None]
+        return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": stored.to(scale_dtype)}, deq
+    codes, scales, zeros = rtn_int4(w, group, fmt in ("ct-w4a16", "gptq"), scale_dtype)
+    deq = dequant_int4(codes, scales, zeros, group)
+    if fmt.startswith("ct-"):
+        out = {f"{prefix}.weight_packed": pack_rows(codes), f"{prefix}.weight_scale": scales.to(scale_dtype),
+               f"{prefix}.weight_shape": torch.tensor([n, k])}
+        if fmt == "ct-w4a16-asym":
+            out[f"{prefix}.weight_zero_point"] = pack_rows(zeros.t().contiguous()).t().contiguous()
+        return out, deq
+    if fmt == "awq":
+        order = torch.tensor(_AWQ_ORDER)
+        swizzle = lambda t: t.view(t.shape[0], -1, 8)[:, :, order].reshape(t.shape)  # noqa: E731
+        return {f"{prefix}.qweight": pack_rows(swizzle(codes.t().contiguous())),
+                f"{prefix}.qzeros": pack_rows(swizzle(zeros.t().contiguous())),
+                f"{prefix}.scales": scales.t().contiguous().to(scale_dtype)}, deq
+    return {f"{prefix}.qweight": _gptq_qweight(codes),
+            f"{prefix}.qzeros": pack_rows((zeros.to(torch.int32) - 1).to(torch.uint8).t().contiguous()),
+            f"{prefix}.scales": scales.t().contiguous().to(scale_dtype),
+            f"{prefix}.g_idx": torch.arange(k, dtype=torch.int32) // group}, deq
+
+
+def _gptq_qweight(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes -> int32 [K / 8, N]: input rows 8i..8i+7 of column n in word [i, n], row 8i + j
+    at bits 4j."""
+    return pack_rows(codes).t().contiguous()
+
+
+def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, reference: Path | None = None,
+                   scale_dtype: torch.dtype | None = None) -> Path:
+    """`src` (an HF directory) quantized into `out` in format `fmt`; with `reference`, its
+    dequantized float32 copy there too. scale_dtype: the scales' stored dtype (default float16
+    for AWQ and GPTQ, as their tools write them, else float32)."""
+    from safetensors.torch import load_file, save_file
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+    scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq") else torch.float32)
+    dirs = [out] + ([reference] if reference else [])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in (
+                    GGUF_SOURCE, "model.safetensors.index.json"):
+                shutil.copy2(f, d / f.name)
+    quantized, dense = {}, {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            m = LINEAR.fullmatch(name)
+            if m is None:
+                quantized[name] = dense[name] = t.contiguous()
+                continue
+            parts, deq = quantize_layer(m.group(1), t.float(), fmt, group_size, scale_dtype)
+            quantized.update(parts)
+            dense[name] = deq.contiguous()
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    if fmt.startswith("ct-"):
+        cfg["quantization_config"] = _ct_config(fmt, group_size)
+    elif fmt == "awq":
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                      "zero_point": True, "version": "gemm"}
+    else:
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                      "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    if reference:
+        save_file({k: v.float() if v.is_floating_point() else v for k, v in dense.items()},
+                  reference / "model.safetensors", metadata={"format": "pt"})
+        ref_cfg = json.loads((reference / "config.json").read_text())
+        ref_cfg["torch_dtype"] = ref_cfg["dtype"] = "float32"
+        (reference / "config.json").write_text(json.dumps(ref_cfg, indent=1))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, help="directory to write")
+    p.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    p.add_argument("--format", default="ct-w4a16", choices=FORMATS)
+    p.add_argument("--group-size", type=int, default=128)
+    args = p.parse_args()
+    print(quantized_copy(resolve_model(args.model), args.out, args.format, args.group_size))
+
+
+if __name__ == "__main__":
+    main()

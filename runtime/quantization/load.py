@@ -1,0 +1,221 @@
+"""Loading a quantized checkpoint into our model. Before any memory is allocated (the model is on
+the meta device), each linear layer the checkpoint quantizes gets compact storage in place of
+its dense weight; the checkpoint's tensors of each such layer are read into one QuantTensor as
+they stream past, and written into that storage's rows (q/k/v and gate/up fused, tensor
+parallel shards cut by parallel.shard as for dense weights). Two storages:
+
+- blocks: the C linear's block formats (CPU with the C kernels): one uint8 matrix a layer,
+  each value widened by the kernel to the float32 QuantTensor.dequantize gives.
+- packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
+  int4 eight codes an int32 word along K, int8 / FP8 as they are; `weight.quant` says how."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pageserve.runtime.quantization import method_for
+from pageserve.runtime.quantization.methods import QuantMethod, UnsupportedQuantization
+from pageserve.runtime.quantization.qtensor import QuantTensor
+from pageserve.triton_kernels import torch_ops
+
+logger = logging.getLogger(__name__)
+
+def checkpoint_names(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of a directory's safetensors: name -> (shape, dtype name), read from the
+    headers only."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+@dataclass
+class Layer:
+    """One quantized linear layer of ours (several checkpoint layers where fused)."""
+    module: nn.Linear
+    kind: str
+    group_size: int
+    in_features: int
+
+
+class BlockStorage:
+    """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8."""
+    name = "blocks"
+    FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8"}
+
+    def allocate(self, layer: Layer, rows: int) -> None:
+        from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS
+
+        k, g = layer.in_features, layer.group_size
+        if k % 32 or (layer.kind == "int4" and g % 32):
+            raise UnsupportedQuantization(f"the CPU kernels take 4-bit groups and rows in multiples of 32 values; "
+                                          f"a layer has {k} columns in groups of {g}")
+        width = k // 32 * BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
+        layer.module.weight = nn.Parameter(torch.empty(rows, width, dtype=torch.uint8), requires_grad=False)
+
+    def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
+        from pageserve.triton_kernels import cpu_blocks
+
+        if qt.kind == "int4":
+            raw = cpu_blocks.int4_blocks(qt.codes, qt.scales, qt.zeros, qt.group_size)
+        elif qt.kind == "int8":
+            raw = cpu_blocks.int8_blocks(qt.codes, qt.scales)
+        else:
+            raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales)
+        layer.module.weight[rows].copy_(raw)
+
+    def finish(self, layer: Layer) -> None:
+        from pageserve.triton_kernels.cpu_blocks import blocks
+
+        layer.module.weight = blocks(layer.module.weight.data, self.FORMATS[layer.kind], layer.in_features)
+
+
+@dataclass(frozen=True)
+class PackedQuant:
+    """How a packed weight is multiplied (attached to it as `weight.quant`)."""
+    kind: str
+    scales: torch.Tensor  # float32 [N, K / G] (int4) or [N]
+    zeros: torch.Tensor | None  # uint8 [N, K / G] (int4)
+    group_size: int
+    in_features: int
+
+    def dequantize(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float32 values [N, K] of `weight` (the torch path's matmul: CPU without the C
+        kernels)."""
+        if self.kind == "int4":
+            return torch_ops.dequantize_int4(weight, self.scales, self.zeros, self.group_size)
+        return weight.to(torch.float32) * self.scales[:, None]
+
+
+class PackedStorage:
+    """Codes, scales and zeros as separate tensors of the layer."""
+    name = "packed"
+
+    def allocate(self, layer: Layer, rows: int) -> None:
+        m, k, g = layer.module, layer.in_features, layer.group_size
+        if layer.kind == "int4":
+            if k % 8:
+                raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
+            m.weight = nn.Parameter(torch.empty(rows, k // 8, dtype=torch.int32), requires_grad=False)
+            m.weight_scale = nn.Parameter(torch.empty(rows, k // g), requires_grad=False)
+            m.weight_zero = nn.Parameter(torch.empty(rows, k // g, dtype=torch.uint8), requires_grad=False)
+        else:
+            dtype = torch.int8 if layer.kind == "int8" else torch.float8_e4m3fn
+            m.weight = nn.Parameter(torch.empty(rows, k, dtype=dtype), requires_grad=False)
+            m.weight_scale = nn.Parameter(torch.empty(rows), requires_grad=False)
+
+    def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
+        m = layer.module
+        if qt.kind == "int4":
+            c = qt.codes.to(torch.int32).view(qt.shape[0], -1, 8)
+            words = sum(c[:, :, j] << (4 * j) for j in range(8))  # wraps into the sign bit as int32 does
+            m.weight[rows].copy_(words)
+            m.weight_zero[rows].copy_(qt.zeros)
+        else:
+            m.weight[rows].copy_(qt.codes)
+        m.weight_scale[rows].copy_(qt.scales)
+
+    def finish(self, layer: Layer) -> None:
+        m = layer.module
+        m.weight.quant = PackedQuant(layer.kind, m.weight_scale, getattr(m, "weight_zero", None), layer.group_size,
+                                     layer.in_features)
+
+
+class QuantizedLoad:
+    """The quantized layers of one checkpoint for one model, from the checkpoint's names."""
+
+    def __init__(self, method: QuantMethod, model: nn.Module, names: dict[str, tuple], storage):
+        self.method, self.storage = method, storage
+        self.prefixes: dict[str, set[str]] = {}  # checkpoint layer -> its tensors' suffixes
+        self.layers: dict[str, Layer] = {}  # our parameter -> its layer
+        optional = method.name == "fp8"  # made at load time: only the decoder layers' matrices
+        for prefix, suffixes in method.layers(names).items():
+            target = model.checkpoint_target(prefix + ".weight")
+            module_name = (target or "").removesuffix(".weight")
+            module = model.get_submodule(module_name) if target and target.endswith(".weight") else None
+            if not isinstance(module, nn.Linear) or (optional and not method.TARGETS.fullmatch(target)) \
+                    or module_name.split(".")[-1] in ("lm_head", "gate"):
+                if optional:
+                    continue
+                raise UnsupportedQuantization(f"{method.name}: the quantized weights of {prefix} (a "
+                                              f"{'router' if module_name.endswith('gate') else type(module).__name__ if module is not None else 'tensor'}"
+                                              " of ours) are not supported; only the decoder layers' linear "
+                                              "layers may be quantized")
+            kind, group = method.layout({s: names[f"{prefix}.{s}"] for s in suffixes})
+            layer = self.layers.get(target)
+            if layer is not None and (layer.kind, layer.group_size) != (kind, group):
+                raise UnsupportedQuantization(f"{method.name}: the parts of {target} are quantized differently")
+            self.layers[target] = Layer(module, kind, group, module.in_features)
+            self.prefixes[prefix] = suffixes
+
+    def prepare(self) -> None:
+        """Each quantized layer's storage in place of its dense weight (on the meta device)."""
+        for layer in self.layers.values():
+            self.storage.allocate(layer, layer.module.out_features)
+            layer.module.quant_load = self
+
+    def stream(self, weights):
+        """The checkpoint's (name, tensor) pairs with each quantized layer's tensors read into one
+        (prefix.weight, QuantTensor), yielded once the last of them has passed."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            prefix, _, suffix = name.rpartition(".")
+            wanted = self.prefixes.get(prefix)
+            if wanted is None or suffix not in wanted:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(prefix, {})
+            parts[suffix] = tensor
+            if len(parts) == len(wanted):
+                del pending[prefix]
+                yield f"{prefix}.weight", self.method.read(prefix, parts)
+        if pending:
+            raise ValueError(f"quantized layer {next(iter(pending))} is missing some of its tensors")
+
+    def write(self, target: str, index: tuple, qt: QuantTensor) -> dict[str, int]:
+        """Rows `index` of our parameter `target`; returns the elements written in each of the
+        layer's parameters, by name."""
+        layer = self.layers[target]
+        rows = index[0] if index else slice(0, layer.module.out_features)
+        want = (rows.stop - rows.start, layer.in_features)
+        if tuple(qt.shape) != want or (qt.kind, qt.group_size) != (layer.kind, layer.group_size):
+            raise ValueError(f"quantized weight for {target} is {qt.kind} {tuple(qt.shape)} in groups of "
+                             f"{qt.group_size}, expected {layer.kind} {want} in groups of {layer.group_size}")
+        self.storage.write(layer, rows, qt)
+        return {name: p[rows].numel() for name, p in layer.module.named_parameters() if name != "bias"}
+
+    def finish(self) -> tuple[int, int]:
+        """Marks each layer's storage for the kernels and logs what was saved; returns (bytes of
+        the quantized layers, bytes the same layers take in 16 bits)."""
+        stored = dense = 0
+        for layer in self.layers.values():
+            m = layer.module
+            del m.quant_load
+            self.storage.finish(layer)
+            stored += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p is not m.bias)
+            dense += 2 * m.out_features * layer.in_features
+        logger.info("quantized weights: %s, %d layers stored as %s: %.1f MB (%.1f MB in 16 bits, %.1f MB saved)",
+                    self.method.describe(), len(self.layers), self.storage.name, stored / 1e6, dense / 1e6,
+                    (dense - stored) / 1e6)
+        return stored, dense
+
+
+def quantized_load(hf_config: dict, forced: str | None, model: nn.Module, path: Path, storage) -> QuantizedLoad | None:
+    """The checkpoint's quantized layers, their storage in place on the (meta) model; None for
+    an unquantized checkpoint without --quantization."""
+    method = method_for(hf_config, forced)
+    if method is None:
+        return None
+    quant = QuantizedLoad(method, model, checkpoint_names(path), storage)
+    quant.prepare()
+    return quant

@@ -1,0 +1,255 @@
+"""The quantized checkpoint formats pageserve reads, each a small object that knows its
+`quantization_config`, which checkpoint tensors make up one quantized linear layer, and how to
+read them into a QuantTensor (qtensor.py). What a format holds that pageserve cannot serve is
+refused when the config is read, in one line naming it."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pageserve.runtime.models.loader import ModelLoadError
+from pageserve.runtime.quantization.qtensor import QuantTensor, quantize_fp8, unpack_nibbles
+
+
+class UnsupportedQuantization(ModelLoadError):
+    """A quantized checkpoint (or --quantization) pageserve does not serve; one line for the user."""
+
+
+class QuantMethod:
+    """A checkpoint format. `marker`: the suffix of the tensor that marks a linear layer as
+    quantized (its prefix is the layer's name); `read` turns that layer's tensors, by suffix, into
+    a QuantTensor."""
+    name = ""
+    marker = ""
+
+    def describe(self) -> str:
+        return self.name
+
+    def layers(self, names: dict[str, tuple]) -> dict[str, set[str]]:
+        """The quantized layers of a checkpoint, from its tensors' names (-> (shape, dtype)):
+        layer prefix -> the suffixes of its tensors."""
+        suffix = "." + self.marker
+        prefixes = {n[:-len(suffix)] for n in names if n.endswith(suffix)}
+        out: dict[str, set[str]] = {p: set() for p in prefixes}
+        for n in names:
+            prefix, _, last = n.rpartition(".")
+            if prefix in out:
+                out[prefix].add(last)
+        return out
+
+    def layout(self, tensors: dict[str, tuple]) -> tuple[str, int]:
+        """(kind, group size) of one quantized layer, from its tensors' (shape, dtype name)."""
+        return "int4", self._group(tensors)
+
+    def _group(self, tensors: dict[str, tuple]) -> int:
+        """Columns a 4-bit scale covers: the layer's input features over the scales' groups (both
+        as the checkpoint holds them: a tensor-parallel rank's share is cut later)."""
+        raise NotImplementedError
+
+    def read(self, prefix: str, tensors: dict[str, torch.Tensor]) -> QuantTensor:
+        raise NotImplementedError
+
+
+def _need(tensors: dict, prefix: str, *names: str) -> list[torch.Tensor]:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"quantized layer {prefix} lacks {', '.join(f'{prefix}.{n}' for n in missing)}")
+    return [tensors[n] for n in names]
+
+
+def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> QuantTensor:
+    n, k = codes.shape
+    if scales.dim() != 2 or scales.shape[0] != n or not scales.shape[1] or k % scales.shape[1]:
+        raise ValueError(f"{prefix}: scales {tuple(scales.shape)} do not make groups of a {n}x{k} matrix")
+    return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
+
+
+class CompressedTensors(QuantMethod):
+    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`, per channel or per
+    tensor), INT8 weights (`int-quantized`/`naive-quantized`, per channel, symmetric) with or
+    without dynamic per-token activations, and 4-bit weights `pack-quantized` in groups or per
+    channel, symmetric or with zero points."""
+    name = "compressed-tensors"
+    marker = "weight_scale"
+
+    def __init__(self, cfg: dict):
+        if cfg.get("kv_cache_scheme"):
+            raise UnsupportedQuantization("compressed-tensors: KV-cache quantization (kv_cache_scheme) is not "
+                                          "supported")
+        fmt = cfg.get("format")
+        groups = cfg.get("config_groups") or {}
+        if not groups:
+            raise UnsupportedQuantization("compressed-tensors: the config has no config_groups")
+        self.schemes = []
+        for name, group in groups.items():
+            w, act = group.get("weights") or {}, group.get("input_activations")
+            kind = (w.get("type"), w.get("num_bits"))
+            gfmt = group.get("format") or fmt
+            where = f"compressed-tensors group {name}"
+            if kind == ("float", 8):
+                if w.get("strategy") not in ("tensor", "channel"):
+                    raise UnsupportedQuantization(f"{where}: FP8 weights by {w.get('strategy')} (block-wise FP8) "
+                                                  "are not supported")
+            elif kind == ("int", 8):
+                if not w.get("symmetric", True):
+                    raise UnsupportedQuantization(f"{where}: asymmetric INT8 weights are not supported")
+                if w.get("strategy") not in ("tensor", "channel"):
+                    raise UnsupportedQuantization(f"{where}: INT8 weights by {w.get('strategy')} are not supported")
+            elif kind == ("int", 4):
+                if gfmt not in ("pack-quantized", None):
+                    raise UnsupportedQuantization(f"{where}: 4-bit weights in format {gfmt} are not supported "
+                                                  "(pack-quantized is)")
+                if w.get("strategy") not in ("group", "channel"):
+                    raise UnsupportedQuantization(f"{where}: 4-bit weights by {w.get('strategy')} are not supported")
+                if w.get("actorder") == "group":
+                    raise UnsupportedQuantization(f"{where}: activation ordering (actorder: group) is not supported")
+            else:
+                raise UnsupportedQuantization(f"{where}: {w.get('num_bits')}-bit {w.get('type')} weights "
+                                              f"(format {gfmt}) are not supported; FP8, INT8 and 4-bit integer "
+                                              "weights are")
+            if act is not None:
+                if (act.get("type"), act.get("num_bits")) not in (("float", 8), ("int", 8)) \
+                        or not act.get("dynamic", False):
+                    raise UnsupportedQuantization(
+                        f"{where}: input activations {act.get('num_bits')}-bit {act.get('type')} "
+                        f"{'dynamic' if act.get('dynamic') else 'static'} by {act.get('strategy')} are not supported "
+                        "(dynamic per-token FP8 or INT8 are)")
+            self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
+                                f"{'' if kind[1] == 4 or act else ' weight-only'}")
+
+    def describe(self) -> str:
+        return f"{self.name} ({', '.join(sorted(set(self.schemes)))})"
+
+    def layout(self, tensors):
+        if "weight_packed" in tensors:
+            (_, words), scale = tensors["weight_packed"][0], tensors["weight_scale"][0]
+            return "int4", 8 * words // (scale[1] if len(scale) == 2 else 1)
+        kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(tensors.get("weight", ((), "?"))[1])
+        if kind is None:
+            raise UnsupportedQuantization(f"compressed-tensors: weights of dtype {tensors.get('weight', ((), '?'))[1]} "
+                                          "are not supported")
+        return kind, 0
+
+    def read(self, prefix, tensors):
+        scale = tensors["weight_scale"]
+        if "weight_packed" in tensors:
+            packed, shape = _need(tensors, prefix, "weight_packed", "weight_shape")
+            n, k = (int(v) for v in shape.tolist())
+            codes = unpack_nibbles(packed, dim=1)[:, :k]  # signed values stored plus 8
+            zp = tensors.get("weight_zero_point")
+            groups = scale.shape[1] if scale.dim() == 2 else 1
+            if zp is None:
+                zeros = torch.full((n, groups), 8, dtype=torch.uint8)
+            else:  # packed along the rows, plus 8 as well
+                zeros = unpack_nibbles(zp, dim=0)[:n]
+            return _int4(prefix, codes, scale.reshape(n, -1), zeros)
+        weight, = _need(tensors, prefix, "weight")
+        n = weight.shape[0]
+        if scale.numel() not in (1, n):
+            raise ValueError(f"{prefix}: a scale of shape {tuple(scale.shape)} for {n} rows")
+        scales = scale.to(torch.float32).reshape(-1).expand(n).contiguous()
+        if weight.dtype == torch.float8_e4m3fn:
+            return QuantTensor("fp8", weight, scales)
+        if weight.dtype == torch.int8:
+            zp = tensors.get("weight_zero_point")
+            if zp is not None and zp.any():
+                raise ValueError(f"{prefix}: INT8 weights with non-zero zero points are not supported")
+            return QuantTensor("int8", weight, scales)
+        raise ValueError(f"{prefix}: quantized weight of dtype {weight.dtype}")
+
+
+class AWQ(QuantMethod):
+    """AutoAWQ's GEMM packing: qweight int32 [K, N / 8], eight output columns a word in the
+    order 0, 2, 4, 6, 1, 3, 5, 7; qzeros [K / G, N / 8] packed alike; scales [K / G, N]."""
+    name = "awq"
+    marker = "qweight"
+    _ORDER = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # the nibble that holds column j of its word
+
+    def __init__(self, cfg: dict):
+        if cfg.get("bits", 4) != 4:
+            raise UnsupportedQuantization(f"awq: {cfg.get('bits')}-bit weights are not supported (4-bit are)")
+        if str(cfg.get("version", "gemm")).lower() != "gemm":
+            raise UnsupportedQuantization(f"awq: version {cfg.get('version')} packing is not supported (gemm is)")
+        self.zero_point = cfg.get("zero_point", True)
+        self.group_size = cfg.get("group_size", 128)
+
+    def describe(self) -> str:
+        return f"awq (4-bit, groups of {self.group_size})"
+
+    def _group(self, tensors):
+        return tensors["qweight"][0][0] // tensors["scales"][0][0]
+
+    def _columns(self, words: torch.Tensor) -> torch.Tensor:
+        values = unpack_nibbles(words, dim=1)
+        r, c = values.shape
+        return values.view(r, c // 8, 8)[:, :, self._ORDER].reshape(r, c)
+
+    def read(self, prefix, tensors):
+        qweight, scales = _need(tensors, prefix, "qweight", "scales")
+        codes = self._columns(qweight).t().contiguous()  # [N, K]
+        if self.zero_point:
+            zeros = self._columns(_need(tensors, prefix, "qzeros")[0]).t()
+        else:
+            zeros = torch.full((codes.shape[0], scales.shape[0]), 8, dtype=torch.uint8)
+        return _int4(prefix, codes, scales.t(), zeros)
+
+
+class GPTQ(QuantMethod):
+    """AutoGPTQ/GPTQModel's packing: qweight int32 [K / 8, N] (eight input rows a word), qzeros
+    [K / G, N / 8] (eight output columns a word, each stored minus one in the original
+    `gptq` format, as is in `gptq_v2`), scales [K / G, N], g_idx [K]. desc_act (act-order) is
+    served where g_idx is the plain k // G; a reordering g_idx is refused."""
+    name = "gptq"
+    marker = "qweight"
+
+    def __init__(self, cfg: dict):
+        if cfg.get("bits", 4) != 4:
+            raise UnsupportedQuantization(f"gptq: {cfg.get('bits')}-bit weights are not supported (4-bit are)")
+        fmt = cfg.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise UnsupportedQuantization(f"gptq: checkpoint_format {fmt} (a Marlin-only layout) is not supported")
+        self.zero_offset = 1 if fmt == "gptq" else 0
+        self.group_size = cfg.get("group_size", 128)
+
+    def describe(self) -> str:
+        return f"gptq (4-bit, {'per channel' if self.group_size in (-1, None) else f'groups of {self.group_size}'})"
+
+    def _group(self, tensors):
+        return 8 * tensors["qweight"][0][0] // tensors["scales"][0][0]
+
+    def read(self, prefix, tensors):
+        qweight, qzeros, scales = _need(tensors, prefix, "qweight", "qzeros", "scales")
+        codes = unpack_nibbles(qweight, dim=0).t().contiguous()  # [N, K]
+        k = codes.shape[1]
+        g_idx = tensors.get("g_idx")
+        if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(k) // (k // scales.shape[0])):
+            raise UnsupportedQuantization(f"gptq: {prefix} reorders its input channels (desc_act / act-order "
+                                          "with a g_idx other than k // group_size), which is not supported")
+        zeros = (unpack_nibbles(qzeros, dim=1).to(torch.int16) + self.zero_offset).t()
+        if zeros.max() > 15:
+            raise ValueError(f"{prefix}: zero points past 15")
+        return _int4(prefix, codes, scales.t(), zeros.to(torch.uint8))
+
+
+class OnlineFP8(QuantMethod):
+    """`--quantization fp8` on an unquantized checkpoint: each decoder layer's matrices in FP8
+    with one scale per output row, made as they load."""
+    name = "fp8"
+    marker = "weight"
+    # the layers quantized: the attention's and the MLP's matrices (our names, after fusing)
+    TARGETS = re.compile(r".*\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.weight")
+
+    def describe(self) -> str:
+        return "fp8 (online, per-channel scales)"
+
+    def layout(self, tensors):
+        return "fp8", 0
+
+    def layers(self, names):
+        return {n[:-len(".weight")]: {"weight"} for n, (shape, _) in names.items()
+                if n.endswith(".weight") and len(shape) == 2}
+
+    def read(self, prefix, tensors):
+        return quantize_fp8(tensors["weight"])

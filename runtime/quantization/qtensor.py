@@ -1,0 +1,122 @@
+"""One quantized matrix as the loader carries it from a checkpoint to a layer: every format read
+(compressed-tensors, AWQ, GPTQ, online FP8) becomes one of three kinds, row-major over the
+output features, so that fusing (q/k/v, gate/up) is a concatenation of rows and tensor
+parallelism a slice of rows or of whole groups of columns.
+
+- int4: codes uint8 [N, K] (0..15), scales float32 [N, K / G], zeros uint8 [N, K / G] (0..15; 8
+  where the checkpoint is symmetric); value = (code - zero) * scale.
+- int8: codes int8 [N, K], scales float32 [N]; value = code * scale.
+- fp8: codes float8_e4m3fn [N, K], scales float32 [N]; value = float(code) * scale.
+
+Each value is one float32 product of exact operands, rounded once: what `dequantize` gives, and
+what every kernel widens a weight to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("int4", "int8", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantTensor:
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None  # int4 only
+    group_size: int = 0  # int4 only: columns that share a scale and a zero
+
+    def __post_init__(self):
+        n, k = self.codes.shape
+        if self.kind == "int4":
+            g = self.group_size
+            if g <= 0 or k % g or self.scales.shape != (n, k // g) or self.zeros is None \
+                    or self.zeros.shape != self.scales.shape:
+                raise ValueError(f"int4 matrix {n}x{k}: scales {tuple(self.scales.shape)} and zeros "
+                                 f"{None if self.zeros is None else tuple(self.zeros.shape)} do not make "
+                                 f"groups of {g}")
+        elif self.kind in ("int8", "fp8"):
+            if self.scales.shape != (n,):
+                raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)}, want ({n},)")
+        else:
+            raise ValueError(f"unknown quantized kind {self.kind!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantTensor:
+        """Rows (dim 0), or columns in whole groups (dim 1: a row-parallel shard)."""
+        if dim == 0:
+            return QuantTensor(self.kind, self.codes.narrow(0, start, length), self.scales.narrow(0, start, length),
+                               None if self.zeros is None else self.zeros.narrow(0, start, length), self.group_size)
+        if self.kind != "int4":
+            return QuantTensor(self.kind, self.codes.narrow(1, start, length), self.scales)
+        g = self.group_size
+        if start % g or length % g:
+            raise ValueError(f"columns {start}..{start + length} of a matrix quantized in groups of {g} "
+                             "do not fall on group boundaries")
+        return QuantTensor("int4", self.codes.narrow(1, start, length), self.scales.narrow(1, start // g, length // g),
+                           self.zeros.narrow(1, start // g, length // g), g)
+
+    def split(self, sizes: list[int]) -> list[QuantTensor]:
+        out, at = [], 0
+        for size in sizes:
+            out.append(self.narrow(0, at, size))
+            at += size
+        return out
+
+    def chunk(self, n: int) -> list[QuantTensor]:
+        return self.split([self.shape[0] // n] * n)
+
+    @staticmethod
+    def cat(parts: list[QuantTensor]) -> QuantTensor:
+        """Rows of several matrices of one kind (and group size) as one."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
+            raise ValueError("fused matrices quantized differently: " +
+                             ", ".join(f"{p.kind}/{p.group_size}" for p in parts))
+        zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        return QuantTensor(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           zeros, first.group_size)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.cat:  # parallel.shard re-joins split parts (Phi-3's fused q/k/v)
+            return cls.cat(list(args[0]))
+        return NotImplemented
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values [N, K] (the reference every kernel matches)."""
+        if self.kind == "int4":
+            g = self.group_size
+            centred = self.codes.to(torch.float32) - self.zeros.to(torch.float32).repeat_interleave(g, dim=1)
+            return centred * self.scales.repeat_interleave(g, dim=1)
+        return self.codes.to(torch.float32) * self.scales[:, None]
+
+    def nbytes(self) -> int:
+        """Bytes of the stored form (4-bit codes two to a byte)."""
+        codes = self.codes.numel() // 2 if self.kind == "int4" else self.codes.numel()
+        return codes + 4 * self.scales.numel() + (0 if self.zeros is None else self.zeros.numel())
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantTensor:
+    """A float matrix in FP8 E4M3 with one scale per output row (amax / 448), as vLLM's online
+    `--quantization fp8` does."""
+    w, top = weight.detach().to(torch.float32), torch.finfo(torch.float8_e4m3fn).max
+    scales = (w.abs().amax(dim=1) / top).clamp(min=1e-12)
+    return QuantTensor("fp8", (w / scales[:, None]).clamp(-top, top).to(torch.float8_e4m3fn), scales)
+
+
+def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words holding eight 4-bit values each (value j at bits 4j..4j+3) -> uint8 values,
+    the eight of each word consecutive along `dim` (0: [R, C] -> [8R, C]; 1: [R, C] -> [R, 8C])."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    if dim == 1:
+        return ((words[:, :, None] >> shifts) & 0xF).to(torch.uint8).reshape(words.shape[0], -1)
+    return ((words[:, None, :] >> shifts[:, None]) & 0xF).to(torch.uint8).reshape(-1, words.shape[1])

@@ -1,0 +1,179 @@
+"""Quantized checkpoints: each format, written in the test by loadtest/quantized_copy.py (packed
+by hand from the format's specification), served with greedy tokens identical to HF
+transformers in float32, through both storages (the C linear's blocks, and the packed tensors of
+the torch/Triton path). compressed-tensors checkpoints are loaded by transformers itself (through
+the compressed-tensors library, dequantized); transformers cannot load AWQ or GPTQ without GPU
+packages, so those are checked against our own dequantized float32 copy of the same codes
+(quantized_copy's `reference`), loaded by transformers as a plain model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+import torch
+
+from pageserve.loadtest.quantized_copy import FORMATS, quantized_copy
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.models.loader import ModelLoadError
+from tests.conftest import assert_pool_clean
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.engine
+
+GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny Llama with 128-wide rows, so that groups of 32, 64 and 128 all fit."""
+    return build_tiny_model(tmp_path_factory.mktemp("quant") / "src", hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in (4, 9, 40, 90)]
+
+
+def hf_expected(fmt: str, out, ref, prompts, n: int = 16):
+    if fmt.startswith("ct-"):  # transformers + compressed-tensors read the quantized files themselves
+        from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        return hf_greedy(None, prompts, n, hf_model=model)
+    return hf_greedy(ref, prompts, n)
+
+
+def ours(model_dir, prompts, n: int = 16, **kw) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=32, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    assert_pool_clean(llm.engine)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_parity(tmp_path, source, prompts, fmt, caplog):
+    """The C linear's blocks (CPU, float32): greedy tokens equal HF's on the same quantized
+    values, prompts chunked into 32-token steps beside decodes; the start-up log names the
+    method and the bytes saved."""
+    out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+    quantized_copy(source, out, fmt, group_size=GROUP.get(fmt, 128), reference=ref)
+    expected = hf_expected(fmt, out, ref, prompts)
+    with caplog.at_level(logging.INFO, logger="pageserve.runtime.quantization.load"):
+        got, llm = ours(out, prompts)
+    assert got == expected
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized weights"))
+    assert "8 layers stored as blocks" in line and "saved" in line, line
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
+    assert layer.mlp.down_proj.weight.block_format == {"ct-fp8": "f8", "ct-fp8-tensor": "f8", "ct-int8": "i8"}.get(fmt, "i4")
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8"])
+def test_packed_storage_parity(tmp_path, source, prompts, fmt):
+    """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
+    dequantized by the torch path; the same tokens as HF."""
+    out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+    quantized_copy(source, out, fmt, group_size=GROUP.get(fmt, 128), reference=ref)
+    got, llm = ours(out, prompts, enforce_eager=True)
+    assert got == hf_expected(fmt, out, ref, prompts)
+    weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
+    assert weight.dtype == {"ct-fp8": torch.float8_e4m3fn, "ct-int8": torch.int8}.get(fmt, torch.int32)
+    assert weight.quant.kind == {"ct-fp8": "fp8", "ct-int8": "int8"}.get(fmt, "int4")
+
+
+def test_online_fp8(tmp_path, source, prompts):
+    """--quantization fp8 on an unquantized checkpoint: the decoder layers' matrices in FP8 with a
+    scale per output row (amax / 448), the embedding and lm_head as they are; against HF on those
+    values, computed here."""
+    from safetensors.torch import load_file, save_file
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (ref / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            scale = w.float().abs().amax(dim=1, keepdim=True) / 448
+            tensors[name] = (w.float() / scale).to(torch.float8_e4m3fn).float() * scale
+    save_file(tensors, ref / "model.safetensors")
+    got, llm = ours(source, prompts, quantization="fp8")
+    assert got == hf_greedy(ref, prompts, 16)
+    model = llm.engine.runner.model
+    assert model.layers[0].self_attn.o_proj.weight.block_format == "f8"
+    assert model.lm_head.weight.dtype != torch.uint8
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"config_groups": {"g": {"weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 32},
+                              "format": "pack-quantized"}}}, "2-bit int weights"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "KV-cache quantization"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+     "block-wise FP8"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                    "dynamic": False}}}}, "static"),
+    ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+    ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
+    ({"quant_method": "gptq", "bits": 8}, "8-bit weights"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "Marlin-only"),
+])
+def test_refused_at_start_up(tmp_path, source, change, message):
+    """What is not served is refused before any weight loads, in one line naming it."""
+    out = tmp_path / "q"
+    quantized_copy(source, out, "ct-w4a16", group_size=32)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=message) as e:
+        LLM(str(out), dtype="float32")
+    assert "\n" not in str(e.value)
+
+
+def test_gptq_act_order_refused(tmp_path, source):
+    """A GPTQ g_idx that reorders the input channels (desc_act) is refused by name; the plain
+    k // G one, with desc_act set, is served."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "q"
+    quantized_copy(source, out, "gptq", group_size=32)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = True
+    (out / "config.json").write_text(json.dumps(cfg))
+    LLM(str(out), dtype="float32")  # loads
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="act-order"):
+        LLM(str(out), dtype="float32")
+
+
+def test_forced_method_must_match(tmp_path, source):
+    out = tmp_path / "q"
+    quantized_copy(source, out, "awq", group_size=32)
+    with pytest.raises(ModelLoadError, match="--quantization gptq, but the checkpoint is quantized with awq"):
+        LLM(str(out), dtype="float32", quantization="gptq")
+    with pytest.raises(ModelLoadError, match="Marlin kernels are not part of pageserve"):
+        LLM(str(out), dtype="float32", quantization="awq_marlin")
+
+
+def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
+    """TP 2: each rank holds its rows (q/k/v, gate/up) or its whole groups of columns (o_proj,
+    down_proj) of a 4-bit checkpoint, the same tokens as HF; a split inside a group is refused."""
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(source, out, "ct-w4a16-asym", group_size=32, reference=ref)
+    got, llm = ours(out, prompts, tensor_parallel_size=2)
+    llm.engine.shutdown()
+    assert got == hf_expected("ct-w4a16-asym", out, ref, prompts)
+    quantized_copy(source, tmp_path / "g128", "ct-w4a16", group_size=128)
+    with pytest.raises(Exception, match="group boundaries"):
+        LLM(str(tmp_path / "g128"), dtype="float32", tensor_parallel_size=2)
