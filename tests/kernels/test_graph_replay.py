@@ -14,9 +14,16 @@ from tests.fake_cuda import FakeCuda
 pytestmark = pytest.mark.engine
 
 
-def test_triton_graph_replays_give_the_eager_tokens(tiny_model_dir, device, monkeypatch):
+@pytest.mark.parametrize("weights", ["dense", "w4a16"])
+def test_triton_graph_replays_give_the_eager_tokens(tiny_model_dir, device, monkeypatch, tmp_path, weights):
+    """w4a16: a 4-bit checkpoint's layers through the Triton W4A16 GEMM (split-K at these
+    batch sizes) inside the captured steps."""
     if device == "cuda":
         pytest.skip("a real GPU captures real graphs: gpu_check's graphs section")
+    if weights == "w4a16":
+        from pageserve.loadtest.quantized_copy import quantized_copy
+
+        tiny_model_dir = quantized_copy(tiny_model_dir, tmp_path / "w4", "ct-w4a16-asym", group_size=32)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
     lengths = [7, 3, 5]  # decode batches of 3, 2 and 1: 3 replays at size 4, padded
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
