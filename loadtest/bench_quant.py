@@ -3,7 +3,7 @@ run: the bytes of the matrices a decode step reads, and the decode step's time.
 
 The copies (written once under $PAGESERVE_CACHE/quant by bf16_copy.py and quantized_copy.py):
 bfloat16, compressed-tensors W4A16 in groups of 64 (576 columns do not make groups of 128),
-INT8 W8A8 and FP8. Each model is loaded once; rounds alternate between them (the machine drifts),
+INT8 W8A8 and FP8, scales in bfloat16 as llm-compressor writes them for a bfloat16 model. Each model is loaded once; rounds alternate between them (the machine drifts),
 and a step's time is the difference of two generations (16 and 16 + N tokens after one prompt)
 over N, so that the prompt's prefill is not in it.
 
@@ -32,13 +32,13 @@ def copies(which: list[str]) -> dict[str, Path]:
     src, root = resolve_model(None), cache_root() / "quant"
     out = {}
     for name in which:
-        path = root / f"smollm2-{name}"
+        path = root / f"smollm2-{name}-bf16-scales"
         if not (path / "config.json").is_file():
             if COPIES[name] is None:
                 bf16_copy(src, path)
             else:
                 fmt, group = COPIES[name]
-                quantized_copy(src, path, fmt, group_size=group or 128)
+                quantized_copy(src, path, fmt, group_size=group or 128, scale_dtype=torch.bfloat16)
         out[name] = path
     return out
 

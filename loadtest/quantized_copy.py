@@ -174,8 +174,11 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
     p.add_argument("--format", default="ct-w4a16", choices=FORMATS)
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--scale-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the scales' stored dtype (default: float16 for awq and gptq, else float32)")
     args = p.parse_args()
-    print(quantized_copy(resolve_model(args.model), args.out, args.format, args.group_size))
+    dtype = getattr(torch, args.scale_dtype) if args.scale_dtype else None
+    print(quantized_copy(resolve_model(args.model), args.out, args.format, args.group_size, scale_dtype=dtype))
 
 
 if __name__ == "__main__":

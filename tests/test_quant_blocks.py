@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pageserve.runtime.config import cpu_flags
 from pageserve.triton_kernels import cpu_kernels
-from pageserve.triton_kernels.cpu_blocks import fp8_blocks, int4_blocks, int8_blocks
+from pageserve.triton_kernels.cpu_blocks import fp8_blocks, int4_blocks, int8_blocks, smallest_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -225,3 +225,32 @@ def test_decoder_stack_takes_layers_in_these_formats(native_kernels, formats, do
     want = layer_by_layer(lib, layers, final_norm, 1e-5, theirs, x, cos_sin, slots, tables, lens, heads, kv_heads, d)
     assert torch.equal(got, want) and got.isfinite().all()
     assert all(torch.equal(a, b) for pa, pb in zip(ours, theirs) for a, b in zip(pa, pb))
+
+
+@pytest.mark.parametrize("fmt,zero,scale_dtype,want", [
+    ("i4", 8, torch.float16, "q4_0"),  # symmetric, float16 scales (GPTQ's)
+    ("i4", 7, torch.bfloat16, "q4_1"),  # zero points 0-7, 8-bit scales: z * s a float16 value
+    ("i4", 15, torch.float16, "i4"),  # zero points 0-15, 11-bit scales: z * s is not
+    ("i4", 8, torch.bfloat16, "q4_0"),  # a bfloat16 checkpoint's scales
+    ("i4", 8, torch.float32, "i4"),  # scales no float16 holds: kept
+    ("i8", None, torch.bfloat16, "q8_0"),
+    ("i8", None, torch.float32, "i8"),
+])
+def test_smallest_blocks_hold_the_same_values(native_kernels, fmt, zero, scale_dtype, want):
+    """i4 / i8 matrices whose scales (and offsets) float16 holds become GGUF's Q4_0 / Q4_1 /
+    Q8_0 blocks: fewer bytes, the same widened values to the bit; others stay."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 24, 128
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3)
+    scales = scales.to(scale_dtype).to(torch.float32)
+    if fmt == "i4":
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        zeros = torch.full((n, k // 32), 8, dtype=torch.uint8) if zero == 8 else \
+            torch.randint(0, zero + 1, (n, k // 32), generator=gen, dtype=torch.uint8)
+        weight = int4_blocks(codes, scales, zeros, 32)
+    else:
+        weight = int8_blocks(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), scales[:, 0])
+    small = smallest_blocks(weight)
+    assert small.block_format == want
+    assert small.numel() <= weight.numel()
+    assert same_bits(native_kernels.widen(small), native_kernels.widen(weight))

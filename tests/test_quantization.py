@@ -72,7 +72,21 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert "8 layers stored as blocks" in line and "saved" in line, line
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
-    assert layer.mlp.down_proj.weight.block_format == {"ct-fp8": "f8", "ct-fp8-tensor": "f8", "ct-int8": "i8"}.get(fmt, "i4")
+    # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
+    kept = {"ct-fp8": {"f8"}, "ct-fp8-tensor": {"f8"}, "ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
+    assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"i4"})
+
+
+@pytest.mark.parametrize("fmt,block", [("ct-w4a16", "q4_0"), ("ct-int8", "q8_0")])
+def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block):
+    """Scales stored in bfloat16 (as llm-compressor writes them for a bfloat16 model) are float16
+    values: the C linear reads GGUF's smaller blocks, the same values (cpu_blocks.smallest_blocks);
+    against HF on the dequantized copy (transformers would dequantize in bfloat16, rounding)."""
+    out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+    quantized_copy(source, out, fmt, group_size=32, reference=ref, scale_dtype=torch.bfloat16)
+    got, llm = ours(out, prompts)
+    assert got == hf_greedy(ref, prompts, 16)
+    assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.block_format == block
 
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8"])

@@ -120,3 +120,34 @@ def _scale_bytes(scales: torch.Tensor, n: int, nb: int) -> torch.Tensor:
     """float32 scales [n, nb] (one a block) as the blocks' first four bytes [n, nb, 4] (the CPU
     kernels read their machine's order, little-endian on every one they build for)."""
     return scales.expand(n, nb).contiguous().view(torch.uint8).reshape(n, nb, 4)
+
+
+def _as_half(values: torch.Tensor) -> torch.Tensor | None:
+    """float32 values as float16 where every one of them is a float16 value (else None)."""
+    half = values.to(torch.float16)
+    return half if torch.equal(half.to(torch.float32).view(torch.int32), values.view(torch.int32)) else None
+
+
+def smallest_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """An i4 or i8 matrix in GGUF's smaller blocks where they hold the same values exactly: i4 ->
+    Q4_0 (18 bytes: every zero point 8, every scale a float16 value), else Q4_1 (20 bytes:
+    d * q + m with m = -z * s a float16 value too, which fma rounds once to (q - z) * s); i8 ->
+    Q8_0 (34 bytes). A bfloat16 checkpoint's scales of usual size are all float16 values. Other
+    matrices come back as they are."""
+    fmt, k = getattr(weight, "block_format", None), in_features(weight)
+    if fmt not in ("i4", "i8"):
+        return weight
+    n, nb = weight.shape[0], k // 32
+    raw = weight.detach().view(n, nb, BLOCK_FORMATS[fmt][1])
+    d = _as_half(raw[:, :, :4].contiguous().view(torch.float32))  # [n, nb, 1]
+    if d is None:
+        return weight
+    if fmt == "i8":
+        return blocks(torch.cat([d.view(torch.uint8), raw[:, :, 4:]], 2).view(n, -1), "q8_0", k)
+    zeros, nibbles = raw[:, :, 4:5], raw[:, :, 5:]
+    if bool((zeros == 8).all()):
+        return blocks(torch.cat([d.view(torch.uint8), nibbles], 2).view(n, -1), "q4_0", k)
+    m = _as_half(-zeros.to(torch.float32) * d.to(torch.float32))
+    if m is None:
+        return weight
+    return blocks(torch.cat([d.view(torch.uint8), m.view(torch.uint8), nibbles], 2).view(n, -1), "q4_1", k)

@@ -5,7 +5,8 @@ they stream past, and written into that storage's rows (q/k/v and gate/up fused,
 parallel shards cut by parallel.shard as for dense weights). Two storages:
 
 - blocks: the C linear's block formats (CPU with the C kernels): one uint8 matrix a layer,
-  each value widened by the kernel to the float32 QuantTensor.dequantize gives.
+  each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
+  smaller Q4_0 / Q4_1 / Q8_0 blocks where those hold the same values).
 - packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
   int4 eight codes an int32 word along K, int8 / FP8 as they are; `weight.quant` says how."""
 
@@ -75,9 +76,10 @@ class BlockStorage:
         layer.module.weight[rows].copy_(raw)
 
     def finish(self, layer: Layer) -> None:
-        from pageserve.triton_kernels.cpu_blocks import blocks
+        from pageserve.triton_kernels.cpu_blocks import blocks, smallest_blocks
 
-        layer.module.weight = blocks(layer.module.weight.data, self.FORMATS[layer.kind], layer.in_features)
+        layer.module.weight = smallest_blocks(blocks(layer.module.weight.data, self.FORMATS[layer.kind],
+                                                     layer.in_features))
 
 
 @dataclass(frozen=True)
