@@ -22,9 +22,10 @@ from torch import nn
 from pageserve.runtime.quantization import method_for
 from pageserve.runtime.quantization.methods import QuantMethod, UnsupportedQuantization
 from pageserve.runtime.quantization.qtensor import QuantTensor
-from pageserve.triton_kernels import torch_ops
+from pageserve.triton_kernels import cpu_blocks, torch_ops
 
 logger = logging.getLogger(__name__)
+
 
 def checkpoint_names(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor of a directory's safetensors: name -> (shape, dtype name), read from the
@@ -55,18 +56,14 @@ class BlockStorage:
     FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8"}
 
     def allocate(self, layer: Layer, rows: int) -> None:
-        from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS
-
         k, g = layer.in_features, layer.group_size
         if k % 32 or (layer.kind == "int4" and g % 32):
             raise UnsupportedQuantization(f"the CPU kernels take 4-bit groups and rows in multiples of 32 values; "
                                           f"a layer has {k} columns in groups of {g}")
-        width = k // 32 * BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
+        width = k // 32 * cpu_blocks.BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
         layer.module.weight = nn.Parameter(torch.empty(rows, width, dtype=torch.uint8), requires_grad=False)
 
     def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
-        from pageserve.triton_kernels import cpu_blocks
-
         if qt.kind == "int4":
             raw = cpu_blocks.int4_blocks(qt.codes, qt.scales, qt.zeros, qt.group_size)
         elif qt.kind == "int8":
@@ -76,10 +73,8 @@ class BlockStorage:
         layer.module.weight[rows].copy_(raw)
 
     def finish(self, layer: Layer) -> None:
-        from pageserve.triton_kernels.cpu_blocks import blocks, smallest_blocks
-
-        layer.module.weight = smallest_blocks(blocks(layer.module.weight.data, self.FORMATS[layer.kind],
-                                                     layer.in_features))
+        layer.module.weight = cpu_blocks.smallest_blocks(
+            cpu_blocks.blocks(layer.module.weight.data, self.FORMATS[layer.kind], layer.in_features))
 
 
 @dataclass(frozen=True)
