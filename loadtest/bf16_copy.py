@@ -22,16 +22,29 @@ import torch
 from pageserve.runtime.models.loader import GGUF_SOURCE, resolve_model
 
 
-def bf16_copy(src: Path, out: Path) -> Path:
-    """Every floating-point tensor of `src`'s safetensors in bfloat16 under `out`, with its
-    config (dtype bfloat16) and tokenizer files; nothing that names a GGUF source."""
-    from safetensors.torch import load_file, save_file
-
+def copy_model_files(src: Path, out: Path) -> None:
+    """`src`'s config, generation config and tokenizer files into `out` (made if missing):
+    nothing that names a GGUF source or indexes its weights."""
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if (f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model")
                 and f.name not in (GGUF_SOURCE, "model.safetensors.index.json")):
             shutil.copy2(f, out / f.name)
+
+
+def set_dtype(model_dir: Path, dtype: str) -> None:
+    """config.json's dtype (both the transformers 4 and 5 keys) set to `dtype`."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = dtype
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def bf16_copy(src: Path, out: Path) -> Path:
+    """Every floating-point tensor of `src`'s safetensors in bfloat16 under `out`, with its
+    config (dtype bfloat16) and tokenizer files; nothing that names a GGUF source."""
+    from safetensors.torch import load_file, save_file
+
+    copy_model_files(src, out)
     index = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors = load_file(f)
@@ -40,11 +53,7 @@ def bf16_copy(src: Path, out: Path) -> Path:
         index.update({k: f.name for k in tensors})
     if (src / "model.safetensors.index.json").is_file():
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = "bfloat16"
-    if "dtype" in cfg:  # transformers 5 writes and reads this one first
-        cfg["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    set_dtype(out, "bfloat16")
     return out
 
 

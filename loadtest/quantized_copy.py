@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
-from pageserve.runtime.models.loader import GGUF_SOURCE, resolve_model
+from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
+from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq")
 LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
@@ -131,13 +131,8 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
     scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq") else torch.float32)
-    dirs = [out] + ([reference] if reference else [])
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in (
-                    GGUF_SOURCE, "model.safetensors.index.json"):
-                shutil.copy2(f, d / f.name)
+    for d in [out] + ([reference] if reference else []):
+        copy_model_files(src, d)
     quantized, dense = {}, {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
@@ -162,9 +157,7 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
     if reference:
         save_file({k: v.float() if v.is_floating_point() else v for k, v in dense.items()},
                   reference / "model.safetensors", metadata={"format": "pt"})
-        ref_cfg = json.loads((reference / "config.json").read_text())
-        ref_cfg["torch_dtype"] = ref_cfg["dtype"] = "float32"
-        (reference / "config.json").write_text(json.dumps(ref_cfg, indent=1))
+        set_dtype(reference, "float32")
     return out
 
 
