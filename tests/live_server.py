@@ -99,6 +99,7 @@ class SubprocessServer:
         sock.close()
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = ROOT / ".cache" / f"server-{port}.log"
+        self.log_path.parent.mkdir(exist_ok=True)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pageserve.app.cli", "serve", "--port", str(port), *args],

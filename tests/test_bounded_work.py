@@ -19,7 +19,10 @@ MILLIONS = 8_000_000
 
 @pytest.mark.server
 @pytest.mark.slow  # a server process and two 16 MB bodies: about 20 s
-def test_health_answers_within_100_ms_while_8_million_ids_are_refused(tiny_model_dir):
+def test_health_keeps_answering_while_8_million_ids_are_refused(tiny_model_dir):
+    """Parsing such a body on the event loop held /health for 1.9 s. The bounds leave room for
+    a 2-core host that runs this client, the server and its body checker at once (one sample of
+    0.21 s was seen there): most answers within 50 ms, none past 0.5 s."""
     srv = SubprocessServer(str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "512",
                            "--kv-cache-memory", "0.01", "--swap-space", "0")
     try:
@@ -47,7 +50,10 @@ def test_health_answers_within_100_ms_while_8_million_ids_are_refused(tiny_model
                 sender.join()
                 assert answer["status"] == 400, answer
                 assert str(MILLIONS) in answer["body"]["error"]["message"]
-                assert len(waits) >= 10 and max(waits) < 0.1, f"{path}: /health waited {max(waits):.3f} s"
+                waits.sort()
+                assert len(waits) >= 10, waits
+                assert waits[len(waits) // 2] < 0.05 and waits[-1] < 0.5, \
+                    f"{path}: /health waited {waits[len(waits) // 2]:.3f} s (median), {waits[-1]:.3f} s (most)"
         ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [7] * 100, "max_tokens": 2}, timeout=30)
         assert ok.status_code == 200, ok.text
     finally:
