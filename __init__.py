@@ -7,7 +7,7 @@ install as this package's subpackages: pageserve.app, pageserve.runtime, ..."""
 
 from pageserve.sampling.params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -34,7 +34,7 @@ async def embeddings(request: Request) -> Response:
         index = {}
         for i, ids in enumerate(inputs):
             rid = f"{base}-{suffix}-{i}"
-            engine.add_embedding_request(stream, rid, ids)
+            engine.add_embedding_request(stream, rid, ids, lora=state.adapters.get(model))
             index[rid] = i
         outs = await until_disconnected(request, collect(stream))
     finally:

@@ -70,10 +70,12 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
 
 
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-          cache_salt: str | None, param: str, images: tuple = ()) -> tuple[RequestStream, dict[str, int]]:
+          cache_salt: str | None, param: str, images: tuple = (),
+          model: str | None = None) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
     index (an output's choice index is prompt index x n + its own index). `images`: the one
-    prompt's images (runtime.multimodal.ImageItem). Engine ids add a
+    prompt's images (runtime.multimodal.ImageItem). `model`: the checked name the request
+    gave, whose LoRA adapter it runs under where it names one. Engine ids add a
     random suffix to the response id, so a client that reuses its X-Request-Id never meets
     its earlier request. Each is checked as the engine takes it (an error names `param` for
     the prompt); nothing is left running if one of them is refused."""
@@ -83,13 +85,14 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
                           f"prompt tokens; the server's limit is {limit} a request (--max-prompt-logprobs-tokens)",
                           "prompt_logprobs")
     engine = state.engine
+    lora = state.adapters.get(model)
     stream = engine.new_stream(len(prompts))
     index: dict[str, int] = {}
     suffix = uuid.uuid4().hex[:8]
     try:
         for i, ids in enumerate(prompts):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
-            engine.add_request(stream, rid, ids, params, cache_salt, param, images)
+            engine.add_request(stream, rid, ids, params, cache_salt, param, images, lora)
             index[rid] = i
     except BaseException:
         stream.abort()

@@ -7,6 +7,7 @@ the hot path); the latency histograms are observed once per finished request."""
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -53,6 +54,12 @@ class _EngineCollector(Collector):
         yield self._family(c, "generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._family(c, "engine_step_seconds", "Time in the model runner's steps.", s.step_seconds)
         yield self._family(c, "mm_encoder_step_seconds", "Of which in the vision encoder.", s.encoder_seconds)
+        if sched.max_loras:  # as vLLM: the labels say which adapters run and wait; the value is the time
+            info = GaugeMetricFamily(_P + "lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(sched.running_loras), ",".join(sched.waiting_loras), str(sched.max_loras)],
+                            time.time())
+            yield info
         success = CounterMetricFamily(_P + "request_success", "Finished sequences by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):
@@ -101,8 +108,10 @@ class Metrics:
         if self.log_requests:
             reasons = ",".join(sorted({c.finish_reason or "" for c in out.outputs})) or "pooled"
             ttft = m.time_to_first_token
-            logger.info("finished request %s: prompt %d tokens%s, output %d tokens, ttft %s, total %.3f s, %s%s",
-                        log_id(out.request_id), m.num_prompt_tokens,
+            logger.info("finished request %s%s: prompt %d tokens%s, output %d tokens, ttft %s, total %.3f s, %s%s",
+                        log_id(out.request_id),
+                        f" (adapter {out.lora_request.lora_name})" if out.lora_request is not None else "",
+                        m.num_prompt_tokens,
                         f" ({m.num_images} images, encoder {m.encoder_time:.3f} s)" if m.num_images else "",
                         m.num_output_tokens, "-" if ttft is None else f"{ttft:.3f} s", m.e2e_time or 0.0, reasons,
                         f", prompt {self._prompt(out)!r}" if self.log_prompts else "")

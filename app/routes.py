@@ -17,6 +17,7 @@ from pageserve.app.embeddings import embeddings
 from pageserve.app.errors import APIError
 from pageserve.app.frontend import chat_page
 from pageserve.app.http import api_route, json_response, read_json
+from pageserve.app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter, unload_lora_adapter
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, ResponsesRequest, TokenizeRequest)
@@ -33,6 +34,7 @@ class RouteSpec:
     body: type[BaseModel] | None = None  # the JSON body's model
     open: bool = False  # served without an API key: what a load balancer or a fuzzer needs
     page: bool = False  # an HTML page for people (the chat page), off with --disable-frontend
+    lora_admin: bool = False  # changes the served adapters: only with --allow-runtime-lora-updating
 
 
 async def health(request: Request) -> Response:
@@ -48,10 +50,12 @@ async def version(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.server
+    def card(name: str, root: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "pageserve",
+                "root": root, "parent": parent, "max_model_len": state.max_model_len}
     return json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "pageserve",
-         "root": state.settings.model_path, "parent": None, "max_model_len": state.max_model_len}
-        for name in state.settings.served_model_names]})
+        *(card(name, state.settings.model_path, None) for name in state.settings.served_model_names),
+        *(card(a.lora_name, a.lora_path, a.base_model_name or state.model_name) for a in state.adapters)]})
 
 
 @api_route
@@ -96,7 +100,11 @@ ROUTES = (
               "The input items of a stored response"),
     RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (mean-pooled last hidden states)",
               EmbeddingRequest),
-    RouteSpec("/v1/models", "get", models, "The served models"),
+    RouteSpec("/v1/models", "get", models, "The served models and LoRA adapters"),
+    RouteSpec("/v1/load_lora_adapter", "post", load_lora_adapter, "Load a LoRA adapter (PEFT directory) to serve",
+              LoadLoRAAdapterRequest, lora_admin=True),
+    RouteSpec("/v1/unload_lora_adapter", "post", unload_lora_adapter, "Stop serving a LoRA adapter",
+              UnloadLoRAAdapterRequest, lora_admin=True),
     RouteSpec("/tokenize", "post", tokenize, "Text or messages to token ids", TokenizeRequest),
     RouteSpec("/detokenize", "post", detokenize, "Token ids to text", DetokenizeRequest),
     RouteSpec("/health", "get", health, "200 while the engine runs, 503 once it has stopped", open=True),
@@ -110,5 +118,7 @@ ROUTES = (
 
 
 def served_routes(settings: ServerSettings) -> tuple[RouteSpec, ...]:
-    """The routes this server serves (and documents): all, less the page when it is off."""
-    return tuple(r for r in ROUTES if settings.enable_frontend or not r.page)
+    """The routes this server serves (and documents): all, less the page when it is off and
+    the adapter loading routes unless run-time updates are allowed."""
+    return tuple(r for r in ROUTES if (settings.enable_frontend or not r.page)
+                 and (settings.allow_runtime_lora_updating or not r.lora_admin))

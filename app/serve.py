@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import uvicorn
 
+from pageserve.app.lora import RUNTIME_UPDATING_ENV, parse_lora_modules, runtime_updating_allowed
 from pageserve.app.reasoning import REASONING_PARSERS
 from pageserve.app.state import ServerSettings
 from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
@@ -95,6 +96,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(parser)
+    g = next(group for group in parser._action_groups if group.title == "LoRA adapters")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
+                        '"base_model_name": ...}; a request picks one by its name in `model`')
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
+                        f"they read directories on this machine); also ${RUNTIME_UPDATING_ENV}=true, as vLLM")
 
 
 def _list_flag(values: list[str] | None, flag: str) -> tuple[str, ...]:
@@ -126,6 +134,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+    if ns.lora_modules and not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
@@ -142,7 +152,9 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           max_stored_responses=ns.max_stored_responses,
                           max_stored_responses_mb=ns.max_stored_responses_mb,
                           max_prompt_logprobs_tokens=ns.max_prompt_logprobs_tokens,
-                          reasoning_parser=ns.reasoning_parser)
+                          reasoning_parser=ns.reasoning_parser,
+                          lora_modules=parse_lora_modules(ns.lora_modules),
+                          allow_runtime_lora_updating=runtime_updating_allowed(ns.allow_runtime_lora_updating))
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pageserve.app.errors import APIError
+from pageserve.app.lora import Adapters
 from pageserve.app.logprobs import TokenText
 from pageserve.app.media import MediaLoader, MediaSettings
 from pageserve.app.reasoning import ReasoningParser, reasoning_parser_class
@@ -73,6 +74,8 @@ class ServerSettings:
     max_prompt_logprobs_tokens: int = 32768  # prompt tokens with logprobs in one request
     reasoning_parser: str | None = None  # --reasoning-parser: thinking goes to reasoning_content
     allowed_media_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may name (none: data: URLs only)
+    lora_modules: tuple = ()  # --lora-modules: app/lora.py's LoRAModule, read at start-up
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -106,6 +109,7 @@ class ServerState:
     responses: ResponseStore = field(init=False)  # stored Responses API answers
     reasoning: ReasoningParser | None = field(init=False)  # splits thinking from the answer
     media: MediaLoader = field(init=False)  # images from the requests' URLs
+    adapters: Adapters = field(init=False)  # LoRA adapters a request may name as its model
 
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
@@ -118,16 +122,20 @@ class ServerState:
         self.media = MediaLoader(MediaSettings(tuple(d.lower() for d in self.settings.allowed_media_domains)))
         name = self.settings.reasoning_parser
         self.reasoning = reasoning_parser_class(name)(self.tokenizer) if name is not None else None
+        self.adapters = Adapters(self.engine, self.settings.served_model_names)
+        for module in self.settings.lora_modules:
+            self.adapters.load_at_start(module)
 
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request asks for (the first one when it names none)."""
+        """The served name a request asks for (the first one when it names none): the model's,
+        or a LoRA adapter's (`adapters.get(name)` gives it)."""
         if name is None or name == "":
             return self.model_name
-        if name not in self.settings.served_model_names:
+        if name not in self.settings.served_model_names and self.adapters.get(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
         return name

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pageserve.runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.input_processor import ProcessedRequest
+from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.stats import EngineStats
 from pageserve.sampling.params import SamplingParams
@@ -249,17 +250,30 @@ class AsyncEngine:
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
                     params: SamplingParams, cache_salt: str | None = None, param: str = "prompt",
-                    images: tuple = ()) -> None:
+                    images: tuple = (), lora: LoRARequest | None = None) -> None:
         """Check the request now, once (InvalidRequest naming the field at fault, `param` for
         the prompt), and queue it for the next step; its outputs go to `stream`. `images`: what
-        process_images made of the prompt's images."""
+        process_images made of the prompt's images. `lora`: an adapter add_lora has read."""
         checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True,
                                              mm_items=images)
-        self._enqueue(stream, _PendingRequest(request_id, checked))
+        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)))
 
     def add_embedding_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
-                              param: str = "input") -> None:
-        self._enqueue(stream, _PendingRequest(request_id, self.engine.inputs.process_embedding(prompt, param)))
+                              param: str = "input", lora: LoRARequest | None = None) -> None:
+        checked = self.engine.inputs.process_embedding(prompt, param)
+        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)))
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.config.lora is not None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read an adapter into host memory (LoRAError if it cannot be served); blocking, so
+        the server calls it in a thread."""
+        self.engine.add_lora(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.engine.remove_lora(lora_int_id)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """InvalidRequest when an id is outside the vocabulary."""

@@ -140,6 +140,7 @@ class SchedulerConfig:
     # default: there a step's time is its rows' arithmetic, so mixing saves nothing and the new
     # requests' first tokens wait for the decodes; a GPU decodes beside a prompt for free)
     prompts_first: bool = False
+    max_loras: int = 0  # distinct LoRA adapters the running batch may hold (0: adapters are off)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -151,6 +152,25 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """--enable-lora: adapters in `max_loras` slots beside the base weights (sized at start-up),
+    up to `max_cpu_loras` kept loaded in host memory (least recently used out)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self):
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"--max-lora-rank must be in 1..512, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +262,7 @@ class EngineConfig:
     debug_checks: bool  # check pool integrity after every step (tests)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal: MultiModalConfig | None = None  # None: the model takes text only
+    lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -21,6 +21,7 @@ from pageserve.runtime.engine_args import GiB, EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
 from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
@@ -38,6 +39,9 @@ from pageserve.sampling.params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # unused: nothing is sampled
+
+
+LORA_OFF = "adapters are off: start the engine with --enable-lora (enable_lora=True)"
 
 
 class StepFailed(Exception):
@@ -112,7 +116,7 @@ class LLMEngine:
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
         if parallel.tensor_parallel_size == 1:
-            runner = ModelRunner(model_cfg, device, args.block_size, args.seed)
+            runner = ModelRunner(model_cfg, device, args.block_size, args.seed, lora=args.lora_config())
             executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
         else:  # the workers load their parts and size their pools; one block table must fit them all
             executor = MultiprocExecutor(args, parallel, model_cfg, device, sched_cfg)
@@ -126,7 +130,8 @@ class LLMEngine:
             config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                                   seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,
                                   multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens,
-                                                                    device.device))
+                                                                    device.device),
+                                  lora=args.lora_config())
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,
@@ -190,8 +195,23 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        return self.add_processed(self.inputs.process(prompt, params, cache_salt), request_id, arrival_time)
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
+        processed = dataclasses.replace(self.inputs.process(prompt, params, cache_salt), lora=lora_request)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        return self.add_processed(processed, request_id, arrival_time)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read the adapter into host memory, if it is not there (LoRAError when it cannot be
+        served). Thread-safe: the server reads adapters off the event loop."""
+        if self.config.lora is None:
+            raise LoRAError(LORA_OFF)
+        self.runner.lora.load(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter (a running request of it reads it again from its directory)."""
+        if self.config.lora is not None:
+            self.runner.lora.remove(lora_int_id)
 
     def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
                               arrival_time: float | None = None) -> str:
@@ -205,8 +225,11 @@ class LLMEngine:
         p = processed
         pooling = p.params is None
         params = _POOLING_PARAMS if pooling else p.params
+        if p.lora is not None and self.config.lora is None:  # read by add_lora before, else in its first step
+            raise LoRAError(LORA_OFF)
         req = self._new_request(request_id, p.prompt_token_ids, params, p.max_tokens, p.prompt,
                                 p.cache_salt, pooling, arrival_time, p.mm_items)
+        req.lora = p.lora
         if pooling:
             self.scheduler.add_request(req)
             return req.request_id

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pageserve.runtime import quantization
-from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, ModelConfig,
+from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, LoRAConfig, ModelConfig,
                                       MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
@@ -67,6 +67,10 @@ class EngineArgs:
     limit_mm_per_prompt: dict | str | None = None  # {"image": N}, or its JSON
     mm_encoder_cache_mb: float | None = None  # the vision encoder's outputs kept (default: 4096 tokens' worth)
     max_num_encoder_input_tokens: int | None = None  # image tokens a step may encode (default: one image on CPU)
+    enable_lora: bool = False  # LoRA adapters beside the base weights
+    max_loras: int = 1  # distinct adapters in one step (the device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (default: max_loras)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -94,6 +98,7 @@ class EngineArgs:
             raise ValueError(f"mm_encoder_cache_mb must be > 0, got {self.mm_encoder_cache_mb}")
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
+        self.lora_config()
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -159,6 +164,15 @@ class EngineArgs:
         g.add_argument("--mm-encoder-cache-mb", type=float, default=None,
                        help="memory for the vision encoder's outputs between the steps that read them "
                             f"(default: {ENCODER_CACHE_TOKENS} image tokens' worth)")
+        g = parser.add_argument_group("LoRA adapters")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT format) beside the base model; a request picks one by "
+                            "its name in `model`")
+        g.add_argument("--max-loras", type=int, default=1,
+                       help="distinct adapters in one step: the device slots sized at start-up")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots take")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded in host memory, least recently used out (default: --max-loras)")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many devices (one worker process each; on CPU, "
@@ -302,6 +316,13 @@ class EngineArgs:
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
 
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size above 1 is not supported yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
     def scheduler_config(self, max_model_len: int, device: torch.device) -> SchedulerConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -314,6 +335,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompts_first=device.type == "cpu",
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def max_images(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pageserve.runtime.lora.request import LoRARequest
 from pageserve.sampling.params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class ProcessedRequest:
     cache_salt: str | None = None
     grammar: str | None = None  # the regex the output must match
     mm_items: tuple = ()  # multimodal.ImageItem of each image, in prompt order
+    lora: LoRARequest | None = None  # the adapter it runs under
 
 
 class InputProcessor:

@@ -34,6 +34,21 @@ class AttentionMetadata:
     # an image's tokens see the whole image in models whose image tokens attend both ways
     # (None: every token is causal)
     key_limit: torch.Tensor | None = None
+    lora: LoRABatch | None = None  # the step's adapter tokens (None: every token is the base model's)
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """Which adapter slot each token of the step runs under, grouped by slot. Only tokens of
+    requests with an adapter are in a group; the others get the base model alone."""
+    rows: torch.Tensor  # [n] int64: the adapter tokens, grouped by slot
+    groups: list[tuple[int, int, int]]  # (slot, first index into rows, count), on the host
+    # the same on the device, padded to the number of slots (slot -1: unused) for the Triton
+    # kernels, whose launch grid must not depend on the step's contents
+    sorted_tokens: torch.Tensor  # [T] int32: rows, then the base model's tokens
+    group_slots: torch.Tensor  # [S] int32
+    group_starts: torch.Tensor  # [S] int32
+    group_counts: torch.Tensor  # [S] int32
 
 
 class Kernels:
@@ -53,12 +68,28 @@ class Kernels:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
 
+    lora_batch: LoRABatch | None = None  # the step's, set by prepare(): read by linear()
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers."""
+        self.lora_batch = meta.lora
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Every linear layer's matmul, the lm_head's included. A quantized weight (packed:
-        runtime/quantization/load.py) carries `quant`, and takes `quant_linear`."""
+        """Every linear layer's matmul, the lm_head's included, and the delta of each token's
+        LoRA adapter where the weight has adapter slots (`weight.lora`, runtime/lora/slots.py)."""
+        out = self.matmul(x, weight, bias)
+        lora = getattr(weight, "lora", None)
+        if lora is not None and self.lora_batch is not None:
+            self.lora_delta(out, x, lora, self.lora_batch)
+        return out
+
+    def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora, batch: LoRABatch) -> None:
+        """out += B[slot] @ (A[slot] @ x) for each adapter token, slice by slice (torch, by group)."""
+        torch_ops.lora_delta(out, x, lora.a, lora.b, lora.slices, batch.rows, batch.groups)
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The base layer's matmul. A quantized weight (packed: runtime/quantization/load.py)
+        carries `quant`, and takes `quant_linear`."""
         quant = getattr(weight, "quant", None)
         if quant is not None:
             return self.quant_linear(x, weight, quant, bias)
@@ -139,9 +170,9 @@ class TorchKernels(Kernels):
             self.ops = _CpuOps(lib)
             self.cpu_lib = lib
 
-    def linear(self, x, weight, bias=None):
+    def matmul(self, x, weight, bias=None):
         if self.linear_plan is None:
-            return super().linear(x, weight, bias)
+            return super().matmul(x, weight, bias)
         return self.linear_plan(x, weight, bias)
 
     def embedding(self, ids, weight):
@@ -165,7 +196,8 @@ class TorchKernels(Kernels):
         stream of the default model: 21 -> 16 ms a step, a third of it was the interpreter
         between the kernels)."""
         lib, plan = self.cpu_lib, self.linear_plan
-        if lib is None or meta.max_query_len != 1 or not kv_caches or not plan.uses_kernel(x.shape[0]):
+        if lib is None or meta.max_query_len != 1 or not kv_caches or not plan.uses_kernel(x.shape[0]) \
+                or meta.lora is not None:
             return None
         first, last = kv_caches[0][0], kv_caches[-1][1]
         key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), len(kv_caches))

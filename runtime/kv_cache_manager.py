@@ -86,6 +86,9 @@ class KVCacheManager:
                 parent = b"p" + hashes[-1]
             else:  # the first block chains from the salt, so salted requests never share blocks
                 parent = b"s" + request.cache_salt.encode() if request.cache_salt else b"-"
+                if request.lora is not None:  # nor requests of different adapters (or none)
+                    key = request.lora.cache_key
+                    parent = b"l%d:" % len(key) + key + parent
             images = image_keys(request.mm_items, i * bs, (i + 1) * bs) if request.mm_items else b""
             hashes.append(block_digest(parent, tokens[i * bs:(i + 1) * bs], images))
         return hashes

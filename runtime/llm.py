@@ -8,6 +8,7 @@ from functools import cached_property
 
 from pageserve.runtime.engine import LLMEngine
 from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.outputs import Logprob, RequestOutput
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
@@ -23,7 +24,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt runs under, or one per prompt (None: the base
+        model); the engine needs enable_lora=True."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -34,12 +38,17 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         sampling_params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in sampling_params]
+        loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            self.engine.add_lora(lora)
         # every prompt is checked before any enters the engine, so a bad one leaves no debris
         checked = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+        for i, (p, sp, lora) in enumerate(zip(prompts, sampling_params, loras)):
             try:
                 prompt, salt, images = _unpack(p)
-                checked.append(self._process(prompt, sp, salt, images))
+                checked.append(replace(self._process(prompt, sp, salt, images), lora=lora))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
@@ -57,11 +66,11 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not self.tokenizer.chat_template:

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
-from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig
+from pageserve.runtime.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pageserve.runtime.cpu_env import huge_page_bytes, release_freed_memory, resident_kib, weights_in_huge_pages
 from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
 from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
+from pageserve.runtime.lora.manager import LoRAManager
 from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
@@ -52,8 +53,9 @@ def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int,
-                 dev: CudaDevice | HostDevice | None = None):
-        """dev: streams, events, pinned memory and memory statistics (a test may pass a fake)."""
+                 dev: CudaDevice | HostDevice | None = None, lora: LoRAConfig | None = None):
+        """dev: streams, events, pinned memory and memory statistics (a test may pass a fake).
+        lora: adapter slots beside the weights (--enable-lora)."""
         self.model_cfg = model_cfg
         self.device_cfg = device_cfg
         self.device = device_cfg.device
@@ -71,6 +73,7 @@ class ModelRunner:
             raise ModelLoadError("bfloat16 matmuls were chosen but the CPU kernels did not load")
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
+        self.lora = None if lora is None else LoRAManager(self.model, lora, self.device, model_cfg.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
@@ -187,6 +190,8 @@ class ModelRunner:
         if self.dev.type != "cuda" or self.device_cfg.enforce_eager or not self.kernels.graph_safe:
             return []
         if self.model_cfg.tp_size > 1:  # NCCL all-reduces captured inside graphs: not checked on GPUs yet
+            return []
+        if self.lora is not None:  # the adapter batch is built per step, outside any captured buffer
             return []
         if getattr(self.model, "mrope_section", None):  # the graphs take 1-D positions
             return []
@@ -305,6 +310,7 @@ class ModelRunner:
             block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
             max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
             max_seq_len=max(seq_lens),
+            lora=None if self.lora is None else self.lora.batch(out.requests, len(input_ids)),
         )
         self.kernels.prepare(meta)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)

@@ -63,7 +63,8 @@ class OutputProcessor:
             return RequestOutput(
                 request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                 outputs=[self._completion(m, m.status.finished, False) for m in members],
-                finished=True, metrics=_metrics(req, members), prompt_logprobs=members[0].prompt_logprobs)
+                finished=True, metrics=_metrics(req, members), prompt_logprobs=members[0].prompt_logprobs,
+                lora_request=req.lora)
         first = req.num_sent_tokens == 0
         completion = self._completion(req, finished, kind == RequestOutputKind.DELTA)
         if all_done:
@@ -71,7 +72,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[completion], finished=all_done, metrics=_metrics(req, group),
-            prompt_logprobs=req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None)
+            prompt_logprobs=req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None,
+            lora_request=req.lora)
 
     @staticmethod
     def _completion(req: Request, finished: bool, delta: bool) -> CompletionOutput:
@@ -96,4 +98,4 @@ class OutputProcessor:
         embedding = (mean / mean.norm().clamp_min(1e-12)).tolist()
         return RequestOutput(
             request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            finished=True, embedding=embedding, metrics=_metrics(req))
+            finished=True, embedding=embedding, metrics=_metrics(req), lora_request=req.lora)

@@ -68,3 +68,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None  # embedding requests: the pooled, normalized vector
     prompt_logprobs: list | None = None  # None for the first token, then as CompletionOutput.logprobs
+    lora_request: object = None  # the LoRARequest it ran under (None: the base model)

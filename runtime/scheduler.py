@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pageserve.runtime.config import PreemptionMode, SchedulerConfig
 from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.kv_cache_manager import KVCacheManager
+from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.stats import SchedulerStats
 from pageserve.runtime.swap_space import SwapSpace
@@ -43,6 +44,7 @@ class ScheduledRequest:
     request_tokens: list[int] = field(default_factory=list)  # all its tokens (read only)
     eos_token_ids: tuple[int, ...] = ()
     mm_items: tuple = ()  # the request's images (multimodal.ImageItem): the runner encodes those the chunk reaches
+    lora: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclass(slots=True)
@@ -60,6 +62,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.lora_name for r in requests if r.lora is not None}))
 
 
 def _decoding(req: Request) -> bool:
@@ -95,7 +101,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), self.kv.usage,
                               self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
-                              self.num_recomputed)
+                              self.num_recomputed, self.config.max_loras, _adapter_names(self.running),
+                              _adapter_names([*self.waiting, *self.swapped]))
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -171,9 +178,19 @@ class Scheduler:
                 return self.num_running_seqs + req.num_samples <= self.config.max_num_seqs
         return False
 
+    def _running_adapters(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, req: Request, adapters: set[int]) -> bool:
+        """Whether the running batch can take req's adapter: --max-loras distinct adapters at most."""
+        return req.lora is None or req.lora.lora_int_id in adapters or len(adapters) < self.config.max_loras
+
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+        adapters = self._running_adapters()
         while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs:
             req = self.swapped[0]
+            if not self._adapter_fits(req, adapters):
+                break
             num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 break
@@ -188,17 +205,22 @@ class Scheduler:
             self.num_swapped_in_blocks += valid - first
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.lora_int_id)
             self.encoder_cache.hold(req, req.num_computed_tokens, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
-        grammar_waits = []  # passed over until their grammar is compiled, in arrival order
+        # passed over, in arrival order: until their grammar is compiled, or while the running
+        # batch holds --max-loras other adapters
+        passed = []
+        adapters = self._running_adapters()
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                grammar_waits.append(self.waiting.popleft())
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._adapter_fits(req, adapters):
+                passed.append(self.waiting.popleft())
                 continue
             if self.num_running_seqs + req.num_samples > self.config.max_num_seqs:
                 break
@@ -221,10 +243,12 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.lora_int_id)
             self.encoder_cache.hold(req, num_hit, num_new)
             scheduled.append((req, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(grammar_waits))
+        self.waiting.extendleft(reversed(passed))
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -243,6 +267,7 @@ class Scheduler:
             request_tokens=req.token_ids,
             eos_token_ids=req.eos_token_ids,
             mm_items=req.mm_items,
+            lora=req.lora,
             matcher=req.matcher if req.matcher is None or req.matcher.active else None,
         ))
         out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))

@@ -36,6 +36,9 @@ class SchedulerStats:
     prefix_cache_hits: int  # of them, found
     num_preemptions: int
     num_recomputed: int  # preemptions that freed the blocks (the others swapped out)
+    max_loras: int = 0  # --max-loras (0: adapters off)
+    running_loras: tuple[str, ...] = ()  # the adapters of the running requests, by name
+    waiting_loras: tuple[str, ...] = ()  # ... and of the waiting and swapped ones
 
 
 @dataclass(frozen=True, slots=True)

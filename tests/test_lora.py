@@ -1,0 +1,185 @@
+"""Multi-LoRA serving against PEFT: adapters made by PEFT on tiny random-weight models (rank 8
+and 16, all seven target modules, one with rsLoRA; Phi-3's fused qkv_proj and gate_up_proj),
+greedy tokens in float32 equal to PeftModel's, in one batch that mixes three adapters and the
+base model; at most --max-loras adapters a step; the prefix cache kept apart per adapter;
+preemption (swap and recompute) and n > 1 keeping each request's adapter; every adapter that
+cannot be served refused with its reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pageserve.loadtest.tiny_lora import peft_adapter, write_adapter
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, LoRARequest, SamplingParams
+from pageserve.runtime.lora import LoRAError
+from tests.conftest import assert_pool_clean
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[1, 5, 9, 13, 20, 40, 7, 77, 101, 3, 9, 250], [3, 4, 5, 6], [200, 17, 45, 90, 12, 300, 8]]
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# per architecture: the adapters' target modules (Phi-3's projections are fused in HF as in ours)
+TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+           "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+           "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+ADAPTERS = ((8, 16, False), (16, 32, False), (16, 8, True))  # rank, alpha, rsLoRA
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def make_adapters(base: Path, arch: str, root: Path) -> list[Path]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    return [peft_adapter(base, root / f"{arch}-r{rank}-{i}", rank, alpha, seed=10 + i, targets=TARGETS[arch],
+                         use_rslora=rs, base_model=hf) for i, (rank, alpha, rs) in enumerate(ADAPTERS)]
+
+
+def peft_greedy(base: Path, adapter: Path) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                      str(adapter))
+    return hf_greedy(base, PROMPTS, NEW_TOKENS, hf_model=model)
+
+
+@pytest.fixture(scope="module")
+def llama_case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-llama")
+    base = build_tiny_model(root / "base", arch="llama")
+    return base, make_adapters(base, "llama", root)
+
+
+def lora_llm(base: Path, **kw) -> LLM:
+    kw.setdefault("max_loras", 3)
+    kw.setdefault("kv_cache_memory", 0.01)
+    kw.setdefault("max_lora_rank", 16)
+    return LLM(str(base), dtype="float32", enable_lora=True, debug_checks=True, **kw)
+
+
+def check_parity(base: Path, adapters: list[Path], llm: LLM) -> None:
+    """Every adapter and the base model in one batch, each prompt's tokens as PEFT gives them alone."""
+    expected = [peft_greedy(base, a) for a in adapters] + [hf_greedy(base, PROMPTS, NEW_TOKENS)]
+    assert all(e != expected[-1] for e in expected[:-1]), "an adapter that changes nothing tests nothing"
+    loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)] + [None]
+    prompts = [p for _ in loras for p in PROMPTS]
+    per_prompt = [lora for lora in loras for _ in PROMPTS]
+    got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt))
+    assert got == [t for e in expected for t in e]
+    assert_pool_clean(llm.engine)
+
+
+def test_llama_adapters_match_peft_in_one_mixed_batch(llama_case):
+    base, adapters = llama_case
+    check_parity(base, adapters, lora_llm(base))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_adapters_match_peft(tmp_path, arch):
+    base = build_tiny_model(tmp_path / "base", arch=arch)
+    # Phi-3's LongRoPE: HF's short factors are ours where the context fits the original one
+    check_parity(base, make_adapters(base, arch, tmp_path), lora_llm(base, max_model_len=256))
+
+
+def test_a_step_holds_at_most_max_loras_adapters(llama_case):
+    base, adapters = llama_case
+    llm = lora_llm(base, max_loras=1, max_cpu_loras=2)
+    manager = llm.engine.runner.lora
+    seen = []
+    batch = manager.batch
+
+    def recording(requests, num_tokens):
+        seen.append({r.lora.lora_int_id for r in requests if r.lora is not None})
+        return batch(requests, num_tokens)
+    manager.batch = recording
+    loras = [LoRARequest("a0", 1, str(adapters[0])), LoRARequest("a1", 2, str(adapters[1])), None]
+    per_prompt = [lora for lora in loras for _ in PROMPTS]
+    got = tokens(llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False, lora_request=per_prompt))
+    assert max(len(s) for s in seen) == 1 and {1, 2} <= set().union(*seen)
+    alone = [tokens(lora_llm(base).generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) for lora in loras]
+    assert got == [t for a in alone for t in a]
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(llama_case):
+    base, adapters = llama_case
+    llm = lora_llm(base)
+    a, b = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters[:2]))
+    prompt = [list(range(3, 3 + 70))]  # four full blocks of 16
+    fresh = {lora: tokens(lora_llm(base).generate(prompt, GREEDY, use_tqdm=False, lora_request=lora))
+             for lora in (a, b, None)}
+    hits = []
+    for lora in (a, b, None, a):
+        out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == fresh[lora][0]
+        hits.append(out.metrics.num_cached_tokens)
+    assert hits == [0, 0, 0, 64]  # only adapter a's second request found blocks: its own
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_each_request_adapter(llama_case, mode):
+    from tests.test_prefix_and_swap import TINY_BLOCK_BYTES, workload
+
+    base, adapters = llama_case
+    prompts, params = workload(12, seed=5, lo=60, hi=200, out_lo=8, out_hi=24)
+    loras = [LoRARequest(f"a{i % 3}", i % 3 + 1, str(adapters[i % 3])) if i % 4 else None for i in range(12)]
+    roomy = lora_llm(base, max_model_len=512, enable_prefix_caching=False)
+    expected = tokens(roomy.generate(prompts, params, use_tqdm=False, lora_request=loras))
+    tight = lora_llm(base, max_model_len=512, kv_cache_memory=40 * TINY_BLOCK_BYTES / 2 ** 30,
+                     swap_space=(14 if mode == "swap" else 0) * TINY_BLOCK_BYTES / 2 ** 30,
+                     preemption_mode=mode, max_num_batched_tokens=128)
+    assert tokens(tight.generate(prompts, params, use_tqdm=False, lora_request=loras)) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_pool_clean(tight.engine)
+
+
+def test_n_above_one_keeps_the_adapter(llama_case):
+    base, adapters = llama_case
+    lora = LoRARequest("a0", 1, str(adapters[0]))
+    llm = lora_llm(base)
+    alone = tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora))[0]
+    out = llm.generate(PROMPTS[:1], SamplingParams(n=3, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                       use_tqdm=False, lora_request=lora)[0]
+    assert [c.token_ids for c in out.outputs] == [alone] * 3
+
+
+def test_adapters_that_cannot_be_served_are_refused(llama_case, tmp_path):
+    base, adapters = llama_case
+    llm = lora_llm(base, max_lora_rank=8)
+    good = adapters[0]
+
+    def refused(path, match, name="bad"):
+        with pytest.raises(LoRAError, match=match):
+            llm.engine.add_lora(LoRARequest(name, 99, str(path)))
+
+    refused(tmp_path / "missing", "does not exist")
+    refused(adapters[1], "rank 16, above --max-lora-rank 8")
+    refused(write_adapter(tmp_path / "other-lora", {"q_proj": (32, 32)}, 2, rank=8), "another base model")
+    for key, value, match in (("modules_to_save", ["lm_head"], "modules_to_save"), ("use_dora", True, "DoRA"),
+                              ("bias", "all", "trained biases")):
+        odd = tmp_path / key
+        odd.mkdir()
+        (odd / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+        config = json.loads((good / "adapter_config.json").read_text())
+        config[key] = value
+        (odd / "adapter_config.json").write_text(json.dumps(config))
+        refused(odd, match)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+    (torn / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    refused(torn, "cannot be read")
+    # the engine serves on, the good adapter included
+    assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good))))
+    off = LLM(str(base), dtype="float32", kv_cache_memory=0.01)
+    with pytest.raises(LoRAError, match="--enable-lora"):
+        off.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good)))
