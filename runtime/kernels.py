@@ -43,6 +43,7 @@ class LoRABatch:
     requests with an adapter are in a group; the others get the base model alone."""
     rows: torch.Tensor  # [n] int64: the adapter tokens, grouped by slot
     groups: list[tuple[int, int, int]]  # (slot, first index into rows, count), on the host
+    group_table: torch.Tensor  # the same as an int64 [groups, 3] host tensor (the C kernel's)
     # the same on the device, padded to the number of slots (slot -1: unused) for the Triton
     # kernels, whose launch grid must not depend on the step's contents
     sorted_tokens: torch.Tensor  # [T] int32: rows, then the base model's tokens
@@ -85,7 +86,7 @@ class Kernels:
 
     def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora, batch: LoRABatch) -> None:
         """out += B[slot] @ (A[slot] @ x) for each adapter token, slice by slice (torch, by group)."""
-        torch_ops.lora_delta(out, x, lora.a, lora.b, lora.slices, batch.rows, batch.groups)
+        torch_ops.lora_delta(out, x, lora.a, lora.bt, lora.slices, batch.rows, batch.groups)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The base layer's matmul. A quantized weight (packed: runtime/quantization/load.py)
@@ -174,6 +175,12 @@ class TorchKernels(Kernels):
         if self.linear_plan is None:
             return super().matmul(x, weight, bias)
         return self.linear_plan(x, weight, bias)
+
+    def lora_delta(self, out, x, lora, batch):
+        lib = self.cpu_lib
+        if lib is None or out.dtype != torch.float32:
+            return super().lora_delta(out, x, lora, batch)
+        lib.lora(out, x, lora.a, lora.bt, lora.slice_table, batch.rows, batch.group_table)
 
     def embedding(self, ids, weight):
         if weight.dtype != torch.uint8:

@@ -183,3 +183,33 @@ def test_adapters_that_cannot_be_served_are_refused(llama_case, tmp_path):
     off = LLM(str(base), dtype="float32", kv_cache_memory=0.01)
     with pytest.raises(LoRAError, match="--enable-lora"):
         off.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good)))
+
+
+def test_the_c_kernel_adds_what_the_torch_path_adds(native_kernels):
+    """Ragged groups listed out of slot order, base tokens between them, three slices of
+    different sizes (q/k/v) and one; float32 sums in another order: 1e-5."""
+    from pageserve.triton_kernels import torch_ops
+
+    g = torch.Generator().manual_seed(0)
+    slots, rank, k = 4, 8, 40
+    for sizes in ((32, 8, 8), (24,)):
+        n = sum(sizes)
+        slices = tuple((i * rank, sum(sizes[:i]), s) for i, s in enumerate(sizes))
+        a = torch.randn(slots, len(sizes) * rank, k, generator=g)
+        bt = torch.randn(slots, rank, n, generator=g)
+        x, out = torch.randn(23, k, generator=g), torch.randn(23, n, generator=g)
+        rows = torch.tensor([5, 6, 7, 0, 1, 2, 3, 20, 21, 10], dtype=torch.int64)
+        groups = [(3, 0, 3), (0, 3, 4), (2, 7, 2), (1, 9, 1)]
+        want = out.clone()
+        torch_ops.lora_delta(want, x, a, bt, slices, rows, groups)
+        got = out.clone()
+        native_kernels.lora(got, x, a, bt, torch.tensor(slices), rows, torch.tensor(groups))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        untouched = [r for r in range(23) if r not in rows.tolist()]
+        assert torch.equal(got[untouched], out[untouched]) and not torch.equal(got, out)
+
+
+def test_the_torch_path_matches_peft(llama_case):
+    """Without the C kernels (--enforce-eager): the grouped torch path alone."""
+    base, adapters = llama_case
+    check_parity(base, adapters, lora_llm(base, enforce_eager=True))

@@ -582,6 +582,89 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
                                      ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
 }
 
+/* ---- LoRA adapters: each adapter token's delta added to its row of a linear layer's output ---- */
+
+/* y[0..3] = the dot products of four rows of a (lda apart) with x: x loaded once for all four */
+static inline void dot4_rows(const float *a, long lda, const float *x, long K, float *y) {
+    long i = 0;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifdef PS_AVX512
+    __m512 z[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; i + 16 <= K; i += 16) {
+        __m512 xv = _mm512_loadu_ps(x + i);
+        for (int j = 0; j < 4; j++) z[j] = _mm512_fmadd_ps(_mm512_loadu_ps(a + j * lda + i), xv, z[j]);
+    }
+    for (int j = 0; j < 4; j++) s[j] = hsum16(z[j]);
+#elif defined(PS_AVX2)
+    __m256 z[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; i + 8 <= K; i += 8) {
+        __m256 xv = _mm256_loadu_ps(x + i);
+        for (int j = 0; j < 4; j++) z[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j * lda + i), xv, z[j]);
+    }
+    for (int j = 0; j < 4; j++) s[j] = hsum8(z[j]);
+#endif
+    for (; i < K; i++)
+        for (int j = 0; j < 4; j++) s[j] += a[j * lda + i] * x[i];
+    for (int j = 0; j < 4; j++) y[j] = s[j];
+}
+
+/* o[0:size] += sum over r < R of y[r] b[r * ldb + 0:size]: each piece of o kept in registers
+   through all R rows of b */
+static inline void expand_rows(float *o, const float *y, const float *b, long ldb, long R, long size) {
+    long i = 0;
+#ifdef PS_AVX512
+    for (; i + 32 <= size; i += 32) {
+        __m512 o0 = _mm512_loadu_ps(o + i), o1 = _mm512_loadu_ps(o + i + 16);
+        for (long r = 0; r < R; r++) {
+            __m512 yv = _mm512_set1_ps(y[r]);
+            o0 = _mm512_fmadd_ps(yv, _mm512_loadu_ps(b + r * ldb + i), o0);
+            o1 = _mm512_fmadd_ps(yv, _mm512_loadu_ps(b + r * ldb + i + 16), o1);
+        }
+        _mm512_storeu_ps(o + i, o0);
+        _mm512_storeu_ps(o + i + 16, o1);
+    }
+#endif
+#ifdef PS_AVX2
+    for (; i + 8 <= size; i += 8) {
+        __m256 acc = _mm256_loadu_ps(o + i);
+        for (long r = 0; r < R; r++) acc = _mm256_fmadd_ps(_mm256_set1_ps(y[r]), _mm256_loadu_ps(b + r * ldb + i), acc);
+        _mm256_storeu_ps(o + i, acc);
+    }
+#endif
+    for (; i < size; i++) {
+        float acc = o[i];
+        for (long r = 0; r < R; r++) acc += y[r] * b[r * ldb + i];
+        o[i] = acc;
+    }
+}
+
+/* Row t = rows[i] of a group (slot, first i, count) in groups[G][3]: y = a[slot] x[t] (L values:
+   one rank-R piece per slice), then out[t, off:off+size] += y[col:col+R] bt[slot][:, off:off+size]
+   for each slice (col, off, size) in slices[nsl][3]; bt [R, N] per slot, so that the expand runs
+   along the output. One thread a row (a group's rows on one thread read its slot from cache);
+   y in scratch [rows, L]. */
+void pageserve_lora(const float *x, long ldx, long K, float *out, long ldo, long N, const float *a, long L,
+                    const float *bt, long R, const long *slices, long nsl, const int64_t *rows,
+                    const long *groups, long G, float *scratch) {
+    long n = 0;
+    for (long g = 0; g < G; g++) n += groups[3 * g + 2];
+#pragma omp parallel for if (n * (L * K + R * N) >= 1 << 18) schedule(static)
+    for (long i = 0; i < n; i++) {
+        long g = 0;
+        while (i >= groups[3 * g + 1] + groups[3 * g + 2]) g++;
+        long slot = groups[3 * g];
+        const float *xt = x + rows[i] * ldx, *as = a + slot * L * K, *bs = bt + slot * R * N;
+        float *y = scratch + i * L, *o = out + rows[i] * ldo;
+        long l = 0;
+        for (; l + 4 <= L; l += 4) dot4_rows(as + l * K, K, xt, K, y + l);
+        for (; l < L; l++) y[l] = dot(as + l * K, xt, K);
+        for (long j = 0; j < nsl; j++) {
+            long col = slices[3 * j], off = slices[3 * j + 1], size = slices[3 * j + 2];
+            expand_rows(o + off, y + col, bs + off, N, R, size);
+        }
+    }
+}
+
 /* ---- a decode-only step's whole decoder stack in one call (Llama-style layers) ---- */
 
 /* The layers of a model whose every layer is: RMSNorm (with the residual), fused q/k/v

@@ -64,6 +64,7 @@ class CpuKernels:
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
                                                           p, i]),
                            ("pageserve_argmax", [p, n, n, n, p]),
+                           ("pageserve_lora", [p, n, n, p, n, n, p, n, p, n, p, n, p, p, n, p]),
                            ("pageserve_decode_layers", [p, n, n, n, p, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
                                                         f, p, p])):
             fn = getattr(lib, name)
@@ -132,6 +133,21 @@ class CpuKernels:
                                                           out.data_ptr()):
             return None
         return out.view(x.shape[:-1])
+
+    def lora(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, slices: torch.Tensor,
+             rows: torch.Tensor, groups: torch.Tensor) -> None:
+        """torch_ops.lora_delta of float32 tensors in one call: a [S, L, K], bt [S, R, N] (B
+        transposed), slices and groups int64 [n, 3] tables on the host."""
+        x2 = _rows(x, "lora")
+        if out.stride(1) != 1 or not (a.is_contiguous() and bt.is_contiguous()) or a.shape[2] != x2.shape[1] \
+                or bt.shape[2] != out.shape[1] or a.dtype != torch.float32 or bt.dtype != torch.float32:
+            raise ValueError(f"cpu lora: x {tuple(x.shape)}, out {tuple(out.shape)}, a {tuple(a.shape)}, "
+                             f"bt {tuple(bt.shape)}")
+        scratch = torch.empty(rows.shape[0], a.shape[1], dtype=torch.float32)
+        self._lib.pageserve_lora(x2.data_ptr(), x2.stride(0), x2.shape[1], out.data_ptr(), out.stride(0), out.shape[1],
+                                 a.data_ptr(), a.shape[1], bt.data_ptr(), bt.shape[1], slices.data_ptr(),
+                                 slices.shape[0], rows.data_ptr(), groups.data_ptr(), groups.shape[0],
+                                 scratch.data_ptr())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

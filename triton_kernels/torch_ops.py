@@ -319,17 +319,18 @@ def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind
     return y.to(x.dtype)
 
 
-def lora_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+def lora_delta(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor,
                slices: tuple[tuple[int, int, int], ...], rows: torch.Tensor,
                groups: list[tuple[int, int, int]]) -> None:
-    """out[t, off:off+size] += lora_b[slot, off:off+size] @ (lora_a[slot] @ x[t])[col:col+R] for
+    """out[t, off:off+size] += (lora_a[slot] @ x[t])[col:col+R] @ lora_bt[slot, :, off:off+size] for
     every slice (col, off, size) and adapter token t = rows[i] of each group (slot, start, count):
-    a gather, two small matmuls per group and slice, one scatter-add (Punica's shrink/expand)."""
-    rank = lora_b.shape[2]
+    a gather, a shrink and an expand per slice for each group, one scatter-add (Punica's
+    shrink/expand; lora_bt is B transposed, [S, R, N])."""
+    rank = lora_bt.shape[1]
     xs = x.index_select(0, rows)
     delta = out.new_empty(rows.shape[0], out.shape[1])  # the slices cover every column
     for slot, start, count in groups:
         shrunk = xs[start:start + count] @ lora_a[slot].t()
         for col, off, size in slices:
-            delta[start:start + count, off:off + size] = shrunk[:, col:col + rank] @ lora_b[slot, off:off + size].t()
+            delta[start:start + count, off:off + size] = shrunk[:, col:col + rank] @ lora_bt[slot, :, off:off + size]
     out.index_add_(0, rows, delta)

@@ -102,7 +102,7 @@ class LoRAManager:
         slots, starts, counts = zip(*(groups + padding))
         dev = self.device
         return LoRABatch(torch.tensor(rows, dtype=torch.int64, device=dev), groups,
-                         torch.tensor(order, dtype=torch.int32, device=dev),
+                         torch.tensor(groups, dtype=torch.int64), torch.tensor(order, dtype=torch.int32, device=dev),
                          torch.tensor(slots, dtype=torch.int32, device=dev),
                          torch.tensor(starts, dtype=torch.int32, device=dev),
                          torch.tensor(counts, dtype=torch.int32, device=dev))

@@ -1,7 +1,7 @@
 """The device memory adapters run from: for every projection an adapter may change, `max_loras`
-slots of A [slices * R, in] and B [out, R] (R = --max-lora-rank), allocated with the model so
-that the memory profile counts them. A slot holds one adapter at a time, zero-padded to R
-(a zero slice changes nothing)."""
+slots of A [slices * R, in] and B transposed, [R, out] (R = --max-lora-rank; the expand then
+runs along the output's rows), allocated with the model so that the memory profile counts them.
+A slot holds one adapter at a time, zero-padded to R (a zero slice changes nothing)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from pageserve.runtime.lora.adapter import LoRAAdapter, Target
 class LinearLoRA:
     """One projection's slots, hung on its weight as `weight.lora` for Kernels.linear."""
     a: torch.Tensor  # [S, len(slices) * R, in]
-    b: torch.Tensor  # [S, out, R]
+    bt: torch.Tensor  # [S, R, out]
     # per slice: (its columns of the shrunk activations, its first output row, its rows)
     slices: tuple[tuple[int, int, int], ...]
+    slice_table: torch.Tensor  # the same, int64 [slices, 3] on the host (the C kernel's)
 
 
 class LoRASlots:
@@ -33,7 +34,8 @@ class LoRASlots:
             slices = tuple((i * max_rank, off, size) for i, (off, size) in enumerate(zip(offsets, target.slices)))
             lora = LinearLoRA(
                 torch.zeros(num_slots, len(slices) * max_rank, target.in_features, dtype=dtype, device=device),
-                torch.zeros(num_slots, sum(target.slices), max_rank, dtype=dtype, device=device), slices)
+                torch.zeros(num_slots, max_rank, sum(target.slices), dtype=dtype, device=device), slices,
+                torch.tensor(slices, dtype=torch.int64))
             self.layers[key] = lora
             module = model.layers[int(layer)].get_submodule("self_attn" if projection in ("qkv_proj", "o_proj")
                                                             else "mlp")
@@ -41,16 +43,16 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(lora.a.nbytes + lora.b.nbytes for lora in self.layers.values())
+        return sum(lora.a.nbytes + lora.bt.nbytes for lora in self.layers.values())
 
     def fill(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write the adapter into the slot, over whatever was there."""
         for key, lora in self.layers.items():
-            a, b = lora.a[slot], lora.b[slot]
+            a, bt = lora.a[slot], lora.bt[slot]
             a.zero_()
-            b.zero_()
+            bt.zero_()
             for piece, (col, off, size) in zip(adapter.weights.get(key, ()), lora.slices):
                 if piece is not None:
                     rank = piece[0].shape[0]
                     a[col:col + rank].copy_(piece[0])
-                    b[off:off + size, :rank].copy_(piece[1])
+                    bt[:rank, off:off + size].copy_(piece[1].t())
