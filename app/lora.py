@@ -93,24 +93,24 @@ class Adapters:
             lora = self._new(module.name, module.path, module.base_model_name)
         except APIError as e:
             raise ValueError(f"--lora-modules {module.name}: {e.message}") from None
-        self.engine.add_lora(lora)
+        self.engine.add_lora(lora).result()
         self._by_name[lora.lora_name] = lora
 
     async def load(self, name: str, path: str) -> None:
         lora = self._new(name, path, None)
         try:
-            await asyncio.to_thread(self.engine.add_lora, lora)
+            await asyncio.wrap_future(self.engine.add_lora(lora))
         except LoRAError as e:
             raise bad_request(str(e), "lora_path") from None
         if name in self._by_name:  # loaded by another request meanwhile
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         self._by_name[name] = lora
 
-    def unload(self, name: str) -> None:
+    async def unload(self, name: str) -> None:
         lora = self._by_name.pop(name, None)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
-        self.engine.remove_lora(lora.lora_int_id)
+        await asyncio.wrap_future(self.engine.remove_lora(lora.lora_int_id))
 
 
 @api_route
@@ -125,5 +125,5 @@ async def load_lora_adapter(request: Request) -> Response:
 async def unload_lora_adapter(request: Request) -> Response:
     state = request.app.state.server
     body = await read_json(request, UnloadLoRAAdapterRequest, state.settings.max_request_body_bytes)
-    state.adapters.unload(body.lora_name)
+    await state.adapters.unload(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

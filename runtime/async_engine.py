@@ -267,13 +267,14 @@ class AsyncEngine:
     def lora_enabled(self) -> bool:
         return self.engine.config.lora is not None
 
-    def add_lora(self, lora: LoRARequest) -> None:
-        """Read an adapter into host memory (LoRAError if it cannot be served); blocking, so
-        the server calls it in a thread."""
-        self.engine.add_lora(lora)
+    def add_lora(self, lora: LoRARequest) -> Future:
+        """Read an adapter into host memory on the engine's thread, between two steps (torch
+        ops on another thread would start another OpenMP team; the ranks' pipes take one
+        caller). The future raises LoRAError if it cannot be served."""
+        return self._executor.submit(self.engine.add_lora, lora)
 
-    def remove_lora(self, lora_int_id: int) -> None:
-        self.engine.remove_lora(lora_int_id)
+    def remove_lora(self, lora_int_id: int) -> Future:
+        return self._executor.submit(self.engine.remove_lora, lora_int_id)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """InvalidRequest when an id is outside the vocabulary."""

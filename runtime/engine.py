@@ -206,12 +206,12 @@ class LLMEngine:
         served). Thread-safe: the server reads adapters off the event loop."""
         if self.config.lora is None:
             raise LoRAError(LORA_OFF)
-        self.runner.lora.load(lora)
+        self.executor.add_lora(lora)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget the adapter (a running request of it reads it again from its directory)."""
         if self.config.lora is not None:
-            self.runner.lora.remove(lora_int_id)
+            self.executor.remove_lora(lora_int_id)
 
     def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
                               arrival_time: float | None = None) -> str:

@@ -319,8 +319,6 @@ class EngineArgs:
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size above 1 is not supported yet")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def scheduler_config(self, max_model_len: int, device: torch.device) -> SchedulerConfig:

@@ -34,6 +34,7 @@ import torch
 from pageserve.runtime import worker
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
 from pageserve.runtime.scheduler import SchedulerOutput
@@ -68,6 +69,12 @@ class UniProcExecutor:
     def warm_up(self, max_num_seqs: int) -> None:
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs(max_num_seqs)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.runner.lora.load(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.lora.remove(lora_int_id)
 
     def shutdown(self) -> None:
         pass
@@ -134,6 +141,16 @@ class MultiprocExecutor:
     def warm_up(self, max_num_seqs: int) -> None:
         self._call("warm_up", max_num_seqs, timeout=START_TIMEOUT_S)
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Every rank reads its part of the adapter (LoRAError with the first rank's reason)."""
+        errors = [e for e in self._call("add_lora", lora, every=True) if e]
+        if errors:
+            self._call("remove_lora", lora.lora_int_id)
+            raise LoRAError(errors[0])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call("remove_lora", lora_int_id)
+
     def shutdown(self) -> None:
         self._dead = True
         self._finalizer()
@@ -152,7 +169,8 @@ class MultiprocExecutor:
             requests.append(dataclasses.replace(r, request_tokens=r.request_tokens[held:], matcher=mask))
         return dataclasses.replace(out, requests=requests)
 
-    def _call(self, method: str, *call_args, timeout: float | None = None):
+    def _call(self, method: str, *call_args, timeout: float | None = None, every: bool = False):
+        """Rank 0's answer (every rank's, with `every`)."""
         if self._dead:
             raise ExecutorDeadError("the tensor-parallel workers have been stopped")
         payload = pickle.dumps((method, call_args), pickle.HIGHEST_PROTOCOL)  # once, for every rank
@@ -162,7 +180,8 @@ class MultiprocExecutor:
             except OSError as e:
                 self._fail(f"tensor-parallel worker rank {rank} (pid {self._procs[rank].pid}) is gone "
                            f"({e!r}, exit code {self._procs[rank].exitcode})")
-        return self._collect(timeout or self.execute_timeout)[0]
+        answers = self._collect(timeout or self.execute_timeout)
+        return answers if every else answers[0]
 
     def _collect(self, timeout: float) -> list:
         """Every rank's answer to the last message; a rank that raised, died or stayed silent

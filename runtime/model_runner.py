@@ -73,7 +73,7 @@ class ModelRunner:
             raise ModelLoadError("bfloat16 matmuls were chosen but the CPU kernels did not load")
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
-        self.lora = None if lora is None else LoRAManager(self.model, lora, self.device, model_cfg.dtype)
+        self.lora = None if lora is None else LoRAManager(self.model, lora, model_cfg, self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests

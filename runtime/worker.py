@@ -32,6 +32,7 @@ from pageserve.runtime.config import (SECRET_ENV, CacheConfig, DeviceConfig, Mod
                                       SchedulerConfig)
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
+from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult, kv_block_bytes
 from pageserve.runtime.scheduler import SchedulerOutput
 
@@ -157,7 +158,7 @@ def _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg) 
                             world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(minutes=30))
     relay = Relay(parallel) if parallel.nnodes > 1 else None
     cfg = dataclasses.replace(model_cfg, tp_rank=rank)
-    return ModelRunner(cfg, device_cfg, args.block_size, args.seed), relay
+    return ModelRunner(cfg, device_cfg, args.block_size, args.seed, lora=args.lora_config()), relay
 
 
 def _receive(rank: int, conn, relay: Relay | None) -> bytes:
@@ -193,8 +194,16 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
         runner.warm_up_kernels()
         runner.capture_cuda_graphs(max_num_seqs)
 
+    def add_lora(lora: LoRARequest) -> str | None:  # every rank reads its part: an error is the request's
+        try:
+            runner.lora.load(lora)
+        except LoRAError as e:
+            return str(e)
+        return None
+
     methods = {"execute": execute, "copy_blocks": runner.copy_blocks,
-               "allocate_kv_cache": allocate, "warm_up": warm_up}
+               "allocate_kv_cache": allocate, "warm_up": warm_up, "add_lora": add_lora,
+               "remove_lora": lambda lora_int_id: runner.lora.remove(lora_int_id)}
     while True:
         try:
             method, call_args = pickle.loads(_receive(rank, conn, relay))
@@ -205,7 +214,8 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
                 os._exit(1)
             value = methods[method](*call_args)
             if conn is not None:
-                conn.send_bytes(pickle.dumps(("ok", value if rank == 0 else None), pickle.HIGHEST_PROTOCOL))
+                answer = value if rank == 0 or method == "add_lora" else None
+                conn.send_bytes(pickle.dumps(("ok", answer), pickle.HIGHEST_PROTOCOL))
         except BaseException:  # noqa: BLE001 - the ranks are out of step now: the engine stops them all
             _report(conn)
 

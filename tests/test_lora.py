@@ -213,3 +213,19 @@ def test_the_torch_path_matches_peft(llama_case):
     """Without the C kernels (--enforce-eager): the grouped torch path alone."""
     base, adapters = llama_case
     check_parity(base, adapters, lora_llm(base, enforce_eager=True))
+
+
+def test_tensor_parallel_ranks_split_the_adapters_as_the_weights(llama_case):
+    """Two ranks (gloo, worker processes): B split by rows where the projection is split by
+    its outputs (q/k/v, gate/up), A by columns where by its inputs (o, down), the delta summed
+    by the base matmul's all-reduce; the same tokens as PEFT, and a bad adapter refused by the
+    ranks without stopping them."""
+    base, adapters = llama_case
+    llm = lora_llm(base, tensor_parallel_size=2)
+    try:
+        check_parity(base, adapters, llm)
+        with pytest.raises(LoRAError, match="does not exist"):
+            llm.engine.add_lora(LoRARequest("bad", 9, str(base / "missing")))
+        assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == [hf_greedy(base, PROMPTS[:1], NEW_TOKENS)[0]]
+    finally:
+        llm.engine.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class LoRAError(ValueError):
 _MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "qkv_proj": ("qkv_proj", None), "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", 1), "gate_up_proj": ("gate_up_proj", None), "down_proj": ("down_proj", 0)}
+ATTENTION = ("qkv_proj", "o_proj")  # our projections under self_attn; the others are the MLP's
 _TENSOR = re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -40,7 +42,7 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
     the layer's feed-forward is a gated MLP (not experts), its gate_up_proj and down_proj."""
     targets = {}
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, layer.mlp  # this rank's shapes under tensor parallelism
         targets[f"{i}.qkv_proj"] = Target(attn.qkv_proj.in_features, (attn.q_size, attn.kv_size, attn.kv_size))
         targets[f"{i}.o_proj"] = Target(attn.o_proj.in_features, (attn.o_proj.out_features,))
         if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
@@ -85,8 +87,12 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def load_adapter(name: str, path: str | Path, targets: dict[str, Target], max_rank: int) -> LoRAAdapter:
-    """The adapter in `path`, checked against the base model's `targets` and the rank limit."""
+def load_adapter(name: str, path: str | Path, targets: dict[str, Target], max_rank: int,
+                 shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoRAAdapter:
+    """The adapter in `path`, checked against the base model's `targets` and the rank limit.
+    `shard(weight name, tensor)`: this tensor-parallel rank's part of a tensor split like that
+    base weight (models/parallel.py): B's rows of a column-parallel projection, A's columns of a
+    row-parallel one (o, down), so that the delta is split as the base matmul's output is."""
     path = Path(path)
     if not path.is_dir():
         raise LoRAError(f"LoRA adapter directory {str(path)!r} does not exist")
@@ -117,6 +123,10 @@ def load_adapter(name: str, path: str | Path, targets: dict[str, Target], max_ra
         raise LoRAError(f"adapter {name!r} has no LoRA weights")
     adapter = LoRAAdapter(name, rank)
     for (layer, module), ab in sorted(pieces.items()):
+        if shard is not None and set(ab) == {"A", "B"}:
+            weight = f"layers.{layer}.{'self_attn' if _MODULES[module][0] in ATTENTION else 'mlp'}.{module}.weight"
+            row_parallel = _MODULES[module][0] in ("o_proj", "down_proj")
+            ab = {"A": shard(weight, ab["A"]), "B": ab["B"]} if row_parallel else {"A": ab["A"], "B": shard(weight, ab["B"])}
         _place(adapter, name, layer, module, ab, targets, scaling)
     return adapter
 

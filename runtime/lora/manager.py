@@ -15,18 +15,21 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from pageserve.runtime.config import LoRAConfig
+from pageserve.runtime.config import LoRAConfig, ModelConfig
 from pageserve.runtime.kernels import LoRABatch
 from pageserve.runtime.lora.adapter import LoRAAdapter, LoRAError, load_adapter, lora_targets
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.lora.slots import LoRASlots
+from pageserve.runtime.models import parallel
 
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, config: LoRAConfig, model_cfg: ModelConfig, device: torch.device):
         self.config, self.device = config, device
+        self._shard = None if model_cfg.tp_size == 1 else lambda name, t: parallel.shard(name, t, model_cfg)
+        dtype = model_cfg.dtype
         self.targets = lora_targets(model)
         self.slots = LoRASlots(model, self.targets, config.max_loras, config.max_lora_rank, device, dtype)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, least recent first
@@ -44,7 +47,7 @@ class LoRAManager:
                 self._host.move_to_end(lora.lora_int_id)
                 return adapter
         started = time.perf_counter()
-        adapter = load_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank)
+        adapter = load_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank, self._shard)
         with self._lock:
             self._host[lora.lora_int_id] = adapter
             self._host.move_to_end(lora.lora_int_id)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pageserve.runtime.lora.adapter import LoRAAdapter, Target
+from pageserve.runtime.lora.adapter import ATTENTION, LoRAAdapter, Target
 
 
 @dataclass(slots=True)
@@ -37,8 +37,7 @@ class LoRASlots:
                 torch.zeros(num_slots, max_rank, sum(target.slices), dtype=dtype, device=device), slices,
                 torch.tensor(slices, dtype=torch.int64))
             self.layers[key] = lora
-            module = model.layers[int(layer)].get_submodule("self_attn" if projection in ("qkv_proj", "o_proj")
-                                                            else "mlp")
+            module = model.layers[int(layer)].get_submodule("self_attn" if projection in ATTENTION else "mlp")
             getattr(module, projection).weight.lora = lora
 
     @property
