@@ -111,3 +111,21 @@ def test_run_time_loading_is_off_unless_allowed(tmp_path):
         assert "/v1/load_lora_adapter" not in httpx.get(f"{srv.url}/openapi.json").json()["paths"]
     finally:
         srv.stop()
+
+
+@pytest.mark.unit
+def test_lora_modules_flag_forms_and_mistakes():
+    from pageserve.app.cli import build_parser
+    from pageserve.app.lora import LoRAModule, parse_lora_modules
+    from pageserve.app.serve import settings_from_args
+
+    assert parse_lora_modules(["sql=/a/sql", '{"name": "legal", "path": "/a/legal", "base_model_name": "m"}']) == (
+        LoRAModule("sql", "/a/sql"), LoRAModule("legal", "/a/legal", "m"))
+    for bad in ("sql", "=/a", "sql=", '{"name": "x"}', "{not json"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])
+    ns = build_parser().parse_args(["serve", "--lora-modules", "sql=/a/sql"])
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        settings_from_args(ns, "m")
+    ns = build_parser().parse_args(["serve", "--enable-lora", "--lora-modules", "sql=/a/sql"])
+    assert settings_from_args(ns, "m").lora_modules == (LoRAModule("sql", "/a/sql"),)
