@@ -26,7 +26,11 @@
    weights the Triton version reads as a fraction of 4.8 TB/s;
 8. quant (loadtest/gpu_quant_check.py): W4A16 (groups of 128), FP8 and INT8 linear layers at
    4096 -> 14336 and 14336 -> 4096 for 1, 16 and 256 tokens against the bf16 matmul of the
-   dequantized weight: error relative to the output's scale, median time against bf16.
+   dequantized weight: error relative to the output's scale, median time against bf16;
+9. lora (loadtest/gpu_lora_check.py): the multi-LoRA shrink + expand kernels on Llama-3-8B's
+   q/k/v projection (4096 -> 4096 + 1024 + 1024), 8 slots of rank 16, for 1, 16 and 256 tokens
+   spread over the 8 adapters: error of the delta against float32 torch, median time against
+   the base layer's bf16 matmul and the torch grouped path.
 
     python -m pageserve.loadtest.gpu_check [--out DIR]   # on the GPU machine
     python -m pageserve.loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
@@ -59,6 +63,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs  # noqa: E402
+from pageserve.loadtest.gpu_lora_check import section_lora  # noqa: E402
 from pageserve.loadtest.gpu_quant_check import section_quant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -388,7 +393,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe,quant")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe,quant,lora")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -401,7 +406,7 @@ def main() -> int:
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness,
-                "moe": section_moe, "quant": section_quant}
+                "moe": section_moe, "quant": section_quant, "lora": section_lora}
     start = time.perf_counter()
     for name in args.sections.split(","):
         print(f"\n-- {name} --", flush=True)

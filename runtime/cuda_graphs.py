@@ -8,6 +8,9 @@ the smallest captured size >= n. The padding rows have the slot -1 (they write n
 context of one token (the first of their block-table row, some cached token: a read, for
 kernels that would divide by an empty softmax); their hidden states are dropped.
 
+With LoRA adapters the graphs also capture the adapter kernels, which read each step's token
+groups (LoRABatch) from static buffers as the attention reads its block tables.
+
 Steps a graph cannot serve run eagerly: any step with a prompt chunk, more requests than the
 largest captured size, or a step whose attention would take the split-KV path (its launch
 grid depends on the context length, which a graph fixes). The captured attention is the
@@ -16,12 +19,13 @@ Sampling, logits and grammar masks stay outside the graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
-from pageserve.runtime.kernels import AttentionMetadata
+from pageserve.runtime.kernels import AttentionMetadata, LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,9 @@ class DecodeGraphs:
     """Static inputs sized for the largest batch, and one graph per captured batch size."""
 
     def __init__(self, model, kernels, kv_caches, dev, sizes: list[int], max_blocks: int,
-                 device: torch.device):
+                 device: torch.device, lora_slots: int = 0):
+        """lora_slots: --max-loras with --enable-lora: the graphs also hold the adapter kernels,
+        which read the step's token groups from static buffers (a group of slot -1 does nothing)."""
         self.model, self.kernels, self.kv_caches, self.dev = model, kernels, kv_caches, dev
         self.sizes = sizes
         n = sizes[-1]
@@ -54,6 +60,12 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token each
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.lora = None
+        if lora_slots:
+            int32 = dict(dtype=torch.int32, device=device)
+            self.lora = LoRABatch(torch.zeros(0, dtype=torch.int64, device=device), [], torch.zeros(0, 3, dtype=torch.int64),
+                                  torch.arange(n, **int32), torch.full((lora_slots,), -1, **int32),
+                                  torch.zeros(lora_slots, **int32), torch.zeros(lora_slots, **int32))
         self.graphs: dict[int, object] = {}
         self.replays = 0  # decode steps served by a graph (tests and benchmarks read it)
 
@@ -62,7 +74,8 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=1)
+            max_query_len=1, max_seq_len=1,
+            lora=None if self.lora is None else dataclasses.replace(self.lora, sorted_tokens=self.lora.sorted_tokens[:size]))
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._meta(size)
@@ -106,6 +119,14 @@ class DecodeGraphs:
         if size > n:  # padding rows: no slot, one token of context (ids, positions, tables stale)
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
+        if self.lora is not None:  # padding rows are in no group: their rows of sorted_tokens go unread
+            if meta.lora is None:
+                self.lora.group_slots.fill_(-1)
+                self.lora.group_counts.zero_()
+            else:
+                self.lora.sorted_tokens[:n].copy_(meta.lora.sorted_tokens)
+                for name in ("group_slots", "group_starts", "group_counts"):
+                    getattr(self.lora, name).copy_(getattr(meta.lora, name))
         self.replays += 1
         return self.graphs[size].replay()[:n]
 

@@ -252,6 +252,7 @@ class TritonKernels(Kernels):
         from pageserve.triton_kernels import paged_attention as attention_module
         from pageserve.triton_kernels.apply_token_bitmask import apply_token_bitmask
         from pageserve.triton_kernels.fused_moe import fused_moe
+        from pageserve.triton_kernels.lora import lora_expand, lora_shrink
         from pageserve.triton_kernels.paged_attention import paged_attention
         from pageserve.triton_kernels.reshape_and_cache import reshape_and_cache
         from pageserve.triton_kernels.rms_norm import rms_norm
@@ -263,7 +264,15 @@ class TritonKernels(Kernels):
             silu_and_mul=silu_and_mul, apply_token_bitmask=apply_token_bitmask, fused_moe=fused_moe)
         self._reshape_and_cache = reshape_and_cache
         self._paged_attention = paged_attention
+        self._lora_shrink, self._lora_expand = lora_shrink, lora_expand
         self._kernels = attention_module
+
+    def lora_delta(self, out, x, lora, batch):
+        """Punica's shrink and expand, one launch each for the whole step; they read the token
+        groups from device tensors only, so a CUDA graph captures them."""
+        groups = (batch.sorted_tokens, batch.group_slots, batch.group_starts, batch.group_counts)
+        y = self._lora_shrink(x, lora.a, *groups)
+        self._lora_expand(out, y, lora.bt.transpose(1, 2), lora.slices, *groups)
 
     def quant_linear(self, x, weight, quant, bias):
         """W4A16 through the Triton GEMM that unpacks in its inner loop; FP8 and INT8 with the

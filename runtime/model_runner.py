@@ -191,8 +191,6 @@ class ModelRunner:
             return []
         if self.model_cfg.tp_size > 1:  # NCCL all-reduces captured inside graphs: not checked on GPUs yet
             return []
-        if self.lora is not None:  # the adapter batch is built per step, outside any captured buffer
-            return []
         if getattr(self.model, "mrope_section", None):  # the graphs take 1-D positions
             return []
         return capture_sizes(self.device_cfg.cuda_graph_sizes or None, max_num_seqs)
@@ -224,7 +222,7 @@ class ModelRunner:
             return
         max_blocks = -(-self.model_cfg.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kernels, self.kv_caches, self.dev, sizes,
-                                   max_blocks, self.device)
+                                   max_blocks, self.device, self.lora.config.max_loras if self.lora else 0)
         self.graphs.capture()
 
     def warm_up_kernels(self) -> None:
