@@ -102,7 +102,8 @@ class Adapters:
             await asyncio.wrap_future(self.engine.add_lora(lora))
         except LoRAError as e:
             raise bad_request(str(e), "lora_path") from None
-        if name in self._by_name:  # loaded by another request meanwhile
+        if name in self._by_name:  # loaded by another request meanwhile: this copy goes
+            await asyncio.wrap_future(self.engine.remove_lora(lora.lora_int_id))
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         self._by_name[name] = lora
 

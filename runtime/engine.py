@@ -202,8 +202,8 @@ class LLMEngine:
         return self.add_processed(processed, request_id, arrival_time)
 
     def add_lora(self, lora: LoRARequest) -> None:
-        """Read the adapter into host memory, if it is not there (LoRAError when it cannot be
-        served). Thread-safe: the server reads adapters off the event loop."""
+        """Read the adapter into host memory (every rank's part), if it is not there (LoRAError
+        when it cannot be served). Between steps: the server calls it on the engine's thread."""
         if self.config.lora is None:
             raise LoRAError(LORA_OFF)
         self.executor.add_lora(lora)

@@ -24,9 +24,11 @@ def fuzz_server(tiny_model_dir):
     from tests.live_server import InProcessServer
 
     # a short context keeps every generated max_tokens cheap
+    # adapters on, and their loading routes: fuzzed with the rest
     srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.002,
                                      swap_space=0.001, max_model_len=192, max_num_seqs=8,
-                                     debug_checks=True))
+                                     debug_checks=True, enable_lora=True),
+                          allow_runtime_lora_updating=True)
     yield srv
     srv.stop()
 

@@ -44,13 +44,13 @@ def make_adapters(base: Path, arch: str, root: Path) -> list[Path]:
                          use_rslora=rs, base_model=hf) for i, (rank, alpha, rs) in enumerate(ADAPTERS)]
 
 
-def peft_greedy(base: Path, adapter: Path) -> list[list[int]]:
+def peft_greedy(base: Path, adapter: Path, prompts=PROMPTS) -> list[list[int]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
                                       str(adapter))
-    return hf_greedy(base, PROMPTS, NEW_TOKENS, hf_model=model)
+    return hf_greedy(base, prompts, NEW_TOKENS, hf_model=model)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,12 @@ def llama_case(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-llama")
     base = build_tiny_model(root / "base", arch="llama")
     return base, make_adapters(base, "llama", root)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llama_case) -> LLM:
+    """One engine on the Llama base, three slots, for the tests that need nothing else."""
+    return lora_llm(llama_case[0])
 
 
 def lora_llm(base: Path, **kw) -> LLM:
@@ -79,9 +85,9 @@ def check_parity(base: Path, adapters: list[Path], llm: LLM) -> None:
     assert_pool_clean(llm.engine)
 
 
-def test_llama_adapters_match_peft_in_one_mixed_batch(llama_case):
+def test_llama_adapters_match_peft_in_one_mixed_batch(llama_case, llama_llm):
     base, adapters = llama_case
-    check_parity(base, adapters, lora_llm(base))
+    check_parity(base, adapters, llama_llm)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "phi3"])
@@ -92,8 +98,10 @@ def test_adapters_match_peft(tmp_path, arch):
 
 
 def test_a_step_holds_at_most_max_loras_adapters(llama_case):
+    """One slot and one adapter in host memory: the other is read again from disk each time
+    its requests take the slot."""
     base, adapters = llama_case
-    llm = lora_llm(base, max_loras=1, max_cpu_loras=2)
+    llm = lora_llm(base, max_loras=1, max_cpu_loras=1)
     manager = llm.engine.runner.lora
     seen = []
     batch = manager.batch
@@ -106,17 +114,18 @@ def test_a_step_holds_at_most_max_loras_adapters(llama_case):
     per_prompt = [lora for lora in loras for _ in PROMPTS]
     got = tokens(llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False, lora_request=per_prompt))
     assert max(len(s) for s in seen) == 1 and {1, 2} <= set().union(*seen)
-    alone = [tokens(lora_llm(base).generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) for lora in loras]
+    alone = [peft_greedy(base, adapters[0]), peft_greedy(base, adapters[1]), hf_greedy(base, PROMPTS, NEW_TOKENS)]
     assert got == [t for a in alone for t in a]
 
 
-def test_prefix_cache_is_kept_apart_per_adapter(llama_case):
+def test_prefix_cache_is_kept_apart_per_adapter(llama_case, llama_llm):
     base, adapters = llama_case
-    llm = lora_llm(base)
+    llm = llama_llm
+    llm.engine.kv.pool.reset_prefix_cache()
     a, b = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters[:2]))
     prompt = [list(range(3, 3 + 70))]  # four full blocks of 16
-    fresh = {lora: tokens(lora_llm(base).generate(prompt, GREEDY, use_tqdm=False, lora_request=lora))
-             for lora in (a, b, None)}
+    fresh = {a: peft_greedy(base, adapters[0], prompt), b: peft_greedy(base, adapters[1], prompt),
+             None: hf_greedy(base, prompt, NEW_TOKENS)}
     hits = []
     for lora in (a, b, None, a):
         out = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
@@ -142,19 +151,19 @@ def test_preemption_keeps_each_request_adapter(llama_case, mode):
     assert_pool_clean(tight.engine)
 
 
-def test_n_above_one_keeps_the_adapter(llama_case):
+def test_n_above_one_keeps_the_adapter(llama_case, llama_llm):
     base, adapters = llama_case
     lora = LoRARequest("a0", 1, str(adapters[0]))
-    llm = lora_llm(base)
+    llm = llama_llm
     alone = tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora))[0]
     out = llm.generate(PROMPTS[:1], SamplingParams(n=3, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                        use_tqdm=False, lora_request=lora)[0]
     assert [c.token_ids for c in out.outputs] == [alone] * 3
 
 
-def test_adapters_that_cannot_be_served_are_refused(llama_case, tmp_path):
+def test_adapters_that_cannot_be_served_are_refused(llama_case, llama_llm, tiny_llm, tmp_path):
     base, adapters = llama_case
-    llm = lora_llm(base, max_lora_rank=8)
+    llm = llama_llm
     good = adapters[0]
 
     def refused(path, match, name="bad"):
@@ -162,7 +171,7 @@ def test_adapters_that_cannot_be_served_are_refused(llama_case, tmp_path):
             llm.engine.add_lora(LoRARequest(name, 99, str(path)))
 
     refused(tmp_path / "missing", "does not exist")
-    refused(adapters[1], "rank 16, above --max-lora-rank 8")
+    refused(write_adapter(tmp_path / "r32", {"q_proj": (64, 64)}, 2, rank=32), "rank 32, above --max-lora-rank 16")
     refused(write_adapter(tmp_path / "other-lora", {"q_proj": (32, 32)}, 2, rank=8), "another base model")
     for key, value, match in (("modules_to_save", ["lm_head"], "modules_to_save"), ("use_dora", True, "DoRA"),
                               ("bias", "all", "trained biases")):
@@ -180,9 +189,8 @@ def test_adapters_that_cannot_be_served_are_refused(llama_case, tmp_path):
     refused(torn, "cannot be read")
     # the engine serves on, the good adapter included
     assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good))))
-    off = LLM(str(base), dtype="float32", kv_cache_memory=0.01)
-    with pytest.raises(LoRAError, match="--enable-lora"):
-        off.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good)))
+    with pytest.raises(LoRAError, match="--enable-lora"):  # an engine without adapters
+        tiny_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good)))
 
 
 def test_the_c_kernel_adds_what_the_torch_path_adds(native_kernels):

@@ -143,6 +143,7 @@ def guarded(tiny_model_dir):
                            "--api-key", "key-one", "--allowed-origins", "http://good.example",
                            "--max-request-body-mb", "0.01", "--max-num-seqs", "1",
                            "--max-num-queued-reqs", "2", "--served-model-name", "tiny",
+                           "--enable-lora", "--allow-runtime-lora-updating",  # every route of the table
                            env={"PAGESERVE_API_KEY": "key-two"})
     yield srv
     assert srv.stop() == 0
