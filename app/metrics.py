@@ -54,6 +54,16 @@ class _EngineCollector(Collector):
         yield self._family(c, "generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._family(c, "engine_step_seconds", "Time in the model runner's steps.", s.step_seconds)
         yield self._family(c, "mm_encoder_step_seconds", "Of which in the vision encoder.", s.encoder_seconds)
+        if s.spec is not None:  # as vLLM's spec_decode counters
+            yield self._family(c, "spec_decode_num_drafts", "Speculative runs scored.", s.spec.num_drafts)
+            yield self._family(c, "spec_decode_num_draft_tokens", "Draft tokens scored.", s.spec.num_draft_tokens)
+            yield self._family(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                               s.spec.num_accepted_tokens)
+            per = CounterMetricFamily(_P + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the run.", labels=["model_name", "position"])
+            for i, n in enumerate(s.spec.accepted_per_position):
+                per.add_metric([self.model_name, str(i)], n)
+            yield per
         if sched.max_loras:  # as vLLM: the labels say which adapters run and wait; the value is the time
             info = GaugeMetricFamily(_P + "lora_requests_info", "Running and waiting LoRA adapters.",
                                      labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])

@@ -410,6 +410,9 @@ class AsyncEngine:
             "Prefix cache hit rate: %.1f%%", (s.prompt_tokens - last_prompt) / elapsed,
             (s.generation_tokens - last_gen) / elapsed, s.scheduler.num_running, s.scheduler.num_swapped,
             s.scheduler.num_waiting, s.scheduler.kv_cache_usage * 100, s.prefix_cache_hit_rate * 100)
+        if s.spec is not None and s.spec.num_drafts:
+            logger.info("Speculative decoding: mean acceptance length %.2f, accepted %d of %d draft tokens",
+                        s.spec.mean_acceptance_length, s.spec.num_accepted_tokens, s.spec.num_draft_tokens)
         self._last_log = (now, s.prompt_tokens, s.generation_tokens)
 
     def _fail_all(self, error: BaseException) -> None:

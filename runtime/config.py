@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -174,6 +175,56 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """--speculative-config, as vLLM's: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}; speculation stops for a step with more
+    than `disable_by_batch_size` running requests (None: never)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"--speculative-config is not JSON: {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative method {method!r} is not supported (supported: ngram)")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (lo or hi or 2), (hi or max(lo or 0, 5))  # one given: the other follows it, as vLLM
+        return cls(method, value.get("num_speculative_tokens", 4), lo, hi, value.get("disable_by_batch_size"))
+
+    def __post_init__(self):
+        ints = {"num_speculative_tokens": self.num_speculative_tokens, "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max}
+        for name, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"speculative num_speculative_tokens must be <= 16, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative disable_by_batch_size must be an integer >= 1, got {b!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceConfig:
     device: torch.device
     attention_backend: Backend
@@ -263,6 +314,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal: MultiModalConfig | None = None  # None: the model takes text only
     lora: LoRAConfig | None = None  # None: no adapters (--enable-lora off)
+    speculative: SpeculativeConfig | None = None  # None: one token a step
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -13,7 +13,7 @@ import torch
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.matcher import Matcher, reasoning_end_position
 from pageserve.grammar.vocabulary import backend_tokenizer
-from pageserve.runtime.config import EngineConfig
+from pageserve.runtime.config import EngineConfig, SpeculativeConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
 from pageserve.runtime.encoder_cache import EncoderCacheManager
@@ -30,6 +30,7 @@ from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_c
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
+from pageserve.runtime.spec_decode import NgramProposer, can_speculate
 from pageserve.runtime.stats import EngineStats, IterationCounters
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
@@ -82,6 +83,7 @@ class LLMEngine:
                                      config.scheduler.max_num_seqs, self.grammar.regex)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
+        self.spec = None if config.speculative is None else NgramProposer(config.speculative)
 
     @staticmethod
     def _image_processor(config: EngineConfig) -> MultiModalProcessor | None:
@@ -131,7 +133,8 @@ class LLMEngine:
                                   seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,
                                   multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens,
                                                                     device.device),
-                                  lora=args.lora_config())
+                                  lora=args.lora_config(),
+                                  speculative=SpeculativeConfig.parse(args.speculative_config))
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,
@@ -185,7 +188,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c = self.counters
         return EngineStats(self.scheduler.stats(), c.steps, c.prompt_tokens, c.generation_tokens,
-                           c.kv_waste, dict(c.finished), c.step_seconds, c.encoder_seconds)
+                           c.kv_waste, dict(c.finished), c.step_seconds, c.encoder_seconds,
+                           None if self.spec is None else self.spec.stats.copy())
 
     # ---- requests in ----
 
@@ -318,6 +322,8 @@ class LLMEngine:
         as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
         if self._grammar_waiting:
             self._resolve_grammars()
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         started = time.perf_counter()
         try:
@@ -331,7 +337,10 @@ class LLMEngine:
                 concurrent.futures.wait([r.grammar for r in self._grammar_waiting.values()],
                                         timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
-        scheduled = self.scheduler.update_after_step()
+        runs = {sr.request_id: self.spec.accept(sr.draft_tokens, result.spec_tokens[sr.request_id])
+                for sr in sched.requests if sr.draft_tokens}  # drafts accepted, then the target's token
+        scheduled = self.scheduler.update_after_step(
+            {rid: len(sr.draft_tokens) + 1 - len(runs[rid]) for sr in sched.requests if (rid := sr.request_id) in runs})
         self.counters.step_seconds += time.perf_counter() - started
         for rid, seconds in result.encoder_seconds.items():
             self.counters.encoder_seconds += seconds
@@ -340,7 +349,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
-            tokens = [next(samples) for _ in range(sr.num_samples)] if sr.sample else []
+            tokens = runs.get(sr.request_id) or ([next(samples) for _ in range(sr.num_samples)] if sr.sample else [])
             part = next(pools) if sr.pool else None
             if req.status.finished:  # failed earlier in this loop, with its n > 1 siblings
                 continue
@@ -352,7 +361,7 @@ class LLMEngine:
                 logger.exception("request %s failed after the model step", req.output_id)
                 self._fail_request(req.output_id, RequestFailedError(
                     f"the engine failed while handling this request's output: {e!r}"))
-        self.counters.generation_tokens += len(result.sampled)
+        self.counters.generation_tokens += len(result.sampled) + sum(map(len, runs.values()))
         self._record_kv_waste()
         if self.config.debug_checks:
             self.check_integrity()
@@ -377,11 +386,30 @@ class LLMEngine:
             return []
         if not tokens:
             return []
-        members = [req] + (self._fork(req) if len(tokens) > 1 else [])
         outputs = []
+        if sr.draft_tokens:  # a speculative run: its tokens in order, until one ends the request
+            for token in tokens:
+                outputs.extend(self._append_token(req, token, result.logprobs))
+                if req.status.finished:
+                    break
+            return outputs
+        members = [req] + (self._fork(req) if len(tokens) > 1 else [])
         for member, token in zip(members, tokens):
             outputs.extend(self._append_token(member, token, result.logprobs))
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running requests that decode next (none above the batch size where
+        speculation stops paying)."""
+        c, max_len = self.config.speculative, self.config.model.max_model_len
+        running = self.scheduler.running
+        off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
+        for req in running:
+            if off or req.num_tokens - req.num_computed_tokens != 1 or not can_speculate(req):
+                req.draft_tokens = []
+                continue
+            room = min(max_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
+            req.draft_tokens = self.spec.propose(req, room)
 
     def _fail_request(self, output_id: str, error: Exception) -> None:
         """End a request (all its sequences) with an error for its owner (see take_failures)."""
@@ -453,6 +481,8 @@ class LLMEngine:
         return failed
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.spec is not None:
+            self.spec.release(req.request_id)
         req.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
         del self.requests[req.request_id]

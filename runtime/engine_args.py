@@ -13,7 +13,8 @@ import torch
 
 from pageserve.runtime import quantization
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, LoRAConfig, ModelConfig,
-                                      MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig, cpu_flags,
+                                      MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig,
+                                      SpeculativeConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
@@ -71,6 +72,7 @@ class EngineArgs:
     max_loras: int = 1  # distinct adapters in one step (the device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (default: max_loras)
+    speculative_config: dict | str | None = None  # {"method": "ngram", ...} or its JSON
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -99,6 +101,7 @@ class EngineArgs:
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
         self.lora_config()
+        SpeculativeConfig.parse(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -173,6 +176,11 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots take")
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept loaded in host memory, least recently used out (default: --max-loras)")
+        g = parser.add_argument_group("speculative decoding")
+        g.add_argument("--speculative-config", default=None,
+                       help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                            '"prompt_lookup_max": 5, "disable_by_batch_size": N}: greedy requests propose the tokens '
+                            "that followed the last n-gram's earlier occurrence, verified in one forward")
         g = parser.add_argument_group("parallelism")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many devices (one worker process each; on CPU, "

@@ -157,7 +157,8 @@ class KVCacheManager:
             return
         rid = request.request_id
         start = self.req_num_cached.get(rid, 0)
-        num_full = request.num_computed_tokens // self.block_size
+        # accepted speculative tokens are computed before they are appended: cached a step later
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

@@ -43,6 +43,8 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     pooled: list[torch.Tensor] = field(default_factory=list)  # per pooling request, in order
     encoder_seconds: dict[str, float] = field(default_factory=dict)  # request id -> in the vision encoder
+    # requests with draft tokens: the target's greedy token at each draft's place and after the last
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
@@ -298,7 +300,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(r.start_pos + n)
             block_tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
-            if r.sample:
+            if r.sample and not r.draft_tokens:
                 logits_rows.append(query_start[-1] - 1)
         dev = self.device
         meta = AttentionMetadata(
@@ -347,10 +349,12 @@ class ModelRunner:
                              for i, r in enumerate(out.requests) if r.pool]
         if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
             result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
+        if any(r.draft_tokens for r in out.requests):
+            result.spec_tokens = self._spec_tokens(out, hidden, starts)
         if not logits_rows:
             return result
         rows, sample_rows, own, constrained = [], [], {}, []
-        for r, row in zip((r for r in out.requests if r.sample), logits_rows):
+        for r, row in zip((r for r in out.requests if r.sample and not r.draft_tokens), logits_rows):
             for i in range(r.num_samples):
                 if r.matcher is not None:
                     constrained.append((len(rows), r.matcher))
@@ -365,7 +369,7 @@ class ModelRunner:
             return result
         if len(rows) > len(logits_rows):  # n > 1 forks draw several tokens from one row
             logits = logits.repeat_interleave(torch.tensor(
-                [r.num_samples for r in out.requests if r.sample], device=self.device), dim=0)
+                [r.num_samples for r in out.requests if r.sample and not r.draft_tokens], device=self.device), dim=0)
         smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
         if constrained:
             smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
@@ -374,6 +378,22 @@ class ModelRunner:
         if smeta.logprob_rows:
             result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))
         return result
+
+    def _spec_tokens(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> dict[str, list[int]]:
+        """The greedy token at the last real token and at each draft of the requests that have
+        drafts (scheduler.ScheduledRequest.draft_tokens): what one token a step would give
+        there, if the drafts before it were the tokens."""
+        spans = [(r.request_id, starts[i + 1] - len(r.draft_tokens) - 1, len(r.draft_tokens) + 1)
+                 for i, r in enumerate(out.requests) if r.draft_tokens]
+        rows = [first + j for _, first, n in spans for j in range(n)]
+        logits = self.model.compute_logits(hidden[rows])
+        if self.model_cfg.tp_rank:  # gathered on rank 0
+            return {}
+        ids = self.kernels.argmax(logits).tolist()
+        out_ids, at = {}, 0
+        for rid, _, n in spans:
+            out_ids[rid], at = ids[at:at + n], at + n
+        return out_ids
 
     def sample_logits(self, hidden: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:
         """[requests that sample, vocab] logits from their last hidden states, in the order of

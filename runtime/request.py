@@ -44,7 +44,7 @@ class Request:
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
         "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
         "num_samples", "logprobs", "prompt_logprobs", "scheduled_time", "num_prompt_counted",
-        "grammar", "matcher", "num_cached_tokens", "mm_items", "encoder_seconds", "lora",
+        "grammar", "matcher", "num_cached_tokens", "mm_items", "encoder_seconds", "lora", "draft_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -64,6 +64,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt  # keeps one tenant's prefix cache from serving another
         self.lora = lora  # the LoRARequest it runs under (None: the base model)
+        self.draft_tokens: list[int] = []  # speculative tokens proposed for its next step
         self.mm_items = mm_items  # multimodal.ImageItem of each image in the prompt, in order
         self.encoder_seconds = 0.0  # spent encoding its images
         self.scheduled_time: float | None = None  # first admitted to a step

@@ -45,6 +45,9 @@ class ScheduledRequest:
     eos_token_ids: tuple[int, ...] = ()
     mm_items: tuple = ()  # the request's images (multimodal.ImageItem): the runner encodes those the chunk reaches
     lora: LoRARequest | None = None  # the adapter it runs under
+    # speculative tokens after its last one (the end of token_ids): the runner returns the
+    # target's greedy token at each of them and after the last
+    draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -151,6 +154,9 @@ class Scheduler:
             if num_new <= 0 or (skip_decodes and _decoding(req)):
                 i += 1
                 continue
+            if req.draft_tokens and _decoding(req):  # the drafts the budget leaves room for
+                req.draft_tokens = req.draft_tokens[:budget - 1]
+                num_new += len(req.draft_tokens)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # newest running request
                 self._preempt(victim, out)
@@ -254,12 +260,14 @@ class Scheduler:
         start = req.num_computed_tokens
         block_ids = self.kv.block_ids(req.request_id)
         bs = self.block_size
+        drafts = req.draft_tokens if start + num_new > req.num_tokens else []
         out.requests.append(ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:start + num_new],
+            token_ids=req.token_ids[start:start + num_new - len(drafts)] + drafts,
             start_pos=start,
             block_ids=block_ids,
-            sample=start + num_new == req.num_tokens and not req.pooling,
+            sample=start + num_new - len(drafts) == req.num_tokens and not req.pooling,
+            draft_tokens=drafts,
             sampling_params=req.sampling_params,
             pool=req.pooling,
             num_samples=req.num_samples,
@@ -294,6 +302,7 @@ class Scheduler:
             req.pooled_sum = None  # an embedding request pools its tokens again
             self.waiting.appendleft(req)
             self.num_recomputed += 1
+        req.draft_tokens = []
         # the freed blocks are rewritten only by this step's forward, after the swap-out copy
         self.kv.free(req)
         self.encoder_cache.release(req)
@@ -307,12 +316,15 @@ class Scheduler:
                 "--max-num-batched-tokens to avoid it.", req.request_id,
                 "swapped out" if req.status == RequestStatus.SWAPPED else "recompute")
 
-    def update_after_step(self) -> list[Request]:
+    def update_after_step(self, rejected: dict[str, int] | None = None) -> list[Request]:
         """The last step's tokens are now in the KV cache, so its full blocks may serve prefix
-        hits from now on. Returns the scheduled requests."""
+        hits from now on; `rejected`: per request, the speculative tokens at the end of its chunk
+        that the target model did not accept (their KV slots are written again later, and no
+        block holding one is ever cached). Returns the scheduled requests."""
         reqs = []
         for req, num_new in self._last_scheduled:
-            req.num_computed_tokens += num_new
+            req.num_computed_tokens += num_new - (rejected.get(req.request_id, 0) if rejected else 0)
+            req.draft_tokens = []
             self.kv.cache_computed_blocks(req)
             self.encoder_cache.release_done(req)
             reqs.append(req)

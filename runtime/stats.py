@@ -51,6 +51,7 @@ class EngineStats:
     finished: dict[str, int]  # a copy
     step_seconds: float = 0.0
     encoder_seconds: float = 0.0
+    spec: object = None  # spec_decode.SpecStats with --speculative-config
 
     @property
     def prefix_cache_hit_rate(self) -> float:

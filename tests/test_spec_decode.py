@@ -1,0 +1,164 @@
+"""Speculative decoding by n-gram lookup gives exactly the tokens of one token a step: greedy
+requests on a tiny model over prompts that repeat themselves (drafts accepted at every position
+of a run) and prompts that never do, through chunked prefill, a prefix-cache hit, preemption by
+swap and by recompute, stop strings and max_tokens inside an accepted run; sampling requests
+in the same batch unchanged; speculation off above disable_by_batch_size; the config refused
+with its reason where it asks for what is not there."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.config import SpeculativeConfig
+from tests.conftest import assert_pool_clean
+from tests.test_prefix_and_swap import TINY_BLOCK_BYTES
+
+pytestmark = pytest.mark.engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+GiB = 1 << 30
+
+
+def prompts(seed=0) -> list[list[int]]:
+    """Half repeat a segment (their outputs, and loops of a random model, accept drafts), half
+    are random."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(8):
+        seg = [rng.randrange(3, 380) for _ in range(rng.randrange(12, 40))]
+        out.append(seg * 3 + seg[:5] if i % 2 == 0 else [rng.randrange(3, 380) for _ in range(rng.randrange(20, 150))])
+    return out
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engine(model_dir, spec=NGRAM, blocks=2000, swap_blocks=0, **kw) -> LLM:
+    kw.setdefault("max_num_batched_tokens", 64)  # prompts in chunks
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory=blocks * TINY_BLOCK_BYTES / GiB,
+               swap_space=swap_blocks * TINY_BLOCK_BYTES / GiB, max_model_len=512, debug_checks=True,
+               speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def looping_model_dir(tmp_path_factory):
+    """The tiny Llama with its layers' output projections scaled by 0.1: each next token depends
+    mostly on the last one (and a little on the context), so greedy outputs fall into loops,
+    which n-gram drafts predict (about 30% of drafts accepted, at every position of a run)."""
+    from safetensors.torch import load_file, save_file
+
+    from pageserve.loadtest.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("looping"))
+    weights = load_file(str(path / "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.1
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(looping_model_dir):
+    return engine(looping_model_dir, spec=None)
+
+
+@pytest.fixture(scope="module")
+def speculating(looping_model_dir):
+    return engine(looping_model_dir)
+
+
+def test_drafts_that_are_mostly_rejected_change_nothing(tiny_model_dir):
+    """The plain tiny model seldom repeats itself: most drafts are rejected, and their KV
+    slots written again."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 37, 70, 61) * 2]
+    want = tokens(engine(tiny_model_dir, spec=None).generate(prompts(), params, use_tqdm=False))
+    llm = engine(tiny_model_dir)
+    assert tokens(llm.generate(prompts(), params, use_tqdm=False)) == want
+    stats = llm.engine.spec.stats
+    assert stats.num_draft_tokens > 5 * stats.num_accepted_tokens > 0, stats
+
+
+def test_greedy_tokens_are_those_of_one_token_a_step(plain, speculating):
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (120, 37, 90, 61) * 2]
+    want = tokens(plain.generate(prompts(), params, use_tqdm=False))
+    got = tokens(speculating.generate(prompts(), params, use_tqdm=False))
+    assert got == want
+    stats = speculating.engine.spec.stats
+    assert stats.num_accepted_tokens > 50 and min(stats.accepted_per_position) > 0, stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened, and were rolled back
+    assert speculating.engine.stats().generation_tokens == plain.engine.stats().generation_tokens
+    # a prefix-cache hit: the same prompts again find their blocks, and give the same tokens
+    again = speculating.generate(prompts(), params, use_tqdm=False)
+    assert tokens(again) == want and all(o.metrics.num_cached_tokens > 0 for o in again)
+    assert_pool_clean(speculating.engine)
+
+
+@pytest.mark.parametrize("mode,swap_blocks", [("swap", 14), ("recompute", 0)])
+def test_preemption_keeps_the_tokens(looping_model_dir, plain, mode, swap_blocks):
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)] * 8
+    want = tokens(plain.generate(prompts(1), params, use_tqdm=False))
+    tight = engine(looping_model_dir, blocks=40, swap_blocks=swap_blocks, preemption_mode=mode,
+                   max_num_batched_tokens=128)
+    assert tokens(tight.generate(prompts(1), params, use_tqdm=False)) == want
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.spec.stats.num_accepted_tokens > 0
+    assert_pool_clean(tight.engine)
+
+
+def test_stops_and_sampling_requests_in_the_same_batch(plain, speculating):
+    """A stop string and a max_tokens that fall inside accepted runs end the output where one
+    token a step ends it; seeded sampling requests beside them (never speculative) are unchanged."""
+    greedy = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    looping = prompts()[0]
+    text = plain.generate([looping], greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    batch = [looping, looping, looping, prompts()[1], prompts()[3]]
+    params = [SamplingParams(temperature=0, max_tokens=150, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=53, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=150, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=40, ignore_eos=True)]
+    want = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in plain.generate(batch, params, use_tqdm=False)]
+    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in speculating.generate(batch, params, use_tqdm=False)]
+    assert got == want
+    assert want[0][2] == "stop" and len(want[1][1]) == 53
+
+
+def test_speculation_stops_above_the_batch_size(looping_model_dir):
+    llm = engine(looping_model_dir, spec={**NGRAM, "disable_by_batch_size": 2})
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm.generate(prompts()[:4:2] * 2, params, use_tqdm=False)  # four looping requests at once
+    drafts_with_four = llm.engine.spec.stats.num_drafts
+    llm.generate(prompts()[:1], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+    assert drafts_with_four == 0 and llm.engine.spec.stats.num_drafts > 0
+
+
+@pytest.mark.unit
+def test_config_as_vllm_takes_it():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 4, 4)
+    assert SpeculativeConfig.parse(None) is None
+    for bad, words in (('{"method": "eagle"}', "not supported"), ('{"num_speculative_tokens": 0}', ">= 1"),
+                       ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "must be <="),
+                       ('{"draft_tensor_parallel_size": 1}', "not supported"), ("[1]", "JSON object"),
+                       ("{nope", "not JSON")):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(looping_model_dir, plain):
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * 4
+    want = tokens(plain.generate(prompts()[:4], params, use_tqdm=False))
+    llm = engine(looping_model_dir, tensor_parallel_size=2)
+    try:
+        assert tokens(llm.generate(prompts()[:4], params, use_tqdm=False)) == want
+        stats = llm.engine.stats().spec
+        assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1
+    finally:
+        llm.engine.shutdown()
