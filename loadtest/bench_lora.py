@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from pageserve.loadtest.common import save_json
+from pageserve.loadtest.common import provenance, save_json
 from pageserve.loadtest.tiny_lora import model_shapes, write_adapter
 from pageserve.runtime.models.loader import cache_root, resolve_model
 
@@ -63,7 +62,6 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> dict:
     from pageserve.runtime import LLM, LoRARequest, SamplingParams
-    from pageserve.runtime.config import cpu_flags
 
     model_dir = resolve_model(None)
     paths = adapters(model_dir, args.adapters, args.rank)
@@ -92,9 +90,7 @@ def main(args: argparse.Namespace) -> dict:
         for name, arm in arms.items():
             runs[name].append(step_ms(llm, prompts, arm, args.tokens))
     base, mixed = statistics.median(runs["base"]), statistics.median(runs["adapters"])
-    result = {"machine": {"cpu": platform.processor() or platform.machine(),
-                          "units": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
-                          "threads": torch.get_num_threads()},
+    result = {"machine": {**provenance(), "threads": torch.get_num_threads()},
               "dtype": str(llm.engine.config.model.dtype), "bf16_matmuls": llm.engine.config.model.bf16_matmuls,
               "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "tokens": args.tokens,
               "rounds": args.rounds, "startup_s": startup, "adapter_read_s": read, "adapter_slot_copy_s": fill,

@@ -178,12 +178,13 @@ class LoRAConfig:
 class SpeculativeConfig:
     """--speculative-config, as vLLM's: {"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": a, "prompt_lookup_max": b}; speculation stops for a step with more
-    than `disable_by_batch_size` running requests (None: never)."""
+    than `disable_by_batch_size` running requests (default 8: on 2 CPU cores, 8 streams whose
+    drafts were almost all accepted still gained only 1.11x)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = 8
 
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -206,7 +207,7 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo or hi or 2), (hi or max(lo or 0, 5))  # one given: the other follows it, as vLLM
-        return cls(method, value.get("num_speculative_tokens", 4), lo, hi, value.get("disable_by_batch_size"))
+        return cls(method, value.get("num_speculative_tokens", 4), lo, hi, value.get("disable_by_batch_size", 8))
 
     def __post_init__(self):
         ints = {"num_speculative_tokens": self.num_speculative_tokens, "prompt_lookup_min": self.prompt_lookup_min,

@@ -337,7 +337,7 @@ class LLMEngine:
                 concurrent.futures.wait([r.grammar for r in self._grammar_waiting.values()],
                                         timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
-        runs = {sr.request_id: self.spec.accept(sr.draft_tokens, result.spec_tokens[sr.request_id])
+        runs = {sr.request_id: self.spec.accept(sr.request_id, sr.draft_tokens, result.spec_tokens[sr.request_id])
                 for sr in sched.requests if sr.draft_tokens}  # drafts accepted, then the target's token
         scheduled = self.scheduler.update_after_step(
             {rid: len(sr.draft_tokens) + 1 - len(runs[rid]) for sr in sched.requests if (rid := sr.request_id) in runs})

@@ -52,6 +52,11 @@ class LoRABatch:
     group_counts: torch.Tensor  # [S] int32
 
 
+# a step whose requests compute at most this many tokens each (decodes, speculative runs being
+# verified) may run the C decoder stack, each token as a decode of its own position
+STACK_ROWS = 17
+
+
 class Kernels:
     """Every kernel the engine launches. `attention` (with `prepare`, once per step) runs paged
     attention; `ops` holds the rest."""
@@ -203,8 +208,8 @@ class TorchKernels(Kernels):
         stream of the default model: 21 -> 16 ms a step, a third of it was the interpreter
         between the kernels)."""
         lib, plan = self.cpu_lib, self.linear_plan
-        if lib is None or meta.max_query_len != 1 or not kv_caches or not plan.uses_kernel(x.shape[0]) \
-                or meta.lora is not None:
+        if lib is None or meta.max_query_len > STACK_ROWS or not kv_caches or not plan.uses_kernel(x.shape[0]) \
+                or meta.lora is not None or meta.key_limit is not None:
             return None
         first, last = kv_caches[0][0], kv_caches[-1][1]
         key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), len(kv_caches))
@@ -220,8 +225,11 @@ class TorchKernels(Kernels):
         if stack is None:
             return None
         cos_sin = model.cos_sin_cache[positions]
-        return lib.decode_layers(stack, x, cos_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                 stack.head_dim ** -0.5)
+        seq_lens, tables = meta.seq_lens, meta.block_tables
+        if meta.max_query_len > 1:  # each token a decode of its own: its K/V is written before any row attends
+            seq_lens = (positions + 1).to(torch.int32)
+            tables = tables.repeat_interleave(meta.query_start_loc.diff(), dim=0)
+        return lib.decode_layers(stack, x, cos_sin, meta.slot_mapping, tables, seq_lens, stack.head_dim ** -0.5)
 
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache

@@ -26,11 +26,16 @@ class _Index:
     """A request's n-grams: each -> where its first occurrence that has a token after it starts
     (the first, as vLLM: its continuation is the longest, and it is the pasted text's rather than
     a repetition's just before); grown as the request's tokens are."""
-    __slots__ = ("seen", "num_indexed")
+    __slots__ = ("seen", "num_indexed", "misses", "skip")
 
     def __init__(self):
         self.seen: dict[tuple[int, ...], int] = {}
         self.num_indexed = 0  # n-grams ending before this position are in `seen`
+        self.misses = 0  # draft runs in a row of which nothing was accepted
+        self.skip = 0  # steps left without drafts
+
+
+MAX_SKIP = 32  # steps a request whose drafts keep failing waits, at most
 
 
 @dataclass
@@ -67,6 +72,9 @@ class NgramProposer:
         index = self._index.get(req.request_id)
         if index is None:
             index = self._index[req.request_id] = _Index()
+        if index.skip:  # its drafts have been rejected lately: a few steps without
+            index.skip -= 1
+            return []
         self._grow(index, tokens)
         for n in range(min(c.prompt_lookup_max, len(tokens) - 1), c.prompt_lookup_min - 1, -1):
             start = index.seen.get(tuple(tokens[-n:]))
@@ -83,12 +91,18 @@ class NgramProposer:
                 seen.setdefault(tuple(tokens[end + 1 - n:end + 1]), end + 1 - n)
         index.num_indexed = max(index.num_indexed, len(tokens) - 1)
 
-    def accept(self, drafts: list[int], targets: list[int]) -> list[int]:
+    def accept(self, request_id: str, drafts: list[int], targets: list[int]) -> list[int]:
         """The tokens a step of drafts gives: the drafts the target's greedy tokens agree with,
-        then the target's own token after them (targets: one per draft, and one past the last)."""
+        then the target's own token after them (targets: one per draft, and one past the last).
+        A request whose runs keep failing waits 1, 2, 4, ... 32 steps before its next one: a
+        rejected run costs the step the drafts' rows."""
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
             accepted += 1
+        index = self._index.get(request_id)
+        if index is not None:
+            index.misses = 0 if accepted else index.misses + 1
+            index.skip = min(2 ** (index.misses - 1), MAX_SKIP) if index.misses else 0
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += len(drafts)

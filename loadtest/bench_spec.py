@@ -1,0 +1,119 @@
+"""N-gram speculative decoding on the default model against one token a step, in the same run,
+rounds alternated (the machine drifts): output tokens per second of greedy requests, one stream
+at a time and a batch of many.
+
+Loads: "grounded" asks the model to repeat a file of this repository (500-1,500 tokens of
+code or text: what a chat front end that edits a pasted document sees); "random" is random
+token ids with ignore_eos, as `pageserve bench serve`'s random dataset. Both engines are loaded
+once; each round runs the load on one, then the other.
+
+    pageserve bench spec [--rounds 3] [--tokens 256] [--streams 1] [--load grounded,random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pageserve.loadtest.common import provenance, save_json
+
+ROOT = Path(__file__).resolve().parent.parent
+# files of this repository the grounded load pastes (code and prose)
+GROUNDED_FILES = ("runtime/block_pool.py", "runtime/swap_space.py", "app/errors.py", "runtime/lora/request.py",
+                  "docs/architecture.md")
+
+
+def grounded_prompts(llm, count: int, lo: int = 500, hi: int = 1500) -> list[list[int]]:
+    tok = llm.tokenizer
+    out = []
+    for name in GROUNDED_FILES:
+        text = (ROOT / name).read_text()
+        ids = tok(text, add_special_tokens=False)["input_ids"][:hi]
+        if len(ids) < lo:
+            continue
+        body = tok.decode(ids)
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, with no comment:\n\n{body}"}]
+        out.append(llm.apply_chat_template(messages))
+    return (out * count)[:count]
+
+
+def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(100, 500))] for _ in range(count)]
+
+
+def tok_per_s(llm, prompts, tokens: int, streams: int, ignore_eos: bool) -> float:
+    from pageserve.runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
+    generated, started = 0, time.perf_counter()
+    for i in range(0, len(prompts), streams):
+        outs = llm.generate(prompts[i:i + streams], params, use_tqdm=False)
+        generated += sum(len(o.outputs[0].token_ids) for o in outs)
+    return generated / (time.perf_counter() - started)
+
+
+def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=256, help="output tokens a request")
+    p.add_argument("--streams", type=int, default=1, help="requests decoded together")
+    p.add_argument("--requests", type=int, default=None, help="requests a round (default: 2 x streams, at least 3)")
+    p.add_argument("--load", default="grounded,random")
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--output-json", default=None)
+    return p
+
+
+def main(args: argparse.Namespace) -> dict:
+    from pageserve.runtime import LLM
+
+    common = dict(dtype=args.dtype, max_model_len=4096, kv_cache_memory=1.0, max_num_seqs=max(args.streams, 1),
+                  enable_prefix_caching=False)
+    engines = {"plain": LLM(None, **common), "ngram": LLM(None, speculative_config=args.speculative_config, **common)}
+    n = args.requests or max(3, 2 * args.streams)
+    loads = {}
+    for name in args.load.split(","):
+        loads[name] = (grounded_prompts(engines["plain"], n), False) if name == "grounded" else \
+            (random_prompts(n, engines["plain"].engine.config.model.vocab_size), True)
+    for llm in engines.values():  # warm-up
+        tok_per_s(llm, random_prompts(1, 1000, seed=9), 8, 1, True)
+    runs = {load: {e: [] for e in engines} for load in loads}
+    accepted = {load: [0, 0, 0] for load in loads}  # drafts, draft tokens, accepted tokens
+    for _ in range(args.rounds):
+        for load, (prompts, ignore_eos) in loads.items():
+            for name, llm in engines.items():
+                before = engines["ngram"].engine.stats().spec
+                runs[load][name].append(tok_per_s(llm, prompts, args.tokens, args.streams, ignore_eos))
+                after = engines["ngram"].engine.stats().spec
+                for i, field in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens")):
+                    accepted[load][i] += getattr(after, field) - getattr(before, field)
+    stats = engines["ngram"].engine.stats().spec
+    result = {"machine": {**provenance(), "threads": torch.get_num_threads()},
+              "speculative_config": json.loads(args.speculative_config), "streams": args.streams, "requests": n,
+              "tokens": args.tokens, "rounds": args.rounds, "tok_per_s": runs,
+              "acceptance": {load: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), a))
+                             for load, a in accepted.items()},
+              "accepted_per_position": stats.accepted_per_position}
+    print(f"{args.streams} stream(s), {n} requests of up to {args.tokens} tokens a round, {args.rounds} rounds:")
+    for load in loads:
+        plain, ngram = statistics.median(runs[load]["plain"]), statistics.median(runs[load]["ngram"])
+        result.setdefault("ratio", {})[load] = ngram / plain
+        drafts, proposed, took = accepted[load]
+        print(f"  {load:<9} one token a step {plain:7.1f} tok/s, n-gram {ngram:7.1f} tok/s: {ngram / plain:.2f}x   "
+              f"(rounds n-gram/plain: {' '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(runs[load]['ngram'], runs[load]['plain']))}); "
+              f"drafts accepted {took} of {proposed} tokens, mean acceptance length "
+              f"{1 + took / drafts if drafts else 0:.2f}")
+    print(f"  accepted by position in a run: {stats.accepted_per_position}")
+    return save_json(result, args.output_json)
+
+
+if __name__ == "__main__":
+    main(add_args(argparse.ArgumentParser(description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args())
