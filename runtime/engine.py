@@ -30,7 +30,7 @@ from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_c
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
-from pageserve.runtime.spec_decode import NgramProposer, can_speculate
+from pageserve.runtime.spec_decode import NgramProposer
 from pageserve.runtime.stats import EngineStats, IterationCounters
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
@@ -323,7 +323,7 @@ class LLMEngine:
         if self._grammar_waiting:
             self._resolve_grammars()
         if self.spec is not None:
-            self._propose()
+            self.spec.propose_all(self.scheduler.running, self.config.model.max_model_len)
         sched = self.scheduler.schedule()
         started = time.perf_counter()
         try:
@@ -337,8 +337,7 @@ class LLMEngine:
                 concurrent.futures.wait([r.grammar for r in self._grammar_waiting.values()],
                                         timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
             return []
-        runs = {sr.request_id: self.spec.accept(sr.request_id, sr.draft_tokens, result.spec_tokens[sr.request_id])
-                for sr in sched.requests if sr.draft_tokens}  # drafts accepted, then the target's token
+        runs = self.spec.accept_all(sched.requests, result.spec_tokens) if self.spec is not None else {}
         scheduled = self.scheduler.update_after_step(
             {rid: len(sr.draft_tokens) + 1 - len(runs[rid]) for sr in sched.requests if (rid := sr.request_id) in runs})
         self.counters.step_seconds += time.perf_counter() - started
@@ -397,19 +396,6 @@ class LLMEngine:
         for member, token in zip(members, tokens):
             outputs.extend(self._append_token(member, token, result.logprobs))
         return outputs
-
-    def _propose(self) -> None:
-        """Drafts for the running requests that decode next (none above the batch size where
-        speculation stops paying)."""
-        c, max_len = self.config.speculative, self.config.model.max_model_len
-        running = self.scheduler.running
-        off = c.disable_by_batch_size is not None and len(running) > c.disable_by_batch_size
-        for req in running:
-            if off or req.num_tokens - req.num_computed_tokens != 1 or not can_speculate(req):
-                req.draft_tokens = []
-                continue
-            room = min(max_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
-            req.draft_tokens = self.spec.propose(req, room)
 
     def _fail_request(self, output_id: str, error: Exception) -> None:
         """End a request (all its sequences) with an error for its owner (see take_failures)."""

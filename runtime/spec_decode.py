@@ -61,6 +61,24 @@ class NgramProposer:
         self._index: dict[str, _Index] = {}
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    def propose_all(self, running: list[Request], max_model_len: int) -> None:
+        """Drafts for the running requests that decode next, in their draft_tokens (none above
+        the batch size where speculation stops paying)."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) > limit
+        for req in running:
+            if off or req.num_tokens - req.num_computed_tokens != 1 or not can_speculate(req):
+                req.draft_tokens = []
+                continue
+            room = min(max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
+            req.draft_tokens = self.propose(req, room)
+
+    def accept_all(self, scheduled: list, targets: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Request id -> the tokens its draft run gives (accept), for the step's scheduled
+        requests that had drafts; `targets`: the runner's StepResult.spec_tokens."""
+        return {sr.request_id: self.accept(sr.request_id, sr.draft_tokens, targets[sr.request_id])
+                for sr in scheduled if sr.draft_tokens}
+
     def propose(self, req: Request, max_len: int) -> list[int]:
         """Up to k drafts to follow req's tokens, no more than max_len (room left in its context
         and max_tokens); [] when no n-gram of its suffix occurred before."""
