@@ -387,8 +387,9 @@ class LLMEngine:
             return []
         outputs = []
         if sr.draft_tokens:  # a speculative run: its tokens in order, until one ends the request
-            for token in tokens:
-                outputs.extend(self._append_token(req, token, result.logprobs))
+            logprobs = result.spec_logprobs.get(req.request_id)
+            for i, token in enumerate(tokens):
+                outputs.extend(self._append_token(req, token, {req.request_id: logprobs[i]} if logprobs else {}))
                 if req.status.finished:
                     break
             return outputs

@@ -25,9 +25,9 @@ from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
+from pageserve.runtime.step_sampler import StepSampler
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
-from pageserve.sampling.penalties import TokenCounts
-from pageserve.sampling.sampler import SampleRow, SamplingMetadata, TokenLogprobs, sample, topk_logprobs
+from pageserve.sampling.sampler import TokenLogprobs, topk_logprobs
 from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     pooled: list[torch.Tensor] = field(default_factory=list)  # per pooling request, in order
     encoder_seconds: dict[str, float] = field(default_factory=dict)  # request id -> in the vision encoder
-    # requests with draft tokens: the target's greedy token at each draft's place and after the last
+    # requests with draft tokens: the drafts kept and the token sampled after them
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per kept token
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
@@ -76,10 +77,8 @@ class ModelRunner:
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
         self.lora = None if lora is None else LoRAManager(self.model, lora, model_cfg, self.device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
-        self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
-        self.counts = TokenCounts(model_cfg.vocab_size, self.device)  # for penalties
+        self.sampler = StepSampler(model_cfg.vocab_size, self.device, seed, self.kernels)
+        self.seeded, self.counts = self.sampler.seeded, self.sampler.counts
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
         self.swapper: KVSwapper | None = None
@@ -321,11 +320,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: swaps, the forward, then sampling (`num_samples` tokens per
         request whose `sample` is set), prompt logprobs and pooling."""
-        for rid in out.finished_ids:
-            self.seeded.pop(rid, None)
-            self.counts.release(rid)
-        for rid in out.preempted:  # rebuilt from its tokens when it runs again, so that rows
-            self.counts.release(rid)  # never outnumber the running sequences (its seed stays)
+        self.sampler.release(out.finished_ids, out.preempted)
         if self.swapper is not None:
             self.swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
         self.images.free(out.freed_images)
@@ -349,66 +344,21 @@ class ModelRunner:
                              for i, r in enumerate(out.requests) if r.pool]
         if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
             result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
-        if any(r.draft_tokens for r in out.requests):
-            result.spec_tokens = self._spec_tokens(out, hidden, starts)
-        if not logits_rows:
+        spec_rows = [starts[i + 1] - len(r.draft_tokens) - 1 + j for i, r in enumerate(out.requests)
+                     if r.draft_tokens for j in range(len(r.draft_tokens) + 1)]
+        if not logits_rows and not spec_rows:
             return result
-        rows, sample_rows, own, constrained = [], [], {}, []
-        for r, row in zip((r for r in out.requests if r.sample and not r.draft_tokens), logits_rows):
-            for i in range(r.num_samples):
-                if r.matcher is not None:
-                    constrained.append((len(rows), r.matcher))
-                rid = r.request_id if r.num_samples == 1 else child_id(r.request_id, i)
-                p = r.sampling_params
-                if p.seed is not None and not p.greedy:
-                    own[len(rows)] = self._request_generator(rid, p.seed + i)
-                rows.append(row)
-                sample_rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
-        logits = self.sample_logits(hidden[logits_rows], out)
-        if self.model_cfg.tp_rank:  # the logits were gathered on rank 0, which samples
-            return result
-        if len(rows) > len(logits_rows):  # n > 1 forks draw several tokens from one row
-            logits = logits.repeat_interleave(torch.tensor(
-                [r.num_samples for r in out.requests if r.sample and not r.draft_tokens], device=self.device), dim=0)
-        smeta = SamplingMetadata(sample_rows, self.device, self.model_cfg.vocab_size, own, self.counts)
-        if constrained:
-            smeta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
-        token_ids, logprobs = sample(logits, smeta, self.generator, self.kernels.argmax)
-        result.sampled = token_ids.tolist()
-        if smeta.logprob_rows:
-            result.logprobs = dict(zip((sample_rows[i].request_id for i in smeta.logprob_rows), logprobs))
+        # every rank computes the logits (gathered on rank 0), which samples
+        plain = self.sample_logits(hidden[logits_rows], out) if logits_rows else None
+        at_drafts = self.model.compute_logits(hidden[spec_rows]) if spec_rows else None
+        if not self.model_cfg.tp_rank:
+            self.sampler.sample(out, plain, at_drafts, result)
         return result
-
-    def _spec_tokens(self, out: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> dict[str, list[int]]:
-        """The greedy token at the last real token and at each draft of the requests that have
-        drafts (scheduler.ScheduledRequest.draft_tokens): what one token a step would give
-        there, if the drafts before it were the tokens."""
-        spans = [(r.request_id, starts[i + 1] - len(r.draft_tokens) - 1, len(r.draft_tokens) + 1)
-                 for i, r in enumerate(out.requests) if r.draft_tokens]
-        rows = [first + j for _, first, n in spans for j in range(n)]
-        logits = self.model.compute_logits(hidden[rows])
-        if self.model_cfg.tp_rank:  # gathered on rank 0
-            return {}
-        ids = self.kernels.argmax(logits).tolist()
-        out_ids, at = {}, 0
-        for rid, _, n in spans:
-            out_ids[rid], at = ids[at:at + n], at + n
-        return out_ids
 
     def sample_logits(self, hidden: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:
         """[requests that sample, vocab] logits from their last hidden states, in the order of
         `out.requests` (the seam where tests/scripted.py scripts the output)."""
         return self.model.compute_logits(hidden)
-
-    def _grammar_bitmask(self, num_rows: int, constrained: list) -> torch.Tensor:
-        """[rows, ceil(V / 32)] packed int32: every bit set for free rows, each constrained
-        row filled by its grammar matcher (in CPU memory, then moved once)."""
-        words = -(-self.model_cfg.vocab_size // 32)
-        mask = torch.full((num_rows, words), -1, dtype=torch.int32)
-        view = mask.numpy()
-        for row, matcher in constrained:
-            matcher.fill_bitmask(view, row)
-        return mask.to(self.device, non_blocking=True)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
                          starts: list[int]) -> dict[str, tuple[int, list[TokenLogprobs]]]:
@@ -439,9 +389,3 @@ class ModelRunner:
             entries += topk_logprobs(logits, piece, ks[i:i + _LOGPROB_ROWS], max(ks))
         return {rid: (first, entries[at:at + n]) for rid, (first, at, n) in spans.items()}
 
-    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self.seeded.get(request_id)
-        if gen is None:
-            gen = self.seeded[request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-        return gen

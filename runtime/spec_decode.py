@@ -1,10 +1,13 @@
 """Speculative decoding by n-gram lookup (vLLM's "ngram" method, llama.cpp's lookup decoding):
 a decoding request whose last n tokens (prompt_lookup_max down to prompt_lookup_min) occurred
 earlier in its prompt or output proposes the k tokens that followed them; the target model
-scores the last real token and the k drafts in one forward, and the longest run of drafts
-equal to its own greedy choices is kept, plus its token after that run. Greedy only, so the
-output is exactly what decoding one token a step gives; requests that sample, take logprobs,
-penalties, logit bias or a grammar decode one token a step as before."""
+scores the last real token and the k drafts in one forward and samples a token at each, as if
+the drafts before it were the request's tokens. The drafts equal to the sampled tokens are
+kept, then the sampled token after them (verify). A draft is a point mass, for which this is
+the rejection-sampling rule: the draft is kept with the probability the target gives it, and a
+rejected one is replaced by a draw from the target without it. So every token is distributed
+as one token a step gives it; greedy and seeded requests get exactly the same tokens (the
+runner rewinds a seeded generator to the draws of the kept tokens)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,35 @@ from pageserve.runtime.request import Request
 
 
 def can_speculate(req: Request) -> bool:
-    """Whether a draft run cannot change what this request would have been given."""
-    p = req.sampling_params
-    return (p.greedy and req.num_samples == 1 and p.logprobs is None and p.structured_outputs is None
-            and not p.has_penalties and not p.logit_bias and req.num_output_tokens >= p.min_tokens
-            and not req.pooling and req.matcher is None)
+    """Whether drafts can be scored for this request: one sequence (n > 1 forks first), no
+    penalties (their counts would need the drafts), not pooling; a grammar only while it governs
+    the tokens (not while waiting for the end of reasoning or the output's first token)."""
+    p, m = req.sampling_params, req.matcher
+    governing = m is not None and m.start is not None and not m.opening
+    return (req.num_samples == 1 and not p.has_penalties and not req.pooling
+            and (p.structured_outputs is None or governing))
+
+
+def verify(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a step of drafts gives: the drafts equal to the tokens sampled at their
+    places, then the sampled token after them (sampled: one per draft and one past the last)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return drafts[:n] + [sampled[n]]
+
+
+def grammar_prefix(matcher, drafts: list[int]) -> list[int]:
+    """The drafts a request's grammar allows, up to the first it refuses, a stop token or the
+    grammar's end (the matcher is left as it was)."""
+    n = 0
+    for token in drafts:
+        if token in matcher.stop_ids or matcher.is_terminated() or not matcher.advance(token):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
 
 
 class _Index:
@@ -71,13 +98,16 @@ class NgramProposer:
                 req.draft_tokens = []
                 continue
             room = min(max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
-            req.draft_tokens = self.propose(req, room)
+            drafts = self.propose(req, room)
+            req.draft_tokens = grammar_prefix(req.matcher, drafts) if req.matcher is not None and drafts else drafts
 
-    def accept_all(self, scheduled: list, targets: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Request id -> the tokens its draft run gives (accept), for the step's scheduled
-        requests that had drafts; `targets`: the runner's StepResult.spec_tokens."""
-        return {sr.request_id: self.accept(sr.request_id, sr.draft_tokens, targets[sr.request_id])
-                for sr in scheduled if sr.draft_tokens}
+    def accept_all(self, scheduled: list, runs: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Count the step's draft runs (`runs`: the runner's StepResult.spec_tokens, the tokens
+        each request with drafts was given) and return them."""
+        for sr in scheduled:
+            if sr.draft_tokens:
+                self.record(sr.request_id, sr.draft_tokens, runs[sr.request_id])
+        return runs
 
     def propose(self, req: Request, max_len: int) -> list[int]:
         """Up to k drafts to follow req's tokens, no more than max_len (room left in its context
@@ -109,14 +139,10 @@ class NgramProposer:
                 seen.setdefault(tuple(tokens[end + 1 - n:end + 1]), end + 1 - n)
         index.num_indexed = max(index.num_indexed, len(tokens) - 1)
 
-    def accept(self, request_id: str, drafts: list[int], targets: list[int]) -> list[int]:
-        """The tokens a step of drafts gives: the drafts the target's greedy tokens agree with,
-        then the target's own token after them (targets: one per draft, and one past the last).
-        A request whose runs keep failing waits 1, 2, 4, ... 32 steps before its next one: a
-        rejected run costs the step the drafts' rows."""
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+    def record(self, request_id: str, drafts: list[int], run: list[int]) -> None:
+        """Count a step's run (accepted drafts and one). A request whose runs keep failing waits
+        1, 2, 4, ... 32 steps before its next one: a rejected run costs the step the drafts' rows."""
+        accepted = len(run) - 1
         index = self._index.get(request_id)
         if index is not None:
             index.misses = 0 if accepted else index.misses + 1
@@ -127,7 +153,6 @@ class NgramProposer:
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_position[i] += 1
-        return drafts[:accepted] + [targets[accepted]]
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)

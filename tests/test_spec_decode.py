@@ -1,18 +1,22 @@
 """Speculative decoding by n-gram lookup gives exactly the tokens of one token a step: greedy
 requests on a tiny model over prompts that repeat themselves (drafts accepted at every position
 of a run) and prompts that never do, through chunked prefill, a prefix-cache hit, preemption by
-swap and by recompute, stop strings and max_tokens inside an accepted run; sampling requests
-in the same batch unchanged; speculation off above disable_by_batch_size; the config refused
-with its reason where it asks for what is not there."""
+swap and by recompute, stop strings and max_tokens inside an accepted run; seeded sampling
+requests, their logprobs, grammars, logit bias and min_tokens unchanged; unseeded sampling at
+temperature 1 with the same distribution (a chi-square test); speculation off above
+disable_by_batch_size; the config refused with its reason where it asks for what is not there."""
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
+import torch
 
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.config import SpeculativeConfig
+from pageserve.sampling.params import StructuredOutputsParams
 from tests.conftest import assert_pool_clean
 from tests.test_prefix_and_swap import TINY_BLOCK_BYTES
 
@@ -44,22 +48,29 @@ def engine(model_dir, spec=NGRAM, blocks=2000, swap_blocks=0, **kw) -> LLM:
                speculative_config=spec, **kw)
 
 
-@pytest.fixture(scope="module")
-def looping_model_dir(tmp_path_factory):
+def looping_model(path, lm_head_scale: float = 1.0):
     """The tiny Llama with its layers' output projections scaled by 0.1: each next token depends
     mostly on the last one (and a little on the context), so greedy outputs fall into loops,
-    which n-gram drafts predict (about 30% of drafts accepted, at every position of a run)."""
+    which n-gram drafts predict (about 30% of drafts accepted, at every position of a run).
+    lm_head_scale > 1 sharpens its distributions, so that sampled tokens follow the loops too."""
     from safetensors.torch import load_file, save_file
 
     from pageserve.loadtest.tiny_model import build_tiny_model
 
-    path = build_tiny_model(tmp_path_factory.mktemp("looping"))
+    path = build_tiny_model(path)
     weights = load_file(str(path / "model.safetensors"))
     for name in weights:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name] = weights[name] * 0.1
+        elif name == "lm_head.weight":
+            weights[name] = weights[name] * lm_head_scale
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def looping_model_dir(tmp_path_factory):
+    return looping_model(tmp_path_factory.mktemp("looping"))
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +173,85 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(looping_model_dir, plain):
         assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1
     finally:
         llm.engine.shutdown()
+
+
+def chi_square_p(a: collections.Counter, b: collections.Counter) -> float:
+    """p-value of a chi-square test that two samples come from one distribution: outcomes seen
+    fewer than 10 times in both together are pooled into one (so that expected counts are large
+    enough for the chi-square approximation)."""
+    common = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
+    rare = (sum(a.values()) - sum(a[k] for k in common), sum(b.values()) - sum(b[k] for k in common))
+    table = torch.tensor([[a[k], b[k]] for k in common] + ([list(rare)] if sum(rare) else []), dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    return torch.special.gammaincc(torch.tensor((len(table) - 1) / 2, dtype=torch.float64), stat / 2).item()
+
+
+def test_sampling_keeps_the_distribution(tmp_path):
+    """Unseeded requests at temperature 1: the first three tokens' joint distribution is the same
+    with drafts as without (two-sample chi-square, p > 0.001: a false alarm at most once in a
+    thousand seeds of this test; with these seeds the test is deterministic). The same test
+    tells temperature 1 from 1.25, and drafts are accepted in a good share of the draws (the
+    loops are the likely tokens of a sharpened looping model)."""
+    path = looping_model(tmp_path / "sharp", lm_head_scale=4.0)
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=512, seed=1)
+    plain = engine(path, spec=None, blocks=800, **kw)
+    spec = engine(path, spec={**NGRAM, "disable_by_batch_size": None}, blocks=800, **{**kw, "seed": 2})
+    # the prompt ends in the model's own greedy loop, so drafts follow it from the first step
+    prompt = prompts()[0]
+    prompt = prompt + plain.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                     use_tqdm=False)[0].outputs[0].token_ids
+
+    def draws(llm, temperature, count=3000):
+        outs = llm.generate([prompt] * count, SamplingParams(temperature=temperature, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+        return collections.Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
+
+    without, hotter = draws(plain, 1.0), draws(plain, 1.25)
+    with_drafts = draws(spec, 1.0)
+    stats = spec.engine.spec.stats
+    assert stats.num_accepted_tokens > 300 and stats.accepted_per_position[1] > 50, stats
+    assert chi_square_p(without, with_drafts) > 1e-3
+    assert chi_square_p(with_drafts, hotter) < 1e-6  # the test can tell a wrong distribution
+
+
+def test_seeded_sampling_logprobs_grammar_and_bias_are_unchanged(tmp_path):
+    """Seeded sampling requests (the runner rewinds their generators to the draws of the kept
+    tokens), their logprobs, a grammar (drafts cut where it refuses them), logit bias and
+    min_tokens: the same tokens as one token a step, with drafts accepted."""
+    path = looping_model(tmp_path / "sharp", lm_head_scale=4.0)
+    plain, spec = engine(path, spec=None), engine(path)
+    looping = prompts()[0]
+    batch = [looping, prompts()[2], looping, prompts()[4], looping, prompts()[1]]
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=80, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=1.0, seed=12, top_k=5, max_tokens=80, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=13, max_tokens=80, structured_outputs=StructuredOutputsParams(
+                  regex="[a-z ]{20,60}")),
+              SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(
+                  regex="([a-z]+ ){5,40}")),
+              SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logit_bias={7: 3.0, 9: -100}),
+              SamplingParams(temperature=0.9, seed=14, min_tokens=30, max_tokens=60, logprobs=0)]
+
+    def run(llm):
+        return [(c.token_ids, c.text, c.finish_reason, [sorted(lp.items()) for lp in c.logprobs or []])
+                for o in llm.generate(batch, params, use_tqdm=False) for c in o.outputs]
+
+    want, got = run(plain), run(spec)
+    for w, g in zip(want, got):
+        assert g[:3] == w[:3]
+        for lw, lg in zip(w[3], g[3]):  # the same tokens and ranks; values to float32 rounding
+            assert [(t, x.rank) for t, x in lw] == [(t, x.rank) for t, x in lg]
+            assert [x.logprob for _, x in lw] == pytest.approx([x.logprob for _, x in lg], abs=1e-4)
+    assert len(want[0][3]) == 80 and len(want[5][0]) >= 30
+    assert spec.engine.spec.stats.num_accepted_tokens > 10, spec.engine.spec.stats
+    assert_pool_clean(spec.engine)
+
+
+def test_grammar_requests_accept_drafts(tmp_path):
+    """A request under a grammar proposes only drafts its grammar allows, and keeps some."""
+    path = looping_model(tmp_path / "sharp", lm_head_scale=4.0)
+    llm = engine(path)
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(
+        regex="([a-z]+ ){5,40}"))
+    out = llm.generate([prompts()[0]], params, use_tqdm=False)[0].outputs[0]
+    assert llm.engine.spec.stats.num_accepted_tokens > 0, (llm.engine.spec.stats, out.text)

@@ -1,0 +1,117 @@
+"""A step's sampling: which rows of the logits each request samples from, with what generator
+and grammar mask, and what the draws give it. A request samples `num_samples` tokens from its
+last row (n > 1 draws its forks' first tokens there); a request with draft tokens samples at its
+last real token and at each draft, each row as if the drafts before it were its tokens, and keeps
+the run that spec_decode.verify finds. The per-request state that outlives a step lives here too:
+seeded requests' generators and the penalty counts."""
+
+from __future__ import annotations
+
+import torch
+
+from pageserve.runtime.request import child_id
+from pageserve.runtime.scheduler import SchedulerOutput
+from pageserve.runtime.spec_decode import verify
+from pageserve.sampling.penalties import TokenCounts
+from pageserve.sampling.sampler import SampleRow, SamplingMetadata, sample
+
+
+class StepSampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int, kernels):
+        """kernels: the backend's argmax and grammar-mask kernels (Kernels)."""
+        self.vocab_size, self.device, self.kernels = vocab_size, device, kernels
+        self.generator = torch.Generator(device=device)  # unseeded requests' draws
+        self.generator.manual_seed(seed)
+        self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
+        self.counts = TokenCounts(vocab_size, device)  # for penalties
+
+    def release(self, finished: list[str], preempted: list[str]) -> None:
+        for rid in finished:
+            self.seeded.pop(rid, None)
+            self.counts.release(rid)
+        for rid in preempted:  # rebuilt from its tokens when it runs again, so that rows
+            self.counts.release(rid)  # never outnumber the running sequences (its seed stays)
+
+    def sample(self, out: SchedulerOutput, plain: torch.Tensor | None, at_drafts: torch.Tensor | None,
+               result) -> None:
+        """Fill result (a StepResult) from the logits of the requests that sample without drafts
+        (`plain`: one row each, in order) and of those with drafts (`at_drafts`: 1 + drafts rows
+        each, in order)."""
+        rows, own, constrained = [], {}, []  # SampleRows; row -> seeded generator; grammar rows
+        plain_reqs = [r for r in out.requests if r.sample and not r.draft_tokens]
+        for r in plain_reqs:
+            for i in range(r.num_samples):
+                if r.matcher is not None:
+                    constrained.append((len(rows), r.matcher, ()))
+                rid = r.request_id if r.num_samples == 1 else child_id(r.request_id, i)
+                p = r.sampling_params
+                if p.seed is not None and not p.greedy:
+                    own[len(rows)] = self._generator(rid, p.seed + i)
+                rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
+        num_plain = len(rows)
+        spec, rewind = [r for r in out.requests if r.draft_tokens], {}
+        for r in spec:
+            p = r.sampling_params
+            if r.matcher is not None:
+                constrained.append((len(rows), r.matcher, r.draft_tokens))
+            gen = self._generator(r.request_id, p.seed) if p.seed is not None and not p.greedy else None
+            if gen is not None:
+                rewind[r.request_id] = (gen, gen.get_state())
+            for j in range(len(r.draft_tokens) + 1):
+                if gen is not None:
+                    own[len(rows)] = gen
+                rows.append(SampleRow(r.request_id, p, r.request_tokens + r.draft_tokens[:j],
+                                      r.num_prompt_tokens, r.eos_token_ids))
+        parts = []
+        if plain is not None:
+            if num_plain > len(plain_reqs):  # n > 1 forks draw several tokens from one row
+                plain = plain.repeat_interleave(torch.tensor([r.num_samples for r in plain_reqs],
+                                                             device=self.device), dim=0)
+            parts.append(plain)
+        if at_drafts is not None:
+            parts.append(at_drafts)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        meta = SamplingMetadata(rows, self.device, self.vocab_size, own, self.counts)
+        if constrained:
+            meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
+        token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)
+        ids = token_ids.tolist()
+        by_row = dict(zip(meta.logprob_rows, logprobs))
+        result.sampled = ids[:num_plain]
+        result.logprobs = {rows[i].request_id: by_row[i] for i in meta.logprob_rows if i < num_plain}
+        at = num_plain
+        for r in spec:
+            run = verify(r.draft_tokens, ids[at:at + len(r.draft_tokens) + 1])
+            result.spec_tokens[r.request_id] = run
+            if r.sampling_params.logprobs is not None:
+                result.spec_logprobs[r.request_id] = [by_row[at + j] for j in range(len(run))]
+            if r.request_id in rewind:  # the generator as if it had drawn for the kept tokens only
+                gen, state = rewind[r.request_id]
+                gen.set_state(state)
+                for _ in run:  # one draw a row, as sample() draws them
+                    torch.rand((), generator=gen, device=self.device)
+            at += len(r.draft_tokens) + 1
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        gen = self.seeded.get(request_id)
+        if gen is None:
+            gen = self.seeded[request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
+
+    def _grammar_bitmask(self, num_rows: int, constrained: list) -> torch.Tensor:
+        """[rows, ceil(V / 32)] packed int32: every bit set for free rows, each constrained
+        row filled by its grammar matcher (in CPU memory, then moved once). `constrained`:
+        (first row, matcher, drafts): a request with drafts fills one row per draft and one
+        after, its matcher advanced through them and rolled back (they passed it when proposed)."""
+        words = -(-self.vocab_size // 32)
+        mask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        view = mask.numpy()
+        for row, matcher, drafts in constrained:
+            for j, token in enumerate(drafts):
+                matcher.fill_bitmask(view, row + j)
+                matcher.advance(token)
+            matcher.fill_bitmask(view, row + len(drafts))
+            if drafts:
+                matcher.rollback(len(drafts))
+        return mask.to(self.device, non_blocking=True)
