@@ -114,8 +114,115 @@ static void round_row(const void *w, int wtype, long K, long kc, uint16_t *out) 
     for (long c = 0; c < kc; c++) _mm512_storeu_si512(out + 32 * c, (__m512i)chunk_of(w, wtype, c, K));
 }
 
-/* 2 to PANEL_ROWS - 1 rows of x: each weight row rounded once into this thread's copy, then
-   summed against every row of x as row1 sums it (the same bits) */
+/* 2 to PANEL_ROWS - 1 rows of x. Each weight row's chunks are rounded once and each held in a
+   register against up to ROWS_BLOCK rows of x (four accumulators a row, as dot_rows keeps them);
+   past ROWS_BLOCK rows the rest take the rounded row back from this thread's copy. Each row's
+   accumulators are added as dot_rows adds them, and the sums across lanes done for 16 outputs at
+   once in hsum16's order (sum16), so every output is row1's, to the bit. */
+#define ROWS_BLOCK 7 /* rows of x a register tile holds: 28 accumulators (8: spilled, slower) */
+
+/* weight row w (format wtype, K values; or the rounded copy: W_BF16, K a multiple of 32, copy
+   set) against NR rows of x (xb, ldx values apart): out[r] the four accumulators of row r added;
+   wb: where to store the rounded row, or NULL */
+static inline __attribute__((always_inline)) void rows_tile(const uint16_t *xb, long ldx, int NR, const void *w,
+                                                            int wtype, long K, int copy, uint16_t *wb, __m512 *out) {
+    __m512 a[ROWS_BLOCK][4];
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+    long n = (K + 31) / 32, c = 0, cb = chunk_bytes(wtype);
+    for (; c + 4 <= K / 32; c += 4) {
+        if (!copy) /* the weights ahead, as dot_rows asks for them (the copy is in L1) */
+            for (long b = 0; b < 4 * cb; b += 64) _mm_prefetch((const char *)w + c * cb + b + PREFETCH, _MM_HINT_T0);
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+            __m512bh v = chunk_at(w, wtype, c + j, K, 1);
+            if (wb != NULL) _mm512_store_si512(wb + 32 * (c + j), (__m512i)v);
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
+                a[r][j] = _mm512_dpbf16_ps(a[r][j], v, (__m512bh)_mm512_loadu_si512(xb + r * ldx + 32 * (c + j)));
+        }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) /* up to four chunks left, the last maybe partial */
+        if (c + j < n) {
+            __m512bh v = chunk_at(w, wtype, c + j, K, 0);
+            if (wb != NULL) _mm512_store_si512(wb + 32 * (c + j), (__m512i)v);
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
+                a[r][j] = _mm512_dpbf16_ps(a[r][j], v, (__m512bh)_mm512_loadu_si512(xb + r * ldx + 32 * (c + j)));
+        }
+    _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++)
+        out[r] = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+}
+
+/* rows_tile at every NR (a compile-time constant in each copy) */
+static inline __attribute__((always_inline)) void rows_tile_n(const uint16_t *xb, long ldx, int NR, const void *w,
+                                                              int wtype, long K, int copy, uint16_t *wb,
+                                                              __m512 *out) {
+    switch (NR) {
+    case 1: rows_tile(xb, ldx, 1, w, wtype, K, copy, wb, out); break;
+    case 2: rows_tile(xb, ldx, 2, w, wtype, K, copy, wb, out); break;
+    case 3: rows_tile(xb, ldx, 3, w, wtype, K, copy, wb, out); break;
+    case 4: rows_tile(xb, ldx, 4, w, wtype, K, copy, wb, out); break;
+    case 5: rows_tile(xb, ldx, 5, w, wtype, K, copy, wb, out); break;
+    case 6: rows_tile(xb, ldx, 6, w, wtype, K, copy, wb, out); break;
+    default: rows_tile(xb, ldx, ROWS_BLOCK, w, wtype, K, copy, wb, out);
+    }
+}
+
+/* the sums of 16 vectors' lanes, each as hsum16 adds them (lanes i and i + 8, then i and i + 4,
+   i and i + 2, 0 and 1), in one vector: lane j the sum of v[(j % 4) * 4 + j / 4] */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+
+/* weight rows o0..o1-1 against the R rows of x, in groups of 16: each output's vector of lane
+   sums kept in sums[row][slot] (output o0 + j at slot (j % 4) * 4 + j / 4, as sum16 reads them) */
+static inline __attribute__((always_inline)) void rows_of(const uint16_t *xb, long R, long kc, long K, const void *W,
+                                                          int wtype, long ldw, long o0, long o1, const float *bias,
+                                                          float *y, long ldy, uint16_t *wb, __m512 *sums) {
+    long blocks = (R + ROWS_BLOCK - 1) / ROWS_BLOCK, ldx = 32 * kc;
+    for (long g = o0; g < o1; g += 16) {
+        long no = o1 - g < 16 ? o1 - g : 16;
+        for (long j = 0; j < no; j++) {
+            long slot = (j % 4) * 4 + j / 4;
+            const void *w = weight_row(W, wtype, ldw, g + j);
+            for (long b = 0, r0 = 0; b < blocks; b++) { /* rows in blocks of (nearly) equal size */
+                long nr = (R - r0) / (blocks - b);
+                __m512 out[ROWS_BLOCK];
+                if (b == 0)
+                    rows_tile_n(xb, ldx, (int)nr, w, wtype, K, 0, blocks > 1 ? wb : NULL, out);
+                else
+                    rows_tile_n(xb + r0 * ldx, ldx, (int)nr, wb, W_BF16, ldx, 1, NULL, out);
+                for (long r = 0; r < nr; r++) sums[(r0 + r) * 16 + slot] = out[r];
+                r0 += nr;
+            }
+        }
+        __mmask16 m = first_n16(no);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + g) : _mm512_setzero_ps();
+        for (long r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(y + r * ldy + g, m, round16(_mm512_add_ps(sum16(sums + r * 16), bv)));
+    }
+}
+
+static void rows_fmt(const uint16_t *xb, long R, long kc, long K, const void *W, int wtype, long ldw, long o0,
+                     long o1, const float *bias, float *y, long ldy, uint16_t *wb, __m512 *sums) {
+    switch (wtype) { /* one copy per format, the format's branches gone */
+    case W_F32: rows_of(xb, R, kc, K, W, W_F32, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_BF16: rows_of(xb, R, kc, K, W, W_BF16, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_Q8_0: rows_of(xb, R, kc, K, W, W_Q8_0, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_Q4_0: rows_of(xb, R, kc, K, W, W_Q4_0, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_I8: rows_of(xb, R, kc, K, W, W_I8, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_F8: rows_of(xb, R, kc, K, W, W_F8, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_I4: rows_of(xb, R, kc, K, W, W_I4, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    default: rows_of(xb, R, kc, K, W, W_Q4_1, ldw, o0, o1, bias, y, ldy, wb, sums); /* W_Q4_1 */
+    }
+}
+
 static int linear_rows(const uint16_t *xb, long R, long K, long kc, const void *W, int wtype, long O, long ldw,
                        const float *bias, float *y, long ldy) {
     long piece = piece_rows(O), pieces = (O + piece - 1) / piece;
@@ -123,23 +230,20 @@ static int linear_rows(const uint16_t *xb, long R, long K, long kc, const void *
 #pragma omp parallel
     {
         uint16_t *wb = (uint16_t *)aligned_floats(16 * kc);
-        if (wb == NULL) {
+        __m512 *sums = (__m512 *)aligned_floats(16 * 16 * R);
+        if (wb == NULL || sums == NULL) {
 #pragma omp atomic write
             failed = 1;
+        } else {
+            memset(sums, 0, sizeof(__m512) * 16 * (size_t)R); /* a last, partial group sums slots it does not fill */
         }
 #pragma omp for schedule(dynamic, 1)
         for (long p = 0; p < pieces; p++) {
-            for (long o = p * piece; wb != NULL && o < O && o < (p + 1) * piece; o++) {
-                round_row(weight_row(W, wtype, ldw, o), wtype, K, kc, wb);
-                const void *w[1] = {wb};
-                for (long r = 0; r < R; r++) {
-                    float s;
-                    dot_rows(xb + r * 32 * kc, w, 1, W_BF16, 32 * kc, &s);
-                    y[r * ldy + o] = round_bf16(s + (bias ? bias[o] : 0.0f));
-                }
-            }
+            long o0 = p * piece, o1 = o0 + piece < O ? o0 + piece : O;
+            if (wb != NULL && sums != NULL) rows_fmt(xb, R, kc, K, W, wtype, ldw, o0, o1, bias, y, ldy, wb, sums);
         }
         free(wb);
+        free(sums);
     }
     return failed;
 }
