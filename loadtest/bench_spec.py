@@ -1,13 +1,14 @@
-"""N-gram speculative decoding on the default model against one token a step, in the same run,
-rounds alternated (the machine drifts): output tokens per second of greedy requests, one stream
-at a time and a batch of many.
+"""Speculative decoding on the default model against one token a step, in the same run, rounds
+alternated (the machine drifts): output tokens per second of greedy requests, one stream at a
+time and a batch of many. N-gram drafts by default; `--draft-layers L` drafts with the default
+model's first L layers (loadtest/truncated_copy.py: the same tokenizer, embedding and head).
 
 Loads: "grounded" asks the model to repeat a file of this repository (500-1,500 tokens of
 code or text: what a chat front end that edits a pasted document sees); "random" is random
 token ids with ignore_eos, as `pageserve bench serve`'s random dataset. Both engines are loaded
 once; each round runs the load on one, then the other.
 
-    pageserve bench spec [--rounds 3] [--tokens 256] [--streams 1] [--load grounded,random]
+    pageserve bench spec [--rounds 3] [--tokens 256] [--streams 1] [--load grounded,random] [--draft-layers 6]
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def random_prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(100, 500))] for _ in range(count)]
 
 
+def draft_copy(layers: str) -> Path:
+    """Those of the default model's layers (truncated_copy.parse_layers), made once under the
+    cache folder."""
+    from pageserve.loadtest.truncated_copy import parse_layers, truncated_copy
+    from pageserve.runtime.models.loader import cache_root, resolve_model
+
+    out = cache_root() / "drafts" / f"default-layers-{layers.replace(',', '_')}"
+    if not (out / "model.safetensors").exists():
+        truncated_copy(resolve_model(None), out, parse_layers(layers))
+    return out
+
+
 def tok_per_s(llm, prompts, tokens: int, streams: int, ignore_eos: bool) -> float:
     from pageserve.runtime import SamplingParams
 
@@ -66,6 +79,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None, help="requests a round (default: 2 x streams, at least 3)")
     p.add_argument("--load", default="grounded,random")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    p.add_argument("--draft-layers", default=None,
+                   help='draft with some of the default model\'s layers instead (method draft_model): "6" the '
+                        'first six, "0-3,26-29" those')
     p.add_argument("--dtype", default="auto")
     p.add_argument("--output-json", default=None)
     return p
@@ -74,9 +90,13 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> dict:
     from pageserve.runtime import LLM
 
+    spec_config = json.loads(args.speculative_config)
+    if args.draft_layers:
+        spec_config = {"method": "draft_model", "model": str(draft_copy(args.draft_layers)),
+                       "num_speculative_tokens": spec_config.get("num_speculative_tokens", 4)}
     common = dict(dtype=args.dtype, max_model_len=4096, kv_cache_memory=1.0, max_num_seqs=max(args.streams, 1),
                   enable_prefix_caching=False)
-    engines = {"plain": LLM(None, **common), "ngram": LLM(None, speculative_config=args.speculative_config, **common)}
+    engines = {"plain": LLM(None, **common), "spec": LLM(None, speculative_config=spec_config, **common)}
     n = args.requests or max(3, 2 * args.streams)
     loads = {}
     for name in args.load.split(","):
@@ -89,25 +109,26 @@ def main(args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         for load, (prompts, ignore_eos) in loads.items():
             for name, llm in engines.items():
-                before = engines["ngram"].engine.stats().spec
+                before = engines["spec"].engine.stats().spec
                 runs[load][name].append(tok_per_s(llm, prompts, args.tokens, args.streams, ignore_eos))
-                after = engines["ngram"].engine.stats().spec
+                after = engines["spec"].engine.stats().spec
                 for i, field in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens")):
                     accepted[load][i] += getattr(after, field) - getattr(before, field)
-    stats = engines["ngram"].engine.stats().spec
+    stats = engines["spec"].engine.stats().spec
     result = {"machine": {**provenance(), "threads": torch.get_num_threads()},
-              "speculative_config": json.loads(args.speculative_config), "streams": args.streams, "requests": n,
+              "speculative_config": spec_config, "streams": args.streams, "requests": n,
               "tokens": args.tokens, "rounds": args.rounds, "tok_per_s": runs,
               "acceptance": {load: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), a))
                              for load, a in accepted.items()},
               "accepted_per_position": stats.accepted_per_position}
     print(f"{args.streams} stream(s), {n} requests of up to {args.tokens} tokens a round, {args.rounds} rounds:")
     for load in loads:
-        plain, ngram = statistics.median(runs[load]["plain"]), statistics.median(runs[load]["ngram"])
-        result.setdefault("ratio", {})[load] = ngram / plain
+        plain, spec = statistics.median(runs[load]["plain"]), statistics.median(runs[load]["spec"])
+        result.setdefault("ratio", {})[load] = spec / plain
         drafts, proposed, took = accepted[load]
-        print(f"  {load:<9} one token a step {plain:7.1f} tok/s, n-gram {ngram:7.1f} tok/s: {ngram / plain:.2f}x   "
-              f"(rounds n-gram/plain: {' '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(runs[load]['ngram'], runs[load]['plain']))}); "
+        print(f"  {load:<9} one token a step {plain:7.1f} tok/s, {spec_config['method']} {spec:7.1f} tok/s: "
+              f"{spec / plain:.2f}x   (rounds speculative/plain: "
+              f"{' '.join(f'{a:.0f}/{b:.0f}' for a, b in zip(runs[load]['spec'], runs[load]['plain']))}); "
               f"drafts accepted {took} of {proposed} tokens, mean acceptance length "
               f"{1 + took / drafts if drafts else 0:.2f}")
     print(f"  accepted by position in a run: {stats.accepted_per_position}")

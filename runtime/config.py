@@ -177,14 +177,17 @@ class LoRAConfig:
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """--speculative-config, as vLLM's: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_min": a, "prompt_lookup_max": b}; speculation stops for a step with more
-    than `disable_by_batch_size` running requests (default 8: on 2 CPU cores, 8 streams whose
-    drafts were almost all accepted still gained only 1.11x)."""
+    "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": DIR,
+    "num_speculative_tokens": k} (a model given without a method means draft_model, as in
+    vLLM); speculation stops for a step with more than `disable_by_batch_size` running requests
+    (default 8: on 2 CPU cores, 8 streams whose drafts were almost all accepted still gained
+    only 1.11x)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = 8
+    model: str | None = None  # the draft model (draft_model): a directory, GGUF file or hub id
 
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -197,17 +200,19 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not JSON: {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
-        method = value.get("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"speculative method {method!r} is not supported (supported: ngram)")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "disable_by_batch_size"}
+        method = value.get("method") or ("draft_model" if value.get("model") else "ngram")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method {method!r} is not supported (supported: ngram, draft_model)")
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size"} | (
+            {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram" else {"model"})
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known: {', '.join(sorted(known))})")
+            raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported with method {method} "
+                             f"(known: {', '.join(sorted(known))})")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (lo or hi or 2), (hi or max(lo or 0, 5))  # one given: the other follows it, as vLLM
-        return cls(method, value.get("num_speculative_tokens", 4), lo, hi, value.get("disable_by_batch_size", 8))
+        return cls(method, value.get("num_speculative_tokens", 4), lo, hi, value.get("disable_by_batch_size", 8),
+                   value.get("model"))
 
     def __post_init__(self):
         ints = {"num_speculative_tokens": self.num_speculative_tokens, "prompt_lookup_min": self.prompt_lookup_min,
@@ -223,6 +228,8 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"speculative disable_by_batch_size must be an integer >= 1, got {b!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative method draft_model needs "model": the draft model\'s directory or file')
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.config import EngineConfig, SpeculativeConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
+from pageserve.runtime.draft_model import draft_model_config
 from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.engine_args import GiB, EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
@@ -30,7 +31,7 @@ from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_c
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
-from pageserve.runtime.spec_decode import NgramProposer
+from pageserve.runtime.spec_decode import make_proposer
 from pageserve.runtime.stats import EngineStats, IterationCounters
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
@@ -83,7 +84,7 @@ class LLMEngine:
                                      config.scheduler.max_num_seqs, self.grammar.regex)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
-        self.spec = None if config.speculative is None else NgramProposer(config.speculative)
+        self.spec = None if config.speculative is None else make_proposer(config.speculative)
 
     @staticmethod
     def _image_processor(config: EngineConfig) -> MultiModalProcessor | None:
@@ -117,14 +118,18 @@ class LLMEngine:
         tokenizer = load_tokenizer(path)
         model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
         sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        draft = None if speculative is None or speculative.method != "draft_model" else \
+            draft_model_config(args, speculative, model_cfg, tokenizer, device.device)
         if parallel.tensor_parallel_size == 1:
-            runner = ModelRunner(model_cfg, device, args.block_size, args.seed, lora=args.lora_config())
+            runner = ModelRunner(model_cfg, device, args.block_size, args.seed, lora=args.lora_config(), draft=draft)
             executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
         else:  # the workers load their parts and size their pools; one block table must fit them all
             executor = MultiprocExecutor(args, parallel, model_cfg, device, sched_cfg)
             num_blocks = executor.num_blocks
         try:
-            block_bytes = kv_block_bytes(model_cfg, args.block_size)  # per rank
+            # per rank; with a draft model's blocks beside the model's
+            block_bytes = executor.runner.block_bytes() if executor.runner else kv_block_bytes(model_cfg, args.block_size)
             num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
             cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len,
                                           model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
@@ -134,7 +139,7 @@ class LLMEngine:
                                   multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens,
                                                                     device.device),
                                   lora=args.lora_config(),
-                                  speculative=SpeculativeConfig.parse(args.speculative_config))
+                                  speculative=speculative)
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,

@@ -14,6 +14,7 @@ from pageserve.runtime.config import CacheConfig, DeviceConfig, LoRAConfig, Mode
 from pageserve.runtime.cpu_env import huge_page_bytes, release_freed_memory, resident_kib, weights_in_huge_pages
 from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
+from pageserve.runtime.draft_model import DraftModel
 from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kernels
 from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.lora.manager import LoRAManager
@@ -56,9 +57,11 @@ def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int,
-                 dev: CudaDevice | HostDevice | None = None, lora: LoRAConfig | None = None):
+                 dev: CudaDevice | HostDevice | None = None, lora: LoRAConfig | None = None,
+                 draft: ModelConfig | None = None):
         """dev: streams, events, pinned memory and memory statistics (a test may pass a fake).
-        lora: adapter slots beside the weights (--enable-lora)."""
+        lora: adapter slots beside the weights (--enable-lora). draft: the draft model of
+        speculative decoding's draft_model method (runtime/draft_model.py)."""
         self.model_cfg = model_cfg
         self.device_cfg = device_cfg
         self.device = device_cfg.device
@@ -86,6 +89,11 @@ class ModelRunner:
         self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
         self.images = EncoderOutputs(model_cfg.bf16_matmuls)  # the vision encoder's outputs (multimodal models)
+        self.draft = None if draft is None else DraftModel(ModelRunner(draft, device_cfg, block_size, seed, self.dev))
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block: the model's, and its draft model's where it has one."""
+        return kv_block_bytes(self.model_cfg, self.block_size) + (self.draft.runner.block_bytes() if self.draft else 0)
 
     def _load_model(self, path: Path) -> CausalLM:
         cfg = self.model_cfg
@@ -158,7 +166,7 @@ class ModelRunner:
         dev.empty_cache()
         free, total = dev.mem_get_info()
         used_by_others = total - free - dev.memory_allocated()
-        block_bytes = kv_block_bytes(cfg, self.block_size)
+        block_bytes = self.block_bytes()
         num_temp = -(-max_num_batched_tokens // self.block_size)  # a slot for every token
         self._set_kv_storage(num_temp)
         # penalty rows for the most sequences that can run, at the size serving keeps them (rows
@@ -248,6 +256,8 @@ class ModelRunner:
         self.graphs = None  # they hold the old pool's addresses
         self.kv_caches, self._kv_storage = [], None  # the old pool is freed before the new one
         if not num_blocks:
+            if self.draft is not None:
+                self.draft.runner._set_kv_storage(0)
             return
         shape = (cfg.num_layers, 2, num_blocks, cfg.kv_heads_per_rank, self.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
@@ -257,6 +267,8 @@ class ModelRunner:
         if kib:
             logger.info("KV pool in transparent huge pages: %.0f of %.0f MiB", kib[1] / 1024, kib[0] / 1024)
         self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
+        if self.draft is not None:  # the draft's pool: as many blocks, under the same block tables
+            self.draft.runner._set_kv_storage(num_blocks)
 
     def _kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """On CPU in transparent huge pages: a block's K (or V) rows of one head are 4 KiB in the
@@ -276,6 +288,8 @@ class ModelRunner:
             self.swapper = KVSwapper(self._kv_storage, cache.num_swap_blocks, self.dev)
             logger.info("swap space: %.2f GiB of %s host memory", self.swapper.nbytes / 2 ** 30,
                         "pinned" if self.dev.type == "cuda" else "pageable")
+        if self.draft is not None:
+            self.draft.runner.allocate_kv_cache(cache)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -283,6 +297,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self._kv_storage[:, :, dst] = self._kv_storage[:, :, src]
+        if self.draft is not None:
+            self.draft.runner.copy_blocks(pairs)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
@@ -321,12 +337,17 @@ class ModelRunner:
         """Run one step: swaps, the forward, then sampling (`num_samples` tokens per
         request whose `sample` is set), prompt logprobs and pooling."""
         self.sampler.release(out.finished_ids, out.preempted)
-        if self.swapper is not None:
-            self.swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
+        for swapper in (self.swapper, self.draft and self.draft.runner.swapper):
+            if swapper is not None:
+                swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams
         self.images.free(out.freed_images)
         result = StepResult()
         if not out.requests:
             return result
+        if self.draft is not None:  # its tokens into the speculating requests' chunks first
+            if self.draft.runner.swapper is not None:
+                self.draft.runner.swapper.wait_ready()
+            self.draft.propose(out)
         ids, pos, meta, logits_rows = self._prepare(out)
         pos, images, result.encoder_seconds = self.images.prepare(self.model, out.requests, pos, meta, self.device)
         if self.swapper is not None:
@@ -353,6 +374,8 @@ class ModelRunner:
         at_drafts = self.model.compute_logits(hidden[spec_rows]) if spec_rows else None
         if not self.model_cfg.tp_rank:
             self.sampler.sample(out, plain, at_drafts, result)
+        if self.draft is not None and result.spec_tokens:
+            self.draft.catch_up(out, result.spec_tokens)
         return result
 
     def sample_logits(self, hidden: torch.Tensor, out: SchedulerOutput) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pageserve.runtime.config import (SECRET_ENV, CacheConfig, DeviceConfig, Mod
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
-from pageserve.runtime.model_runner import ModelRunner, StepResult, kv_block_bytes
+from pageserve.runtime.model_runner import ModelRunner, StepResult
 from pageserve.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def kv_pool_blocks(runner: ModelRunner, args: EngineArgs, sched: SchedulerConfig
     """Blocks of this process's KV pool: on CUDA what the memory profile leaves of
     --gpu-memory-utilization (capped by --kv-cache-memory), on CPU --kv-cache-memory GiB. With
     tensor parallelism both are per rank, over the rank's KV heads."""
-    block_bytes = kv_block_bytes(runner.model_cfg, runner.block_size)
+    block_bytes = runner.block_bytes()
     if runner.device.type == "cuda":
         num_blocks = runner.profile_num_blocks(args.gpu_memory_utilization, sched.max_num_batched_tokens,
                                                sched.max_num_seqs)

@@ -255,3 +255,91 @@ def test_grammar_requests_accept_drafts(tmp_path):
         regex="([a-z]+ ){5,40}"))
     out = llm.generate([prompts()[0]], params, use_tqdm=False)[0].outputs[0]
     assert llm.engine.spec.stats.num_accepted_tokens > 0, (llm.engine.spec.stats, out.text)
+
+
+# ---- the draft_model method ----
+
+def draft_config(path, k=4, **kw):
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k, **kw}
+
+
+@pytest.fixture(scope="module")
+def half_draft_dir(looping_model_dir, tmp_path_factory):
+    """The looping model's first layer of two, as a draft: it agrees with the model often, not
+    always."""
+    from pageserve.loadtest.truncated_copy import truncated_copy
+
+    return truncated_copy(looping_model_dir, tmp_path_factory.mktemp("draft"), layers=1)
+
+
+def test_draft_model_that_is_the_model_accepts_every_draft(looping_model_dir, plain):
+    """The model as its own draft: every draft kept (float32 rows give the same bits in any
+    batch), which holds only while the draft's KV keeps pace with the model's, through runs kept
+    whole (catch_up), chunked prefill and a prefix-cache hit."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (100, 37, 70, 61) * 2]
+    want = tokens(plain.generate(prompts(), params, use_tqdm=False))
+    llm = engine(looping_model_dir, spec=draft_config(looping_model_dir))
+    assert tokens(llm.generate(prompts(), params, use_tqdm=False)) == want
+    again = llm.generate(prompts(), params, use_tqdm=False)
+    assert tokens(again) == want and all(o.metrics.num_cached_tokens > 0 for o in again)
+    stats = llm.engine.spec.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 400, stats
+    assert_pool_clean(llm.engine)
+
+
+@pytest.mark.parametrize("mode,swap_blocks", [("swap", 14), ("recompute", 0)])
+def test_draft_model_tokens_are_those_of_one_token_a_step(looping_model_dir, half_draft_dir, plain, mode,
+                                                          swap_blocks):
+    """A one-layer draft (some drafts kept, some not), under preemption by swap and by
+    recompute (the draft's blocks are swapped and recomputed with the model's), seeded
+    sampling and logprobs beside greedy requests."""
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)] * 6 + [
+        SamplingParams(temperature=0.8, seed=5, max_tokens=80, ignore_eos=True, logprobs=2)] * 2
+    want = plain.generate(prompts(1), params, use_tqdm=False)
+    # the draft's layer takes half as much again of each block's bytes: 40 blocks as above
+    tight = engine(looping_model_dir, spec=draft_config(half_draft_dir), blocks=60, swap_blocks=swap_blocks * 3 // 2,
+                   preemption_mode=mode, max_num_batched_tokens=128)
+    got = tight.generate(prompts(1), params, use_tqdm=False)
+    assert tokens(got) == tokens(want)
+    for w, g in zip(want[6:], got[6:]):
+        assert [sorted(lp) for lp in w.outputs[0].logprobs] == [sorted(lp) for lp in g.outputs[0].logprobs]
+    stats = tight.engine.spec.stats
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert_pool_clean(tight.engine)
+
+
+def test_draft_model_keeps_the_distribution(tmp_path):
+    """Unseeded sampling at temperature 1 with a draft model (the sharpened looping model as
+    its own draft): the first three tokens' joint distribution as without drafts (chi-square,
+    p > 0.001)."""
+    path = looping_model(tmp_path / "sharp", lm_head_scale=4.0)
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=512, blocks=800)
+    plain = engine(path, spec=None, seed=1, **kw)
+    spec = engine(path, spec=draft_config(path, disable_by_batch_size=None), seed=2, **kw)
+    prompt = prompts()[0]
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+
+    def draws(llm):
+        return collections.Counter(tuple(o.outputs[0].token_ids[:3])
+                                   for o in llm.generate([prompt] * 3000, params, use_tqdm=False))
+
+    without, with_drafts = draws(plain), draws(spec)
+    stats = spec.engine.spec.stats
+    assert stats.num_accepted_tokens > 1000, stats
+    assert chi_square_p(without, with_drafts) > 1e-3
+
+
+def test_draft_model_refusals(tmp_path, looping_model_dir, tiny_model_dir):
+    from pageserve.loadtest.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=300)
+    with pytest.raises(ValueError, match="share the model's tokenizer"):
+        engine(looping_model_dir, spec=draft_config(other))
+    with pytest.raises(ValueError, match="tensor-parallel-size > 1 is not supported"):
+        engine(looping_model_dir, spec=draft_config(looping_model_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs \"model\""):
+        SpeculativeConfig.parse('{"method": "draft_model"}')
+    with pytest.raises(ValueError, match="prompt_lookup_min not supported with method draft_model"):
+        SpeculativeConfig.parse({"model": "x", "prompt_lookup_min": 2})
+    assert SpeculativeConfig.parse({"model": "x"}).method == "draft_model"
