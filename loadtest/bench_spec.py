@@ -3,10 +3,15 @@ alternated (the machine drifts): output tokens per second of greedy requests, on
 time and a batch of many. N-gram drafts by default; `--draft-layers L` drafts with the default
 model's first L layers (loadtest/truncated_copy.py: the same tokenizer, embedding and head).
 
-Loads: "grounded" asks the model to repeat a file of this repository (500-1,500 tokens of
-code or text: what a chat front end that edits a pasted document sees); "random" is random
-token ids with ignore_eos, as `pageserve bench serve`'s random dataset. Both engines are loaded
-once; each round runs the load on one, then the other.
+Loads, over files of this repository (500-1,500 tokens of code or text):
+- "grounded": the file, then its first quarter again, to be continued (up to the rest of the
+  file's length): an output that copies most of its input, as an edit of a pasted document does.
+  The default model (135M) cannot follow an instruction to repeat a text (it writes code of its
+  own), so the copy is set up by the prompt, which even small models continue;
+- "instructed": the chat-template request "Repeat the following text exactly" with the file
+  (up to --tokens): what the default model makes of it is mostly text of its own;
+- "random": random token ids with ignore_eos, as `pageserve bench serve`'s random dataset.
+Both engines are loaded once; each round runs the load on one, then the other.
 
     pageserve bench spec [--rounds 3] [--tokens 256] [--streams 1] [--load grounded,random] [--draft-layers 6]
 """
@@ -30,17 +35,30 @@ GROUNDED_FILES = ("runtime/block_pool.py", "runtime/swap_space.py", "app/errors.
                   "docs/architecture.md")
 
 
-def grounded_prompts(llm, count: int, lo: int = 500, hi: int = 1500) -> list[list[int]]:
+def _files(llm, lo: int = 500, hi: int = 1500) -> list[list[int]]:
+    """GROUNDED_FILES' token ids, cut to `hi`; those shorter than `lo` left out."""
+    tok = llm.tokenizer
+    ids = [tok((ROOT / name).read_text(), add_special_tokens=False)["input_ids"][:hi] for name in GROUNDED_FILES]
+    return [i for i in ids if len(i) >= lo]
+
+
+def instructed_prompts(llm, count: int) -> list[list[int]]:
+    out = []
+    for ids in _files(llm):
+        messages = [{"role": "user", "content": "Repeat the following text exactly, with no comment:\n\n"
+                     + llm.tokenizer.decode(ids)}]
+        out.append(llm.apply_chat_template(messages))
+    return (out * count)[:count]
+
+
+def grounded_prompts(llm, count: int) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens): a file, a line that announces it again, and its first quarter;
+    max_tokens the rest of the file's length."""
     tok = llm.tokenizer
     out = []
-    for name in GROUNDED_FILES:
-        text = (ROOT / name).read_text()
-        ids = tok(text, add_special_tokens=False)["input_ids"][:hi]
-        if len(ids) < lo:
-            continue
-        body = tok.decode(ids)
-        messages = [{"role": "user", "content": f"Repeat the following text exactly, with no comment:\n\n{body}"}]
-        out.append(llm.apply_chat_template(messages))
+    for ids in _files(llm):
+        again = tok("\n\n----- the same file, once more -----\n\n", add_special_tokens=False)["input_ids"]
+        out.append((ids + again + ids[:len(ids) // 4], len(ids) - len(ids) // 4))
     return (out * count)[:count]
 
 
@@ -61,23 +79,26 @@ def draft_copy(layers: str) -> Path:
     return out
 
 
-def tok_per_s(llm, prompts, tokens: int, streams: int, ignore_eos: bool) -> float:
+def tok_per_s(llm, prompts: list[tuple[list[int], int]], streams: int, ignore_eos: bool) -> float:
+    """Output tokens per second of greedy requests (prompt, max_tokens), `streams` at a time."""
     from pageserve.runtime import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
     generated, started = 0, time.perf_counter()
     for i in range(0, len(prompts), streams):
-        outs = llm.generate(prompts[i:i + streams], params, use_tqdm=False)
+        batch = prompts[i:i + streams]
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=ignore_eos) for _, m in batch]
+        outs = llm.generate([p for p, _ in batch], params, use_tqdm=False)
         generated += sum(len(o.outputs[0].token_ids) for o in outs)
     return generated / (time.perf_counter() - started)
 
 
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=256, help="output tokens a request")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="output tokens a request (instructed and random; grounded: the rest of its file)")
     p.add_argument("--streams", type=int, default=1, help="requests decoded together")
     p.add_argument("--requests", type=int, default=None, help="requests a round (default: 2 x streams, at least 3)")
-    p.add_argument("--load", default="grounded,random")
+    p.add_argument("--load", default="grounded,random", help="grounded, instructed, random (comma-separated)")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
     p.add_argument("--draft-layers", default=None,
                    help='draft with some of the default model\'s layers instead (method draft_model): "6" the '
@@ -100,17 +121,22 @@ def main(args: argparse.Namespace) -> dict:
     n = args.requests or max(3, 2 * args.streams)
     loads = {}
     for name in args.load.split(","):
-        loads[name] = (grounded_prompts(engines["plain"], n), False) if name == "grounded" else \
-            (random_prompts(n, engines["plain"].engine.config.model.vocab_size), True)
+        if name == "grounded":
+            loads[name] = (grounded_prompts(engines["plain"], n), False)
+        elif name == "instructed":
+            loads[name] = ([(q, args.tokens) for q in instructed_prompts(engines["plain"], n)], False)
+        else:
+            loads[name] = ([(q, args.tokens) for q in random_prompts(n, engines["plain"].engine.config.model.vocab_size)],
+                           True)
     for llm in engines.values():  # warm-up
-        tok_per_s(llm, random_prompts(1, 1000, seed=9), 8, 1, True)
+        tok_per_s(llm, [(random_prompts(1, 1000, seed=9)[0], 8)], 1, True)
     runs = {load: {e: [] for e in engines} for load in loads}
     accepted = {load: [0, 0, 0] for load in loads}  # drafts, draft tokens, accepted tokens
     for _ in range(args.rounds):
         for load, (prompts, ignore_eos) in loads.items():
             for name, llm in engines.items():
                 before = engines["spec"].engine.stats().spec
-                runs[load][name].append(tok_per_s(llm, prompts, args.tokens, args.streams, ignore_eos))
+                runs[load][name].append(tok_per_s(llm, prompts, args.streams, ignore_eos))
                 after = engines["spec"].engine.stats().spec
                 for i, field in enumerate(("num_drafts", "num_draft_tokens", "num_accepted_tokens")):
                     accepted[load][i] += getattr(after, field) - getattr(before, field)

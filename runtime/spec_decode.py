@@ -149,9 +149,10 @@ class Proposer:
 
 
 class _Index:
-    """A request's n-grams: each -> where its first occurrence that has a token after it starts
-    (the first, as vLLM: its continuation is the longest, and it is the pasted text's rather than
-    a repetition's just before); grown as the request's tokens are."""
+    """A request's n-grams: each -> where its latest occurrence that has a token after it starts
+    (the latest: a small model copying a pasted file drifts from it and then repeats its own
+    recent text; measured on the default model continuing a file, 3.7 tokens a step against 3.0
+    with the first occurrence); grown as the request's tokens are."""
     __slots__ = ("seen", "num_indexed")
 
     def __init__(self):
@@ -165,8 +166,9 @@ class NgramProposer(Proposer):
         self._index: dict[str, _Index] = {}
 
     def _drafts(self, req: Request, k: int) -> list[int]:
-        """The k tokens that followed the longest suffix n-gram's first occurrence; [] when no
-        n-gram of its suffix occurred before."""
+        """The k tokens that followed the longest suffix n-gram's latest occurrence; [] when no
+        n-gram of its suffix occurred before. An occurrence whose continuation reaches the end
+        is a loop: its continuation repeats with the loop's period."""
         c, tokens = self.config, req.token_ids
         if len(tokens) <= c.prompt_lookup_min:
             return []
@@ -177,7 +179,8 @@ class NgramProposer(Proposer):
         for n in range(min(c.prompt_lookup_max, len(tokens) - 1), c.prompt_lookup_min - 1, -1):
             start = index.seen.get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start + n:start + n + k]
+                follow = tokens[start + n:start + n + k]
+                return (follow * -(-k // len(follow)))[:k]
         return []
 
     def _grow(self, index: _Index, tokens: list[int]) -> None:
@@ -186,7 +189,7 @@ class NgramProposer(Proposer):
         seen = index.seen
         for end in range(index.num_indexed, len(tokens) - 1):  # the n-grams ending at `end`
             for n in range(lo, min(hi, end + 1) + 1):
-                seen.setdefault(tuple(tokens[end + 1 - n:end + 1]), end + 1 - n)
+                seen[tuple(tokens[end + 1 - n:end + 1])] = end + 1 - n
         index.num_indexed = max(index.num_indexed, len(tokens) - 1)
 
     def release(self, request_id: str) -> None:

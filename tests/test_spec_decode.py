@@ -343,3 +343,20 @@ def test_draft_model_refusals(tmp_path, looping_model_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="prompt_lookup_min not supported with method draft_model"):
         SpeculativeConfig.parse({"model": "x", "prompt_lookup_min": 2})
     assert SpeculativeConfig.parse({"model": "x"}).method == "draft_model"
+
+
+@pytest.mark.slow
+def test_default_model_greedy_tokens_with_ngram_drafts():
+    """SmolLM2-135M in float32: a request repeating a pasted file (most drafts kept) and one on
+    random tokens give the tokens of one token a step."""
+    from pageserve.loadtest.bench_spec import grounded_prompts, random_prompts
+
+    kw = dict(dtype="float32", kv_cache_memory=0.2, swap_space=0, max_model_len=2048, max_num_batched_tokens=256)
+    plain = LLM(None, **kw)
+    batch = [grounded_prompts(plain, 1)[0][0]] + random_prompts(1, plain.engine.config.model.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=64), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)]
+    want = tokens(plain.generate(batch, params, use_tqdm=False))
+    del plain
+    spec = LLM(None, speculative_config=NGRAM, **kw)
+    assert tokens(spec.generate(batch, params, use_tqdm=False)) == want
+    assert spec.engine.spec.stats.num_accepted_tokens > 20, spec.engine.spec.stats
