@@ -274,6 +274,61 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
     assert checked >= 5
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (4, 4, 16), (2, 1, 24)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads):
+    """A speculative verification: T = 2..17 rows of one sequence at consecutive positions (each
+    row a decode of its own, the same block table) beside other requests, read as one group per
+    KV head, each row seeing its own positions only; contexts off the block boundaries, tables
+    shuffled, a group of 17 rows past 64 heads. Torch's attention of each row on its own; the
+    same rows as chunks of a step (query_start_loc) give the same bits."""
+    from pageserve.triton_kernels import torch_ops
+
+    gen = torch.Generator().manual_seed(heads * 100 + d)
+    block_size, num_blocks = 16, 400
+    caches = [torch.randn(num_blocks, kv_heads, block_size, d, generator=gen) for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    # per request: (context length of its first row, rows)
+    batches = [[(700, 9)], [(1, 2)], [(5, 17)], [(30, 3), (100, 1), (555, 9), (2, 1), (41, 2)],
+               [(17, 1), (300, 17), (301, 17)], [(16, 5)], [(999, 4)], [(64, 1), (65, 1)]]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
+    try:
+        for reqs in batches:
+            tables, lens, slots, width, free = [], [], [], 70, list(order)
+            for first, rows in reqs:
+                blocks = [free.pop() for _ in range(-(-(first + rows - 1) // block_size))]
+                for t in range(rows):
+                    tables.append(blocks + [0] * (width - len(blocks)))
+                    lens.append(first + t)
+                    p = first + t - 1
+                    slots.append(blocks[p // block_size] * block_size + p % block_size)
+            n = len(lens)
+            qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+            q = qkv[:, :heads * d].reshape(n, heads, d)
+            k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(n, kv_heads, d)
+            v = qkv[:, (heads + kv_heads) * d:].reshape(n, kv_heads, d)
+            bt, sl = torch.tensor(tables, dtype=torch.int32), torch.tensor(slots, dtype=torch.int64)
+            lens_t = torch.tensor(lens, dtype=torch.int32)
+            ref_k, ref_v = caches[0].clone(), caches[1].clone()
+            torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
+            want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, torch.arange(n + 1, dtype=torch.int32),
+                                             lens_t, 0.125)
+            got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens_t, 0.125)
+            assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (reqs, (got - want).abs().max())
+            if all(rows == 1 for _, rows in reqs):
+                continue  # plain decodes: no groups
+            # the same rows as chunks of a step (the layer-by-layer path): the same bits
+            starts = [0] + list(itertools.accumulate(rows for _, rows in reqs))
+            chunked = kernel.paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), sl, bt[starts[:-1]],
+                                             lens_t[[e - 1 for e in starts[1:]]], 0.125,
+                                             torch.tensor(starts, dtype=torch.int32))
+            assert torch.equal(chunked, got), reqs
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_silu_is_accurate_over_the_whole_range(kernel):
     """The vectorised exp: within a few float32 ulp of float64 SiLU from -100 to 100, and
     finite at the ends (no overflow into inf or nan)."""

@@ -336,21 +336,28 @@ static void attend_range(const float *q, const float *k, const float *v, const i
 /* One token's G heads from its P pieces (part: P records of G * D sums, G maxima, G sums of
    exponentials, as attend_range leaves them; an empty piece's sum is EMPTY_PIECE) into out.
    A NaN in a piece comes through, as in the whole-context item. */
+static void merge_heads(const float *part, long P, long rec, long NR, long h0, long G, long D, float *out);
+
 static void merge_pieces(const float *part, long P, long G, long D, float *out) {
-    long rec = G * D + 2 * G;
+    merge_heads(part, P, G * D + 2 * G, G, 0, G, D, out);
+}
+
+/* merge_pieces of heads h0 .. h0 + G - 1 of records of NR heads each (rec floats apart) */
+static void merge_heads(const float *part, long P, long rec, long NR, long h0, long G, long D, float *out) {
     for (long g = 0; g < G; g++) {
+        long h = h0 + g;
         float m = -INFINITY, den = 0.0f;
         for (long p = 0; p < P; p++) {
             const float *r = part + p * rec;
-            if (r[G * D + G + g] != EMPTY_PIECE && r[G * D + g] > m) m = r[G * D + g];
+            if (r[NR * D + NR + h] != EMPTY_PIECE && r[NR * D + h] > m) m = r[NR * D + h];
         }
         for (long i = 0; i < D; i++) out[g * D + i] = 0.0f;
         for (long p = 0; p < P; p++) {
             const float *r = part + p * rec;
-            if (r[G * D + G + g] == EMPTY_PIECE) continue;
-            float c = expf(r[G * D + g] - m);
-            den += c * r[G * D + G + g];
-            axpy(out + g * D, c, r + g * D, D);
+            if (r[NR * D + NR + h] == EMPTY_PIECE) continue;
+            float c = expf(r[NR * D + h] - m);
+            den += c * r[NR * D + NR + h];
+            axpy(out + g * D, c, r + h * D, D);
         }
         float inv = den == 0.0f ? 0.0f : 1.0f / den; /* no position at all: zeros, as a whole item gives */
         for (long i = 0; i < D; i++) out[g * D + i] *= inv;
@@ -407,6 +414,292 @@ static int decode_pieces(const float *q, long ld_q, const float *k_cache, const 
     }
     free(part);
     return failed;
+}
+
+/* ---- verification rows: T consecutive positions of one sequence, each K/V row read once ---- */
+
+/* One vector of VW floats where the build has them (the scalar build: one float) */
+#if defined(PS_AVX512)
+typedef __m512 vf;
+#define VW 16
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMAX _mm512_max_ps
+#define VEXP exp16
+#elif defined(PS_AVX2)
+typedef __m256 vf;
+#define VW 8
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMAX _mm256_max_ps
+#define VEXP exp8
+#else
+typedef float vf;
+#define VW 1
+static inline vf VLOAD(const float *p) { return *p; }
+static inline void VSTORE(float *p, vf v) { *p = v; }
+static inline vf VSET1(float f) { return f; }
+static inline vf VZERO(void) { return 0.0f; }
+static inline vf VFMA(vf a, vf b, vf c) { return a * b + c; }
+static inline vf VMUL(vf a, vf b) { return a * b; }
+static inline vf VADD(vf a, vf b) { return a + b; }
+static inline vf VSUB(vf a, vf b) { return a - b; }
+static inline vf VMAX(vf a, vf b) { return a > b ? a : b; }
+static inline vf VEXP(vf a) { return expf(a); }
+#endif
+
+/* v kept in a register: a value loaded once for several FMAs, not folded into each as a load */
+#if VW > 1
+#define IN_REG(v) __asm__("" : "+v"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
+
+/* each lane rounded to bfloat16 (round_bf16's values) */
+static inline vf vround_bf16(vf v) {
+#if defined(PS_AVX512_BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+    float t[VW];
+    VSTORE(t, v);
+    for (int i = 0; i < VW; i++) t[i] = round_bf16(t[i]);
+    return VLOAD(t);
+#endif
+}
+
+/* The scores of NKEY keys (k: rows D apart) against NC * VW query heads (qt: [D] rows Mp apart,
+   the heads along each): s[a * Mp + h] = (q_h . k_a) * scale; r16: the dot product rounded to
+   bfloat16 first. The heads along the vector: no horizontal sums, each key's value broadcast. */
+static inline __attribute__((always_inline)) void score_tile(const float *k, long D, const float *qt, long Mp,
+                                                             int NKEY, int NC, float scale, int r16, float *s) {
+    vf acc[4][3];
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) acc[a][c] = VZERO();
+    for (long d = 0; d < D; d++) {
+        vf qv[3];
+        for (int c = 0; c < NC; c++) {
+            qv[c] = VLOAD(qt + d * Mp + c * VW);
+            IN_REG(qv[c]);
+        }
+        for (int a = 0; a < NKEY; a++) {
+            vf kv = VSET1(k[a * D + d]);
+            for (int c = 0; c < NC; c++) acc[a][c] = VFMA(kv, qv[c], acc[a][c]);
+        }
+    }
+    vf sc = VSET1(scale);
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) VSTORE(s + a * Mp + c * VW, VMUL(r16 ? vround_bf16(acc[a][c]) : acc[a][c], sc));
+}
+
+/* score_tile over all Mp heads, three vectors of heads at a time */
+static inline __attribute__((always_inline)) void score_keys(const float *k, int NKEY, long D, const float *qt,
+                                                             long Mp, float scale, int r16, float *s) {
+    long C = Mp / VW, c = 0;
+    for (; c + 3 <= C; c += 3) score_tile(k, D, qt + c * VW, Mp, NKEY, 3, scale, r16, s + c * VW);
+    if (C - c == 2) score_tile(k, D, qt + c * VW, Mp, NKEY, 2, scale, r16, s + c * VW);
+    if (C - c == 1) score_tile(k, D, qt + c * VW, Mp, NKEY, 1, scale, r16, s + c * VW);
+}
+
+/* acc[h * D + 0:D] += sum over i < n of p[i * Mp + h] v[i * D + 0:D], for NH heads: each V row
+   loaded once for them, the heads' sums in registers over the run */
+static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, const float *p, long Mp, int NH,
+                                                          const float *v, long n) {
+    long d0 = 0;
+    for (; d0 + 4 * VW <= D; d0 += 4 * VW) {
+        vf o[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) o[h][r] = VLOAD(acc + h * D + d0 + r * VW);
+        for (long i = 0; i < n; i++) {
+            vf vv[4];
+            for (int r = 0; r < 4; r++) {
+                vv[r] = VLOAD(v + i * D + d0 + r * VW);
+                IN_REG(vv[r]);
+            }
+            for (int h = 0; h < NH; h++) {
+                vf pv = VSET1(p[i * Mp + h]);
+                for (int r = 0; r < 4; r++) o[h][r] = VFMA(pv, vv[r], o[h][r]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) VSTORE(acc + h * D + d0 + r * VW, o[h][r]);
+    }
+    for (; d0 + VW <= D; d0 += VW) {
+        vf o[3];
+        for (int h = 0; h < NH; h++) o[h] = VLOAD(acc + h * D + d0);
+        for (long i = 0; i < n; i++) {
+            vf vv = VLOAD(v + i * D + d0);
+            for (int h = 0; h < NH; h++) o[h] = VFMA(VSET1(p[i * Mp + h]), vv, o[h]);
+        }
+        for (int h = 0; h < NH; h++) VSTORE(acc + h * D + d0, o[h]);
+    }
+    for (; d0 < D; d0++)
+        for (int h = 0; h < NH; h++) {
+            float o = acc[h * D + d0];
+            for (long i = 0; i < n; i++) o += p[i * Mp + h] * v[i * D + d0];
+            acc[h * D + d0] = o;
+        }
+}
+
+/* One piece (positions j0..j1-1) of the M = T * G query heads of T rows that share one KV head:
+   rows q (ld_q apart) of consecutive positions of one sequence, row t seeing its first lens[t]
+   positions (the positions past a row's own masked out). k, v: this KV head's rows in block 0.
+   Leaves a piece record at rec as attend_range does: [M][D] unnormalised sums, M maxima, M sums
+   of exponentials (head t * G + g: row t's head g). qt: scratch of D * Mp floats, the rows'
+   heads gathered transposed; s: (j1 - j0) * Mp floats, the scores with the heads along a row. */
+static void group_piece(const float *q, long ld_q, long T, long G, long D, const float *k, const float *v,
+                        const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
+                        float scale, int r16, float *qt, float *s, float *rec) {
+    long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
+    for (long d = 0; d < D; d++)
+        for (long m = M; m < Mp; m++) qt[d * Mp + m] = 0.0f;
+    for (long t = 0; t < T; t++)
+        for (long g = 0; g < G; g++)
+            for (long d = 0; d < D; d++) qt[d * Mp + t * G + g] = q[t * ld_q + g * D + d];
+    for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
+        const float *kb = k + (long)bt[j / block_size] * tok + off * D;
+        float *sj = s + (j - j0) * Mp;
+        for (; i + 4 <= n; i += 4) score_keys(kb + i * D, 4, D, qt, Mp, scale, r16, sj + i * Mp);
+        for (; i < n; i++) score_keys(kb + i * D, 1, D, qt, Mp, scale, r16, sj + i * Mp);
+        j += n;
+    }
+    for (long t = 0; t < T; t++) /* positions past a row's own: no weight */
+        for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = -INFINITY;
+    float *mx_out = rec + M * D, *sm_out = mx_out + M;
+    for (long c = 0; c < Mp; c += VW) { /* each head's max, exp(s - max) and its sum, VW heads at once */
+        vf mv = VSET1(-INFINITY), tot = VZERO();
+        for (long j = 0; j < L; j++) mv = VMAX(VLOAD(s + j * Mp + c), mv);
+        for (long j = 0; j < L; j++) {
+            vf e = VEXP(VSUB(VLOAD(s + j * Mp + c), mv));
+            VSTORE(s + j * Mp + c, e);
+            tot = VADD(tot, e);
+        }
+        float mxs[VW], sms[VW];
+        VSTORE(mxs, mv);
+        VSTORE(sms, tot);
+        for (long h = 0; h < VW && c + h < M; h++) mx_out[c + h] = mxs[h], sm_out[c + h] = sms[h];
+    }
+    for (long t = 0; t < T; t++) /* exp's floor left the masked positions a tiny weight: none */
+        for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = 0.0f;
+    for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
+    for (long j = j0; j < j1;) { /* P V, a run of one cache block at a time, three heads a pass */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, m = 0;
+        const float *vb = v + (long)bt[j / block_size] * tok + off * D, *pj = s + (j - j0) * Mp;
+        for (; m + 3 <= M; m += 3) pv_tile(rec + m * D, D, pj + m, Mp, 3, vb, n);
+        if (M - m == 2) pv_tile(rec + m * D, D, pj + m, Mp, 2, vb, n);
+        if (M - m == 1) pv_tile(rec + m * D, D, pj + m, Mp, 1, vb, n);
+        j += n;
+    }
+}
+
+#define GROUP_PIECE 256 /* positions a piece at most: its scores stay in L2 */
+#define GROUP_ROWS 17 /* the longest chunk of a step that decode_groups takes (the decoder stack's rows) */
+
+/* A decode step whose rows come in groups (gstart[ng + 1]: group i is rows gstart[i] ..
+   gstart[i + 1] - 1), each group consecutive positions of one sequence (the rows of a
+   speculative verification; a row of its own is a group of one): a group's rows x G heads of
+   a KV head are one item over the positions its first row sees, cut into pieces of at most
+   GROUP_PIECE, so each K/V row is read once for all of them; the last piece also covers the
+   later rows' own positions, masked per row. Pieces merged per row as decode_pieces merges
+   them. seq_lens: per row; block_tables: per row, or (by_group) per group. Returns 1 where
+   scratch memory could not be had. */
+static int decode_groups(const float *q, long ld_q, const float *k_cache, const float *v_cache,
+                         const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
+                         long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
+                         long ng, float *out, int r16) {
+    long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = 0, max_s = 0;
+    long *gp = (long *)malloc(sizeof(long) * (size_t)(3 * ng + B)); /* per group: pieces, length, offset */
+    if (gp == NULL) return 1;
+    long *row_group = gp + 3 * ng;
+    long want = (2 * threads + Hkv * ng - 1) / (Hkv * ng); /* pieces a group, for every thread two items */
+    for (long i = 0; i < ng; i++) {
+        long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16, L0 = seq_lens[gstart[i]];
+        long P = (L0 + GROUP_PIECE - 1) / GROUP_PIECE;
+        P = P > want ? P : want;
+        P = P < L0 ? P : L0;
+        long len = (L0 + P - 1) / P;
+        P = (L0 + len - 1) / len; /* none empty */
+        gp[3 * i] = P, gp[3 * i + 1] = len, gp[3 * i + 2] = total;
+        total += Hkv * P * (M * D + 2 * M);
+        nitems += Hkv * P;
+        max_qt = D * Mp > max_qt ? D * Mp : max_qt;
+        max_s = (len + T - 1) * Mp > max_s ? (len + T - 1) * Mp : max_s;
+        for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
+    }
+    float *part = (float *)malloc(sizeof(float) * (size_t)total);
+    if (part == NULL) {
+        free(gp);
+        return 1;
+    }
+    int failed = 0;
+#pragma omp parallel if (nitems > 1)
+    {
+        float *qt = (float *)malloc(sizeof(float) * (size_t)max_qt), *s = (float *)malloc(sizeof(float) * (size_t)max_s);
+        if (qt == NULL || s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < nitems; item++) {
+            if (qt == NULL || s == NULL) continue;
+            long i = 0, first = 0; /* the group: items run group by group, Hkv * P each */
+            while (item >= first + Hkv * gp[3 * i]) first += Hkv * gp[3 * i++];
+            long P = gp[3 * i], len = gp[3 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
+            long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
+            long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
+            group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
+                        v_cache + hk * block_size * D, block_tables + (by_group ? i : b) * ld_bt, block_size, tok, seq_lens + b, j0,
+                        j1, scale, r16, qt, s, part + gp[3 * i + 2] + (item - first) * (M * D + 2 * M));
+        }
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long bh = 0; bh < B * Hkv; bh++) {
+                long b = bh / Hkv, hk = bh % Hkv, i = row_group[b], T = gstart[i + 1] - gstart[i], M = T * G;
+                long rec = M * D + 2 * M, P = gp[3 * i];
+                merge_heads(part + gp[3 * i + 2] + hk * P * rec, P, rec, M, (b - gstart[i]) * G, G, D,
+                            out + b * H * D + hk * G * D);
+            }
+        }
+        free(qt);
+        free(s);
+    }
+    free(part);
+    free(gp);
+    return failed;
+}
+
+/* Rows of a decode step in groups of consecutive positions of one sequence: gstart[0..ng]
+   (gstart[ng] = B), each group rows whose seq_lens go up by one and whose block tables agree
+   over the blocks each row reads. Returns the number of groups. */
+static long find_groups(const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long block_size,
+                        long *gstart) {
+    long ng = 0;
+    for (long b = 0; b < B;) {
+        long e = b + 1;
+        if (seq_lens[b] >= 1)
+            while (e < B && seq_lens[e] == seq_lens[e - 1] + 1 &&
+                   !memcmp(block_tables + b * ld_bt, block_tables + e * ld_bt,
+                           sizeof(int32_t) * (size_t)((seq_lens[e] + block_size - 1) / block_size)))
+                e++;
+        gstart[ng++] = b;
+        b = e;
+    }
+    gstart[ng] = B;
+    return ng;
 }
 
 /* The index of each row's largest value, the first of equal ones (torch.argmax's answer):
@@ -498,6 +791,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    computed (torch's SDPA with a mask computes the whole square). A decode step of fewer items
    than twice the threads cuts each context into pieces instead (decode_pieces): the same
    arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
+   A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
+   most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces.
    r16: the scores, the probabilities (of a whole item) and the output rounded to bfloat16, as
    torch_ops.paged_attention's decode path rounds them in bfloat16. */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
@@ -533,6 +828,36 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
         }
     }
     long threads = omp_get_max_threads();
+    long longest = 0; /* a step of chunks of at most GROUP_ROWS rows: each chunk a group */
+    for (long b = 0; query_start_loc != NULL && b < B; b++)
+        if (query_start_loc[b + 1] - query_start_loc[b] > longest) longest = query_start_loc[b + 1] - query_start_loc[b];
+    if (T > 1 && (query_start_loc == NULL || longest <= GROUP_ROWS)) {
+        /* rows of one sequence's consecutive positions read its K/V once (decode_groups): the
+           decoder stack passes them as decodes, found here; a chunk of a step is one */
+        long *gstart = (long *)malloc(sizeof(long) * (size_t)(T + 1));
+        int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
+        int failed = gstart == NULL || lens == NULL;
+        if (!failed) {
+            long ng = B;
+            if (query_start_loc == NULL) {
+                ng = find_groups(block_tables, ld_bt, seq_lens, B, block_size, gstart);
+                memcpy(lens, seq_lens, sizeof(int32_t) * (size_t)T);
+            } else {
+                for (long r = 0; r < B; r++) {
+                    gstart[r] = query_start_loc[r];
+                    for (long t = query_start_loc[r]; t < query_start_loc[r + 1]; t++)
+                        lens[t] = seq_lens[r] - (query_start_loc[r + 1] - 1 - t);
+                }
+                gstart[B] = T;
+            }
+            failed = ng < T ? decode_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc != NULL,
+                                            lens, T, H, Hkv, D, block_size, scale, threads, gstart, ng, out, r16)
+                            : -1;
+        }
+        free(gstart);
+        free(lens);
+        if (failed >= 0) return failed;
+    }
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
                              scale, threads, out, r16);
