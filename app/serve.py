@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -218,6 +219,9 @@ def run(ns: argparse.Namespace) -> int:
     logger.info("grammar warm-up: %.1f s", time.perf_counter() - started)
     state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
     app = build_app(state)
+    # what start-up made lives as long as the server: the collector's passes skip it from now on
+    gc.collect()
+    gc.freeze()
     logger.info("serving %s on http://%s:%d%s%s", ", ".join(settings.served_model_names), ns.host,
                 ns.port, " (API key required)" if settings.api_keys else "",
                 "; chat page at /" if settings.enable_frontend else "")
