@@ -394,13 +394,13 @@ class LLMEngine:
         if sr.draft_tokens:  # a speculative run: its tokens in order, until one ends the request
             logprobs = result.spec_logprobs.get(req.request_id)
             for i, token in enumerate(tokens):
-                outputs.extend(self._append_token(req, token, {req.request_id: logprobs[i]} if logprobs else {}))
+                outputs.extend(self._append_token(req, token, logprobs[i] if logprobs else None))
                 if req.status.finished:
                     break
             return outputs
         members = [req] + (self._fork(req) if len(tokens) > 1 else [])
         for member, token in zip(members, tokens):
-            outputs.extend(self._append_token(member, token, result.logprobs))
+            outputs.extend(self._append_token(member, token, result.logprobs.get(member.request_id)))
         return outputs
 
     def _fail_request(self, output_id: str, error: Exception) -> None:
@@ -408,10 +408,12 @@ class LLMEngine:
         self._failures.append((output_id, error))
         self.abort_request(output_id)
 
-    def _append_token(self, req: Request, token: int, logprobs: dict) -> list[RequestOutput]:
+    def _append_token(self, req: Request, token: int, logprobs) -> list[RequestOutput]:
+        """logprobs: the token's TokenLogprobs where the request asked for them."""
         req.token_ids.append(token)
         if req.logprobs is not None:
-            req.logprobs.append(logprobs[req.request_id])
+            assert logprobs is not None, f"no logprobs for {req.request_id}"
+            req.logprobs.append(logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
