@@ -58,6 +58,11 @@ class ModelConfig:
     # tensor parallelism: this process holds rank tp_rank's part of every split layer
     tp_size: int = 1
     tp_rank: int = 0
+    # pipeline parallelism: this process runs stage pp_rank of pp_size, the layers pp_layers
+    # (a partition of num_layers, one count per stage) give it
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_layers: tuple[int, ...] = ()
     # the window every layer attends within (the widest, where they differ), so that KV wholly
     # before it is never read again; 0 when any layer attends to the whole context
     sliding_window: int = 0
@@ -97,6 +102,28 @@ class ModelConfig:
                                  "divide one another")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
+        if self.pp_size > 1 and (len(self.pp_layers) != self.pp_size or sum(self.pp_layers) != self.num_layers
+                                 or min(self.pp_layers) < 1):
+            raise ValueError(f"the pipeline's layer partition {list(self.pp_layers)} must give each of the "
+                             f"{self.pp_size} stages at least one layer and {self.num_layers} in all")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} is outside 0..{self.pp_size - 1}")
+
+    @property
+    def stage_layers(self) -> range:
+        """The decoder layers this process runs: all of them without pipeline parallelism."""
+        if self.pp_size == 1:
+            return range(self.num_layers)
+        start = sum(self.pp_layers[:self.pp_rank])
+        return range(start, start + self.pp_layers[self.pp_rank])
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def heads_per_rank(self) -> int:
@@ -256,6 +283,8 @@ MIN_SECRET_BYTES = 16
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, tensor_parallel_size ranks each
+    batches_in_flight: int = 1  # steps the engine keeps in the pipeline at once (1 without one)
     distributed_executor_backend: ExecutorBackend = ExecutorBackend.MP
     master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous (MASTER_ADDR)
     master_port: int = 0  # MASTER_PORT; 0: a free port on this machine
@@ -271,9 +300,19 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"MASTER_PORT must be a port number, got {self.master_port}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"--tensor-parallel-size ({self.tensor_parallel_size}) must be a multiple of "
-                             f"--nnodes ({self.nnodes}): every node runs as many ranks")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if not 1 <= self.batches_in_flight <= max(1, self.pipeline_parallel_size):
+            raise ValueError(f"--max-batches-in-flight must be in 1..--pipeline-parallel-size "
+                             f"({self.pipeline_parallel_size}), got {self.batches_in_flight}")
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size ({self.world_size}) must be a "
+                             f"multiple of --nnodes ({self.nnodes}): every node runs as many ranks")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.ranks_per_node \
+                and self.ranks_per_node % self.tensor_parallel_size:
+            raise ValueError(f"{self.ranks_per_node} ranks per node split a tensor-parallel group of "
+                             f"{self.tensor_parallel_size} unevenly: give each node whole stages, or whole "
+                             "parts of one")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not self.master_port:
@@ -286,8 +325,22 @@ class ParallelConfig:
                              "to the others")
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
+
+    def stage_of(self, rank: int) -> int:
+        """A rank's pipeline stage. Ranks count from the last stage (TP ranks 0..T-1 are the
+        last stage's), so that rank 0, on the engine's node, is the one that samples, and the
+        first stages go to the other nodes."""
+        return self.pipeline_parallel_size - 1 - rank // self.tensor_parallel_size
+
+    def stage_ranks(self, stage: int) -> range:
+        first = (self.pipeline_parallel_size - 1 - stage) * self.tensor_parallel_size
+        return range(first, first + self.tensor_parallel_size)
 
     @property
     def node_ranks(self) -> range:

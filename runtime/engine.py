@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -76,6 +77,8 @@ class LLMEngine:
                                    None if mm is None else EncoderCacheManager(mm.encoder_cache_bytes, mm.whole_images,
                                                                                mm.encoder_step_tokens))
         self.requests: dict[str, Request] = {}
+        self._depth = config.parallel.batches_in_flight
+        self._in_flight: collections.deque = collections.deque()  # (step, executor's handle, submitted at)
         self.outputs = OutputProcessor()
         self.counters = IterationCounters()
         self._ids = itertools.count()
@@ -110,7 +113,7 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         device = args.resolve_device()
         parallel = args.parallel_config()
-        if device.device.type == "cpu" and parallel.tensor_parallel_size == 1:
+        if device.device.type == "cpu" and parallel.world_size == 1:
             torch.set_num_threads(device.num_threads)
             keep_freed_memory()
             bound_onednn_cache()
@@ -121,15 +124,17 @@ class LLMEngine:
         speculative = SpeculativeConfig.parse(args.speculative_config)
         draft = None if speculative is None or speculative.method != "draft_model" else \
             draft_model_config(args, speculative, model_cfg, tokenizer, device.device)
-        if parallel.tensor_parallel_size == 1:
+        if parallel.world_size == 1:
             runner = ModelRunner(model_cfg, device, args.block_size, args.seed, lora=args.lora_config(), draft=draft)
             executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
         else:  # the workers load their parts and size their pools; one block table must fit them all
             executor = MultiprocExecutor(args, parallel, model_cfg, device, sched_cfg)
             num_blocks = executor.num_blocks
         try:
-            # per rank; with a draft model's blocks beside the model's
-            block_bytes = executor.runner.block_bytes() if executor.runner else kv_block_bytes(model_cfg, args.block_size)
+            # per rank (its stage's layers; the largest stage's); with a draft model's blocks beside the model's
+            block_bytes = executor.runner.block_bytes() if executor.runner else \
+                max(kv_block_bytes(dataclasses.replace(model_cfg, pp_rank=s), args.block_size)
+                    for s in range(parallel.pipeline_parallel_size))
             num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
             cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len,
                                           model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
@@ -143,8 +148,8 @@ class LLMEngine:
             logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens (%.2f GiB%s)", model_cfg.architecture,
                         model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls else "", num_blocks,
                         args.block_size, num_blocks * block_bytes / GiB,
-                        f" per rank, {parallel.tensor_parallel_size} ranks" if parallel.tensor_parallel_size > 1
-                        else "")
+                        f" per rank, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
+                        f"{parallel.batches_in_flight} batch(es) in flight" if parallel.world_size > 1 else "")
             engine = cls(config, tokenizer, executor)
             started = time.perf_counter()
             engine.warm_up()
@@ -318,22 +323,42 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
+
+    def _step_seqs(self) -> int | None:
+        """With several steps in flight, each takes its share of the requests (None: no cap)."""
+        if self._depth == 1:
+            return None
+        s = self.scheduler
+        return max(1, -(-(len(s.running) + len(s.waiting) + len(s.swapped)) // self._depth))
 
     # ---- one step ----
 
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for each request that has something to report,
-        as its `output_kind` asks: every step (cumulative or delta) or only when finished."""
+        as its `output_kind` asks: every step (cumulative or delta) or only when finished.
+        With a pipeline, up to `batches_in_flight` steps are submitted before the oldest one's
+        result is collected, each with its own requests."""
         if self._grammar_waiting:
             self._resolve_grammars()
-        if self.spec is not None:
-            self.spec.propose_all(self.scheduler.running, self.config.model.max_model_len)
-        sched = self.scheduler.schedule()
-        started = time.perf_counter()
+        if len(self._in_flight) < self._depth:
+            if self.spec is not None:
+                self.spec.propose_all(self.scheduler.idle_running(), self.config.model.max_model_len)
+            sched = self.scheduler.schedule(self._step_seqs())
+            if not (sched.carries_nothing and self._in_flight):  # else nothing to send: on to the oldest step
+                try:
+                    handle = self.executor.submit(sched)  # also runs the step's swaps and copies
+                except ExecutorDeadError:  # the ranks are gone: no step can run again
+                    raise
+                except Exception as e:
+                    raise StepFailed(self._fail_step(sched), e) from e
+                self._in_flight.append((sched, handle, time.perf_counter()))
+                if sched.requests and len(self._in_flight) < self._depth:
+                    return []  # the pipeline takes another step before the first one is out
+        sched, handle, started = self._in_flight.popleft()
         try:
-            result = self.executor.execute(sched)  # also runs the step's swaps and copies
-        except ExecutorDeadError:  # the ranks are gone: no step can run again
+            result = self.executor.collect(handle)
+        except ExecutorDeadError:
             raise
         except Exception as e:
             raise StepFailed(self._fail_step(sched), e) from e
@@ -468,7 +493,8 @@ class LLMEngine:
         copy may not have happened). Returns their output ids."""
         ids = [r.request_id for r in sched.requests] + list(sched.preempted)
         failed = list(dict.fromkeys(self.requests[i].output_id for i in ids if i in self.requests))
-        self.scheduler.discard_last_step()
+        if sched.requests:
+            self.scheduler.discard_last_step()
         for output_id in failed:
             self.abort_request(output_id)
         self.check_integrity()  # an AssertionError here: the engine is not to be trusted

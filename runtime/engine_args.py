@@ -18,6 +18,7 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
+from pageserve.runtime.pipeline import layer_partition
 from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class EngineArgs:
     enforce_eager: bool = False  # torch ops only: no compiled CPU kernels, no CUDA graphs
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured (CUDA)
     tensor_parallel_size: int = 1  # ranks each layer is split over (one worker process each above 1)
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, tensor_parallel_size ranks each
+    pp_layer_partition: str | None = None  # layers per stage, "13,17" (default: even; $PAGESERVE_PP_LAYER_PARTITION)
+    max_batches_in_flight: int | None = None  # steps in the pipeline at once (default: one per stage)
     distributed_executor_backend: str = "mp"
     nnodes: int = 1  # machines the ranks span (ranks per node: tensor_parallel_size / nnodes)
     node_rank: int = 0  # 0 runs the engine; the others run only workers (`serve --headless`)
@@ -185,6 +189,15 @@ class EngineArgs:
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over this many devices (one worker process each; on CPU, "
                             "processes sharing the cores), in all, over every node")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split the layers into this many stages of contiguous layers, "
+                            "--tensor-parallel-size ranks each; hidden states go from stage to stage")
+        g.add_argument("--pp-layer-partition", default=None,
+                       help="layers per stage, comma-separated (for example 13,17; default: an even split, "
+                            "or $PAGESERVE_PP_LAYER_PARTITION)")
+        g.add_argument("--max-batches-in-flight", type=int, default=None,
+                       help="steps in the pipeline at once, so that every stage has work (default: "
+                            "--pipeline-parallel-size)")
         g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
                        help="mp: one worker process per rank of this node")
         g.add_argument("--nnodes", type=int, default=1,
@@ -217,6 +230,8 @@ class EngineArgs:
                 raise ValueError(f"MASTER_PORT must be a port number, got {env!r}")
             port = int(env)
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              batches_in_flight=self.max_batches_in_flight or self.pipeline_parallel_size,
                               distributed_executor_backend=ExecutorBackend(self.distributed_executor_backend),
                               master_addr=self.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=port, nnodes=self.nnodes, node_rank=self.node_rank,
@@ -318,11 +333,27 @@ class EngineArgs:
                 max_model_len=max_len,
                 hf_config=hf,
                 tp_size=self.tensor_parallel_size,
+                pp_size=self.pipeline_parallel_size,
+                pp_layers=self.pipeline_stages(arch, hf["num_hidden_layers"]),
                 sliding_window=registry.kv_sliding_window(arch, hf, hf["num_hidden_layers"])
                 if windowed else 0,
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
+
+    def pipeline_stages(self, arch: str, num_layers: int) -> tuple[int, ...]:
+        """Layers per pipeline stage (() without pipeline parallelism); what stages cannot run
+        yet is refused here, before anything loads."""
+        if self.pipeline_parallel_size == 1:
+            return ()
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        unsupported = {"--enable-lora": self.enable_lora,
+                       "a vision-language model": registry.entry(arch).text_config,
+                       "a draft model": speculative is not None and speculative.method == "draft_model"}
+        for what, used in unsupported.items():
+            if used:
+                raise ModelLoadError(f"--pipeline-parallel-size above 1 does not take {what} yet")
+        return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

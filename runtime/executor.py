@@ -1,12 +1,16 @@
 """Between the engine and the model: the engine hands each step's SchedulerOutput to an
 executor and gets the sampled tokens back.
 
-- UniProcExecutor (--tensor-parallel-size 1): today's ModelRunner in this process; every call
-  passes straight through.
-- MultiprocExecutor (above 1, --distributed-executor-backend mp): one worker process per rank
-  of this node (runtime/worker.py), started together so that they load their parts and warm
-  up in parallel. Each step is pickled once and the same bytes are written to every worker's
-  pipe; rank 0 answers with the StepResult. Block swaps and copies are in the step (or a
+- UniProcExecutor (one rank): today's ModelRunner in this process; every call passes straight
+  through.
+- MultiprocExecutor (tensor or pipeline parallelism, --distributed-executor-backend mp): one
+  worker process per rank of this node (runtime/worker.py), started together so that they load
+  their parts and warm up in parallel. Each step is encoded once (runtime/wire.py: a fixed
+  format, never pickle) and the same bytes are written
+  to every worker's pipe; rank 0 (the last stage's first) answers with the StepResult.
+  A step is submitted, and its result collected later: with a pipeline, the engine submits the
+  next steps before the first one's result is in (answers come back in order, one per rank and
+  message). Block swaps and copies are in the step (or a
   message of their own) and so run on every rank. A worker that dies, raises or does not
   answer in time stops them all, and the engine gets an ExecutorDeadError (it cannot go on:
   the ranks would be out of step); no worker outlives the executor or the engine process.
@@ -23,15 +27,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import socket
 import time
 import weakref
 
-import numpy as np
 import torch
 
-from pageserve.runtime import worker
+from pageserve.runtime import wire, worker
 from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
@@ -60,6 +62,13 @@ class UniProcExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute(out)
 
+    def submit(self, out: SchedulerOutput) -> StepResult:
+        """The step, run now; its result is the handle that `collect` gives back."""
+        return self.runner.execute(out)
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
 
@@ -80,20 +89,6 @@ class UniProcExecutor:
         pass
 
 
-class _MaskRow:
-    """A grammar matcher's row of the token bitmask, filled in the engine process (where the
-    matchers live and advance) and shipped in its place: the runner calls fill_bitmask alike."""
-    __slots__ = ("words",)
-
-    def __init__(self, matcher, vocab_size: int):
-        row = np.full((1, -(-vocab_size // 32)), -1, dtype=np.int32)
-        matcher.fill_bitmask(row, 0)
-        self.words = row[0]
-
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        bitmask[row] = self.words
-
-
 class MultiprocExecutor:
     """N ranks, one worker process each. `num_blocks` is the smallest KV pool any rank can
     hold, so that one block table fits every rank."""
@@ -111,6 +106,8 @@ class MultiprocExecutor:
         self._dead = False
         self.execute_timeout = EXECUTE_TIMEOUT_S
         self._sent: dict[str, int] = {}  # request id -> how many of its tokens the workers hold
+        self._next_ticket = self._oldest = 0  # messages sent; the first one not answered yet
+        self._answered: dict[int, list] = {}  # ticket -> every rank's answer, until it is asked for
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         try:
             start = time.perf_counter()
@@ -120,9 +117,10 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.num_blocks = min(blocks)  # rank 0's answer is already the least of the other nodes' too
-        logger.info("%d tensor-parallel workers on this node (pids %s; %d ranks over %d node(s)) ready in %.1f s, "
+        logger.info("%d workers on this node (pids %s; %d ranks, TP %d x PP %d, over %d node(s)) ready in %.1f s, "
                     "rendezvous %s:%d; KV blocks per rank %s", len(self._procs),
-                    ", ".join(str(p.pid) for p in self._procs), parallel.tensor_parallel_size, parallel.nnodes,
+                    ", ".join(str(p.pid) for p in self._procs), parallel.world_size, parallel.tensor_parallel_size,
+                    parallel.pipeline_parallel_size, parallel.nnodes,
                     time.perf_counter() - start, parallel.master_addr, port, blocks)
 
     @property
@@ -130,7 +128,14 @@ class MultiprocExecutor:
         return [p.pid for p in self._procs]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        return self._call("execute", self._for_workers(out))
+        return self.collect(self.submit(out))
+
+    def submit(self, out: SchedulerOutput) -> int:
+        """Send the step to every rank; returns the ticket its result is collected with."""
+        return self._send("execute", self._for_workers(out))
+
+    def collect(self, ticket: int) -> StepResult:
+        return self._answers(ticket, self.execute_timeout)[0]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._call("copy_blocks", pairs)
@@ -165,23 +170,35 @@ class MultiprocExecutor:
         for r in out.requests:
             held = self._sent.get(r.request_id, 0)
             self._sent[r.request_id] = len(r.request_tokens)
-            mask = None if r.matcher is None else _MaskRow(r.matcher, self.vocab_size)
+            mask = None if r.matcher is None else wire.MaskRow.of(r.matcher, self.vocab_size)
             requests.append(dataclasses.replace(r, request_tokens=r.request_tokens[held:], matcher=mask))
         return dataclasses.replace(out, requests=requests)
 
     def _call(self, method: str, *call_args, timeout: float | None = None, every: bool = False):
-        """Rank 0's answer (every rank's, with `every`)."""
+        """Rank 0's answer (every rank's, with `every`), after those of the steps in flight."""
+        answers = self._answers(self._send(method, *call_args), timeout or self.execute_timeout)
+        return answers if every else answers[0]
+
+    def _send(self, method: str, *call_args) -> int:
         if self._dead:
-            raise ExecutorDeadError("the tensor-parallel workers have been stopped")
-        payload = pickle.dumps((method, call_args), pickle.HIGHEST_PROTOCOL)  # once, for every rank
+            raise ExecutorDeadError("the workers have been stopped")
+        payload = wire.encode((method, call_args))  # once, for every rank
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
             except OSError as e:
-                self._fail(f"tensor-parallel worker rank {rank} (pid {self._procs[rank].pid}) is gone "
+                self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) is gone "
                            f"({e!r}, exit code {self._procs[rank].exitcode})")
-        answers = self._collect(timeout or self.execute_timeout)
-        return answers if every else answers[0]
+        self._next_ticket += 1
+        return self._next_ticket - 1
+
+    def _answers(self, ticket: int, timeout: float) -> list:
+        """Every rank's answers to message `ticket`, reading those of earlier messages first
+        (kept until they are asked for)."""
+        while ticket not in self._answered:
+            self._answered[self._oldest] = self._collect(timeout)
+            self._oldest += 1
+        return self._answered.pop(ticket)
 
     def _collect(self, timeout: float) -> list:
         """Every rank's answer to the last message; a rank that raised, died or stayed silent
@@ -200,7 +217,7 @@ class MultiprocExecutor:
             for conn in [c for c in ready if c in pending]:  # answers before deaths: a last word counts
                 rank = pending.pop(conn)
                 try:
-                    status, value = pickle.loads(conn.recv_bytes())
+                    status, value = wire.decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     self._fail(self._death(rank))
                 if status == "error":
@@ -287,7 +304,7 @@ def _stop(procs: list, conns: list) -> None:
     collective whose peer died does not read its pipe)."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps(("shutdown", ())))
+            conn.send_bytes(wire.encode(("shutdown", ())))
         except OSError:
             pass
     deadline = time.monotonic() + 5.0

@@ -24,6 +24,7 @@ from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_sou
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
+from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.step_sampler import StepSampler
@@ -50,18 +51,20 @@ class StepResult:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
-    """Bytes of one block across all layers, K and V (of one rank's KV heads)."""
+    """Bytes of one block across the layers of one rank (its stage's), K and V (of its KV heads)."""
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * model.num_layers * block_size * model.kv_heads_per_rank * model.head_dim * elem
+    return 2 * len(model.stage_layers) * block_size * model.kv_heads_per_rank * model.head_dim * elem
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, device_cfg: DeviceConfig, block_size: int, seed: int,
                  dev: CudaDevice | HostDevice | None = None, lora: LoRAConfig | None = None,
-                 draft: ModelConfig | None = None):
+                 draft: ModelConfig | None = None, link: StageLink | None = None):
         """dev: streams, events, pinned memory and memory statistics (a test may pass a fake).
         lora: adapter slots beside the weights (--enable-lora). draft: the draft model of
-        speculative decoding's draft_model method (runtime/draft_model.py)."""
+        speculative decoding's draft_model method (runtime/draft_model.py). link: a pipeline
+        stage's sends and receives of hidden states (runtime/pipeline.py)."""
+        self.link = link
         self.model_cfg = model_cfg
         self.device_cfg = device_cfg
         self.device = device_cfg.device
@@ -99,6 +102,7 @@ class ModelRunner:
         cfg = self.model_cfg
         with torch.device("meta"):
             model = registry.model_class(cfg.architecture)(cfg, self.kernels)
+        model.keep_stage()
         parallel.check_supported(model, cfg)
         model = model.to(cfg.dtype)  # on the meta device: nothing is allocated in any other dtype
         c_kernels = self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None)
@@ -153,7 +157,7 @@ class ModelRunner:
         plan = getattr(self.kernels, "linear_plan", None)
         if plan is None:
             return
-        plan.measure([m.weight for layer in self.model.layers[:2] for m in layer.modules()
+        plan.measure([m.weight for layer in self.model.stage()[:2] for m in layer.modules()
                       if isinstance(m, torch.nn.Linear)])
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -195,10 +199,10 @@ class ModelRunner:
     def graph_sizes(self, max_num_seqs: int) -> list[int]:
         """The decode batch sizes captured as CUDA graphs; none on CPU, with --enforce-eager,
         with kernels that cannot be captured (the torch backend reads plans on the host), or
-        under tensor parallelism (for now)."""
+        under tensor or pipeline parallelism (for now)."""
         if self.dev.type != "cuda" or self.device_cfg.enforce_eager or not self.kernels.graph_safe:
             return []
-        if self.model_cfg.tp_size > 1:  # NCCL all-reduces captured inside graphs: not checked on GPUs yet
+        if self.model_cfg.tp_size > 1 or self.model_cfg.pp_size > 1:  # NCCL inside graphs: not checked on GPUs yet
             return []
         if getattr(self.model, "mrope_section", None):  # the graphs take 1-D positions
             return []
@@ -259,14 +263,14 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.runner._set_kv_storage(0)
             return
-        shape = (cfg.num_layers, 2, num_blocks, cfg.kv_heads_per_rank, self.block_size, cfg.head_dim)
+        shape = (len(cfg.stage_layers), 2, num_blocks, cfg.kv_heads_per_rank, self.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
         self._kv_storage = self._kv_pool(shape, cfg.dtype)
         self._kv_storage.zero_()
         kib = resident_kib(self._kv_storage) if self.device.type == "cpu" else None
         if kib:
             logger.info("KV pool in transparent huge pages: %.0f of %.0f MiB", kib[1] / 1024, kib[0] / 1024)
-        self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_caches = [(self._kv_storage[i, 0], self._kv_storage[i, 1]) for i in range(len(cfg.stage_layers))]
         if self.draft is not None:  # the draft's pool: as many blocks, under the same block tables
             self.draft.runner._set_kv_storage(num_blocks)
 
@@ -353,7 +357,13 @@ class ModelRunner:
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
         size = self.graphs.size_for(meta, self.device) if self.graphs is not None and images is None else None
-        if images is not None:
+        if self.link is not None:  # a pipeline stage: from the previous one, to the next one
+            carry = None if self.link.prev is None else self.link.recv(len(ids))
+            hidden = self.model(ids, pos, meta, self.kv_caches, carry=carry)
+            if self.link.next is not None:
+                self.link.send(*hidden)
+                return result
+        elif images is not None:
             hidden = self.model(ids, pos, meta, self.kv_caches, images)
         elif size is None:
             hidden = self.model(ids, pos, meta, self.kv_caches)

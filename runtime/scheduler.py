@@ -66,6 +66,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.requests
 
+    @property
+    def carries_nothing(self) -> bool:
+        """No request, and nothing for the runner to swap, copy, free or forget."""
+        return not (self.requests or self.preempted or self.swap_out or self.swap_in or self.finished_ids
+                    or self.freed_images)
+
 
 def _adapter_names(requests) -> tuple[str, ...]:
     return tuple(sorted({r.lora.lora_name for r in requests if r.lora is not None}))
@@ -90,7 +96,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.reset_counters()
-        self._last_scheduled: list[tuple[Request, int]] = []
+        self._steps: deque[list[tuple[Request, int]]] = deque()  # each step in flight: what it computes
+        self._in_flight: set[str] = set()  # the requests of those steps: not scheduled again until done
+        self._step_cap = config.max_num_seqs
         self._finished_ids: list[str] = []
         self._deferred = False  # the last step left the decodes for prompts
 
@@ -113,7 +121,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_step_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. `max_step_seqs`: the most requests it takes (with several steps in
+        flight, each takes a share of the requests, so that the batches are even)."""
+        self._step_cap = max_step_seqs or self.config.max_num_seqs
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.encoder_cache.begin_step()
@@ -133,7 +144,9 @@ class Scheduler:
 
         for req, num_new in scheduled:
             self._emit(out, req, num_new)
-        self._last_scheduled = scheduled
+            self._in_flight.add(req.request_id)
+        if scheduled:
+            self._steps.append(scheduled)
         out.freed_images = self.encoder_cache.take_freed()
         return out
 
@@ -148,8 +161,11 @@ class Scheduler:
         run out. Returns the budget left and whether anything was preempted."""
         preempted_any = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < self._step_cap:
             req = self.running[i]
+            if req.request_id in self._in_flight:
+                i += 1
+                continue
             num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0 or (skip_decodes and _decoding(req)):
                 i += 1
@@ -158,7 +174,7 @@ class Scheduler:
                 req.draft_tokens = req.draft_tokens[:budget - 1]
                 num_new += len(req.draft_tokens)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()  # newest running request
+                victim = self._pop_newest_idle()  # req itself at the latest
                 self._preempt(victim, out)
                 preempted_any = True
                 if victim is req:
@@ -169,6 +185,17 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget, preempted_any
+
+    def _pop_newest_idle(self) -> Request:
+        """Take out the newest running request that no step in flight holds."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j].request_id not in self._in_flight:
+                return self.running.pop(j)
+        raise AssertionError("every running request is in flight")
+
+    def idle_running(self) -> list[Request]:
+        """The running requests that no step in flight holds (those the next step may take)."""
+        return [r for r in self.running if r.request_id not in self._in_flight]
 
     def _prompts_can_start(self) -> bool:
         """A waiting request could be admitted this step, with budget left after the running
@@ -193,7 +220,8 @@ class Scheduler:
 
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
         adapters = self._running_adapters()
-        while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs \
+                and len(scheduled) < self._step_cap:
             req = self.swapped[0]
             if not self._adapter_fits(req, adapters):
                 break
@@ -223,7 +251,7 @@ class Scheduler:
         # batch holds --max-loras other adapters
         passed = []
         adapters = self._running_adapters()
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(scheduled) < self._step_cap:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR or not self._adapter_fits(req, adapters):
                 passed.append(self.waiting.popleft())
@@ -317,23 +345,27 @@ class Scheduler:
                 "swapped out" if req.status == RequestStatus.SWAPPED else "recompute")
 
     def update_after_step(self, rejected: dict[str, int] | None = None) -> list[Request]:
-        """The last step's tokens are now in the KV cache, so its full blocks may serve prefix
-        hits from now on; `rejected`: per request, the speculative tokens at the end of its chunk
-        that the target model did not accept (their KV slots are written again later, and no
-        block holding one is ever cached). Returns the scheduled requests."""
+        """The oldest step in flight is done: its tokens are in the KV cache, so its full blocks
+        may serve prefix hits from now on; `rejected`: per request, the speculative tokens at the
+        end of its chunk that the target model did not accept (their KV slots are written again
+        later, and no block holding one is ever cached). Returns its scheduled requests (those
+        aborted while it ran included)."""
         reqs = []
-        for req, num_new in self._last_scheduled:
+        for req, num_new in self._steps.popleft() if self._steps else ():
+            self._in_flight.discard(req.request_id)
+            reqs.append(req)
+            if req.status.finished:  # aborted while in flight: its blocks are free already
+                continue
             req.num_computed_tokens += num_new - (rejected.get(req.request_id, 0) if rejected else 0)
             req.draft_tokens = []
             self.kv.cache_computed_blocks(req)
             self.encoder_cache.release_done(req)
-            reqs.append(req)
-        self._last_scheduled = []
         return reqs
 
     def discard_last_step(self) -> None:
-        """The last step failed: none of its tokens reached the cache."""
-        self._last_scheduled = []
+        """The oldest step in flight failed: none of its tokens reached the cache."""
+        for req, _ in self._steps.popleft() if self._steps else ():
+            self._in_flight.discard(req.request_id)
 
     def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
         """n > 1: after the parent's first sample, its siblings run beside it, sharing its

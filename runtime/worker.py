@@ -1,15 +1,17 @@
-"""One tensor-parallel rank in its own process: joins torch.distributed, loads its part of the
-model into a ModelRunner, sizes its KV pool over its own heads, then runs what the executor
-sends (runtime/executor.py) until told to stop or until the process that started it is gone.
+"""One rank in its own process: joins torch.distributed, loads its part of the model (its
+heads under tensor parallelism, its stage's layers under pipeline parallelism) into a
+ModelRunner, sizes its KV pool over them, then runs what the executor sends
+(runtime/executor.py) until told to stop or until the process that started it is gone.
 
-Messages are pickled (method, args) tuples. The ranks of the engine's node read them from
-their pipes and answer each with ("ok", value) or ("error", traceback); only rank 0's value
-carries anything (its sampled tokens), the others answer None, which tells the executor they
-are alive and in step. With more than one node, rank 0 relays every message's bytes to the
-ranks of the other nodes by a broadcast over a gloo group of its own (`Relay`); those ranks
-answer nothing: one that fails exits, and the collectives it leaves fail the engine's ranks.
-Every relayed message is signed with the nodes' shared secret and numbered: a rank unpickles
-only what rank 0 signed for that place in the sequence, and exits on anything else."""
+Messages are (method, args) tuples in runtime/wire.py's format, never pickle. The ranks of the
+engine's node read them from their pipes and answer each with ("ok", value) or ("error",
+traceback); only rank 0's value carries anything (its sampled tokens: rank 0 is the last
+stage's first rank), the others answer None, which tells the executor they are alive and in
+step. With more than one node, rank 0 relays every message's bytes to the ranks of the other
+nodes by a broadcast over a gloo group of its own (`Relay`); those ranks answer nothing: one
+that fails exits, and the collectives or sends it leaves fail the engine's ranks. Every
+relayed message is signed with the nodes' shared secret and numbered: a rank decodes only
+what rank 0 signed for that place in the sequence, and exits on anything else."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import hashlib
 import hmac
 import logging
 import os
-import pickle
+import queue
 import threading
 import time
 import traceback
@@ -30,16 +32,20 @@ import torch.distributed as dist
 
 from pageserve.runtime.config import (SECRET_ENV, CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
                                       SchedulerConfig)
+from pageserve.runtime import wire
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult
+from pageserve.runtime.models import parallel as parallel_layers
+from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
-_ENGINE_GONE = pickle.dumps(("engine_gone", ()))  # the pipe closed without a "shutdown": the engine died
+_ENGINE_GONE = wire.encode(("engine_gone", ()))
+_SHUTDOWN = wire.encode(("shutdown", ()))  # the pipe closed without a "shutdown": the engine died
 # the relay's receivers wait between steps for as long as the server idles: no timeout there
 # (a dead head still ends the wait, as gloo's connection to it closes)
 _RELAY_TIMEOUT = datetime.timedelta(days=365)
@@ -72,7 +78,7 @@ class Relay:
     (NCCL included)."""
 
     def __init__(self, parallel: ParallelConfig):
-        remote = range(parallel.ranks_per_node, parallel.tensor_parallel_size)  # every rank makes the group
+        remote = range(parallel.ranks_per_node, parallel.world_size)  # every rank makes the group
         self.group = dist.new_group([0, *remote], backend="gloo", timeout=_RELAY_TIMEOUT)
         self.secret, self.seq = parallel.secret, 0
 
@@ -136,7 +142,7 @@ def run_worker(rank: int, parallel: ParallelConfig, master_port: int, args: Engi
         if relay is not None and (rank == 0 or conn is None):  # rank 0 answers for the other nodes too
             blocks = relay.min(blocks)
         if conn is not None:
-            conn.send_bytes(pickle.dumps(("ok", blocks)))
+            conn.send_bytes(wire.encode(("ok", blocks)))
     except BaseException:  # noqa: BLE001 - reported to the engine, which stops every rank
         _report(conn)
     _serve(rank, runner, conn, relay)
@@ -155,24 +161,53 @@ def _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg) 
         bound_onednn_cache()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://{parallel.master_addr}:{master_port}", rank=rank,
-                            world_size=parallel.tensor_parallel_size, timeout=datetime.timedelta(minutes=30))
+                            world_size=parallel.world_size, timeout=datetime.timedelta(minutes=30))
     relay = Relay(parallel) if parallel.nnodes > 1 else None
-    cfg = dataclasses.replace(model_cfg, tp_rank=rank)
-    return ModelRunner(cfg, device_cfg, args.block_size, args.seed, lora=args.lora_config()), relay
+    pp, stage = parallel.pipeline_parallel_size, parallel.stage_of(rank)
+    tp_rank = rank % parallel.tensor_parallel_size
+    link = None
+    if pp > 1:  # every rank makes every stage's group, in the same order
+        for s in range(pp):
+            group = dist.new_group(list(parallel.stage_ranks(s)))
+            if s == stage:
+                parallel_layers.set_group(group)
+        link = StageLink(parallel.stage_ranks(stage - 1)[tp_rank] if stage > 0 else None,
+                         parallel.stage_ranks(stage + 1)[tp_rank] if stage < pp - 1 else None,
+                         model_cfg.hidden_size, model_cfg.dtype, device_cfg.device)
+    cfg = dataclasses.replace(model_cfg, tp_rank=tp_rank, pp_rank=stage)
+    return ModelRunner(cfg, device_cfg, args.block_size, args.seed, lora=args.lora_config(), link=link), relay
 
 
-def _receive(rank: int, conn, relay: Relay | None) -> bytes:
-    """The next message: from the pipe on the engine's node (rank 0 relays it on), from rank 0's
-    relay on the others. The pipe closing without a "shutdown" means the engine died."""
+def _inbox(rank: int, conn, relay: Relay | None):
+    """The next message, as a function: from the pipe on the engine's node, from rank 0's relay
+    on the others. Rank 0 relays each message as it arrives, from a thread of its own, so that
+    the other nodes' stages start a step while it still computes the one before (pipeline
+    parallelism). The pipe closing without a "shutdown" means the engine died."""
+    def from_pipe() -> bytes:
+        try:
+            return conn.recv_bytes()
+        except EOFError:
+            return _ENGINE_GONE
+
     if conn is None:
-        return relay.recv()
-    try:
-        payload = conn.recv_bytes()
-    except EOFError:
-        payload = _ENGINE_GONE
-    if relay is not None and rank == 0:
-        relay.send(payload)
-    return payload
+        return relay.recv
+    if relay is None or rank != 0:
+        return from_pipe
+    received: queue.Queue = queue.Queue()
+
+    def relay_all():
+        while True:
+            payload = from_pipe()
+            try:
+                relay.send(payload)
+            except Exception:  # noqa: BLE001 - a node is gone: this rank exits, the engine stops the rest
+                logger.exception("relaying a message to the other nodes failed")
+                os._exit(1)
+            received.put(payload)
+            if payload in (_SHUTDOWN, _ENGINE_GONE):
+                return
+    threading.Thread(target=relay_all, name="relay", daemon=True).start()
+    return received.get
 
 
 def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
@@ -201,12 +236,13 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
             return str(e)
         return None
 
+    receive = _inbox(rank, conn, relay)
     methods = {"execute": execute, "copy_blocks": runner.copy_blocks,
                "allocate_kv_cache": allocate, "warm_up": warm_up, "add_lora": add_lora,
                "remove_lora": lambda lora_int_id: runner.lora.remove(lora_int_id)}
     while True:
         try:
-            method, call_args = pickle.loads(_receive(rank, conn, relay))
+            method, call_args = wire.decode(receive())
             if method == "shutdown":
                 return
             if method == "engine_gone":  # every rank, on every node, exits non-zero
@@ -215,7 +251,7 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
             value = methods[method](*call_args)
             if conn is not None:
                 answer = value if rank == 0 or method == "add_lora" else None
-                conn.send_bytes(pickle.dumps(("ok", answer), pickle.HIGHEST_PROTOCOL))
+                conn.send_bytes(wire.encode(("ok", answer)))
         except BaseException:  # noqa: BLE001 - the ranks are out of step now: the engine stops them all
             _report(conn)
 
@@ -227,5 +263,5 @@ def _report(conn) -> None:
         traceback.print_exc()
     else:
         with contextlib.suppress(OSError):
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            conn.send_bytes(wire.encode(("error", traceback.format_exc())))
     os._exit(1)

@@ -39,14 +39,15 @@ def free_port() -> int:
 
 
 class HeadlessNode:
-    """`pageserve serve --headless` as node 1 of 2, its log in a file."""
+    """`pageserve serve --headless` as node 1 of 2, its log in a file; `layout`: the parallel
+    flags (two ranks in all)."""
 
-    def __init__(self, model_dir, port: int, log_name: str):
+    def __init__(self, model_dir, port: int, log_name: str, layout: tuple[str, ...] = ("--tensor-parallel-size", "2")):
         self.log_path = ROOT / ".cache" / log_name
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pageserve.app.cli", "serve", str(model_dir), "--headless", "--nnodes", "2",
-             "--node-rank", "1", "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1",
+             "--node-rank", "1", *layout, "--master-addr", "127.0.0.1",
              "--master-port", str(port), *ENGINE_FLAGS], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
     def ranks(self) -> list[psutil.Process]:
@@ -171,7 +172,7 @@ def test_node_flags_resolve_and_refuse_what_cannot_run(monkeypatch):
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(ValueError, match="--nnodes above 1 needs .* --master-port"):
         EngineArgs(tensor_parallel_size=4, nnodes=2)
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size \(3\) must be a multiple of --nnodes \(2\)"):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size x --pipeline-parallel-size \(3\) must be a multiple of --nnodes \(2\)"):
         ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=1)
     with pytest.raises(ValueError, match=r"--node-rank must be in 0\.\.1, got 2"):
         ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1, secret=SECRET.encode())

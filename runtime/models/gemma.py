@@ -88,22 +88,20 @@ class GemmaCausalLM(CausalLM):
         self.final_softcap = cfg.hf_config.get("final_logit_softcapping") or 0.0
         self.local_cos_sin_cache = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def embed(self, input_ids: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = super().embed(input_ids)
         x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # rounded to the dtype, as HF
         if images is not None:  # image embeddings are not scaled
             x[images[0]] = images[1].to(x.dtype)
-        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)
-        local = rope
-        if self.local_cos_sin_cache is not None and any(layer.window for layer in self.layers):
-            local = self.ops.rope_cos_sin(positions, self.local_cos_sin_cache, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, meta, kv_cache, local if layer.window else rope)
-        x, _ = self.ops.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps, residual)
         return x
+
+    def layer_ropes(self, layers, positions: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The sliding layers' own RoPE (Gemma 3's local base), the global one elsewhere."""
+        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, dtype)
+        local = rope
+        if self.local_cos_sin_cache is not None and any(layer.window for layer in layers):
+            local = self.ops.rope_cos_sin(positions, self.local_cos_sin_cache, dtype)
+        return [local if layer.window else rope for layer in layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

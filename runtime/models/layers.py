@@ -210,6 +210,7 @@ class DecoderLayer(nn.Module):
 
 # Hugging Face names whose tensors are parts of one of ours: q/k/v stack into qkv_proj,
 # gate/up into gate_up_proj, and each expert's gate/up/down into the experts' w13 and w2
+_LAYER = re.compile(r"layers\.(\d+)\.")
 _QKV = re.compile(r"(.+)\.([qkv])_proj\.(weight|bias)")
 _GATE_UP = re.compile(r"(.+)\.(gate|up)_proj\.weight")
 _EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -243,19 +244,57 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                images: tuple[torch.Tensor, torch.Tensor] | None = None,
+                carry: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Final hidden states (after the last norm) of every token of the step. `images`:
-        (rows, embeddings) that replace those rows' token embeddings (image tokens)."""
-        x = self.embed(input_ids, images)
-        stacked = self.kernels.decoder_stack(self, x, positions, meta, kv_caches)
-        if stacked is not None:
-            return stacked
-        rope = self.ops.rope_cos_sin(positions, self.cos_sin_cache, x.dtype)  # once per step
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        (rows, embeddings) that replace those rows' token embeddings (image tokens). A pipeline
+        stage runs its own layers (`kv_caches` are theirs): the first from the tokens, the
+        others from `carry`, the previous stage's (hidden, residual); every stage but the last
+        returns its (hidden, residual) for the next."""
+        if carry is None:
+            x, residual = self.embed(input_ids, images), None
+            stacked = self.kernels.decoder_stack(self, x, positions, meta, kv_caches)
+            if stacked is not None:
+                return stacked
+        else:
+            x, residual = carry
+        layers = self.stage()
+        for layer, kv_cache, rope in zip(layers, kv_caches, self.layer_ropes(layers, positions, x.dtype)):
             x, residual = layer(x, residual, meta, kv_cache, rope)
+        if not self.cfg.last_stage:
+            return x, residual
         x, _ = self.ops.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps, residual)
         return x
+
+    def stage(self) -> list[nn.Module]:
+        """The decoder layers this process runs (all of them but under pipeline parallelism)."""
+        return [self.layers[i] for i in self.cfg.stage_layers]
+
+    def layer_ropes(self, layers: list[nn.Module], positions: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each layer's RoPE rows for the step's positions (computed once per step)."""
+        return [self.ops.rope_cos_sin(positions, self.cos_sin_cache, dtype)] * len(layers)
+
+    def keep_stage(self) -> None:
+        """Pipeline parallelism: drop what this stage does not run (before any weight loads):
+        the other stages' layers (placeholders, so that layer i keeps its name), the embedding
+        but on the first stage (and on the last where it is the tied lm_head), lm_head but on
+        the last."""
+        cfg = self.cfg
+        if cfg.pp_size == 1:
+            return
+        for i in range(len(self.layers)):
+            if i not in cfg.stage_layers:
+                self.layers[i] = nn.Module()
+        if not cfg.first_stage and not (cfg.last_stage and self.lm_head is None):
+            self.embed_tokens = None
+        if not cfg.last_stage:
+            self.lm_head = None
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage keeps the checkpoint tensor `name` (in this file's layout)."""
+        if m := _LAYER.match(name):
+            return int(m.group(1)) in self.cfg.stage_layers
+        return self.embed_tokens is not None or not name.startswith("embed_tokens.")
 
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
@@ -263,7 +302,8 @@ class CausalLM(nn.Module):
         no q/k norm, window, soft cap or other attention scale than head_dim ** -0.5, on one
         rank, and the model runs this class's forward: the layers a backend may run as one
         decoder stack (Kernels.decoder_stack). Else None."""
-        if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1:
+        if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1 or self.cfg.pp_size != 1 \
+                or type(self).layer_ropes is not CausalLM.layer_ropes:
             return None
         out = []
         for layer in self.layers:
@@ -320,6 +360,10 @@ class CausalLM(nn.Module):
         except AttributeError:
             return None
 
+    def checkpoint_held(self, name: str) -> bool:
+        """Whether this pipeline stage keeps the checkpoint tensor `name`."""
+        return self.holds(self.rename(name.removeprefix("model.")))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take Hugging Face tensor names; fuse q/k/v, gate/up and the experts as they arrive.
@@ -334,6 +378,8 @@ class CausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             try:
                 renamed = self.rename(name.removeprefix("model."))
+                if not self.holds(renamed):  # another pipeline stage's
+                    continue
                 tensor = parallel.shard(renamed, tensor, self.cfg)  # this rank's part (all of it at TP 1)
                 target, index = self._target(renamed)
             except AttributeError:  # a prefix naming no module of ours

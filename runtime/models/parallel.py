@@ -12,7 +12,8 @@ expert as a gated MLP (gate/up by column, down by row), keeps the router whole o
 splits its shared expert like a dense MLP, and all-reduces once after the whole block. The
 embedding and lm_head are split by vocabulary rows; a vocabulary that does not divide by the
 ranks is padded (as vLLM pads it) with zero rows whose logits are cut off after the gather.
-The ranks' process group is torch.distributed's default one, set up by runtime/worker.py."""
+The collectives run over this rank's tensor-parallel group (its pipeline stage's ranks),
+which runtime/worker.py sets once per process (`set_group`)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,20 @@ from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.models.loader import ModelLoadError
 
 
+_group: dist.ProcessGroup | None = None  # None: torch.distributed's default group
+
+
+def set_group(group: dist.ProcessGroup | None) -> None:
+    """The ranks this process's tensor-parallel collectives run over (a process-wide
+    communicator, as torch.distributed's default group is)."""
+    global _group
+    _group = group
+
+
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sum the ranks' partial outputs of a row-parallel matmul (in place)."""
     if tp_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_group)
     return x
 
 
@@ -46,16 +57,16 @@ def vocab_rows(cfg: ModelConfig) -> int:
 
 
 def gather_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """[rows, vocab_rows] on each rank -> [rows, vocab] on rank 0, which samples (the padded
-    rows' logits cut off); the other ranks get [rows, 0] (they sample nothing)."""
+    """[rows, vocab_rows] on each rank -> [rows, vocab] on TP rank 0, which samples (the
+    padded rows' logits cut off); the other ranks get [rows, 0] (they sample nothing)."""
     if cfg.tp_size == 1:
         return logits
     logits = logits.contiguous()
     if cfg.tp_rank != 0:
-        dist.gather(logits, dst=0)
+        dist.gather(logits, group=_group, group_dst=0)
         return logits.new_empty((logits.shape[0], 0))
     parts = [torch.empty_like(logits) for _ in range(cfg.tp_size)]
-    dist.gather(logits, parts, dst=0)
+    dist.gather(logits, parts, group=_group, group_dst=0)
     return torch.cat(parts, dim=-1)[:, :cfg.vocab_size]
 
 

@@ -137,6 +137,8 @@ class QuantizedLoad:
         self.layers: dict[str, Layer] = {}  # our parameter -> its layer
         optional = method.name == "fp8"  # made at load time: only the decoder layers' matrices
         for prefix, suffixes in method.layers(names).items():
+            if not model.checkpoint_held(prefix + ".weight"):  # another pipeline stage's layer
+                continue
             target = model.checkpoint_target(prefix + ".weight")
             module_name = (target or "").removesuffix(".weight")
             module = model.get_submodule(module_name) if target and target.endswith(".weight") else None
