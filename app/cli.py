@@ -44,7 +44,8 @@ def _generate(ns: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     from pageserve.loadtest import (bench_accuracy, bench_cache, bench_engine, bench_http, bench_lora,
-                                    bench_offline, bench_peer, bench_quant, bench_spec, bench_sampling, bench_serve, bench_structured, soak)
+                                    bench_offline, bench_peer, bench_pp, bench_quant, bench_spec, bench_sampling,
+                                    bench_serve, bench_structured, soak)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -61,6 +62,7 @@ def _add_bench(sub) -> None:
             ("quant", bench_quant, "one stream of the default model: bfloat16 against its 4-bit, INT8 and FP8 copies"),
             ("lora", bench_lora, "decode with 8 LoRA adapters in a 64-request batch against the base model alone"),
             ("spec", bench_spec, "n-gram speculative decoding against one token a step, default model"),
+            ("pp", bench_pp, "pipeline stages with one batch in flight against one per stage, same run"),
             ("soak", soak, "minutes of mixed load, then errors, RSS growth and free KV blocks")):
         b = bench_sub.add_parser(name, help=help_text)
         module.add_args(b)

@@ -84,7 +84,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "prompt_logprobs), over all its prompts: each holds about 2.5 KB at 20 logprobs "
                         "until the request ends")
     g.add_argument("--headless", action="store_true",
-                   help="with --nnodes above 1, on nodes 1..: run only this node's tensor-parallel ranks "
+                   help="with --nnodes above 1, on nodes 1..: run only this node's ranks (tensor-parallel, pipeline stages) "
                         "(no engine, no API); give the same model and engine flags as node 0")
     g.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at /")

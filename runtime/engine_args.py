@@ -18,7 +18,7 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
-from pageserve.runtime.pipeline import layer_partition
+from pageserve.runtime.pipeline import head_cost, layer_partition
 from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -334,14 +334,14 @@ class EngineArgs:
                 hf_config=hf,
                 tp_size=self.tensor_parallel_size,
                 pp_size=self.pipeline_parallel_size,
-                pp_layers=self.pipeline_stages(arch, hf["num_hidden_layers"]),
+                pp_layers=self.pipeline_stages(arch, hf),
                 sliding_window=registry.kv_sliding_window(arch, hf, hf["num_hidden_layers"])
                 if windowed else 0,
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
 
-    def pipeline_stages(self, arch: str, num_layers: int) -> tuple[int, ...]:
+    def pipeline_stages(self, arch: str, hf: dict) -> tuple[int, ...]:
         """Layers per pipeline stage (() without pipeline parallelism); what stages cannot run
         yet is refused here, before anything loads."""
         if self.pipeline_parallel_size == 1:
@@ -353,7 +353,7 @@ class EngineArgs:
         for what, used in unsupported.items():
             if used:
                 raise ModelLoadError(f"--pipeline-parallel-size above 1 does not take {what} yet")
-        return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+        return layer_partition(hf["num_hidden_layers"], self.pipeline_parallel_size, self.pp_layer_partition, head_cost(hf))
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

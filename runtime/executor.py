@@ -49,8 +49,8 @@ START_TIMEOUT_S = float(os.environ.get("PAGESERVE_WORKER_START_TIMEOUT_S", "1800
 
 
 class ExecutorDeadError(RuntimeError):
-    """A tensor-parallel worker died, failed or hung; every worker has been stopped and the
-    engine cannot run another step."""
+    """A worker (a rank of tensor or pipeline parallelism) died, failed or hung; every worker
+    has been stopped and the engine cannot run another step."""
 
 
 class UniProcExecutor:
@@ -170,7 +170,7 @@ class MultiprocExecutor:
         for r in out.requests:
             held = self._sent.get(r.request_id, 0)
             self._sent[r.request_id] = len(r.request_tokens)
-            mask = None if r.matcher is None else wire.MaskRow.of(r.matcher, self.vocab_size)
+            mask = None if r.matcher is None else wire.MaskRow.of(r.matcher, self.vocab_size, r.draft_tokens)
             requests.append(dataclasses.replace(r, request_tokens=r.request_tokens[held:], matcher=mask))
         return dataclasses.replace(out, requests=requests)
 
@@ -212,7 +212,7 @@ class MultiprocExecutor:
             ready = multiprocessing.connection.wait([*pending, *sentinels], max(0.0, left))
             if not ready:
                 ranks = sorted(pending.values())
-                self._fail(f"tensor-parallel worker rank(s) {ranks} did not answer within {timeout:g} s "
+                self._fail(f"worker rank(s) {ranks} did not answer within {timeout:g} s "
                            f"(hung; PAGESERVE_EXECUTE_TIMEOUT_S sets the limit)")
             for conn in [c for c in ready if c in pending]:  # answers before deaths: a last word counts
                 rank = pending.pop(conn)
@@ -221,7 +221,7 @@ class MultiprocExecutor:
                 except (EOFError, OSError):
                     self._fail(self._death(rank))
                 if status == "error":
-                    self._fail(f"tensor-parallel worker rank {rank} failed:\n{value}")
+                    self._fail(f"worker rank {rank} failed:\n{value}")
                 answers[rank] = value
             for s in ready:
                 if s in sentinels and sentinels[s] in pending.values():
@@ -231,7 +231,7 @@ class MultiprocExecutor:
     def _death(self, rank: int) -> str:
         proc = self._procs[rank]
         proc.join(1.0)
-        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+        return f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
 
     def _fail(self, message: str):
         logger.error("%s; stopping every worker", message)

@@ -7,6 +7,7 @@ the one after it finishes this one (the engine keeps several batches in flight).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -15,10 +16,12 @@ import torch.distributed as dist
 PARTITION_ENV = "PAGESERVE_PP_LAYER_PARTITION"  # as vLLM's VLLM_PP_LAYER_PARTITION
 
 
-def layer_partition(num_layers: int, stages: int, override: str | None = None) -> tuple[int, ...]:
-    """Layers per stage: `override` ("13,17"; else $PAGESERVE_PP_LAYER_PARTITION) as given, or
-    an even split whose remainder goes to the middle stages, one layer each from the one before
-    the last backwards (the first stage embeds, the last computes the logits)."""
+def layer_partition(num_layers: int, stages: int, override: str | None = None,
+                    head_layers: float = 0.0) -> tuple[int, ...]:
+    """Layers per stage: `override` ("13,17"; else $PAGESERVE_PP_LAYER_PARTITION) as given, or a
+    split that evens out the stages' work: the last stage also computes the logits, which cost
+    `head_layers` decoder layers (a large vocabulary over a small model: several), so it takes
+    that many fewer; the others split the rest, the remainder going to the middle stages."""
     if stages == 1:
         return (num_layers,)
     override = override or os.environ.get(PARTITION_ENV)
@@ -33,10 +36,23 @@ def layer_partition(num_layers: int, stages: int, override: str | None = None) -
         return parts
     if num_layers < stages:
         raise ValueError(f"--pipeline-parallel-size {stages} is more stages than the model's {num_layers} layers")
-    parts = [num_layers // stages] * stages
-    for i in range(num_layers % stages):
-        parts[-2 - i % (stages - 1)] += 1
+    last = min(max(1, math.floor((num_layers + head_layers) / stages - head_layers)), num_layers - stages + 1)
+    rest, first = num_layers - last, stages - 1
+    parts = [rest // first] * first + [last]
+    for i in range(rest % first):
+        parts[-2 - i] += 1
     return tuple(parts)
+
+
+def head_cost(hf: dict) -> float:
+    """What the logits cost, in decoder layers: lm_head's weights over one layer's (a step reads
+    every weight once when it decodes and multiplies by each when it prefills)."""
+    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    kv = hf.get("num_key_value_heads") or heads
+    layer = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * inter
+    return hf["vocab_size"] * hidden / layer
 
 
 class StageLink:

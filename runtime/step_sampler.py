@@ -7,6 +7,7 @@ seeded requests' generators and the penalty counts."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pageserve.runtime.request import child_id
@@ -14,6 +15,17 @@ from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.spec_decode import verify
 from pageserve.sampling.penalties import TokenCounts
 from pageserve.sampling.sampler import SampleRow, SamplingMetadata, sample
+
+
+def fill_grammar_rows(bitmask: np.ndarray, row: int, matcher, drafts: list[int]) -> None:
+    """Rows row.. of a packed bitmask from a grammar matcher: one per draft and one after it, the
+    matcher advanced through the drafts and rolled back (they passed it when proposed)."""
+    for j, token in enumerate(drafts):
+        matcher.fill_bitmask(bitmask, row + j)
+        matcher.advance(token)
+    matcher.fill_bitmask(bitmask, row + len(drafts))
+    if drafts:
+        matcher.rollback(len(drafts))
 
 
 class StepSampler:
@@ -108,10 +120,5 @@ class StepSampler:
         mask = torch.full((num_rows, words), -1, dtype=torch.int32)
         view = mask.numpy()
         for row, matcher, drafts in constrained:
-            for j, token in enumerate(drafts):
-                matcher.fill_bitmask(view, row + j)
-                matcher.advance(token)
-            matcher.fill_bitmask(view, row + len(drafts))
-            if drafts:
-                matcher.rollback(len(drafts))
+            fill_grammar_rows(view, row, matcher, drafts)
         return mask.to(self.device, non_blocking=True)

@@ -33,6 +33,7 @@ from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.model_runner import StepResult
 from pageserve.runtime.multimodal import ImageItem
 from pageserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from pageserve.runtime.step_sampler import fill_grammar_rows
 from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pageserve.sampling.sampler import TokenLogprobs
 
@@ -43,21 +44,31 @@ class WireError(ValueError):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class MaskRow:
-    """A grammar matcher's row of the token bitmask, filled in the engine process (where the
-    matchers live and advance) and sent in its place: the runner calls fill_bitmask alike."""
-    words: np.ndarray  # int32, ceil(vocab_size / 32) words
+    """A grammar matcher's rows of the token bitmask, filled in the engine process (where the
+    matchers live and advance) and sent in its place: one row, or with drafts one per draft and
+    one after. The runner fills and steps through them as through the matcher itself
+    (fill_bitmask, advance, rollback)."""
+    words: np.ndarray  # int32 [rows, ceil(vocab_size / 32)]
+    at: int = 0  # the row the matcher would be at
 
     @classmethod
-    def of(cls, matcher, vocab_size: int) -> MaskRow:
-        row = np.full((1, -(-vocab_size // 32)), -1, dtype=np.int32)
-        matcher.fill_bitmask(row, 0)
-        return cls(row[0])
+    def of(cls, matcher, vocab_size: int, drafts: list[int] = ()) -> MaskRow:
+        rows = np.full((len(drafts) + 1, -(-vocab_size // 32)), -1, dtype=np.int32)
+        fill_grammar_rows(rows, 0, matcher, drafts)
+        return cls(rows)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        bitmask[row] = self.words
+        bitmask[row] = self.words[self.at]
+
+    def advance(self, token: int) -> bool:
+        self.at += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.at -= num_tokens
 
     def __eq__(self, other) -> bool:
-        return type(other) is MaskRow and self.words.dtype == other.words.dtype \
+        return type(other) is MaskRow and self.at == other.at and self.words.dtype == other.words.dtype \
             and np.array_equal(self.words, other.words)
 
 

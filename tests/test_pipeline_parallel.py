@@ -17,7 +17,7 @@ from pageserve.runtime.config import ParallelConfig
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError
 from pageserve.runtime.models.loader import ModelLoadError
-from pageserve.runtime.pipeline import layer_partition
+from pageserve.runtime.pipeline import head_cost, layer_partition
 from tests.conftest import assert_pool_clean
 from tests.test_tensor_parallel import _children, run, workload
 
@@ -30,13 +30,27 @@ def test_layer_partition_even_uneven_and_given():
     assert layer_partition(30, 2) == (15, 15)
     assert layer_partition(30, 3) == (10, 10, 10)
     assert layer_partition(30, 4) == (7, 8, 8, 7)  # the remainder to the middle stages
-    assert layer_partition(31, 2) == (16, 15)  # the last stage also computes the logits
+    assert layer_partition(31, 2) == (16, 15)
+    # the last stage also computes the logits: as many fewer layers as they cost
+    assert layer_partition(30, 2, head_layers=8.0) == (19, 11)  # the default model's vocabulary
+    assert layer_partition(80, 2, head_layers=1.23) == (41, 39)  # a 70B model's
+    assert layer_partition(4, 2, head_layers=10.0) == (3, 1)  # at least one layer each
     assert layer_partition(30, 3, "8,10,12") == (8, 10, 12)
     for bad in ("8,10", "8,10,13", "0,15,15", "a,b,c"):
         with pytest.raises(ValueError, match="--pp-layer-partition"):
             layer_partition(30, 3, bad)
     with pytest.raises(ValueError, match="more stages than the model's 2 layers"):
         layer_partition(2, 3)
+
+
+@pytest.mark.unit
+def test_the_logits_cost_the_layers_of_their_weights():
+    smollm2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                   vocab_size=49152)
+    assert head_cost(smollm2) == pytest.approx(8.0)  # 49152 x 576 against 3.54M weights a layer
+    llama70b = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                    vocab_size=128256)
+    assert head_cost(llama70b) == pytest.approx(1.228, abs=1e-3)
 
 
 @pytest.mark.unit
@@ -62,7 +76,7 @@ def test_what_stages_cannot_run_yet_is_refused_before_loading(tiny_model_dir):
                      (dict(speculative_config={"model": str(tiny_model_dir)}), "a draft model")):
         with pytest.raises(ModelLoadError, match=f"does not take {what}"):
             EngineArgs(model=str(tiny_model_dir), pipeline_parallel_size=2, **kw).pipeline_stages(
-                "LlamaForCausalLM", hf["num_hidden_layers"])
+                "LlamaForCausalLM", hf)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +86,11 @@ def four_layers(tmp_path_factory):
 
 def engine(path, tp, pp, blocks, swap_blocks, **kw):
     """The same number of blocks (and swap blocks) in every layout: a rank's block holds its
-    stage's layers and its KV heads (2 KV heads, head_dim 16, float32, blocks of 16)."""
+    stage's layers (an even split here) and its KV heads (2 KV heads, head_dim 16, float32,
+    blocks of 16)."""
     per_rank = 2 * (4 // pp) * (2 // tp) * 16 * 16 * 4
+    if pp > 1:
+        kw["pp_layer_partition"] = ",".join([str(4 // pp)] * pp)
     return LLM(str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=512,
                kv_cache_memory=blocks * per_rank / GiB, swap_space=swap_blocks * per_rank / GiB,
                max_num_batched_tokens=128, debug_checks=True, **kw)
@@ -152,7 +169,8 @@ def test_a_stage_that_dies_stops_the_engine_and_leaves_no_process(four_layers):
     for _ in range(3):
         eng.step()
     os.kill(pids[1], signal.SIGKILL)  # rank 1: the first stage
-    with pytest.raises(ExecutorDeadError, match=r"rank \d \(pid \d+\) died"):
+    # whichever the engine hears of first: the death, or the last stage's lost connection
+    with pytest.raises(ExecutorDeadError, match=r"(?s)rank 1 \(pid \d+\) died|rank 0 failed:.*Connection reset"):
         for _ in range(100):
             eng.step()
     assert not any(psutil.pid_exists(p) for p in pids)
@@ -177,7 +195,8 @@ def test_a_stage_that_hangs_stops_the_engine(four_layers):
 @pytest.mark.parametrize("pp,partition", [(2, None), (3, "8,10,12")])
 def test_default_model_stages_same_tokens_as_one_process(pp, partition):
     """SmolLM2-135M (30 layers, tied embeddings: the last stage holds the embedding as its
-    lm_head): long prompts chunked at 64 tokens, a shared prefix, a KV pool that preempts."""
+    lm_head): long prompts chunked at 64 tokens, a shared prefix, a KV pool that preempts. PP 2
+    takes the default split, 19 and 11 layers (the logits cost 8 layers' weights)."""
     text = ("PagedAttention stores the key-value cache in fixed-size blocks, like pages of virtual "
             "memory, so that requests of any length share one pool. ")
     prompts = [text * k for k in (1, 3, 6)] + [text * 6 + "In short,", text * 5 + "Briefly,",
@@ -186,7 +205,7 @@ def test_default_model_stages_same_tokens_as_one_process(pp, partition):
     per_rank = 2 * 16 * 3 * 64 * 4  # K/V, block, KV heads, head_dim, float32: per layer
     results, stats = {}, {}
     for stages, part in ((1, None), (pp, partition)):
-        layers = max(map(int, part.split(","))) if part else 30 // stages
+        layers = max(map(int, part.split(","))) if part else {1: 30, 2: 19}[stages]
         llm = LLM(None, dtype="float32", pipeline_parallel_size=stages, pp_layer_partition=part,
                   kv_cache_memory=32 * layers * per_rank / GiB, swap_space=8 * layers * per_rank / GiB,
                   max_model_len=512, max_num_batched_tokens=64, debug_checks=True)
@@ -197,6 +216,7 @@ def test_default_model_stages_same_tokens_as_one_process(pp, partition):
                                for o in llm.generate(batch, params, use_tqdm=False)]
             sched = llm.engine.scheduler
             stats[stages] = (sched.num_preemptions, llm.engine.kv.prefix_hits)
+            assert llm.engine.config.model.pp_layers == {1: (), 2: (19, 11), 3: (8, 10, 12)}[stages]
         finally:
             llm.engine.shutdown()
     assert results[pp] == results[1]

@@ -248,13 +248,20 @@ def test_seeded_sampling_logprobs_grammar_and_bias_are_unchanged(tmp_path):
 
 
 def test_grammar_requests_accept_drafts(tmp_path):
-    """A request under a grammar proposes only drafts its grammar allows, and keeps some."""
+    """A request under a grammar proposes only drafts its grammar allows, and keeps some; with
+    tensor parallelism too (the ranks get the grammar's mask rows for every draft)."""
     path = looping_model(tmp_path / "sharp", lm_head_scale=4.0)
-    llm = engine(path)
     params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(
         regex="([a-z]+ ){5,40}"))
-    out = llm.generate([prompts()[0]], params, use_tqdm=False)[0].outputs[0]
-    assert llm.engine.spec.stats.num_accepted_tokens > 0, (llm.engine.spec.stats, out.text)
+    texts = []
+    for tp in (1, 2):
+        llm = engine(path, tensor_parallel_size=tp)
+        try:
+            texts.append(llm.generate([prompts()[0]], params, use_tqdm=False)[0].outputs[0].text)
+            assert llm.engine.spec.stats.num_accepted_tokens > 0, (llm.engine.spec.stats, texts[-1])
+        finally:
+            llm.engine.shutdown()
+    assert texts[0] == texts[1]
 
 
 # ---- the draft_model method ----

@@ -201,7 +201,7 @@ def test_numpy_arrays_are_writable():
 
 def test_mask_row_fills_as_the_executor_did():
     row = MaskRow.of(FakeMatcher([0, 33, 99]), 100)
-    assert row.words.dtype == np.int32 and row.words.shape == (4,)
+    assert row.words.dtype == np.int32 and row.words.shape == (1, 4)
     bitmask = np.full((3, 4), -1, dtype=np.int32)
     decode(encode(row)).fill_bitmask(bitmask, 1)
     expect = np.full((4,), -1, dtype=np.int32)
