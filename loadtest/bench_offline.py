@@ -1,4 +1,5 @@
-"""Offline throughput: our engine vs. Hugging Face transformers `generate` on one synthetic workload.
+"""Offline throughput: our engine vs. Hugging Face transformers `generate` on one synthetic workload
+(`--dataset nano`: nano-vllm's benchmark on our engine alone, loadtest/bench_nano.py).
 
 Both run the same random prompts (random token ids, fixed seed) with greedy decoding and a fixed
 number of output tokens each. HF runs static batches in prompt order; its throughput counts only the
@@ -15,14 +16,25 @@ import time
 
 import torch
 
-from pageserve.loadtest import machine_limits
+from pageserve.loadtest import bench_nano, machine_limits
 from pageserve.loadtest.common import save_json
+from pageserve.loadtest.model_shapes import SHAPES, build_shape
 
 GiB = 1 << 30
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    parser.add_argument("--shape", default=None, choices=list(SHAPES),
+                        help="instead of --model: random weights of this model's shape, built once into the cache")
+    parser.add_argument("--dataset", default="random", choices=["random", "nano"],
+                        help="random: ours against HF on --num-prompts; nano: nano-vllm's bench, ours only")
+    parser.add_argument("--num-seqs", type=int, default=256, help="--dataset nano: sequences")
+    parser.add_argument("--min-len", type=int, default=100, help="--dataset nano: shortest prompt and output")
+    parser.add_argument("--max-len", type=int, default=1024, help="--dataset nano: longest prompt and output")
+    parser.add_argument("--smoke", action="store_true",
+                        help="--dataset nano in seconds on the CPU: {num_seqs} sequences of {min_len}..{max_len} "
+                             "tokens, the {shape} shape".format(**bench_nano.SMOKE))
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: what the engine picks for this machine (HF then loads the same)")
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -123,6 +135,18 @@ def run_hf(args, path: str, device: torch.device, work) -> dict:
 def main(args: argparse.Namespace) -> dict:
     from pageserve.runtime import LLM
 
+    if args.smoke:
+        if args.dataset != "nano" or args.model:
+            raise SystemExit("--smoke runs --dataset nano on its own tiny shape (no --model)")
+        vars(args).update(bench_nano.SMOKE)
+    if args.shape:
+        if args.model:
+            raise SystemExit("give --model or --shape, not both")
+        args.model = str(build_shape(args.shape))
+    if args.dataset == "nano":
+        result = bench_nano.run(args)
+        bench_nano.print_summary(result)
+        return save_json(result, args.output_json)
     for what in ("prompt", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
         if not 1 <= lo <= hi:

@@ -16,18 +16,21 @@
 5. engine: offline engine throughput on a random-weight model with Qwen2.5-0.5B's shapes
    against HF `generate` in static batches of 8 (loadtest/bench_offline.py), with the
    device's limits measured in the same run;
-6. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
+6. nano: nano-vllm's offline workload (256 sequences, prompts and outputs of 100..1024 tokens,
+   ignore_eos, one timed `generate`) on a random-weight Qwen2.5-0.5B shape in bf16
+   (loadtest/bench_nano.py): output and total tok/s beside vLLM's and nano-vllm-triton's figures;
+7. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
    serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
    under the worst load with the profiled peak covering the serving peak, swap-outs
    overlapping compute;
-7. moe: the mixture-of-experts feed-forward at Mixtral-8x7B's expert shapes (8 experts, top 2,
+8. moe: the mixture-of-experts feed-forward at Mixtral-8x7B's expert shapes (8 experts, top 2,
    hidden 4096, intermediate 14336, bf16) for 1, 16, 256 and 2048 tokens: torch_ops.fused_moe
    against the Triton fused_moe, their agreement with a float32 computation, and the expert
    weights the Triton version reads as a fraction of 4.8 TB/s;
-8. quant (loadtest/gpu_quant_check.py): W4A16 (groups of 128), FP8 and INT8 linear layers at
+9. quant (loadtest/gpu_quant_check.py): W4A16 (groups of 128), FP8 and INT8 linear layers at
    4096 -> 14336 and 14336 -> 4096 for 1, 16 and 256 tokens against the bf16 matmul of the
    dequantized weight: error relative to the output's scale, median time against bf16;
-9. lora (loadtest/gpu_lora_check.py): the multi-LoRA shrink + expand kernels on Llama-3-8B's
+10. lora (loadtest/gpu_lora_check.py): the multi-LoRA shrink + expand kernels on Llama-3-8B's
    q/k/v projection (4096 -> 4096 + 1024 + 1024), 8 slots of rank 16, for 1, 16 and 256 tokens
    spread over the 8 adapters: error of the delta against float32 torch, median time against
    the base layer's bf16 matmul and the torch grouped path.
@@ -62,7 +65,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs  # noqa: E402
+from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs, section_nano  # noqa: E402
 from pageserve.loadtest.gpu_lora_check import section_lora  # noqa: E402
 from pageserve.loadtest.gpu_quant_check import section_quant  # noqa: E402
 
@@ -393,7 +396,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,readiness,moe,quant,lora")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,nano,readiness,moe,quant,lora")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -405,8 +408,8 @@ def main() -> int:
               "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "failed": []}
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
-                "decode": section_decode_bench, "engine": section_engine, "readiness": section_readiness,
-                "moe": section_moe, "quant": section_quant, "lora": section_lora}
+                "decode": section_decode_bench, "engine": section_engine, "nano": section_nano,
+                "readiness": section_readiness, "moe": section_moe, "quant": section_quant, "lora": section_lora}
     start = time.perf_counter()
     for name in args.sections.split(","):
         print(f"\n-- {name} --", flush=True)
@@ -414,7 +417,7 @@ def main() -> int:
         try:
             if name in ("tests", "readiness"):  # in processes of their own
                 sections[name](args, report)
-            elif name in ("engine", "graphs"):  # the engine manages its own inference mode
+            elif name in ("engine", "graphs", "nano"):  # the engine manages its own inference mode
                 sections[name](args, report, device)
             else:
                 with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The GPU check's engine sections (loadtest/gpu_check.py runs them): offline throughput
-against HF, and decode steps with and without CUDA graphs, on random-weight models with
-Qwen2.5-0.5B's shapes (or TINY's, with --smoke); the readiness checks build the same models."""
+against HF, nano-vllm's workload, and decode steps with and without CUDA graphs, on random-weight
+models with Qwen2.5-0.5B's shapes (or TINY's, with --smoke); the readiness checks build the same models."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ def section_engine(args, report, device):
                         "hf_tok_s": result["hf"]["tokens_per_s"],
                         "ratio": result["ours"]["tokens_per_s"] / result["hf"]["tokens_per_s"],
                         "ours": result["ours"], "hf": result["hf"], "shape": shape}
+
+
+def section_nano(args, report, device):
+    """nano-vllm's offline workload (loadtest/bench_nano.py) on the Qwen2.5-0.5B shape in bf16;
+    its CPU smoke with --smoke."""
+    from pageserve.loadtest import bench_offline
+
+    flags = ["--smoke"] if args.smoke else ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16"]
+    ns = bench_offline.add_args(argparse.ArgumentParser()).parse_args(["--dataset", "nano", *flags])
+    report["nano"] = bench_offline.main(ns)
 
 
 def decode_steps(engine, batch: int, steps: int, prompt_len: int = 32) -> tuple[list[float], dict]:
