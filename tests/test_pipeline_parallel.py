@@ -108,12 +108,18 @@ def in_flight_depths(llm) -> list[int]:
     return depths
 
 
+@pytest.fixture(scope="module")
+def one_process(four_layers):
+    """The workload's results in one process, with the same blocks."""
+    prompts, params = workload()
+    return run(engine(four_layers, 1, 1, blocks=44, swap_blocks=14), prompts, params)
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("tp,pp,in_flight", [(1, 2, 2), (1, 2, 1), (2, 2, 2)])
-def test_stages_give_the_tokens_of_one_process_under_pressure(four_layers, tp, pp, in_flight):
+def test_stages_give_the_tokens_of_one_process_under_pressure(four_layers, one_process, tp, pp, in_flight):
     prompts, params = workload()
-    one = engine(four_layers, 1, 1, blocks=44, swap_blocks=14)
-    expected = run(one, prompts, params)
+    expected = one_process
     llm = engine(four_layers, tp, pp, blocks=44, swap_blocks=14, max_batches_in_flight=in_flight)
     try:
         assert len(llm.engine.executor.pids) == tp * pp

@@ -163,10 +163,12 @@ def test_config_as_vllm_takes_it():
             SpeculativeConfig.parse(bad)
 
 
-def test_tensor_parallel_ranks_verify_the_same_drafts(looping_model_dir, plain):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2-two-batches-in-flight"])
+def test_parallel_ranks_verify_the_same_drafts(looping_model_dir, plain, layout):
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * 4
     want = tokens(plain.generate(prompts()[:4], params, use_tqdm=False))
-    llm = engine(looping_model_dir, tensor_parallel_size=2)
+    llm = engine(looping_model_dir, **layout)
     try:
         assert tokens(llm.generate(prompts()[:4], params, use_tqdm=False)) == want
         stats = llm.engine.stats().spec
