@@ -8,7 +8,7 @@ PORT ?= 8000
 USERS ?= 16
 TIME ?= 60s
 
-.PHONY: install serve test loadtest generate bench clean gpu-wheels
+.PHONY: install serve test loadtest generate bench clean gpu-wheels wheelhouse
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,3 +50,11 @@ gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl "outlines-core==0.2.14"
+
+# one folder to install pageserve from on a machine without network (README: Installing without a network):
+# make wheelhouse DIR=wheelhouse [PLATFORM=manylinux_2_28_x86_64] [PYTHON=3.12] [EXTRAS=test] [FIND_LINKS=folder]
+DIR ?= wheelhouse
+wheelhouse:
+	python3 loadtest/wheelhouse.py $(DIR) $(if $(PLATFORM),--platform $(PLATFORM)) \
+		$(if $(PYTHON),--python-version $(PYTHON)) $(foreach e,$(EXTRAS),--extra $(e)) \
+		$(foreach f,$(FIND_LINKS),--find-links $(f))

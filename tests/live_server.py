@@ -93,7 +93,12 @@ class InProcessServer:
 
 
 class SubprocessServer:
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    """`pageserve serve --port PORT ARGS...` from this checkout; or `command` (a `pageserve` program
+    installed elsewhere) run in `cwd` with `base_env` (default: this process's environment)
+    updated by `env`."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None,
+                 cwd: Path = ROOT, base_env: dict[str, str] | None = None, startup_timeout: float = 120):
         sock = free_socket()
         port = sock.getsockname()[1]
         sock.close()
@@ -102,10 +107,11 @@ class SubprocessServer:
         self.log_path.parent.mkdir(exist_ok=True)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pageserve.app.cli", "serve", "--port", str(port), *args],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            [*(command or [sys.executable, "-m", "pageserve.app.cli"]), "serve", "--port", str(port), *args],
+            cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**(os.environ if base_env is None else base_env), **(env or {})})
         try:
-            wait_healthy(self.url, 120, self.proc)
+            wait_healthy(self.url, startup_timeout, self.proc)
         except BaseException:
             self.stop()
             raise
