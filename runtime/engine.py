@@ -346,13 +346,14 @@ class LLMEngine:
                 self.spec.propose_all(self.scheduler.idle_running(), self.config.model.max_model_len)
             sched = self.scheduler.schedule(self._step_seqs())
             if not (sched.carries_nothing and self._in_flight):  # else nothing to send: on to the oldest step
+                started = time.perf_counter()
                 try:
                     handle = self.executor.submit(sched)  # also runs the step's swaps and copies
                 except ExecutorDeadError:  # the ranks are gone: no step can run again
                     raise
                 except Exception as e:
                     raise StepFailed(self._fail_step(sched), e) from e
-                self._in_flight.append((sched, handle, time.perf_counter()))
+                self._in_flight.append((sched, handle, started))
                 if sched.requests and len(self._in_flight) < self._depth:
                     return []  # the pipeline takes another step before the first one is out
         sched, handle, started = self._in_flight.popleft()

@@ -235,9 +235,9 @@ class MultiprocExecutor:
 
     def _fail(self, message: str):
         logger.error("%s; stopping every worker", message)
-        for proc in self._procs:  # the others may be blocked in a collective with the lost rank
+        for proc in self._procs:  # the others may be blocked in a collective with the lost rank, or stopped
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
         self.shutdown()
         raise ExecutorDeadError(message)
 

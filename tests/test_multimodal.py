@@ -176,8 +176,8 @@ def test_encoder_cache_budget_holds_one_image_at_a_time(family):
     peak = []
     schedule = llm.engine.scheduler.schedule
 
-    def watched():
-        out = schedule()
+    def watched(*args):
+        out = schedule(*args)
         peak.append(cache.used)
         return out
 
