@@ -25,11 +25,13 @@ def tiny_llm(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def native_kernels(tmp_path_factory):
-    """The C kernels built from this checkout for this CPU (what an engine here loads), once."""
+def native_kernels():
+    """The C kernels built from this checkout for this CPU (what an engine here loads), once:
+    in the cache the engines load them from (keyed by the sources and flags)."""
+    from pageserve.runtime.models.loader import cache_root
     from pageserve.triton_kernels import cpu_kernels
 
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"))
+    k = cpu_kernels.load(cache_root() / "kernels")
     if k is None:
         pytest.skip("no C compiler here: the CPU path keeps torch's ops")
     return k

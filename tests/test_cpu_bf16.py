@@ -19,9 +19,9 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), bf16_dot=False)
-    if k is None or not k.has_bf16_dot:
+def lib(native_kernels):
+    k = native_kernels
+    if not k.has_bf16_dot:
         pytest.skip("no C kernels with AVX512-BF16 on this CPU")
     return cpu_kernels.CpuKernels(k.path, bf16_dot=True)
 
