@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pageserve.runtime.config import ModelConfig
-from pageserve.runtime.kernels import AttentionMetadata, Kernels
+from pageserve.runtime.kernels import Kernels
 from pageserve.runtime.models import parallel
 from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
 
