@@ -71,6 +71,7 @@ def run(args) -> dict:
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=2 * args.max_len, seed=args.seed, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling,
               device="cpu" if args.smoke else "auto")
     cfg = llm.engine.config
     if cfg.model.vocab_size <= MAX_TOKEN_ID:  # a small model: ids wrap around its vocabulary, lengths stay
@@ -96,6 +97,7 @@ def run(args) -> dict:
               "output_tokens": output_tokens, "seconds": seconds,
               "output_tok_s": output_tokens / seconds, "total_tok_s": (prompt_tokens + output_tokens) / seconds,
               "steps": llm.engine.stats().steps, "enforce_eager": args.enforce_eager,
+              "async_scheduling": args.async_scheduling,
               "public_figures": PUBLIC_FIGURES}
     del llm, cfg, outs
     gc.collect()  # the engine is cyclic garbage: its KV pool goes now, before whatever runs next
@@ -108,7 +110,7 @@ def print_summary(r: dict) -> None:
     print(f"\n== nano-vllm workload: {r['shape'] or r['model']} ({r['dtype']}, {dev['name']}) ==")
     print(f"{r['num_seqs']} sequences, {r['min_len']}..{r['max_len']} tokens in and out (seed {r['seed']}): "
           f"{r['prompt_tokens']} prompt + {r['output_tokens']} output tokens in {r['seconds']:.2f} s, "
-          f"{r['steps']} steps")
+          f"{r['steps']} steps, async scheduling {'on' if r['async_scheduling'] else 'off'}")
     print(f"output: {r['output_tok_s']:,.0f} tok/s (nano-vllm's figure); prompt + output: {r['total_tok_s']:,.0f} tok/s")
     print(f"beside: {pub['model']} on an {pub['hardware']}: vLLM {pub['vllm_output_tok_s']:,}, nano-vllm-triton "
           f"{pub['nano_vllm_triton_output_tok_s']:,} tok/s; target on an {pub['target']['hardware']}: "

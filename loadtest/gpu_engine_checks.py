@@ -47,13 +47,18 @@ def section_engine(args, report, device):
 
 
 def section_nano(args, report, device):
-    """nano-vllm's offline workload (loadtest/bench_nano.py) on the Qwen2.5-0.5B shape in bf16;
-    its CPU smoke with --smoke."""
+    """nano-vllm's offline workload (loadtest/bench_nano.py) on the Qwen2.5-0.5B shape in bf16,
+    with async scheduling off and on; its CPU smoke with --smoke."""
     from pageserve.loadtest import bench_offline
 
     flags = ["--smoke"] if args.smoke else ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16"]
-    ns = bench_offline.add_args(argparse.ArgumentParser()).parse_args(["--dataset", "nano", *flags])
-    report["nano"] = bench_offline.main(ns)
+    runs = {}
+    for mode, extra in (("sync", []), ("async", ["--async-scheduling"])):
+        ns = bench_offline.add_args(argparse.ArgumentParser()).parse_args(["--dataset", "nano", *flags, *extra])
+        runs[mode] = bench_offline.main(ns)
+    runs["async_over_sync"] = runs["async"]["output_tok_s"] / runs["sync"]["output_tok_s"]
+    print(f"async scheduling: {runs['async_over_sync']:.3f}x the output tok/s of synchronous steps")
+    report["nano"] = runs
 
 
 def decode_steps(engine, batch: int, steps: int, prompt_len: int = 32) -> tuple[list[float], dict]:

@@ -169,6 +169,8 @@ class SchedulerConfig:
     # requests' first tokens wait for the decodes; a GPU decodes beside a prompt for free)
     prompts_first: bool = False
     max_loras: int = 0  # distinct LoRA adapters the running batch may hold (0: adapters are off)
+    # a decoding request runs in the next step too before its token is known (runtime/scheduler.py)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

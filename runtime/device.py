@@ -30,6 +30,9 @@ class NullStream:
 class NullEvent:
     """The point a stream reached: on a device in program order, always passed already."""
 
+    def synchronize(self) -> None:
+        pass
+
 
 class HostDevice:
     type = "cpu"
@@ -51,6 +54,14 @@ class HostDevice:
         """Plain memory, committed now (zero-filled), as the KV pool is: the swap space costs
         its size from start-up, not a growth of memory in the middle of serving."""
         return torch.zeros(shape, dtype=dtype)
+
+    def upload(self, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A step's input from host values (on a GPU, copied without waiting for the device)."""
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, NullEvent]:
+        """A host copy of `tensor` and the event after which it holds the values."""
+        return tensor, NullEvent()
 
     def synchronize(self) -> None:
         pass
@@ -121,6 +132,21 @@ class CudaDevice:
             # unpinned before torch frees the pages, which a later registration may get again
             weakref.finalize(tensor, _unregister, cudart, tensor.data_ptr())
         return tensor
+
+    def upload(self, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Through pinned memory, not waiting for the stream: a blocking copy would wait for
+        the step still running, which async scheduling overlaps with this one's preparation
+        (torch's pinned allocator keeps the buffer until the copy is done)."""
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+    def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Into pinned memory after the work queued so far, and the event that marks it: the
+        host waits for this step's values, not for the next step queued behind them."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

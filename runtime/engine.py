@@ -77,7 +77,9 @@ class LLMEngine:
                                    None if mm is None else EncoderCacheManager(mm.encoder_cache_bytes, mm.whole_images,
                                                                                mm.encoder_step_tokens))
         self.requests: dict[str, Request] = {}
-        self._depth = config.parallel.batches_in_flight
+        # steps submitted before the oldest is collected: a pipeline's batches, or under async
+        # scheduling the step being prepared beside the one running
+        self._depth = 2 if config.scheduler.async_scheduling else config.parallel.batches_in_flight
         self._in_flight: collections.deque = collections.deque()  # (step, executor's handle, submitted at)
         self.outputs = OutputProcessor()
         self.counters = IterationCounters()
@@ -326,8 +328,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def _step_seqs(self) -> int | None:
-        """With several steps in flight, each takes its share of the requests (None: no cap)."""
-        if self._depth == 1:
+        """With a pipeline's steps in flight, each takes its share of the requests (None: no
+        cap; async scheduling's steps each take every request)."""
+        if self._depth == 1 or self.config.scheduler.async_scheduling:
             return None
         s = self.scheduler
         return max(1, -(-(len(s.running) + len(s.waiting) + len(s.swapped)) // self._depth))
@@ -338,7 +341,8 @@ class LLMEngine:
         """One engine step. Returns an output for each request that has something to report,
         as its `output_kind` asks: every step (cumulative or delta) or only when finished.
         With a pipeline, up to `batches_in_flight` steps are submitted before the oldest one's
-        result is collected, each with its own requests."""
+        result is collected, each with its own requests; with async scheduling, two, the newer
+        one running decodes ahead of the tokens the older one samples (runtime/scheduler.py)."""
         if self._grammar_waiting:
             self._resolve_grammars()
         if len(self._in_flight) < self._depth:

@@ -51,6 +51,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False  # schedule the next step while this one runs (one rank)
     swap_space: float | None = None  # GiB of host memory for preempted requests' KV blocks
     preemption_mode: str = "swap"
     attention_backend: str = "auto"
@@ -105,7 +106,11 @@ class EngineArgs:
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
         self.lora_config()
-        SpeculativeConfig.parse(self.speculative_config)
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
+            raise ValueError("--async-scheduling does not take --speculative-config yet")
+        if self.async_scheduling and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("--async-scheduling takes one rank: not --tensor-parallel-size or "
+                             "--pipeline-parallel-size above 1 (a pipeline keeps batches in flight of its own)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -147,6 +152,9 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default 512 on CPU, 2048 on CUDA)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="schedule step N+1 while step N runs: a decoding request's next input is the "
+                            "token step N samples, taken on the device; the host learns it a step later")
         g = parser.add_argument_group("device")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
@@ -373,6 +381,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompts_first=device.type == "cpu",
             max_loras=self.max_loras if self.enable_lora else 0,
+            async_scheduling=self.async_scheduling,
         )
 
     def max_images(self) -> int:

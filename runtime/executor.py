@@ -60,14 +60,15 @@ class UniProcExecutor:
         self.runner = runner
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        return self.runner.execute(out)
+        return self.runner.execute(out).resolve()
 
     def submit(self, out: SchedulerOutput) -> StepResult:
-        """The step, run now; its result is the handle that `collect` gives back."""
+        """The step, launched now (on a GPU it may still run); its result is the handle that
+        `collect` gives back once the host has its tokens."""
         return self.runner.execute(out)
 
     def collect(self, handle: StepResult) -> StepResult:
-        return handle
+        return handle.resolve()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)

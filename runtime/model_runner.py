@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -48,6 +49,15 @@ class StepResult:
     # requests with draft tokens: the drafts kept and the token sampled after them
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per kept token
+    pending: tuple | None = None  # (host tensor, event): `sampled` once the device is done (resolve)
+
+    def resolve(self) -> "StepResult":
+        """The sampled tokens on the host, waiting for the device to have them (and no more)."""
+        if self.pending is not None:
+            host, event = self.pending
+            event.synchronize()
+            self.sampled, self.pending = host.tolist(), None
+        return self
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
@@ -83,7 +93,7 @@ class ModelRunner:
         self.model = self._load_model(Path(model_cfg.path))
         self._plan_linear()
         self.lora = None if lora is None else LoRAManager(self.model, lora, model_cfg, self.device)
-        self.sampler = StepSampler(model_cfg.vocab_size, self.device, seed, self.kernels)
+        self.sampler = StepSampler(model_cfg.vocab_size, self.device, seed, self.kernels, self.dev)
         self.seeded, self.counts = self.sampler.seeded, self.sampler.counts
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv_storage: torch.Tensor | None = None
@@ -312,8 +322,12 @@ class ModelRunner:
         logits_rows: list[int] = []
         max_blocks = max(len(r.block_ids) for r in out.requests)
         block_tables: list[list[int]] = []
+        holes, ahead = [], []  # async scheduling: where a token the last step drew goes, and whose
         for r in out.requests:
             n = len(r.token_ids)
+            if r.placeholder:
+                holes.append(len(input_ids))
+                ahead.append(r.request_id)
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
             query_start.append(query_start[-1] + n)
@@ -321,25 +335,30 @@ class ModelRunner:
             block_tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
             if r.sample and not r.draft_tokens:
                 logits_rows.append(query_start[-1] - 1)
-        dev = self.device
+        dev, upload = self.device, self.dev.upload
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(out.slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            slot_mapping=upload(out.slot_mapping, torch.int64, dev),
+            query_start_loc=upload(query_start, torch.int32, dev),
+            seq_lens=upload(seq_lens, torch.int32, dev),
+            block_tables=upload(block_tables, torch.int32, dev),
             max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
             max_seq_len=max(seq_lens),
             lora=None if self.lora is None else self.lora.batch(out.requests, len(input_ids)),
         )
         self.kernels.prepare(meta)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = upload(input_ids, torch.int64, dev)
+        if holes:
+            ids.index_copy_(0, upload(holes, torch.int64, dev), self.sampler.last_tokens(ahead))
+        pos = upload(positions, torch.int64, dev)
         return ids, pos, meta, logits_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: swaps, the forward, then sampling (`num_samples` tokens per
-        request whose `sample` is set), prompt logprobs and pooling."""
+        request whose `sample` is set), prompt logprobs and pooling. The sampled tokens are on
+        their way to the host (StepResult.resolve): on a GPU this returns once the step is
+        queued (but for what needs the host: logprobs, drafts), so that the next step can be
+        prepared while it runs."""
         self.sampler.release(out.finished_ids, out.preempted)
         for swapper in (self.swapper, self.draft and self.draft.runner.swapper):
             if swapper is not None:
@@ -369,7 +388,7 @@ class ModelRunner:
             hidden = self.model(ids, pos, meta, self.kv_caches)
         else:
             hidden = self.graphs.run(size, ids, pos, meta)
-        starts = meta.query_start_loc.tolist()
+        starts = [0, *itertools.accumulate(len(r.token_ids) for r in out.requests)]
         if any(r.pool for r in out.requests):
             result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
                              for i, r in enumerate(out.requests) if r.pool]

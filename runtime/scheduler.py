@@ -7,7 +7,13 @@ and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting reque
 leaves the decodes out (the next step always has them). When a running request cannot get a
 block, the newest running request is preempted: its blocks go to the CPU swap space when there
 is room (mode "swap"), else they are freed and the request is recomputed from its tokens
-later."""
+later.
+
+With async scheduling the next step is scheduled while the last one runs: a request whose step
+in flight samples its next token runs ahead in the new step with that token as a placeholder
+(`ScheduledRequest.placeholder`), which the runner takes from the step before on the device.
+The host appends the token when that step is collected; a request that finished there wastes
+its slot in the step after, whose output for it is dropped."""
 
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ class ScheduledRequest:
     # speculative tokens after its last one (the end of token_ids): the runner returns the
     # target's greedy token at each of them and after the last
     draft_tokens: list[int] = field(default_factory=list)
+    # async scheduling: its one token is the one the step before samples for it (unknown here)
+    placeholder: bool = False
 
 
 @dataclass(slots=True)
@@ -97,7 +105,9 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.reset_counters()
         self._steps: deque[list[tuple[Request, int]]] = deque()  # each step in flight: what it computes
-        self._in_flight: set[str] = set()  # the requests of those steps: not scheduled again until done
+        # the requests of those steps: their tokens in flight (not scheduled again until done,
+        # but for a decode running ahead under async scheduling)
+        self._in_flight: dict[str, int] = {}
         self._step_cap = config.max_num_seqs
         self._finished_ids: list[str] = []
         self._deferred = False  # the last step left the decodes for prompts
@@ -144,7 +154,7 @@ class Scheduler:
 
         for req, num_new in scheduled:
             self._emit(out, req, num_new)
-            self._in_flight.add(req.request_id)
+            self._in_flight[req.request_id] = self._in_flight.get(req.request_id, 0) + num_new
         if scheduled:
             self._steps.append(scheduled)
         out.freed_images = self.encoder_cache.take_freed()
@@ -164,6 +174,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < self._step_cap:
             req = self.running[i]
             if req.request_id in self._in_flight:
+                if self._runs_ahead(req, skip_decodes):
+                    scheduled.append((req, 1))
+                    budget -= 1
                 i += 1
                 continue
             num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
@@ -185,6 +198,22 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget, preempted_any
+
+    def _runs_ahead(self, req: Request, skip_decodes: bool) -> bool:
+        """Async scheduling: whether the request, in flight in a step that samples its next
+        token, takes a slot for that token in this step (without preempting anything). Not
+        where the host must see the token first: a grammar, drafts, n > 1 forks, a min_tokens
+        mask, or a token that may be its last by length."""
+        p = req.sampling_params
+        if not self.config.async_scheduling or skip_decodes or req.pooling or req.matcher is not None \
+                or req.num_samples != 1 or req.draft_tokens or req.num_output_tokens < p.min_tokens:
+            return False
+        ahead = self._in_flight[req.request_id]
+        if req.num_computed_tokens + ahead != req.num_tokens:  # the step in flight samples nothing
+            return False
+        if req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+            return False
+        return self.kv.allocate_slots(req, ahead + 1)
 
     def _pop_newest_idle(self) -> Request:
         """Take out the newest running request that no step in flight holds."""
@@ -285,16 +314,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        start = req.num_computed_tokens
+        start = req.num_computed_tokens + self._in_flight.get(req.request_id, 0)
         block_ids = self.kv.block_ids(req.request_id)
         bs = self.block_size
-        drafts = req.draft_tokens if start + num_new > req.num_tokens else []
+        placeholder = start == req.num_tokens  # running ahead: its token is sampled by the step in flight
+        drafts = req.draft_tokens if not placeholder and start + num_new > req.num_tokens else []
         out.requests.append(ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:start + num_new - len(drafts)] + drafts,
+            token_ids=[0] if placeholder else req.token_ids[start:start + num_new - len(drafts)] + drafts,
+            placeholder=placeholder,
             start_pos=start,
             block_ids=block_ids,
-            sample=start + num_new - len(drafts) == req.num_tokens and not req.pooling,
+            sample=placeholder or start + num_new - len(drafts) == req.num_tokens and not req.pooling,
             draft_tokens=drafts,
             sampling_params=req.sampling_params,
             pool=req.pooling,
@@ -352,7 +383,7 @@ class Scheduler:
         aborted while it ran included)."""
         reqs = []
         for req, num_new in self._steps.popleft() if self._steps else ():
-            self._in_flight.discard(req.request_id)
+            self._land(req, num_new)
             reqs.append(req)
             if req.status.finished:  # aborted while in flight: its blocks are free already
                 continue
@@ -364,8 +395,14 @@ class Scheduler:
 
     def discard_last_step(self) -> None:
         """The oldest step in flight failed: none of its tokens reached the cache."""
-        for req, _ in self._steps.popleft() if self._steps else ():
-            self._in_flight.discard(req.request_id)
+        for req, num_new in self._steps.popleft() if self._steps else ():
+            self._land(req, num_new)
+
+    def _land(self, req: Request, num_new: int) -> None:
+        """A step in flight is over for the request: its tokens leave the count in flight."""
+        left = self._in_flight.pop(req.request_id) - num_new
+        if left:
+            self._in_flight[req.request_id] = left
 
     def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
         """n > 1: after the parent's first sample, its siblings run beside it, sharing its

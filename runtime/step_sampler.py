@@ -3,7 +3,8 @@ and grammar mask, and what the draws give it. A request samples `num_samples` to
 last row (n > 1 draws its forks' first tokens there); a request with draft tokens samples at its
 last real token and at each draft, each row as if the drafts before it were its tokens, and keeps
 the run that spec_decode.verify finds. The per-request state that outlives a step lives here too:
-seeded requests' generators and the penalty counts."""
+seeded requests' generators, the penalty counts, and the last step's draws on the device (the
+inputs of requests running ahead under async scheduling)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def fill_grammar_rows(bitmask: np.ndarray, row: int, matcher, drafts: list[int])
 
 
 class StepSampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int, kernels):
-        """kernels: the backend's argmax and grammar-mask kernels (Kernels)."""
-        self.vocab_size, self.device, self.kernels = vocab_size, device, kernels
+    def __init__(self, vocab_size: int, device: torch.device, seed: int, kernels, dev):
+        """kernels: the backend's argmax and grammar-mask kernels (Kernels); dev: the device's
+        copies to the host (runtime/device.py)."""
+        self.vocab_size, self.device, self.kernels, self.dev = vocab_size, device, kernels, dev
+        self._last: tuple[torch.Tensor, list[SampleRow]] | None = None  # the last step's draws, by row
         self.generator = torch.Generator(device=device)  # unseeded requests' draws
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
@@ -87,10 +90,14 @@ class StepSampler:
         if constrained:
             meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)
-        ids = token_ids.tolist()
+        self._last = (token_ids, rows[:num_plain])
         by_row = dict(zip(meta.logprob_rows, logprobs))
-        result.sampled = ids[:num_plain]
         result.logprobs = {rows[i].request_id: by_row[i] for i in meta.logprob_rows if i < num_plain}
+        if not spec:  # the host reads the draws when the step is collected (StepResult.resolve)
+            result.pending = self.dev.download(token_ids)
+            return
+        ids = token_ids.tolist()
+        result.sampled = ids[:num_plain]
         at = num_plain
         for r in spec:
             run = verify(r.draft_tokens, ids[at:at + len(r.draft_tokens) + 1])
@@ -103,6 +110,13 @@ class StepSampler:
                 for _ in run:  # one draw a row, as sample() draws them
                     torch.rand((), generator=gen, device=self.device)
             at += len(r.draft_tokens) + 1
+
+    def last_tokens(self, request_ids: list[str]) -> torch.Tensor:
+        """On the device: the tokens the last step drew for these requests (one each)."""
+        ids, rows = self._last
+        where = {r.request_id: i for i, r in enumerate(rows)}
+        index = self.dev.upload([where[rid] for rid in request_ids], torch.int64, self.device)
+        return ids.index_select(0, index)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.seeded.get(request_id)

@@ -220,7 +220,7 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
             held = tokens.setdefault(r.request_id, [])
             held.extend(r.request_tokens)
             r.request_tokens = held
-        return runner.execute(out)
+        return runner.execute(out).resolve()
 
     def allocate(cache: CacheConfig) -> None:
         runner.allocate_kv_cache(cache)

@@ -15,8 +15,12 @@ GiB = 1 << 30
 
 
 class FakeEvent:
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, log: list | None = None):
+        self.name, self.log = name, log
+
+    def synchronize(self) -> None:
+        if self.log is not None:
+            self.log.append(("event_sync", self.name))
 
 
 class FakeStream:
@@ -89,6 +93,17 @@ class FakeCuda(HostDevice):
         tensor = torch.empty(shape, dtype=dtype)
         self.log.append(("pinned", tensor.numel() * tensor.element_size()))
         return tensor
+
+    def upload(self, values, dtype, device) -> torch.Tensor:
+        self.log.append(("upload", len(values)))
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, FakeEvent]:
+        """A copy (what the host reads after the event), so that a test sees the host read it
+        only after waiting for the event."""
+        event = FakeEvent(f"download:{len(self.log)}", self.log)
+        self.log.append(("download", event.name))
+        return tensor.clone(), event
 
     def synchronize(self) -> None:
         self.log.append(("synchronize",))

@@ -74,12 +74,14 @@ def test_shape_is_built_once_in_bfloat16(tmp_path):
 
 
 @pytest.mark.engine
-def test_smoke_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-scheduling"]])
+def test_smoke_runs_end_to_end(tmp_path, extra):
     from pageserve.app import cli
 
     path = tmp_path / "nano.json"
-    assert cli.main(["bench", "offline", "--dataset", "nano", "--smoke", "--output-json", str(path)]) == 0
+    assert cli.main(["bench", "offline", "--dataset", "nano", "--smoke", "--output-json", str(path), *extra]) == 0
     r = json.loads(path.read_text())
+    assert r["async_scheduling"] == bool(extra)
     _, outs = nano_workload(r["num_seqs"], r["min_len"], r["max_len"], r["seed"])
     assert (r["num_seqs"], r["min_len"], r["max_len"]) == (8, 8, 32)
     assert r["output_tokens"] == sum(outs) and r["prompt_tokens"] > 0

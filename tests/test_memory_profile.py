@@ -61,7 +61,7 @@ def test_profile_runs_every_path_and_leaves_the_rest_to_the_kv_cache(tiny_model_
         counting(monkeypatch, module, name, calls)
     results = []
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda out: results.append(execute(out)) or results[-1])
+    monkeypatch.setattr(runner, "execute", lambda out: results.append(execute(out).resolve()) or results[-1])
 
     blocks = runner.profile_num_blocks(0.9, 64, 16)
 
