@@ -80,13 +80,13 @@ class StepSampler:
         parts = []
         if plain is not None:
             if num_plain > len(plain_reqs):  # n > 1 forks draw several tokens from one row
-                plain = plain.repeat_interleave(torch.tensor([r.num_samples for r in plain_reqs],
-                                                             device=self.device), dim=0)
+                plain = plain.repeat_interleave(self.dev.upload([r.num_samples for r in plain_reqs],
+                                                                torch.int64, self.device), dim=0)
             parts.append(plain)
         if at_drafts is not None:
             parts.append(at_drafts)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        meta = SamplingMetadata(rows, self.device, self.vocab_size, own, self.counts)
+        meta = SamplingMetadata(rows, self.device, self.vocab_size, own, self.counts, self.dev.upload)
         if constrained:
             meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)

@@ -44,45 +44,46 @@ class SamplingMetadata:
 
     def __init__(self, rows: list[SampleRow], device: torch.device, vocab_size: int,
                  generators: dict[int, torch.Generator] | None = None,
-                 counts: TokenCounts | None = None):
+                 counts: TokenCounts | None = None, upload: Callable | None = None):
+        """upload(values, dtype, device): host lists to the device (on a GPU without waiting
+        for the step in flight: runtime/device.py); torch.tensor by default."""
+        up = upload or _upload
         params = [r.params for r in rows]
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
         self.generators = generators or {}  # row -> the request's own seeded generator
         if not self.all_greedy:  # the random-sampling tensors: a greedy step needs none
-            self.greedy = torch.tensor([p.greedy for p in params], device=device)
+            self.greedy = up([p.greedy for p in params], torch.bool, device)
             # greedy rows keep temperature 1 so the division stays finite; their argmax is used
-            self.temperature = torch.tensor([p.temperature or 1.0 for p in params],
-                                            dtype=torch.float32, device=device)
-            self.top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
-            self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            self.temperature = up([p.temperature or 1.0 for p in params], torch.float32, device)
+            self.top_k = up([min(p.top_k, vocab_size) for p in params], torch.int64, device)
+            self.top_p = up([p.top_p for p in params], torch.float32, device)
+            self.min_p = up([p.min_p for p in params], torch.float32, device)
             sampled = [p for p in params if not p.greedy]
             self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
             self.need_min_p = any(p.min_p > 0 for p in sampled)
             truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
-            self.truncated = torch.tensor(truncated, device=device)
+            self.truncated = up(truncated, torch.bool, device)
             self.any_truncated = any(truncated)
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
         banned = [(i, t) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
                   for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else r.eos_token_ids))]
-        self.bias = _index(bias, device) if bias else None
-        self.banned = _index(banned, device) if banned else None
+        self.bias = _index(bias, device, up) if bias else None
+        self.banned = _index(banned, device, up) if banned else None
 
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         self.penalty_rows = None
         if pen:
             assert counts is not None
             self.counts = counts
-            self.penalty_rows = torch.tensor(pen, device=device)
-            self.count_rows = torch.tensor([counts.row(rows[i].request_id, rows[i].token_ids,
-                                                       rows[i].num_prompt_tokens) for i in pen],
-                                           device=device)
-            self.presence = torch.tensor([params[i].presence_penalty for i in pen], device=device)
-            self.frequency = torch.tensor([params[i].frequency_penalty for i in pen], device=device)
-            self.repetition = torch.tensor([params[i].repetition_penalty for i in pen], device=device)
+            self.penalty_rows = up(pen, torch.int64, device)
+            self.count_rows = up([counts.row(rows[i].request_id, rows[i].token_ids, rows[i].num_prompt_tokens)
+                                  for i in pen], torch.int64, device)
+            self.presence = up([params[i].presence_penalty for i in pen], torch.float32, device)
+            self.frequency = up([params[i].frequency_penalty for i in pen], torch.float32, device)
+            self.repetition = up([params[i].repetition_penalty for i in pen], torch.float32, device)
 
         self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
         self.apply_bitmask = None
@@ -99,11 +100,15 @@ class SamplingMetadata:
         self.bitmask, self.apply_bitmask = bitmask, apply
 
 
-def _index(items: list[tuple], device) -> tuple[torch.Tensor, ...]:
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _index(items: list[tuple], device, up) -> tuple[torch.Tensor, ...]:
     cols = list(zip(*items))
-    out = [torch.tensor(cols[0], device=device), torch.tensor(cols[1], device=device)]
+    out = [up(cols[0], torch.int64, device), up(cols[1], torch.int64, device)]
     if len(cols) > 2:
-        out.append(torch.tensor(cols[2], dtype=torch.float32, device=device))
+        out.append(up(cols[2], torch.float32, device))
     return tuple(out)
 
 
@@ -218,7 +223,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if meta.bias is not None:
         logits.index_put_(meta.bias[:2], meta.bias[2], accumulate=True)
     if meta.banned is not None:
-        logits.index_put_(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(meta.banned, logits.new_full((), float("-inf")))
     if meta.penalty_rows is not None:
         apply_penalties(logits, meta.penalty_rows, meta.count_rows, meta.counts, meta.presence,
                         meta.frequency, meta.repetition)
