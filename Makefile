@@ -51,7 +51,7 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl "outlines-core==0.2.14"
 
-# one folder to install pageserve from on a machine without network (README: Installing without a network):
+# one folder to install pageserve from on a machine without network (docs/offline.md):
 # make wheelhouse DIR=wheelhouse [PLATFORM=manylinux_2_28_x86_64] [PYTHON=3.12] [EXTRAS=test] [FIND_LINKS=folder]
 DIR ?= wheelhouse
 wheelhouse:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "app" / "static" / "chat.html"
 KEY = "page-key"
-# set to a path to keep the mid-stream screenshot (the README's is loadtest/results/chat_page.png)
+# set to a path to keep the mid-stream screenshot (as loadtest/results/chat_page.png; the README shows docs/images/chat.png)
 SCREENSHOT_ENV = "PAGESERVE_CHAT_SCREENSHOT"
 
 
