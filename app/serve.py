@@ -203,7 +203,7 @@ def run(ns: argparse.Namespace) -> int:
                                request_timeout=ns.request_timeout)
     # "any JSON object" is the slowest grammar to compile (seconds): done before serving, so that
     # the first json_object request does not wait for it, and no compile shares the cores with
-    # the first requests (on 2 cores it slowed their steps 2x, with 100-300 ms gaps)
+    # the first requests (docs/performance.md, "Start-up and the first request")
     from pageserve.grammar.regexes import json_object_regex
 
     started = time.perf_counter()

@@ -23,9 +23,8 @@ from typing import BinaryIO
 
 from outlines_core import Index, Vocabulary
 
-# the compiler process's niceness above the server's: at the same priority a compile took a
-# whole core from the model's threads (2 cores: OpenMP regions waited for a descheduled thread,
-# one-stream inter-token gaps of 100-300 ms); at +5 it gets about a quarter of a busy core
+# the compiler process's niceness above the server's, so that a compile does not take a whole
+# core from the model's threads (docs/performance.md, "Start-up and the first request")
 NICE = 5
 
 _HEADER = struct.Struct("<Q")

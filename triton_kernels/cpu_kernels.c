@@ -70,8 +70,8 @@ void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const flo
 
 #ifdef PS_AVX2
 /* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial,
-   the power of two put into the exponent bits); within 2 ulp of expf over [-87, 88], where
-   libm's scalar expf made SiLU-and-mul 5x slower than torch's vectorised one */
+   the power of two put into the exponent bits); within 2 ulp of expf over [-87, 88]. Vectorised
+   because libm's scalar expf made SiLU-and-mul much slower than torch's (docs/performance.md) */
 #define DEFINE_EXP(NAME, V, P, SI, FLOOR)                                                               \
     static inline V NAME(V x) {                                                                         \
         x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                         \
@@ -156,7 +156,7 @@ static inline void axpy(float *y, float a, const float *x, long n) { /* y += a *
 #ifdef PS_AVX2
 /* the dot products of NH <= 3 query heads (rows D apart) against four rows of k (k, k + D,
    k + 2D, k + 3D; D a multiple of 8), one accumulator each, reduced together: each row loaded
-   once for the heads of its KV head (64 decodes at 150 tokens, 30 layers: 29.3 -> 27.3 ms) */
+   once for the heads of its KV head, so GQA reads K once (docs/performance.md) */
 static inline __attribute__((always_inline)) void dot4_heads(const float *q, int NH, const float *k, long D,
                                                               __m128 out[3]) {
     __m256 a[3][4];
@@ -368,11 +368,9 @@ static void merge_heads(const float *part, long P, long rec, long NR, long h0, l
    default model: 3 on 2 threads, one of them doing two thirds of the work): each context is
    cut into P pieces, P chosen so that the pieces share out evenly, then each token's pieces
    merged. An item is one piece of a token's every head, where attend_range takes them all (64
-   heads or fewer): a block's rows of every KV head are one read of 12 KB, not three of 4 KB,
-   and two pieces a thread, not four (each piece costs its start and its merge). The default
-   model's 30 layers, one request, both builds alternated in one process, the C calls alone:
-   1000 tokens 4.69 -> 3.71 ms, its blocks shuffled 4.56 -> 3.95, 300 tokens 1.70 -> 1.46.
-   Else a piece of one KV head's. Returns 1 where scratch memory could not be had. */
+   heads or fewer): a block's rows of every KV head are one read, and two pieces a thread, not
+   four, since each piece costs its start and its merge (docs/performance.md). Else a piece of
+   one KV head's. Returns 1 where scratch memory could not be had. */
 static int decode_pieces(const float *q, long ld_q, const float *k_cache, const float *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
                          long Hkv, long D, long block_size, float scale, long threads, float *out, int r16) {
@@ -703,9 +701,9 @@ static long find_groups(const int32_t *block_tables, long ld_bt, const int32_t *
 }
 
 /* The index of each row's largest value, the first of equal ones (torch.argmax's answer):
-   x [R, V] rows ldx apart, out [R]. torch's argmax over 49k logits took 4 ms for 64 rows (an
-   unvectorised loop), 17x its amax, and was most of the engine's own time per step. Returns 1
-   if a row holds a NaN (torch ranks NaN above every value; the caller asks torch then). */
+   x [R, V] rows ldx apart, out [R]. Here because torch's argmax is an unvectorised loop that
+   was most of the engine's own time per step (docs/performance.md). Returns 1 if a row holds a
+   NaN (torch ranks NaN above every value; the caller asks torch then). */
 int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
     int has_nan = 0;
 #pragma omp parallel for if (R >= 4) schedule(static) reduction(| : has_nan)
@@ -862,9 +860,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
                              scale, threads, out, r16);
     /* a work item: one token's heads of NK KV heads. All of them where the tokens alone share
-       out well: a block's rows of every KV head lie together, one read of 12 KB where three
-       items read 4 KB each at different times (the default model's 30 layers, 64 decodes at 200
-       tokens: 69-84 -> 57-65 ms); else one KV head's */
+       out well, since a block's rows of every KV head lie together and are then one read
+       (docs/performance.md); else one KV head's */
     long NK = T >= 4 * threads && H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
     int failed = 0;
 #pragma omp parallel if (T * per > 1)

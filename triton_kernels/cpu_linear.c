@@ -1,7 +1,7 @@
 /* The linear layer of the CPU path in C: y[R, O] = x[R, K] @ W[O, K]^T (+ bias), the weights in
-   float32, bfloat16 or blocks of 32 values (cpu_kernels.h). torch's float32 matmul (MKL sgemm) reads
-   the weights at 11-15 GB/s for one row of x on a 2-core machine that streams 25-33 GB/s, and
-   does not use the second core: a decode step of one request spends most of its time there.
+   float32, bfloat16 or blocks of 32 values (cpu_kernels.h). torch's float32 matmul reads the
+   weights well below the machine's bandwidth for one row of x and leaves the second core idle,
+   and a decode step of one request spends most of its time there (docs/performance.md).
    This kernel streams each weight row once per block of x rows, six weight rows at a time,
    both cores splitting the output features.
 
@@ -25,9 +25,8 @@ static inline float wval(const void *w, long i, int w16) {
 static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
 
 /* sums over k < kv (a multiple of the vector width) of TILE_O weight rows (w, rows ldw apart)
-   against NR rows of x (ldx apart): TILE_O x NR accumulators (of the tiles timed on a 2-core
-   EPYC, 4x2, 4x3, 3x4, 2x6, 5x2, 6x2, 7x2, 8x2 and 5x3, 6x2 and 7x2 were the fastest: 109
-   GFLOP/s at 32 rows where 4x2 made 79). WT, LOAD: the weights' element type and its load as a
+   against NR rows of x (ldx apart): TILE_O x NR accumulators (6x2: the fastest of the tiles
+   timed, docs/performance.md). WT, LOAD: the weights' element type and its load as a
    vector of floats; V, N, VOP: the vector type, its width, its intrinsics' prefix; HSUM. */
 #define MICRO_TILE(NAME, NR, WT, LOAD, V, N, VOP, HSUM)                                                 \
     static inline __attribute__((always_inline)) void NAME(const float *x, long ldx, const WT *w, long ldw, \
@@ -296,10 +295,8 @@ static void tile(const float *x, long R, long K, long ldx, const void *wt, int w
         y[o] = s + (bias ? bias[o] : 0.0f);                                                             \
     }
 /* Rows o0..o1-1. Four rows a quarter of the piece apart are read together: four streams from
-   memory at once where one row at a time is one (a bfloat16 copy of the default model's
-   matrices, 269 MB at one row on a 2-core EPYC: 17.2-20.2 -> 14.5-17.5 ms; a plain read of
-   the same bytes made 14-17 GB/s in one stream a thread, 17-23 in four). The rest one at a
-   time, prefetched. */
+   memory at once read faster than one (docs/performance.md). The rest one at a time,
+   prefetched. */
 #define ROW1(NAME, WT, LOAD)                                                                            \
     static void NAME(const float *x, long K, const WT *W, long ldw, long o0, long o1, const float *bias, \
                      float *y) {                                                                        \
@@ -357,8 +354,8 @@ static inline void one_row(const float *x, long K, const float *w, const float *
 #else
 #define PANEL_X 16
 #endif
-#ifndef BIG_ROWS /* rows from which x is paneled: at 8 and 12 rows the register tile above was
-                     faster (70 vs 52, 93 vs 81 GFLOP/s), at 16 the panels (93 vs 79) */
+#ifndef BIG_ROWS /* rows from which x is paneled: where the panels beat the register tile
+                     above (docs/performance.md) */
 #define BIG_ROWS 16
 #endif
 
@@ -423,10 +420,8 @@ static inline void prefetch_bytes(const void *p, long n) {
    (y is then not all written). A piece of work is a run of up to four tiles (24 columns of
    y). Where y's rows lie a multiple of 1 KB apart, a panel's 16 rows share at most 4 of the
    L1 cache's 64 sets (one set at 4 KB: 3072 or 49152 columns) and each tile's writes missed
-   it: the run is summed into a scratch [R, run] and copied out (gate_up and the lm_head of
-   the default model at 64 rows, the two builds alternated in one process: 7-14% faster).
-   Each tile asks for the next one's weight rows ahead of its widening (the model's matrices
-   at 64 rows: 6.8% faster with it, 2.5% without). */
+   it: the run is summed into a scratch [R, run] and copied out. Each tile asks for the next
+   one's weight rows ahead of its widening. Both gains: docs/performance.md. */
 static int linear_panels(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                          const float *bias, float *y, long ldy) {
     long panels = (R + PANEL_X - 1) / PANEL_X, tiles = (O + TILE_O - 1) / TILE_O;
@@ -474,7 +469,7 @@ static int linear_panels(const float *x, long R, long K, long ldx, const void *W
                     const char *next = weight_row(W, wtype, ldw, o0 + TILE_O);
                     prefetch_bytes(next, (const char *)weight_row(W, wtype, ldw, end) - next);
                 }
-                for (long p = 0; p < panels; p++) { /* all of x, not blocks of it: no faster at 512 rows */
+                for (long p = 0; p < panels; p++) { /* all of x: blocks of it were no faster */
                     long r0 = p * PANEL_X, nr = R - r0 < PANEL_X ? R - r0 : PANEL_X;
                     panel_tile(w, lw, xp + p * K * PANEL_X, K, o0 - oc, no, r0, nr, bias ? bias + oc : NULL, out,
                                ldo);
@@ -554,7 +549,7 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
     {
         /* block formats, and bfloat16 at WIDEN_ROWS rows or more: each tile's weight rows are
            widened once into this thread's float32 copy, then read for every row of x as
-           float32 weights are (bfloat16 widened in the inner loop cost 7% at 64 rows). Without
+           float32 weights are (cheaper than widening in the inner loop). Without
            the memory, bfloat16 widens in the inner loop; a block format cannot. */
         int widen = wtype >= W_Q8_0 || (wtype == W_BF16 && R >= WIDEN_ROWS);
         float *wide = widen ? aligned_floats(TILE_O * K) : NULL;

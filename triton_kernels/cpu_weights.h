@@ -10,22 +10,17 @@
 #include <omp.h>
 
 /* one row of x: bytes ahead of the weight row's read that are asked for (a software prefetch;
-   past a matrix's end it is a hint that fetches nothing, never a fault). The hardware's own
-   prefetch restarts at every piece of every matrix: in 64-row pieces, the default model's 121
-   matrices at one row read 9-10 GB/s on a 2-core EPYC where a plain stream over the same
-   regions reads 15-16. 4 KB ahead: the step's linears 9.3 -> 8.8 ms (medians of six alternated
-   rounds; 2 KB: no gain) */
+   past a matrix's end it is a hint that fetches nothing, never a fault), because the hardware's
+   own prefetch restarts at every piece of every matrix (docs/performance.md) */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
 
 /* weight rows a thread takes at a time: dynamic scheduling in pieces this size, so that a
    thread the OS has paused (the server's event loop shares the cores) holds up only one piece.
-   At one row of x the hardware's prefetch starts over at each piece; 128 rows, not 64: the
-   default model's 121 matrices at one row in a C harness, 64 and 128 alternated in one
-   process on a 2-core EPYC, in bfloat16 16.3 -> 15.5 ms (means of seven runs' medians), in
-   its own Q4_1 + Q8_0 10.2 -> 9.4 ms (medians of 61 rounds). Fewer where a matrix would not
-   give every thread two pieces (piece_rows). */
+   At one row of x the hardware's prefetch starts over at each piece, so pieces are long: 128
+   rows beat 64 (docs/performance.md). Fewer where a matrix would not give every thread two
+   pieces (piece_rows). */
 #define CHUNK_O 128
 
 /* Weights in bfloat16 (the checkpoint's own values, kept at half the bytes where every
@@ -252,7 +247,7 @@ static inline long piece_rows(long O) {
 }
 
 static inline float *aligned_floats(long n) { /* on cache lines: at malloc's 16 bytes half the
-                                                 loads straddle two lines (13% slower at 64 rows) */
+                                                 loads straddle two lines (docs/performance.md) */
     return (float *)aligned_alloc(64, (sizeof(float) * (size_t)n + 63) & ~(size_t)63);
 }
 

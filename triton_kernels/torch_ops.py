@@ -18,9 +18,8 @@ import torch.nn.functional as F
 # decodes sorted by context length are split into at most this many padded groups
 MAX_DECODE_GROUPS = 16
 MIN_DECODE_GROUP = 8
-# one more group costs about as much as padding this many token slots (measured on CPU: each
-# group is ~16 small ops a layer; at 64 equal-length streams, 8 groups made decode steps 9%
-# slower than one)
+# one more group costs about as much as padding this many token slots: each group is ~16
+# small ops a layer (the measurement: docs/performance.md)
 GROUP_COST_SLOTS = 1024
 
 
