@@ -118,7 +118,7 @@ class AsyncEngine:
         """Load the model and run every later step on one and the same thread. On CPU this
         matters: each thread that runs torch ops gets its own OpenMP team, and once the process
         has more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions
-        (measured: 395 -> 200 tok/s at 32 streams when the model was loaded on another thread)."""
+        (it halved throughput: docs/performance.md, the engine thread)."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         try:
             engine = executor.submit(LLMEngine.from_engine_args, engine_args).result()

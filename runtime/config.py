@@ -209,8 +209,7 @@ class SpeculativeConfig:
     "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": DIR,
     "num_speculative_tokens": k} (a model given without a method means draft_model, as in
     vLLM); speculation stops for a step with more than `disable_by_batch_size` running requests
-    (default 8: on 2 CPU cores, 8 streams whose drafts were almost all accepted still gained
-    only 1.11x)."""
+    (default 8: above that, drafts gain little even when accepted; docs/performance.md)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
