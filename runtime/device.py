@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+import numpy as np
 import torch
 
 
@@ -55,8 +56,11 @@ class HostDevice:
         its size from start-up, not a growth of memory in the middle of serving."""
         return torch.zeros(shape, dtype=dtype)
 
-    def upload(self, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A step's input from host values (on a GPU, copied without waiting for the device)."""
+    def upload(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A step's input from host values, a list or a numpy array (on a GPU, copied without
+        waiting for the device)."""
+        if isinstance(values, np.ndarray):
+            return torch.from_numpy(values).to(dtype)
         return torch.tensor(values, dtype=dtype, device=device)
 
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, NullEvent]:
@@ -137,6 +141,8 @@ class CudaDevice:
         """Through pinned memory, not waiting for the stream: a blocking copy would wait for
         the step still running, which async scheduling overlaps with this one's preparation
         (torch's pinned allocator keeps the buffer until the copy is done)."""
+        if isinstance(values, np.ndarray):
+            return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:

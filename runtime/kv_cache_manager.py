@@ -42,6 +42,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same as ids, kept as they change: read every step
         self.req_hashes: dict[str, list[bytes]] = {}  # chained digests of the request's full blocks
         self.req_num_cached: dict[str, int] = {}  # how many of its blocks are in the cache map
         self.reset_counters()
@@ -55,7 +56,19 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return list(self.req_block_ids.get(request_id, ()))
+
+    def _sync_ids(self, rid: str, rewrite: bool) -> None:
+        """req_block_ids after req_blocks changed: appended to (or, rewrite, changed anywhere)."""
+        blocks = self.req_blocks.get(rid)
+        if blocks is None:
+            self.req_block_ids.pop(rid, None)
+            return
+        ids = self.req_block_ids.setdefault(rid, [])
+        if rewrite:
+            ids[:] = [b.block_id for b in blocks]
+        else:
+            ids.extend([b.block_id for b in blocks[len(ids):]])
 
     def num_skipped_blocks(self, num_computed: int) -> int:
         """Leading blocks that no query from position `num_computed` on reads: they end before
@@ -125,6 +138,11 @@ class KVCacheManager:
         back from the swap space gets placeholders there). Returns False when the pool is too
         short, changing nothing but that giving back."""
         rid = request.request_id
+        if not new_computed_blocks and not self.sliding_window and rid in self.req_blocks:
+            # a running request (a decode, most steps): at most new blocks at the end
+            num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(self.req_blocks[rid])
+            if num_needed <= 0:
+                return num_needed + keep_free <= self.pool.num_free_blocks
         blocks = self.req_blocks.setdefault(rid, [])
         hits = list(new_computed_blocks)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
@@ -139,6 +157,7 @@ class KVCacheManager:
         if num_needed + num_evictable_hits + keep_free > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[rid]
+            self._sync_ids(rid, rewrite=skip > 0)
             return False
         if hits:
             self.pool.touch(kept_hits)
@@ -147,6 +166,7 @@ class KVCacheManager:
         blocks.extend([NULL_BLOCK] * (skip - len(blocks)))
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
+        self._sync_ids(rid, rewrite=skip > 0)
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -181,6 +201,7 @@ class KVCacheManager:
         shared = blocks[:num_full]  # the placeholders before the window included
         self.pool.touch([b for b in shared if b is not NULL_BLOCK])
         mine = self.req_blocks[child.request_id] = list(shared)
+        self._sync_ids(child.request_id, rewrite=True)
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
         self.req_num_cached[child.request_id] = min(self.req_num_cached.get(parent.request_id, 0), num_full)
         if parent.num_computed_tokens % self.block_size == 0:
@@ -190,11 +211,13 @@ class KVCacheManager:
             return None
         copy = self.pool.get_new_blocks(1)[0]
         mine.append(copy)
+        self._sync_ids(child.request_id, rewrite=False)
         return blocks[num_full].block_id, copy.block_id
 
     def free(self, request: Request) -> None:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)
         # tail blocks first: they are the least likely to be shared, so the first evicted
         self.pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
         self.req_num_cached.pop(rid, None)
@@ -203,7 +226,9 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
+        assert self.req_block_ids.keys() == self.req_blocks.keys()
         for rid, blocks in self.req_blocks.items():
+            assert self.req_block_ids[rid] == [b.block_id for b in blocks], rid
             live = [b for b in blocks if b is not NULL_BLOCK]
             assert blocks[:len(blocks) - len(live)] == [NULL_BLOCK] * (len(blocks) - len(live)), (
                 f"{rid}: a placeholder after a live block")

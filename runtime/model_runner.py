@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pageserve.runtime.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
@@ -287,9 +288,7 @@ class ModelRunner:
     def _kv_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """On CPU in transparent huge pages: a block's K (or V) rows of one head are 4 KiB in the
         default model (16 tokens x 64 x float32), a page each, so attention on 4 KiB pages missed
-        the TLB at every block. Default model, KV pool swapped in one process, eight alternated
-        rounds: one stream at 1,500 tokens 15.4 -> 14.2 ms a step; 64 streams at 150, 167 -> 164
-        ms."""
+        the TLB at every block (docs/performance.md: huge pages)."""
         if self.device.type == "cpu":
             raw = huge_page_bytes(math.prod(shape) * dtype.itemsize)
             if raw is not None:
@@ -320,8 +319,7 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
-        max_blocks = max(len(r.block_ids) for r in out.requests)
-        block_tables: list[list[int]] = []
+        num_blocks = [len(r.block_ids) for r in out.requests]
         holes, ahead = [], []  # async scheduling: where a token the last step drew goes, and whose
         for r in out.requests:
             n = len(r.token_ids)
@@ -332,10 +330,15 @@ class ModelRunner:
             positions.extend(range(r.start_pos, r.start_pos + n))
             query_start.append(query_start[-1] + n)
             seq_lens.append(r.start_pos + n)
-            block_tables.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
             if r.sample and not r.draft_tokens:
                 logits_rows.append(query_start[-1] - 1)
         dev, upload = self.device, self.dev.upload
+        # [B, max blocks] padded with 0, in one numpy assignment: a list of lists through
+        # torch.tensor is the slowest part of preparing a large batch
+        lens = np.array(num_blocks)
+        block_tables = np.zeros((len(lens), lens.max()), dtype=np.int32)
+        block_tables[np.arange(lens.max()) < lens[:, None]] = \
+            np.fromiter(itertools.chain.from_iterable(r.block_ids for r in out.requests), np.int32, lens.sum())
         meta = AttentionMetadata(
             slot_mapping=upload(out.slot_mapping, torch.int64, dev),
             query_start_loc=upload(query_start, torch.int32, dev),

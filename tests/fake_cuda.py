@@ -96,7 +96,7 @@ class FakeCuda(HostDevice):
 
     def upload(self, values, dtype, device) -> torch.Tensor:
         self.log.append(("upload", len(values)))
-        return torch.tensor(values, dtype=dtype, device=device)
+        return super().upload(values, dtype, device)
 
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, FakeEvent]:
         """A copy (what the host reads after the event), so that a test sees the host read it
