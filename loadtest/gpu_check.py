@@ -18,7 +18,11 @@
    device's limits measured in the same run;
 6. nano: nano-vllm's offline workload (256 sequences, prompts and outputs of 100..1024 tokens,
    ignore_eos, one timed `generate`) on a random-weight Qwen2.5-0.5B shape in bf16
-   (loadtest/bench_nano.py): output and total tok/s beside vLLM's and nano-vllm-triton's figures;
+   (loadtest/bench_nano.py): output and total tok/s beside vLLM's and nano-vllm-triton's
+   figures, with async scheduling off and on;
+   profile (loadtest/gpu_profile.py): 128 requests decoding on that shape, async scheduling off
+   and on: step time, the device's share of it in kernels, host-device syncs a step, and a
+   torch profiler trace of each (profile_sync.json.gz, profile_async.json.gz in --out);
 7. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
    serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
    under the worst load with the profiled peak covering the serving peak, swap-outs
@@ -66,6 +70,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs, section_nano  # noqa: E402
+from pageserve.loadtest.gpu_profile import section_profile  # noqa: E402
 from pageserve.loadtest.gpu_lora_check import section_lora  # noqa: E402
 from pageserve.loadtest.gpu_quant_check import section_quant  # noqa: E402
 
@@ -396,7 +401,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,nano,readiness,moe,quant,lora")
+    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,nano,profile,readiness,moe,quant,lora")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -409,6 +414,7 @@ def main() -> int:
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "nano": section_nano,
+                "profile": section_profile,
                 "readiness": section_readiness, "moe": section_moe, "quant": section_quant, "lora": section_lora}
     start = time.perf_counter()
     for name in args.sections.split(","):
@@ -417,7 +423,7 @@ def main() -> int:
         try:
             if name in ("tests", "readiness"):  # in processes of their own
                 sections[name](args, report)
-            elif name in ("engine", "graphs", "nano"):  # the engine manages its own inference mode
+            elif name in ("engine", "graphs", "nano", "profile"):  # the engine manages its own inference mode
                 sections[name](args, report, device)
             else:
                 with torch.inference_mode():

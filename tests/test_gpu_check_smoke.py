@@ -1,0 +1,30 @@
+"""The GPU check's engine sections run end to end at tiny sizes on CPU (--smoke), so that a
+lent GPU's few minutes are not lost to a script that no longer runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_profile_and_nano_sections_smoke(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections",
+                          "profile,nano", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failed"] == []
+    for mode in ("sync", "async"):
+        entry = report["profile"][mode]
+        assert entry["step_ms"] > 0 and (tmp_path / entry["trace"]).stat().st_size > 1000
+    nano = report["nano"]
+    assert nano["sync"]["async_scheduling"] is False and nano["async"]["async_scheduling"] is True
+    assert nano["sync"]["output_tokens"] == nano["async"]["output_tokens"] > 0
+    assert nano["async_over_sync"] > 0
