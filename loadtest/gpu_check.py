@@ -13,6 +13,8 @@
    head dim 128, bf16, shuffled 16-token blocks): achieved HBM bandwidth as a fraction of
    4.8 TB/s, and the time against scaled_dot_product_attention on the same data laid out
    contiguously; a sweep of launch settings; the split path at batch 2 x context 32768;
+   prefill (loadtest/gpu_prefill_check.py): the same kernel on prompt chunks at scale (8 x 1,024
+   tokens; 2 chunks of 2,048 after 6,144) against causal SDPA, Qwen2.5-0.5B's and Llama-8B's heads;
 5. engine: offline engine throughput on a random-weight model with Qwen2.5-0.5B's shapes
    against HF `generate` in static batches of 8 (loadtest/bench_offline.py), with the
    device's limits measured in the same run;
@@ -70,6 +72,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs, section_nano  # noqa: E402
+from pageserve.loadtest.gpu_prefill_check import section_prefill  # noqa: E402
 from pageserve.loadtest.gpu_profile import section_profile  # noqa: E402
 from pageserve.loadtest.gpu_lora_check import section_lora  # noqa: E402
 from pageserve.loadtest.gpu_quant_check import section_quant  # noqa: E402
@@ -401,7 +404,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    parser.add_argument("--sections", default="graphs,tests,shapes,decode,engine,nano,profile,readiness,moe,quant,lora")
+    parser.add_argument("--sections",
+                        default="graphs,tests,shapes,decode,prefill,engine,nano,profile,readiness,moe,quant,lora")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -415,6 +419,7 @@ def main() -> int:
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "nano": section_nano,
                 "profile": section_profile,
+                "prefill": lambda args, report, device: section_prefill(args, report, device, paged_batch, timed),
                 "readiness": section_readiness, "moe": section_moe, "quant": section_quant, "lora": section_lora}
     start = time.perf_counter()
     for name in args.sections.split(","):

@@ -13,10 +13,10 @@ import pytest
 pytestmark = pytest.mark.engine
 
 
-def test_profile_and_nano_sections_smoke(tmp_path):
+def test_profile_nano_and_prefill_sections_smoke(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections",
-                          "profile,nano", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          "profile,nano,prefill", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -28,3 +28,4 @@ def test_profile_and_nano_sections_smoke(tmp_path):
     assert nano["sync"]["async_scheduling"] is False and nano["async"]["async_scheduling"] is True
     assert nano["sync"]["output_tokens"] == nano["async"]["output_tokens"] > 0
     assert nano["async_over_sync"] > 0
+    assert [r["max_abs_err"] < 3e-2 and r["paged_us"] > 0 for r in report["prefill"]] == [True, True]
