@@ -51,7 +51,9 @@ def section_nano(args, report, device):
     with async scheduling off and on; its CPU smoke with --smoke."""
     from pageserve.loadtest import bench_offline
 
-    flags = ["--smoke"] if args.smoke else ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16"]
+    # nano-vllm's own engine settings: a step takes up to 16,384 tokens (its prompts in a few steps)
+    flags = ["--smoke"] if args.smoke else ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16",
+                                            "--max-num-batched-tokens", "16384"]
     runs = {}
     for mode, extra in (("sync", []), ("async", ["--async-scheduling"])):
         ns = bench_offline.add_args(argparse.ArgumentParser()).parse_args(["--dataset", "nano", *flags, *extra])
