@@ -189,3 +189,38 @@ def test_the_host_waits_for_a_step_only_when_collecting_it(tiny_model_dir, monke
 def test_refused_where_not_supported(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(async_scheduling=True, **kw)
+
+
+@pytest.mark.server
+def test_served_streams_match(tiny_model_dir, placeholders):
+    """The real server with --async-scheduling: eight concurrent streamed completions (openai
+    client) give the texts the engine gives without it, and the pool comes back whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from tests.live_server import InProcessServer
+
+    prompts = [f"story {i}: once upon a time" for i in range(8)]
+    lengths = [5 + 3 * i for i in range(8)]
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=512)
+    want = [o.outputs[0].text for o in llm.generate(
+        prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths], use_tqdm=False)]
+    server = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                        max_model_len=512, async_scheduling=True))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="x")
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(model=server.model, prompt=prompts[i], max_tokens=lengths[i],
+                                               temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        placeholders.update(ahead=0, steps=0)
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(stream, range(8)))
+        assert got == want and placeholders["ahead"] > 10
+        server.wait_idle()
+        assert_pool_clean(server.engine)
+    finally:
+        server.stop()
