@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pageserve.runtime.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
@@ -29,6 +28,7 @@ from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, qua
 from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
+from pageserve.runtime.step_inputs import step_inputs
 from pageserve.runtime.step_sampler import StepSampler
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
 from pageserve.sampling.sampler import TokenLogprobs, topk_logprobs
@@ -314,45 +314,8 @@ class ModelRunner:
             self.draft.runner.copy_blocks(pairs)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        num_blocks = [len(r.block_ids) for r in out.requests]
-        holes, ahead = [], []  # async scheduling: where a token the last step drew goes, and whose
-        for r in out.requests:
-            n = len(r.token_ids)
-            if r.placeholder:
-                holes.append(len(input_ids))
-                ahead.append(r.request_id)
-            input_ids.extend(r.token_ids)
-            positions.extend(range(r.start_pos, r.start_pos + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(r.start_pos + n)
-            if r.sample and not r.draft_tokens:
-                logits_rows.append(query_start[-1] - 1)
-        dev, upload = self.device, self.dev.upload
-        # [B, max blocks] padded with 0, in one numpy assignment: a list of lists through
-        # torch.tensor is the slowest part of preparing a large batch
-        lens = np.array(num_blocks)
-        block_tables = np.zeros((len(lens), lens.max()), dtype=np.int32)
-        block_tables[np.arange(lens.max()) < lens[:, None]] = \
-            np.fromiter(itertools.chain.from_iterable(r.block_ids for r in out.requests), np.int32, lens.sum())
-        meta = AttentionMetadata(
-            slot_mapping=upload(out.slot_mapping, torch.int64, dev),
-            query_start_loc=upload(query_start, torch.int32, dev),
-            seq_lens=upload(seq_lens, torch.int32, dev),
-            block_tables=upload(block_tables, torch.int32, dev),
-            max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
-            max_seq_len=max(seq_lens),
-            lora=None if self.lora is None else self.lora.batch(out.requests, len(input_ids)),
-        )
+        ids, pos, meta, logits_rows = step_inputs(out, self.dev, self.device, self.lora, self.sampler.last_tokens)
         self.kernels.prepare(meta)
-        ids = upload(input_ids, torch.int64, dev)
-        if holes:
-            ids.index_copy_(0, upload(holes, torch.int64, dev), self.sampler.last_tokens(ahead))
-        pos = upload(positions, torch.int64, dev)
         return ids, pos, meta, logits_rows
 
     @torch.inference_mode()
