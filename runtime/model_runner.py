@@ -341,7 +341,7 @@ class ModelRunner:
         pos, images, result.encoder_seconds = self.images.prepare(self.model, out.requests, pos, meta, self.device)
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
-        size = self.graphs.size_for(meta, self.device) if self.graphs is not None and images is None else None
+        size = self.graphs.size_for(meta) if self.graphs is not None and images is None else None
         if self.link is not None:  # a pipeline stage: from the previous one, to the next one
             carry = None if self.link.prev is None else self.link.recv(len(ids))
             hidden = self.model(ids, pos, meta, self.kv_caches, carry=carry)
@@ -365,7 +365,9 @@ class ModelRunner:
         if not logits_rows and not spec_rows:
             return result
         # every rank computes the logits (gathered on rank 0), which samples
-        plain = self.sample_logits(hidden[logits_rows], out) if logits_rows else None
+        # the rows as an upload: indexing with a list copies from pageable memory and waits for the step
+        plain = self.sample_logits(hidden[self.dev.upload(logits_rows, torch.int64, self.device)], out) \
+            if logits_rows else None
         at_drafts = self.model.compute_logits(hidden[spec_rows]) if spec_rows else None
         if not self.model_cfg.tp_rank:
             self.sampler.sample(out, plain, at_drafts, result)
