@@ -81,9 +81,12 @@ def run(args) -> dict:
     llm.generate(distinct_prompts(cfg.model.vocab_size, 4, 8), warm, use_tqdm=False)
     llm.engine.reset_stats()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    graphs = llm.engine.runner.graphs
+    replays = graphs.replays if graphs is not None else 0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    replays = graphs.replays - replays if graphs is not None else 0
     prompt_tokens = sum(map(len, prompts))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if output_tokens != sum(out_lens):  # nano-vllm counts what was asked for: the same, or no figure
@@ -97,9 +100,9 @@ def run(args) -> dict:
               "output_tokens": output_tokens, "seconds": seconds,
               "output_tok_s": output_tokens / seconds, "total_tok_s": (prompt_tokens + output_tokens) / seconds,
               "steps": llm.engine.stats().steps, "enforce_eager": args.enforce_eager,
-              "async_scheduling": args.async_scheduling,
+              "async_scheduling": args.async_scheduling, "graph_replays": replays,
               "public_figures": PUBLIC_FIGURES}
-    del llm, cfg, outs
+    del llm, cfg, outs, graphs
     gc.collect()  # the engine is cyclic garbage: its KV pool goes now, before whatever runs next
     return result
 
@@ -110,7 +113,8 @@ def print_summary(r: dict) -> None:
     print(f"\n== nano-vllm workload: {r['shape'] or r['model']} ({r['dtype']}, {dev['name']}) ==")
     print(f"{r['num_seqs']} sequences, {r['min_len']}..{r['max_len']} tokens in and out (seed {r['seed']}): "
           f"{r['prompt_tokens']} prompt + {r['output_tokens']} output tokens in {r['seconds']:.2f} s, "
-          f"{r['steps']} steps, async scheduling {'on' if r['async_scheduling'] else 'off'}")
+          f"{r['steps']} steps ({r['graph_replays']} from CUDA graphs), "
+          f"async scheduling {'on' if r['async_scheduling'] else 'off'}")
     print(f"output: {r['output_tok_s']:,.0f} tok/s (nano-vllm's figure); prompt + output: {r['total_tok_s']:,.0f} tok/s")
     print(f"beside: {pub['model']} on an {pub['hardware']}: vLLM {pub['vllm_output_tok_s']:,}, nano-vllm-triton "
           f"{pub['nano_vllm_triton_output_tok_s']:,} tok/s; target on an {pub['target']['hardware']}: "

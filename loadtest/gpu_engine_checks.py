@@ -84,20 +84,27 @@ def decode_steps(engine, batch: int, steps: int, prompt_len: int = 32) -> tuple[
     return times, [tokens[rid] for rid in order]
 
 
+def _batch_key(batch: int, prompt_len: int) -> str:
+    return str(batch) if prompt_len == 32 else f"{batch}x{prompt_len}"
+
+
 def section_graphs(args, report, device):
     """Decode steps with and without CUDA graphs (the engine's default on CUDA against
     --enforce-eager) on a random-weight model with Qwen2.5-0.5B's shapes in bf16, engine
-    steps timed end to end at batch 1, 5 (replayed at 8, padded) and 64, and their tokens
-    compared: at the captured sizes (1, 64) a replay launches what the eager step launches,
-    so the tokens must be the same; a padded batch runs its matmuls on more rows and may
-    differ in the last bits, so it is reported."""
+    steps timed end to end at batch 1, 5 (replayed at 8, padded) and 64 with prompts of 32
+    tokens, and at batch 4 with prompts of 1,200 (the split-KV attention, captured with the
+    partitions of the longest context), and their tokens compared: at the captured sizes
+    (1, 64, 4) a replay launches what the eager step launches (more, empty, partitions for the
+    split), so the tokens must be the same; a padded batch runs its matmuls on more rows and
+    may differ in the last bits, so it is reported."""
     from pageserve.runtime.engine import LLMEngine
     from pageserve.runtime.engine_args import EngineArgs
 
     if args.smoke:
-        shape, batches, steps, dtype = TINY, (1, 5), 4, "float32"
+        shape, batches, steps, dtype = TINY, ((1, 32), (5, 32)), 4, "float32"
     else:  # a 4096-token context keeps the static block tables small
-        shape, batches, steps, dtype = {**QWEN_05B, "max_position_embeddings": 4096}, (1, 5, 64), 64, "bfloat16"
+        shape, batches, steps, dtype = ({**QWEN_05B, "max_position_embeddings": 4096},
+                                        ((1, 32), (5, 32), (64, 32), (4, 1200)), 64, "bfloat16")
     result = report["graphs"] = {"shape": shape, "dtype": dtype, "steps": steps, "batches": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = qwen_like(Path(tmp), shape)
@@ -114,12 +121,12 @@ def section_graphs(args, report, device):
                 result["captured"] = sorted(graphs.graphs) if graphs is not None else []
                 if device.type == "cuda" and graphs is None:
                     raise RuntimeError("no CUDA graphs were captured")
-            for batch in batches:
+            for batch, prompt_len in batches:
                 replays = graphs.replays if graphs is not None else 0
-                times, tokens = decode_steps(engine, batch, steps)
+                times, tokens = decode_steps(engine, batch, steps, prompt_len)
                 times.sort()
                 runs[mode, batch] = tokens
-                entry = result["batches"].setdefault(str(batch), {})
+                entry = result["batches"].setdefault(_batch_key(batch, prompt_len), {})
                 entry[f"{mode}_step_ms_p50"] = times[len(times) // 2] * 1e3
                 entry[f"{mode}_step_ms_min"] = times[0] * 1e3
                 if graphs is not None:
@@ -131,16 +138,16 @@ def section_graphs(args, report, device):
           f"{result.get('captured')}; start-up eager {result['eager_start_s']:.1f} s, with graphs "
           f"{result['graphs_start_s']:.1f} s")
     mismatched = []
-    for batch in batches:
-        entry = result["batches"][str(batch)]
+    for batch, prompt_len in batches:
+        entry = result["batches"][_batch_key(batch, prompt_len)]
         a, b = runs["eager", batch], runs["graphs", batch]
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
         entry["same_tokens"] = same / sum(len(r) for r in a)
         entry["speedup"] = entry["eager_step_ms_p50"] / entry["graphs_step_ms_p50"]
-        print(f"  batch {batch:3d}: decode step p50 eager {entry['eager_step_ms_p50']:.2f} ms, graphs "
+        print(f"  batch {batch:3d}, prompts of {prompt_len:4d}: decode step p50 eager {entry['eager_step_ms_p50']:.2f} ms, graphs "
               f"{entry['graphs_step_ms_p50']:.2f} ms ({entry['speedup']:.2f}x; {entry.get('replays', 0)} "
               f"replays); same tokens {entry['same_tokens'] * 100:.1f}%")
-        if batch in (1, 64) and entry["same_tokens"] < 1:
+        if batch in (1, 64, 4) and entry["same_tokens"] < 1:
             mismatched.append(batch)
     if mismatched:
         raise RuntimeError(f"graph replays changed greedy tokens at captured batch sizes {mismatched}")

@@ -11,11 +11,12 @@ kernels that would divide by an empty softmax); their hidden states are dropped.
 With LoRA adapters the graphs also capture the adapter kernels, which read each step's token
 groups (LoRABatch) from static buffers as the attention reads its block tables.
 
-Steps a graph cannot serve run eagerly: any step with a prompt chunk, more requests than the
-largest captured size, or a step whose attention would take the split-KV path (its launch
-grid depends on the context length, which a graph fixes). The captured attention is the
-one-pass decode, so a replay launches the same kernels as the eager step of the padded batch.
-Sampling, logits and grammar masks stay outside the graph."""
+Steps a graph cannot serve run eagerly: any step with a prompt chunk, or more requests than
+the largest captured size. Batch sizes small enough for the attention to split long contexts
+over the SMs capture the split-KV path with the partitions of the longest context (the
+partitions past a request's context exit at once), so that the tail of a long batch, a few
+requests with long contexts, still replays. Sampling, logits and grammar masks stay outside
+the graph."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class DecodeGraphs:
         """lora_slots: --max-loras with --enable-lora: the graphs also hold the adapter kernels,
         which read the step's token groups from static buffers (a group of slot -1 does nothing)."""
         self.model, self.kernels, self.kv_caches, self.dev = model, kernels, kv_caches, dev
+        self.device = device
         self.sizes = sizes
         n = sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -70,11 +72,11 @@ class DecodeGraphs:
         self.replays = 0  # decode steps served by a graph (tests and benchmarks read it)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        # max_seq_len 1 keeps the attention on its one-pass path, whatever the contexts hold
+        max_context = self.block_tables.shape[1] * self.kernels.block_size
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=1,
+            max_query_len=1, max_seq_len=self.kernels.graph_max_seq_len(size, max_context, self.device),
             lora=None if self.lora is None else dataclasses.replace(self.lora, sorted_tokens=self.lora.sorted_tokens[:size]))
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -98,12 +100,10 @@ class DecodeGraphs:
         logger.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.0f MiB",
                     len(self.sizes), _ranges(self.sizes), time.perf_counter() - start, used / 2 ** 20)
 
-    def size_for(self, meta: AttentionMetadata, device: torch.device) -> int | None:
+    def size_for(self, meta: AttentionMetadata) -> int | None:
         """The captured batch size a step replays, or None when it runs eagerly."""
         num_seqs = meta.seq_lens.shape[0]
         if meta.max_query_len != 1 or num_seqs > self.sizes[-1]:
-            return None
-        if not self.kernels.decode_is_one_pass(num_seqs, meta.max_seq_len, device):
             return None
         return next(s for s in self.sizes if s >= num_seqs)
 

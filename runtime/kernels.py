@@ -136,10 +136,12 @@ class Kernels:
         partition buffers, if this backend splits."""
         return None
 
-    def decode_is_one_pass(self, num_seqs: int, max_seq_len: int, device: torch.device) -> bool:
-        """Whether a decode-only step of this shape takes the one-pass attention (the path a
-        CUDA graph captures) rather than a split over the context."""
-        return True
+    def graph_max_seq_len(self, num_seqs: int, max_context: int, device: torch.device) -> int:
+        """The max_seq_len a CUDA graph of `num_seqs` decodes is captured with: 1 keeps the
+        attention on its one-pass path; a backend that splits long contexts over the GPU's
+        SMs at this batch size gives `max_context`, so the graph holds the split for any
+        context (partitions past a request's context exit at once)."""
+        return 1
 
 
 class _CpuOps:
@@ -306,8 +308,9 @@ class TritonKernels(Kernels):
             return None
         return num_seqs, max_seq_len
 
-    def decode_is_one_pass(self, num_seqs, max_seq_len, device):
-        return self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_seq_len, device) == 0
+    def graph_max_seq_len(self, num_seqs, max_context, device):
+        splits = self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_context, device)
+        return max_context if splits else 1
 
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache

@@ -117,7 +117,7 @@ def test_padding_rows_write_nothing_and_are_dropped(tiny_model_dir, monkeypatch)
         block_tables=torch.tensor([[1, 0], [2, 0], [3, 4]], dtype=torch.int32),
         max_query_len=1, max_seq_len=21)
     before = kv.clone()
-    assert graphs.size_for(meta, runner.device) == 4
+    assert graphs.size_for(meta) == 4
     with torch.inference_mode():  # the engine's mode, in which the static buffers were made
         graphs.slot_mapping.fill_(7)  # stale values the padding must overwrite
         graphs.seq_lens.fill_(5)
@@ -146,12 +146,11 @@ def test_steps_a_graph_cannot_serve_run_eagerly(tiny_model_dir, monkeypatch):
             seq_lens=torch.full((n,), max_seq_len, dtype=torch.int32),
             block_tables=torch.zeros(n, 1, dtype=torch.int32), max_query_len=max(q_lens),
             max_seq_len=max_seq_len)
-    assert graphs.size_for(meta([1] * 3), dev) == 4
-    assert graphs.size_for(meta([1] * 8), dev) == 8
-    assert graphs.size_for(meta([1] * 9), dev) is None  # above the largest graph
-    assert graphs.size_for(meta([1, 2]), dev) is None  # a prompt chunk in the step
-    monkeypatch.setattr(TorchKernels, "decode_is_one_pass", lambda self, n, ctx, device: ctx < 100)
-    assert graphs.size_for(meta([1] * 2, max_seq_len=500), dev) is None  # the split-KV path
+    assert graphs.size_for(meta([1] * 3)) == 4
+    assert graphs.size_for(meta([1] * 8)) == 8
+    assert graphs.size_for(meta([1] * 9)) is None  # above the largest graph
+    assert graphs.size_for(meta([1, 2])) is None  # a prompt chunk in the step
+    assert graphs.size_for(meta([1] * 2, max_seq_len=500)) == 2  # long contexts too
 
 
 @pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(), dict(device_type="cpu")])

@@ -63,6 +63,6 @@ def test_largest_split_decode_is_the_last_batch_that_splits():
     assert backend.largest_split_decode(512, cpu) is None  # one partition holds any context
     assert backend.decode_shapes(4096, cpu) == [(1, 1), (1, 513)]
     assert backend.decode_shapes(512, cpu) == [(1, 1)]
-    # CUDA graphs capture the one-pass decode: the steps that split run eagerly
-    assert not backend.decode_is_one_pass(num_seqs, ctx, cpu)
-    assert backend.decode_is_one_pass(num_seqs + 1, ctx, cpu) and backend.decode_is_one_pass(1, 512, cpu)
+    # CUDA graphs of batches that split capture the split for the longest context
+    assert backend.graph_max_seq_len(num_seqs, ctx, cpu) == ctx
+    assert backend.graph_max_seq_len(num_seqs + 1, ctx, cpu) == 1 and backend.graph_max_seq_len(1, 512, cpu) == 1
