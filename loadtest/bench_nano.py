@@ -63,6 +63,40 @@ def device_info(device: torch.device) -> dict:
     return {**info, "name": provenance()["cpu"]}
 
 
+def _time_steps(engine) -> list[tuple[int, int, float]]:
+    """Times each engine step from here on: (requests, tokens, seconds) of the step scheduled
+    in it (under async scheduling a call also collects the step before)."""
+    timeline, step, schedule = [], engine.step, engine.scheduler.schedule
+    scheduled = []
+
+    def spied_schedule(*args):
+        out = schedule(*args)
+        scheduled.append((len(out.requests), out.num_tokens))
+        return out
+
+    def timed_step():
+        scheduled.clear()
+        t0 = time.perf_counter()
+        outs = step()
+        timeline.append((*(scheduled[-1] if scheduled else (0, 0)), time.perf_counter() - t0))
+        return outs
+    engine.step, engine.scheduler.schedule = timed_step, spied_schedule
+    return timeline
+
+
+def _summarize_steps(timeline) -> dict:
+    """Step counts and mean milliseconds: steps with a prompt chunk, and decode-only steps
+    by number of requests."""
+    kinds: dict[str, list[float]] = {}
+    for requests, tokens, seconds in timeline:
+        if tokens > requests:
+            kind = "with prompts"
+        else:
+            kind = next(f"decode <= {b}" for b in (16, 64, 128, 192, 256, 10 ** 9) if requests <= b)
+        kinds.setdefault(kind, []).append(seconds)
+    return {k: {"steps": len(v), "mean_ms": 1e3 * sum(v) / len(v), "total_s": sum(v)} for k, v in kinds.items()}
+
+
 def run(args) -> dict:
     """Warm up, then time one `generate` over the whole workload; the result for the JSON."""
     from pageserve.runtime import LLM, SamplingParams
@@ -83,10 +117,12 @@ def run(args) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     graphs = llm.engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
+    timeline = _time_steps(llm.engine)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     replays = graphs.replays - replays if graphs is not None else 0
+    del llm.engine.step, llm.engine.scheduler.schedule  # the classes' again
     prompt_tokens = sum(map(len, prompts))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if output_tokens != sum(out_lens):  # nano-vllm counts what was asked for: the same, or no figure
@@ -101,6 +137,7 @@ def run(args) -> dict:
               "output_tok_s": output_tokens / seconds, "total_tok_s": (prompt_tokens + output_tokens) / seconds,
               "steps": llm.engine.stats().steps, "enforce_eager": args.enforce_eager,
               "async_scheduling": args.async_scheduling, "graph_replays": replays,
+              "steps_by_kind": _summarize_steps(timeline),
               "public_figures": PUBLIC_FIGURES}
     del llm, cfg, outs, graphs
     gc.collect()  # the engine is cyclic garbage: its KV pool goes now, before whatever runs next
@@ -115,6 +152,8 @@ def print_summary(r: dict) -> None:
           f"{r['prompt_tokens']} prompt + {r['output_tokens']} output tokens in {r['seconds']:.2f} s, "
           f"{r['steps']} steps ({r['graph_replays']} from CUDA graphs), "
           f"async scheduling {'on' if r['async_scheduling'] else 'off'}")
+    print("  steps: " + "; ".join(f"{k}: {v['steps']} x {v['mean_ms']:.2f} ms = {v['total_s']:.2f} s"
+                                  for k, v in r["steps_by_kind"].items()))
     print(f"output: {r['output_tok_s']:,.0f} tok/s (nano-vllm's figure); prompt + output: {r['total_tok_s']:,.0f} tok/s")
     print(f"beside: {pub['model']} on an {pub['hardware']}: vLLM {pub['vllm_output_tok_s']:,}, nano-vllm-triton "
           f"{pub['nano_vllm_triton_output_tok_s']:,} tok/s; target on an {pub['target']['hardware']}: "
