@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -62,6 +63,11 @@ class HostDevice:
         if isinstance(values, np.ndarray):
             return torch.from_numpy(values).to(dtype)
         return torch.tensor(values, dtype=dtype, device=device)
+
+    def upload_many(self, items: list[tuple], device: torch.device) -> list[torch.Tensor]:
+        """upload() of each (values, dtype), all in one buffer (pack_uploads)."""
+        host, views = pack_uploads(items, pin=False)
+        return views(host)
 
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, NullEvent]:
         """A host copy of `tensor` and the event after which it holds the values."""
@@ -145,6 +151,12 @@ class CudaDevice:
             return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
+    def upload_many(self, items: list[tuple], device: torch.device) -> list[torch.Tensor]:
+        """upload() of each (values, dtype) in one pinned buffer and one copy (pack_uploads):
+        each upload of its own costs a pinned allocation and a copy call, ten a step."""
+        host, views = pack_uploads(items, pin=True)
+        return views(host.to(device, non_blocking=True))
+
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Into pinned memory after the work queued so far, and the event that marks it: the
         host waits for this step's values, not for the next step queued behind them."""
@@ -176,6 +188,30 @@ class CudaDevice:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         return CudaGraph(self._graph_pool)
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+def pack_uploads(items: list[tuple], pin: bool) -> tuple[torch.Tensor, Callable]:
+    """Host values (lists or numpy arrays, with their torch dtypes) packed into one byte
+    buffer, each at an offset aligned to 16 bytes (as torch's allocations are: Triton compiles
+    a kernel variant per pointer alignment), and the function that cuts a copy of that buffer
+    (on any device) into one tensor per item, of its dtype and shape."""
+    arrays = [np.asarray(values, dtype=_NUMPY[dtype]) for values, dtype in items]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 16) * 16
+    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=pin)
+    staging = host.numpy()
+    for a, at in zip(arrays, offsets):
+        staging[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+
+    def views(packed: torch.Tensor) -> list[torch.Tensor]:
+        return [packed[at:at + a.nbytes].view(dtype).view(a.shape)
+                for a, at, (_, dtype) in zip(arrays, offsets, items)]
+    return host, views
 
 
 def _unregister(cudart, ptr: int) -> None:

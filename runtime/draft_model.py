@@ -37,7 +37,7 @@ class DraftModel:
         """Run the draft over `step`; the greedy tokens at hidden rows `rows` (default: each
         request's last)."""
         r = self.runner
-        ids, pos, meta, _ = r._prepare(step)
+        ids, pos, meta = r._prepare(step)[:3]
         hidden = r.model(ids, pos, meta, r.kv_caches)
         if rows is None:
             rows = (meta.query_start_loc[1:] - 1).tolist()

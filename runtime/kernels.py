@@ -143,6 +143,10 @@ class Kernels:
         context (partitions past a request's context exit at once)."""
         return 1
 
+    def split_buffer_bytes(self, num_seqs: int, max_seq_len: int, head_dim: int) -> int:
+        """Bytes of a split-KV decode's partial results (0: this backend does not split)."""
+        return 0
+
 
 class _CpuOps:
     """torch_ops with the C versions of the ops that have one."""
@@ -307,6 +311,11 @@ class TritonKernels(Kernels):
         if max_seq_len <= self._kernels.PARTITION_SIZE or num_seqs < 1:
             return None
         return num_seqs, max_seq_len
+
+    def split_buffer_bytes(self, num_seqs, max_seq_len, head_dim):
+        parts = -(-max_seq_len // self._kernels.PARTITION_SIZE)
+        head_pad = 1 << (head_dim - 1).bit_length()
+        return num_seqs * self.num_heads * parts * (2 + head_pad) * 4  # float32 maxima, sums, partial outputs
 
     def graph_max_seq_len(self, num_seqs, max_context, device):
         splits = self._kernels.split_partitions(num_seqs, self.num_kv_heads, 1, max_context, device)

@@ -221,21 +221,25 @@ class ModelRunner:
 
     def _profile_graph_pool(self, max_num_seqs: int) -> int:
         """Bytes the graphs' memory pool will hold for good: the activations of a decode step
-        at the largest captured size (the smaller graphs reuse that memory)."""
+        at the largest captured size (the smaller graphs reuse that memory), and the split-KV
+        partitions of the largest size that splits, captured for the longest context."""
         sizes = self.graph_sizes(max_num_seqs)
         if not sizes:
             return 0
         step = build_step([(1, 1, 1)] * sizes[-1], [GREEDY_PARAMS] * sizes[-1], self.block_size, 1,
                           self.model_cfg.vocab_size, self.model_cfg.eos_token_ids, "profile-graph",
                           write=False)
-        ids, pos, meta, _ = self._prepare(step)
+        ids, pos, meta = self._prepare(step)[:3]
         self.dev.synchronize()
         before = self.dev.memory_allocated()
         self.dev.reset_peak_memory_stats()
         with torch.inference_mode():
             self.model(ids, pos, meta, self.kv_caches)
         self.dev.synchronize()
-        return max(0, self.dev.max_memory_allocated() - before)
+        context = -(-self.model_cfg.max_model_len // self.block_size) * self.block_size
+        split = [s for s in sizes if self.kernels.graph_max_seq_len(s, context, self.device) > 1]
+        partitions = self.kernels.split_buffer_bytes(split[-1], context, self.model_cfg.head_dim) if split else 0
+        return max(0, self.dev.max_memory_allocated() - before) + partitions
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
@@ -313,10 +317,11 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.runner.copy_blocks(pairs)
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        ids, pos, meta, logits_rows = step_inputs(out, self.dev, self.device, self.lora, self.sampler.last_tokens)
-        self.kernels.prepare(meta)
-        return ids, pos, meta, logits_rows
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
+                                                      torch.Tensor]:
+        inputs = step_inputs(out, self.dev, self.device, self.lora, self.sampler.last_draws)
+        self.kernels.prepare(inputs[2])
+        return inputs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -337,7 +342,7 @@ class ModelRunner:
             if self.draft.runner.swapper is not None:
                 self.draft.runner.swapper.wait_ready()
             self.draft.propose(out)
-        ids, pos, meta, logits_rows = self._prepare(out)
+        ids, pos, meta, logits_rows, rows_on_device = self._prepare(out)
         pos, images, result.encoder_seconds = self.images.prepare(self.model, out.requests, pos, meta, self.device)
         if self.swapper is not None:
             self.swapper.wait_ready()  # the forward reads swapped-in blocks, rewrites swapped-out ones
@@ -365,9 +370,8 @@ class ModelRunner:
         if not logits_rows and not spec_rows:
             return result
         # every rank computes the logits (gathered on rank 0), which samples
-        # the rows as an upload: indexing with a list copies from pageable memory and waits for the step
-        plain = self.sample_logits(hidden[self.dev.upload(logits_rows, torch.int64, self.device)], out) \
-            if logits_rows else None
+        # the rows on the device: indexing with a list copies from pageable memory and waits for the step
+        plain = self.sample_logits(hidden[rows_on_device], out) if logits_rows else None
         at_drafts = self.model.compute_logits(hidden[spec_rows]) if spec_rows else None
         if not self.model_cfg.tp_rank:
             self.sampler.sample(out, plain, at_drafts, result)

@@ -16,11 +16,12 @@ from pageserve.runtime.scheduler import SchedulerOutput
 
 
 def step_inputs(out: SchedulerOutput, dev, device: torch.device, lora=None,
-                last_tokens: Callable[[list[str]], torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-    """(input ids, positions, metadata, the rows whose logits are sampled). dev: the device's
-    uploads (runtime/device.py); lora: the adapter manager, for the step's adapter rows;
-    last_tokens: the last step's draws on the device, by request id (StepSampler.last_tokens)."""
+                last_draws: Callable[[list[str]], tuple[torch.Tensor, list[int]]] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+    """(input ids, positions, metadata, the rows whose logits are sampled, the same rows on the
+    device). dev: the device's uploads (runtime/device.py); lora: the adapter manager, for the
+    step's adapter rows; last_draws: the last step's draws on the device and the rows of these
+    requests in them (StepSampler.last_draws)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -38,23 +39,24 @@ def step_inputs(out: SchedulerOutput, dev, device: torch.device, lora=None,
         seq_lens.append(r.start_pos + n)
         if r.sample and not r.draft_tokens:
             logits_rows.append(query_start[-1] - 1)
-    upload = dev.upload
     # [B, max blocks] padded with 0, in one numpy assignment: a list of lists through
     # torch.tensor is the slowest part of preparing a large batch
     lens = np.array([len(r.block_ids) for r in out.requests])
     block_tables = np.zeros((len(lens), lens.max()), dtype=np.int32)
     block_tables[np.arange(lens.max()) < lens[:, None]] = \
         np.fromiter(itertools.chain.from_iterable(r.block_ids for r in out.requests), np.int32, lens.sum())
+    draws, rows = last_draws(ahead) if holes else (None, [])
+    # one copy to the device for all of them
+    slots, qsl, lens_t, tables, ids, pos, rows_t, holes_t, draw_rows = dev.upload_many(
+        [(out.slot_mapping, torch.int64), (query_start, torch.int32), (seq_lens, torch.int32),
+         (block_tables, torch.int32), (input_ids, torch.int64), (positions, torch.int64),
+         (logits_rows, torch.int64), (holes, torch.int64), (rows, torch.int64)], device)
     meta = AttentionMetadata(
-        slot_mapping=upload(out.slot_mapping, torch.int64, device),
-        query_start_loc=upload(query_start, torch.int32, device),
-        seq_lens=upload(seq_lens, torch.int32, device),
-        block_tables=upload(block_tables, torch.int32, device),
+        slot_mapping=slots, query_start_loc=qsl, seq_lens=lens_t, block_tables=tables,
         max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
         max_seq_len=max(seq_lens),
         lora=None if lora is None else lora.batch(out.requests, len(input_ids)),
     )
-    ids = upload(input_ids, torch.int64, device)
     if holes:
-        ids.index_copy_(0, upload(holes, torch.int64, device), last_tokens(ahead))
-    return ids, upload(positions, torch.int64, device), meta, logits_rows
+        ids.index_copy_(0, holes_t, draws.index_select(0, draw_rows))
+    return ids, pos, meta, logits_rows, rows_t

@@ -111,12 +111,12 @@ class StepSampler:
                     torch.rand((), generator=gen, device=self.device)
             at += len(r.draft_tokens) + 1
 
-    def last_tokens(self, request_ids: list[str]) -> torch.Tensor:
-        """On the device: the tokens the last step drew for these requests (one each)."""
+    def last_draws(self, request_ids: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """The last step's draws on the device, and the row of each of these requests (one
+        token each) in them."""
         ids, rows = self._last
         where = {r.request_id: i for i, r in enumerate(rows)}
-        index = self.dev.upload([where[rid] for rid in request_ids], torch.int64, self.device)
-        return ids.index_select(0, index)
+        return ids, [where[rid] for rid in request_ids]
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self.seeded.get(request_id)

@@ -98,6 +98,10 @@ class FakeCuda(HostDevice):
         self.log.append(("upload", len(values)))
         return super().upload(values, dtype, device)
 
+    def upload_many(self, items, device) -> list[torch.Tensor]:
+        self.log.append(("upload_many", len(items)))
+        return super().upload_many(items, device)
+
     def download(self, tensor: torch.Tensor) -> tuple[torch.Tensor, FakeEvent]:
         """A copy (what the host reads after the event), so that a test sees the host read it
         only after waiting for the event."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from pageserve.runtime import LLM, SamplingParams, model_runner
 from pageserve.runtime import scheduler as scheduler_mod
@@ -179,6 +181,22 @@ def test_the_host_waits_for_a_step_only_when_collecting_it(tiny_model_dir, monke
     for i, name in enumerate(downloads[:-1]):  # step i is waited for after step i + 1 went down
         assert log.index(("download", downloads[i + 1])) < log.index(("event_sync", name))
     assert not any(e[0] == "synchronize" for e in dev.log)
+    # a step's inputs go up in one copy
+    assert sum(e[0] == "upload_many" for e in dev.log) >= len(downloads)
+
+
+def test_uploads_packed_in_one_buffer():
+    """Lists and arrays of several dtypes and shapes (empty ones too) through one byte buffer
+    come out as they went in."""
+    from pageserve.runtime.device import pack_uploads
+
+    table = np.arange(12, dtype=np.int32).reshape(3, 4)
+    items = [([1, 2, 3], torch.int64), ([], torch.int64), (table, torch.int32), ([0.5, -2.0], torch.float32),
+             ([True, False, True], torch.bool), ([7], torch.int32), ([2 ** 40], torch.int64)]
+    host, views = pack_uploads(items, pin=False)
+    got = views(host.clone())
+    for (values, dtype), tensor in zip(items, got):
+        assert tensor.dtype == dtype and torch.equal(tensor, torch.as_tensor(np.asarray(values)).to(dtype))
 
 
 @pytest.mark.parametrize("kw,message", [
