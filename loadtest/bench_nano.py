@@ -136,7 +136,7 @@ def run(args) -> dict:
               "output_tokens": output_tokens, "seconds": seconds,
               "output_tok_s": output_tokens / seconds, "total_tok_s": (prompt_tokens + output_tokens) / seconds,
               "steps": llm.engine.stats().steps, "enforce_eager": args.enforce_eager,
-              "async_scheduling": args.async_scheduling, "graph_replays": replays,
+              "async_scheduling": cfg.scheduler.async_scheduling, "graph_replays": replays,
               "steps_by_kind": _summarize_steps(timeline),
               "public_figures": PUBLIC_FIGURES}
     del llm, cfg, outs, graphs

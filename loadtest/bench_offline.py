@@ -51,8 +51,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="GiB for the KV pool (default: 4 on CPU; on CUDA, what --gpu-memory-utilization leaves)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="schedule each step while the one before runs (the engine's --async-scheduling)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule each step while the one before runs (the engine's --async-scheduling; "
+                             "default: the engine's, on CUDA with one rank)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="torch's own ops only (no C kernels on CPU): the A side of an A/B")
     parser.add_argument("--skip-limits", action="store_true",

@@ -55,7 +55,7 @@ def section_nano(args, report, device):
     flags = ["--smoke"] if args.smoke else ["--shape", "qwen2.5-0.5b", "--dtype", "bfloat16",
                                             "--max-num-batched-tokens", "16384"]
     runs = {}
-    for mode, extra in (("sync", []), ("async", ["--async-scheduling"])):
+    for mode, extra in (("sync", ["--no-async-scheduling"]), ("async", ["--async-scheduling"])):
         ns = bench_offline.add_args(argparse.ArgumentParser()).parse_args(["--dataset", "nano", *flags, *extra])
         runs[mode] = bench_offline.main(ns)
     runs["async_over_sync"] = runs["async"]["output_tok_s"] / runs["sync"]["output_tok_s"]
@@ -114,7 +114,7 @@ def section_graphs(args, report, device):
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=str(path), dtype=dtype, device=device.type, attention_backend="triton",
                 kv_cache_memory=2 if not args.smoke else 0.01,
-                max_num_seqs=64, enforce_eager=mode == "eager"))
+                max_num_seqs=64, enforce_eager=mode == "eager", async_scheduling=False))  # step by step
             graphs = engine.runner.graphs
             result[f"{mode}_start_s"] = time.perf_counter() - t0
             if mode == "graphs":

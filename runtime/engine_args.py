@@ -51,7 +51,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    async_scheduling: bool = False  # schedule the next step while this one runs (one rank)
+    # schedule the next step while this one runs (one rank); None: on CUDA where it applies
+    async_scheduling: bool | None = None
     swap_space: float | None = None  # GiB of host memory for preempted requests' KV blocks
     preemption_mode: str = "swap"
     attention_backend: str = "auto"
@@ -151,9 +152,10 @@ class EngineArgs:
                        help="token budget of one step (default: 512 on CPU, 2048 on CUDA)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="let a long prompt take several steps' token budgets")
-        g.add_argument("--async-scheduling", action="store_true",
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule step N+1 while step N runs (one rank): a decode's next input is the "
-                            "token step N samples, taken on the device")
+                            "token step N samples, taken on the device (default: on CUDA with one rank and "
+                            "no speculative decoding)")
         g = parser.add_argument_group("engine")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto: CUDA when there is a device, else CPU")
@@ -369,7 +371,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompts_first=device.type == "cpu",
             max_loras=self.max_loras if self.enable_lora else 0,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling if self.async_scheduling is not None else (
+                device.type == "cuda" and self.tensor_parallel_size * self.pipeline_parallel_size == 1
+                and SpeculativeConfig.parse(self.speculative_config) is None),
         )
 
     def max_images(self) -> int:

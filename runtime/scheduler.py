@@ -179,7 +179,9 @@ class Scheduler:
                     budget -= 1
                 i += 1
                 continue
-            num_new = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.mm_items:
+                num_new = self._fit(req, num_new)
             if num_new <= 0 or (skip_decodes and _decoding(req)):
                 i += 1
                 continue
@@ -337,7 +339,10 @@ class Scheduler:
             lora=req.lora,
             matcher=req.matcher if req.matcher is None or req.matcher.active else None,
         ))
-        out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
+        if num_new == 1:  # a decode (most of them)
+            out.slot_mapping.append(block_ids[start // bs] * bs + start % bs)
+        else:
+            out.slot_mapping.extend(block_ids[p // bs] * bs + p % bs for p in range(start, start + num_new))
         out.num_tokens += num_new
 
     def _live_blocks(self, req: Request) -> tuple[int, int]:
@@ -382,15 +387,19 @@ class Scheduler:
         later, and no block holding one is ever cached). Returns its scheduled requests (those
         aborted while it ran included)."""
         reqs = []
+        bs, cached = self.block_size, self.kv.req_num_cached
         for req, num_new in self._steps.popleft() if self._steps else ():
             self._land(req, num_new)
             reqs.append(req)
             if req.status.finished:  # aborted while in flight: its blocks are free already
                 continue
             req.num_computed_tokens += num_new - (rejected.get(req.request_id, 0) if rejected else 0)
-            req.draft_tokens = []
-            self.kv.cache_computed_blocks(req)
-            self.encoder_cache.release_done(req)
+            if req.draft_tokens:
+                req.draft_tokens = []
+            if req.num_computed_tokens // bs > cached.get(req.request_id, 0):  # a block filled
+                self.kv.cache_computed_blocks(req)
+            if req.mm_items:
+                self.encoder_cache.release_done(req)
         return reqs
 
     def discard_last_step(self) -> None:

@@ -209,6 +209,16 @@ def test_refused_where_not_supported(kw, message):
         EngineArgs(async_scheduling=True, **kw)
 
 
+@pytest.mark.parametrize("device,kw,on", [
+    ("cuda", {}, True), ("cpu", {}, False), ("cuda", dict(async_scheduling=False), False),
+    ("cpu", dict(async_scheduling=True), True), ("cuda", dict(tensor_parallel_size=2), False),
+    ("cuda", dict(pipeline_parallel_size=2), False), ("cuda", dict(speculative_config={"method": "ngram"}), False),
+])
+def test_on_by_default_on_one_gpu(device, kw, on):
+    """Unset, async scheduling is on where it applies and pays: CUDA, one rank, no drafts."""
+    assert EngineArgs(**kw).scheduler_config(512, torch.device(device)).async_scheduling is on
+
+
 @pytest.mark.server
 def test_served_streams_match(tiny_model_dir, placeholders):
     """The real server with --async-scheduling: eight concurrent streamed completions (openai

@@ -74,7 +74,7 @@ def test_shape_is_built_once_in_bfloat16(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("extra", [[], ["--async-scheduling"]])
+@pytest.mark.parametrize("extra", [[], ["--async-scheduling"]])  # on CPU off by default
 def test_smoke_runs_end_to_end(tmp_path, extra):
     from pageserve.app import cli
 
