@@ -420,6 +420,8 @@ class LLMEngine:
             return []
         if not tokens:
             return []
+        if len(tokens) == 1 and not sr.draft_tokens:  # a decode's token (most of them)
+            return self._append_token(req, tokens[0], result.logprobs.get(req.request_id))
         outputs = []
         if sr.draft_tokens:  # a speculative run: its tokens in order, until one ends the request
             logprobs = result.spec_logprobs.get(req.request_id)
@@ -428,7 +430,7 @@ class LLMEngine:
                 if req.status.finished:
                     break
             return outputs
-        members = [req] + (self._fork(req) if len(tokens) > 1 else [])
+        members = [req] + self._fork(req)  # n > 1: the first sample forks the request
         for member, token in zip(members, tokens):
             outputs.extend(self._append_token(member, token, result.logprobs.get(member.request_id)))
         return outputs

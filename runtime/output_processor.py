@@ -20,12 +20,14 @@ def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> R
     elif token in params.stop_token_ids:
         req.stop_reason = token
         status = RequestStatus.FINISHED_STOPPED
+    num_tokens = req.num_tokens
+    num_output = num_tokens - req.num_prompt_tokens
     if status is None or params.include_stop_str_in_output:
-        stop_str = req.detokenizer.add_token(token, req.num_output_tokens >= params.min_tokens)
+        stop_str = req.detokenizer.add_token(token, num_output >= params.min_tokens)
         if status is None and stop_str is not None:
             req.stop_reason = stop_str
             status = RequestStatus.FINISHED_STOPPED
-    if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len):
+    if status is None and (num_output >= req.max_tokens or num_tokens >= max_model_len):
         status = RequestStatus.FINISHED_LENGTH
     return status
 

@@ -154,7 +154,6 @@ class Scheduler:
 
         for req, num_new in scheduled:
             self._emit(out, req, num_new)
-            self._in_flight[req.request_id] = self._in_flight.get(req.request_id, 0) + num_new
         if scheduled:
             self._steps.append(scheduled)
         out.freed_images = self.encoder_cache.take_freed()
@@ -207,13 +206,15 @@ class Scheduler:
         where the host must see the token first: a grammar, drafts, n > 1 forks, a min_tokens
         mask, or a token that may be its last by length."""
         p = req.sampling_params
+        num_tokens = req.num_tokens
+        num_output = num_tokens - req.num_prompt_tokens
         if not self.config.async_scheduling or skip_decodes or req.pooling or req.matcher is not None \
-                or req.num_samples != 1 or req.draft_tokens or req.num_output_tokens < p.min_tokens:
+                or req.num_samples != 1 or req.draft_tokens or num_output < p.min_tokens:
             return False
         ahead = self._in_flight[req.request_id]
-        if req.num_computed_tokens + ahead != req.num_tokens:  # the step in flight samples nothing
+        if req.num_computed_tokens + ahead != num_tokens:  # the step in flight samples nothing
             return False
-        if req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+        if num_output + 1 >= req.max_tokens or num_tokens + 1 >= self.config.max_model_len:
             return False
         return self.kv.allocate_slots(req, ahead + 1)
 
@@ -316,18 +317,24 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        start = req.num_computed_tokens + self._in_flight.get(req.request_id, 0)
-        block_ids = self.kv.block_ids(req.request_id)
+        """The request's part of the step; its tokens are in flight from now on."""
+        rid = req.request_id
+        ahead = self._in_flight.get(rid, 0)
+        self._in_flight[rid] = ahead + num_new
+        start = req.num_computed_tokens + ahead
+        block_ids = self.kv.block_ids(rid)
         bs = self.block_size
-        placeholder = start == req.num_tokens  # running ahead: its token is sampled by the step in flight
-        drafts = req.draft_tokens if not placeholder and start + num_new > req.num_tokens else []
+        num_tokens = len(req.token_ids)
+        placeholder = start == num_tokens  # running ahead: its token is sampled by the step in flight
+        drafts = req.draft_tokens if not placeholder and start + num_new > num_tokens else []
+        end = start + num_new - len(drafts)
         out.requests.append(ScheduledRequest(
-            request_id=req.request_id,
-            token_ids=[0] if placeholder else req.token_ids[start:start + num_new - len(drafts)] + drafts,
+            request_id=rid,
+            token_ids=[0] if placeholder else req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
             placeholder=placeholder,
             start_pos=start,
             block_ids=block_ids,
-            sample=placeholder or start + num_new - len(drafts) == req.num_tokens and not req.pooling,
+            sample=placeholder or end == num_tokens and not req.pooling,
             draft_tokens=drafts,
             sampling_params=req.sampling_params,
             pool=req.pooling,

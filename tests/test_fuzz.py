@@ -40,6 +40,9 @@ def test_fuzz_every_route(fuzz_server):
     assert {op.path for op in operations} >= {
         "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize",
         "/detokenize", "/health", "/version", "/metrics", "/v1/responses", "/v1/responses/{response_id}"}
+    # greedy and to its length: the same answer after the fuzzing, or a fuzzed request left something behind
+    probe = {"model": srv.model, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    before = httpx.post(f"{srv.url}/v1/completions", timeout=60, json=probe).json()["choices"][0]["text"]
     sent: dict[str, int] = {}
     statuses: dict[int, int] = {}
     by_route: dict[tuple[str, int], int] = {}
@@ -72,8 +75,8 @@ def test_fuzz_every_route(fuzz_server):
     assert statuses.get(200, 0) >= 60 and sum(v for k, v in statuses.items() if 400 <= k < 500) >= 100
     # still serving, nothing left behind
     assert httpx.get(f"{srv.url}/health").status_code == 200
-    ok = httpx.post(f"{srv.url}/v1/completions", timeout=60,
-                    json={"model": srv.model, "prompt": "The quick brown fox", "max_tokens": 4})
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    ok = httpx.post(f"{srv.url}/v1/completions", timeout=60, json=probe)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    assert ok.json()["choices"][0]["text"] == before
     srv.wait_idle(30)
     assert_pool_clean(srv.engine)
