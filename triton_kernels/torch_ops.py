@@ -301,7 +301,10 @@ def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     clamped to +-QUANT_MAX and rounded to nearest even. Returns (xq, x_scale)."""
     qmax = QUANT_MAX[kind]
     xf = x.float()
-    x_scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=QUANT_EPS) / qmax
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=QUANT_EPS)
+    # a tensor divisor: CUDA divides by a Python number through its reciprocal, a last bit off
+    # the correctly rounded quotient that the Triton kernel (and the CPU) computes
+    x_scale = amax / torch.full_like(amax, qmax)
     y = (xf / x_scale).clamp(-qmax, qmax)
     return (y.to(torch.float8_e4m3fn) if kind == "fp8" else y.round().to(torch.int8)), x_scale
 

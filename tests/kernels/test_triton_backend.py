@@ -21,7 +21,10 @@ def generate(model_dir, device: str, backend: str, block_size: int, prompts=PROM
              max_tokens: int = 12) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(model_dir), dtype="float32", device=device, attention_backend=backend,
               block_size=block_size, kv_cache_memory=0.01, max_num_batched_tokens=48, max_num_seqs=len(prompts),
-              seed=0)  # the sequence limit keeps the engine's warm-up step (interpreted) small
+              seed=0,  # the sequence limit keeps the engine's warm-up step (interpreted) small
+              # step by step on CUDA too: a step scheduled while the one before runs cannot hit
+              # the blocks that one is writing, and the shared prompts here arrive together
+              async_scheduling=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
