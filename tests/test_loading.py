@@ -1,8 +1,8 @@
 """Model loading: the default GGUF and its cache, and one clear error line for bad models."""
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +49,31 @@ def test_gguf_is_converted_once(tmp_path, monkeypatch):
     assert resolve_model(str(link)) == out
     assert time.monotonic() - t < 1.0  # the second resolve only finds the cache
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_copy_elsewhere_finds_the_conversion(tmp_path, monkeypatch):
+    """The same GGUF file at another path (a fresh virtual environment's copy) is not converted
+    again, and the conversion points at a copy that still exists; a changed file is converted."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from tests.test_gguf_gemma import write_gguf
+
+    (tmp_path / "a").mkdir()
+    gguf = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama"), tmp_path / "a" / "tiny.gguf", "llama")
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
+    out = resolve_model(str(gguf))
+    copy = tmp_path / "b" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)  # another path, another mtime
+    gguf.unlink()
+    t = time.monotonic()
+    assert resolve_model(str(copy)) == out and time.monotonic() - t < 1.0
+    assert (out / loader.GGUF_SOURCE).read_text() == str(copy.resolve())
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1  # the last tensor's last byte
+    changed = tmp_path / "c" / "tiny.gguf"
+    changed.parent.mkdir()
+    changed.write_bytes(data)
+    assert loader._content_key(changed) != loader._content_key(copy)
 
 
 def test_missing_and_wrong_paths(tmp_path):

@@ -105,11 +105,9 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file once (through transformers) into a safetensors + tokenizer
     directory under the cache, so that later starts only read safetensors."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "gguf" / f"{path.stem}-{key}"
+    out = cache_root() / "gguf" / f"{path.stem}-{_content_key(path)}"
     if (out / "config.json").is_file():
-        if not (out / GGUF_SOURCE).is_file():  # converted before the file was written
+        if gguf_source(out) is None:  # written before there was one, or that copy is gone
             try:
                 (out / GGUF_SOURCE).write_text(str(path.resolve()))
             except OSError:  # a read-only cache: the matrices stay float32
@@ -135,6 +133,18 @@ def convert_gguf(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _content_key(path: Path, sample: int = 1 << 20) -> str:
+    """The file's size and a digest of its first, middle and last MiB: the same file installed
+    at another path (a new virtual environment, another checkout) finds its conversion."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:".encode())
+    with path.open("rb") as f:
+        for at in (0, max(0, size // 2 - sample // 2), max(0, size - sample)):
+            f.seek(at)
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
 
 
 def gguf_source(model_dir: Path) -> Path | None:
