@@ -144,7 +144,8 @@ def section_graphs(args, report, device):
         same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
         entry["same_tokens"] = same / sum(len(r) for r in a)
         entry["speedup"] = entry["eager_step_ms_p50"] / entry["graphs_step_ms_p50"]
-        print(f"  batch {batch:3d}, prompts of {prompt_len:4d}: decode step p50 eager {entry['eager_step_ms_p50']:.2f} ms, graphs "
+        print(f"  batch {batch:3d}, prompts of {prompt_len:4d}: decode step p50 eager "
+              f"{entry['eager_step_ms_p50']:.2f} ms, graphs "
               f"{entry['graphs_step_ms_p50']:.2f} ms ({entry['speedup']:.2f}x; {entry.get('replays', 0)} "
               f"replays); same tokens {entry['same_tokens'] * 100:.1f}%")
         if batch in (1, 64, 4) and entry["same_tokens"] < 1:
