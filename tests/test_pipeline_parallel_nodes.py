@@ -17,7 +17,8 @@ import pytest
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.config import SECRET_ENV
 from tests.live_server import SubprocessServer
-from tests.test_tensor_parallel_nodes import ENGINE_FLAGS, SECRET, HeadlessNode, free_port, gone
+from tests.test_tensor_parallel import gone, spawned_ranks
+from tests.test_tensor_parallel_nodes import ENGINE_FLAGS, SECRET, HeadlessNode, free_port
 
 pytestmark = pytest.mark.server
 LAYOUT = ("--pipeline-parallel-size", "2")
@@ -27,11 +28,6 @@ MESSAGES = [{"role": "user", "content": "Say something about paged attention."}]
 @pytest.fixture(autouse=True)
 def _shared_secret(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, SECRET)
-
-
-def spawned(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
 
 
 def two_nodes(model_dir):
@@ -61,7 +57,7 @@ def test_two_stages_on_two_nodes_stream_a_chat_then_sigterm_ends_both(tiny_model
                         use_tqdm=False)[0].outputs[0].text
     srv, node1 = two_nodes(tiny_model_dir)
     try:
-        ranks = spawned(srv.proc) + node1.ranks()
+        ranks = spawned_ranks(srv.proc.pid) + node1.ranks()
         assert len(ranks) == 2  # one stage on each node
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
@@ -80,7 +76,7 @@ def test_two_stages_on_two_nodes_stream_a_chat_then_sigterm_ends_both(tiny_model
 def test_a_node_killed_ends_the_other_non_zero_and_leaves_no_rank(tiny_model_dir, victim):
     srv, node1 = two_nodes(tiny_model_dir)
     try:
-        ranks = spawned(srv.proc) + node1.ranks()
+        ranks = spawned_ranks(srv.proc.pid) + node1.ranks()
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4).choices[0].message

@@ -114,6 +114,31 @@ def _children() -> set[int]:
     return alive
 
 
+def gone(procs: list[psutil.Process]) -> bool:
+    """None of `procs` is still running (a zombie counts as gone)."""
+    def running(p):
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return not any(running(p) for p in procs)
+
+
+def spawned_ranks(pid: int) -> list[psutil.Process]:
+    """The rank processes under `pid` (spawned by multiprocessing), living ones only: not the
+    resource tracker, nor a short-lived helper (the grammar compiler, a C build) that may be a
+    zombie at the moment it is listed."""
+    ranks = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:  # a zombie, or gone meanwhile
+            continue
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            ranks.append(p)
+    return ranks
+
+
 def test_killed_worker_stops_the_engine_and_leaves_no_process(model):
     kv, path = model
     before = _children()

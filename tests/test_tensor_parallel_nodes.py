@@ -19,7 +19,7 @@ import pytest
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.config import SECRET_ENV
 from tests.live_server import ROOT, SubprocessServer, free_socket
-from tests.test_tensor_parallel import _children
+from tests.test_tensor_parallel import _children, gone, spawned_ranks
 from tests.test_tensor_parallel_models import prompts
 
 SECRET = "a secret the two test nodes share"
@@ -51,9 +51,8 @@ class HeadlessNode:
              "--master-port", str(port), *ENGINE_FLAGS], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
     def ranks(self) -> list[psutil.Process]:
-        """Its rank processes (spawned by multiprocessing; not the resource tracker)."""
-        procs = psutil.Process(self.proc.pid).children(recursive=True)
-        return [p for p in procs if "resource_tracker" not in " ".join(p.cmdline())]
+        """Its rank processes."""
+        return spawned_ranks(self.proc.pid)
 
     def wait_for_ranks(self, timeout: float = 60) -> list[psutil.Process]:
         deadline = time.monotonic() + timeout
@@ -74,10 +73,6 @@ class HeadlessNode:
 
     def output(self) -> str:
         return self.log_path.read_text()
-
-
-def gone(procs: list[psutil.Process]) -> bool:
-    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
 
 
 @pytest.mark.engine
@@ -127,8 +122,7 @@ def test_served_across_two_nodes_then_node0_killed(tiny_model_dir):
         ranks1 = node1.wait_for_ranks()
         srv = SubprocessServer(str(tiny_model_dir), *ENGINE_FLAGS, "--tensor-parallel-size", "2", "--nnodes", "2",
                                "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port))
-        ranks0 = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
-                  if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+        ranks0 = spawned_ranks(srv.proc.pid)
         assert len(ranks0) == 1
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id

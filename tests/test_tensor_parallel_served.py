@@ -12,23 +12,16 @@ import time
 import httpx
 import jsonschema
 import openai
-import psutil
 import pytest
 
 from tests.live_server import SubprocessServer
+from tests.test_tensor_parallel import gone, spawned_ranks
 
 pytestmark = pytest.mark.server
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-def workers(proc) -> list[psutil.Process]:
-    """The server's rank processes (spawned by multiprocessing; not its resource tracker, nor
-    the grammar compiler's subprocess)."""
-    cmds = {p: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)}
-    return [p for p, cmd in cmds.items() if "spawn_main" in cmd and "resource_tracker" not in cmd]
 
 
 def start(model_dir):
@@ -39,7 +32,7 @@ def start(model_dir):
 def test_openai_client_against_tp2(tiny_model_dir):
     srv = start(tiny_model_dir)
     try:
-        ranks = workers(srv.proc)
+        ranks = spawned_ranks(srv.proc.pid)
         assert len(ranks) == 2
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -58,12 +51,12 @@ def test_openai_client_against_tp2(tiny_model_dir):
         jsonschema.validate(json.loads(js.choices[0].message.content), SCHEMA)
     finally:
         assert srv.stop() == 0
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    assert gone(ranks)
 
 
 def test_killed_worker_takes_the_server_down(tiny_model_dir):
     srv = start(tiny_model_dir)
-    ranks = workers(srv.proc)
+    ranks = spawned_ranks(srv.proc.pid)
     health: list[int | str] = []
 
     def watch_health():
@@ -97,4 +90,4 @@ def test_killed_worker_takes_the_server_down(tiny_model_dir):
     after = next((i for i, h in enumerate(health) if h != 200), len(health))
     assert after < len(health) and 200 not in health[after:], health
     assert "died" in srv.output()
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    assert gone(ranks)
