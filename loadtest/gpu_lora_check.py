@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pageserve.loadtest.gpu_quant_check import median_time
+from pageserve.loadtest.gpu_quant_check import graphed, median_time
 
 SLOTS, RANK = 8, 16
 # bf16 rounding of the delta is 2^-8 of its scale; a wrong kernel is off by about 1
@@ -42,22 +42,6 @@ def reference_delta(x, lora_a, lora_b, slices, slot) -> torch.Tensor:
         for col, off, size in slices:
             delta[rows, off:off + size] = y[:, col:col + rank] @ lora_b[s, off:off + size].float().t()
     return delta
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph, as a decode step runs it: the returned callable replays it
-    (off CUDA: fn itself)."""
-    if not torch.cuda.is_available():
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def section_lora(args, report, device):

@@ -4,7 +4,8 @@ Llama-3-8B's MLP shapes (4096 -> 14336 and 14336 -> 4096) for 1, 16 and 256 toke
 One random W4A16 layer (groups of 128) is the weight; its dequantized bf16 copy w is the
 reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channel. Each
 method's largest error relative to the reference's largest value, and its median time against
-the bf16 matmul's (CUDA events, after warm-up). fp8 and int8 run twice: gemm="auto" (torch's
+the bf16 matmul's (CUDA events, after warm-up), launched and replayed from a CUDA graph (as the
+engine's decode steps run them, without the host's launch costs). fp8 and int8 run twice: gemm="auto" (torch's
 scaled matmul where it applies; the path is reported) and the Triton GEMM alone."""
 
 from __future__ import annotations
@@ -50,6 +51,22 @@ def median_time(fn, iters: int) -> float:
     return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph, as a decode step runs it: the returned callable replays it
+    (off CUDA: fn itself)."""
+    if not torch.cuda.is_available():
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def make_layers(n: int, k: int, device, generator) -> dict:
     """The int4 layer, its dequantized bf16 weight, and the fp8 and int8 layers made from it."""
     from pageserve.triton_kernels import torch_ops
@@ -91,21 +108,25 @@ def section_quant(args, report, device):
             want = F.linear(x, w).float()
             scale = want.abs().max().item()
             t_bf16 = median_time(lambda: F.linear(x, w), iters)
+            g_bf16 = median_time(graphed(lambda: F.linear(x, w)), iters)
             methods = {"int4": ("int4", "triton", lambda: int4_linear(x, *layers["int4"], GROUP))}
             for kind in ("fp8", "int8"):
                 wq, w_scale = layers[kind]
                 methods[kind] = (kind, "auto", lambda wq=wq, ws=w_scale, kind=kind: scaled_linear(x, wq, ws, kind))
                 methods[f"{kind} triton"] = (kind, "triton", lambda wq=wq, ws=w_scale, kind=kind:
                                              scaled_linear(x, wq, ws, kind, gemm="triton"))
-            print(f"    M {m:4d}: bf16 matmul {t_bf16 * 1e6:9.1f} us")
+            print(f"    M {m:4d}: bf16 matmul {t_bf16 * 1e6:9.1f} us (from a CUDA graph {g_bf16 * 1e6:9.1f} us)")
             for name, (kind, gemm, fn) in methods.items():
                 err = ((fn().float() - want).abs().max() / scale).item()
-                t = median_time(fn, iters)
+                t, tg = median_time(fn, iters), median_time(graphed(fn), iters)
                 path = auto_gemm(m, n, k, kind, x.device, x.dtype, False) if gemm == "auto" else "triton"
                 ok = err < MAX_REL_ERR[kind]
                 cases.append({"k": k, "n": n, "batch": m, "method": name, "gemm": path, "us": t * 1e6,
-                              "bf16_us": t_bf16 * 1e6, "speedup_vs_bf16": t_bf16 / t, "max_rel_err": err, "ok": ok})
-                print(f"      {name:11s} ({path:16s}) {t * 1e6:9.1f} us, {t_bf16 / t:5.2f}x bf16; "
+                              "bf16_us": t_bf16 * 1e6, "speedup_vs_bf16": t_bf16 / t, "graph_us": tg * 1e6,
+                              "graph_bf16_us": g_bf16 * 1e6, "graph_speedup_vs_bf16": g_bf16 / tg,
+                              "max_rel_err": err, "ok": ok})
+                print(f"      {name:11s} ({path:16s}) {t * 1e6:9.1f} us, {t_bf16 / t:5.2f}x bf16; from a graph "
+                      f"{tg * 1e6:9.1f} us, {g_bf16 / tg:5.2f}x; "
                       f"max |err| / max |y| {err:.1e} {'ok' if ok else 'FAILED'}")
         del layers, w
     if not all(c["ok"] for c in cases):
