@@ -37,6 +37,37 @@ def native_kernels():
     return k
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A $PAGESERVE_CACHE of the test's own (for what it converts and caches), holding a copy of
+    the C kernels this run built, so that its engines do not compile them again (15 s)."""
+    import shutil
+
+    from pageserve.runtime.models.loader import cache_root
+    from pageserve.triton_kernels import cpu_kernels
+
+    built = cpu_kernels.load(cache_root() / "kernels")
+    cache = tmp_path / "cache"
+    (cache / "kernels").mkdir(parents=True)
+    if built is not None:
+        shutil.copy2(built.path, cache / "kernels")
+    monkeypatch.setenv("PAGESERVE_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels(tmp_path_factory):
+    """The C kernels built for AVX2 on a CPU that has AVX-512 (the path older CPUs take), once."""
+    from pageserve.triton_kernels import cpu_kernels
+    from pageserve.runtime.config import cpu_flags
+
+    if "avx512f" not in cpu_flags():
+        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
+    k = cpu_kernels.load(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+    assert k.isa == "AVX2"
+    return k
+
+
 @pytest.fixture(scope="session")
 def portable_kernels(tmp_path_factory):
     """The C kernels built for any x86-64 (no AVX2, no F16C: the scalar paths, the software

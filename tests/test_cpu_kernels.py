@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.runtime import LLM
-from pageserve.runtime.config import cpu_flags
 from pageserve.triton_kernels import cpu_kernels, linear_plan
 from pageserve.loadtest.tiny_model import build_tiny_model
 from tests.hf_reference import hf_greedy
@@ -26,16 +25,12 @@ def native(native_kernels):
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
-def kernel(request, native, tmp_path_factory):
+def kernel(request, native):
     """The kernels built for this CPU, and, where it has AVX-512, built for AVX2 too (the path
     older CPUs take): every property of the kernels themselves holds for each."""
     if request.param == "native":
         return native
-    if "avx512f" not in cpu_flags():
-        pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-    k = cpu_kernels.load(tmp_path_factory.mktemp("kernels"), extra_flags=("-mno-avx512f",))
-    assert k.isa == "AVX2"
-    return k
+    return request.getfixturevalue("avx2_kernels")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 300])

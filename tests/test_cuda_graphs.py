@@ -136,7 +136,6 @@ def test_padding_rows_write_nothing_and_are_dropped(tiny_model_dir, monkeypatch)
 def test_steps_a_graph_cannot_serve_run_eagerly(tiny_model_dir, monkeypatch):
     eng = engine(tiny_model_dir, monkeypatch, graphs=True)
     graphs = eng.runner.graphs
-    dev = eng.runner.device
 
     def meta(q_lens, max_seq_len=10):
         n = len(q_lens)

@@ -16,7 +16,7 @@ import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
-from pageserve.triton_kernels import cpu_kernels, linear_plan
+from pageserve.triton_kernels import linear_plan
 from pageserve.triton_kernels.cpu_kernels import blocks
 from tests.hf_reference import hf_greedy
 from tests.test_gguf_gemma import hf_from_gguf, write_gguf
@@ -122,7 +122,7 @@ def qtype_of(gguf_name: str):
 
 
 @pytest.mark.engine
-def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernels):
+def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernels, own_cache):
     from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster
@@ -130,7 +130,6 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True)
     path = write_gguf(model_dir, tmp_path / "tiny-q.gguf", "llama", qtype_of)
-    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (7, 40, 90, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)

@@ -109,11 +109,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_gemma_gguf_greedy_parity(tmp_path, monkeypatch, arch):
+def test_gemma_gguf_greedy_parity(tmp_path, own_cache, arch):
     tiny, architecture, overrides = CASES[arch]
     model_dir = build_tiny_model(tmp_path / "hf", arch=tiny, **overrides)
     path = write_gguf(model_dir, tmp_path / f"tiny-{arch}.gguf", arch)
-    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
     rng = random.Random(11)
     shared = [rng.randrange(3, 384) for _ in range(40)]
     prompts = [(shared if i % 2 else []) + [rng.randrange(3, 384) for _ in range(15 + 30 * i)] for i in range(5)]
@@ -122,7 +121,7 @@ def test_gemma_gguf_greedy_parity(tmp_path, monkeypatch, arch):
     if arch == "gemma2":  # lossless: the same tokens as the safetensors model it was written from
         assert expected == hf_greedy(model_dir, prompts, max_new_tokens=16)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64, debug_checks=True)
-    converted = list((tmp_path / "cache" / "gguf").iterdir())
+    converted = list((own_cache / "gguf").iterdir())
     assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file()
     cfg = json.loads((converted[0] / "config.json").read_text())
     assert cfg["architectures"] == [architecture] and llm.engine.config.model.architecture == architecture

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pageserve.runtime.config import cpu_flags
 from pageserve.triton_kernels import cpu_kernels
 from pageserve.triton_kernels.cpu_blocks import fp8_blocks, int4_blocks, int8_blocks, smallest_blocks
 
@@ -23,17 +22,13 @@ F8_NAN = (0x7F, 0xFF)
 
 
 @pytest.fixture(scope="module", params=["native", "avx2", "x86-64"])
-def kernel(request, native_kernels, tmp_path_factory):
+def kernel(request, native_kernels):
     """The kernels built for this CPU; for AVX2 where it has AVX-512 (the older CPUs' path); and
     for any x86-64 (no AVX2, no F16C: the scalar widening, the software half-float conversion)."""
     if request.param == "native":
         return native_kernels
     if request.param == "avx2":
-        if "avx512f" not in cpu_flags():
-            pytest.skip("no AVX-512 here: the native build is the AVX2 one")
-        k = cpu_kernels.load(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
-        assert k.isa == "AVX2"
-        return k
+        return request.getfixturevalue("avx2_kernels")
     return request.getfixturevalue("portable_kernels")
 
 

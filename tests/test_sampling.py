@@ -293,17 +293,14 @@ def test_forked_sequences_stay_right_under_preemption(tiny_model_dir):
         assert_pool_clean(small.engine)
 
 
-def test_the_c_argmax_is_torchs(tmp_path):
+def test_the_c_argmax_is_torchs(native_kernels):
     """The CPU backend's greedy pick (cpu_kernels.c's argmax; torch's took 4 ms over 64 rows of
     49k logits): torch's index for ties across lanes and in the tail, all -inf rows, rows
     shorter than a vector, strided rows, batches below the threaded size; a NaN anywhere
     (first, mid-vector, in the tail) leaves the answer to torch."""
     from pageserve.runtime.kernels import TorchKernels
-    from pageserve.triton_kernels import cpu_kernels
 
-    lib = cpu_kernels.load(tmp_path)
-    if lib is None:
-        pytest.skip("no C compiler here")
+    lib = native_kernels
     gen = torch.Generator().manual_seed(0)
     for vocab in (1, 5, 8, 13, 49152, 49155):
         x = torch.randn(9, vocab, generator=gen)
