@@ -29,7 +29,7 @@ def test_default_model_is_found_without_importing_its_package():
 
 
 def test_gguf_is_converted_once(tmp_path, monkeypatch):
-    """A small GGUF file. The default model's own conversion (39 s) runs on a fresh checkout,
+    """A small GGUF file. The default model's own conversion (9 s) runs on a fresh checkout,
     as in CI, in the first test that loads the default model."""
     from pageserve.loadtest.tiny_model import build_tiny_model
     from tests.test_gguf_gemma import write_gguf
