@@ -2,9 +2,11 @@
 layers of the default model (SmolLM2-135M, its GGUF's Q4_1 blocks: qkv, o, gate_up, down), ms
 per call of the four matrices at each row count: a base commit's build against this checkout's,
 rounds alternated in one process (the machine drifts), medians. Also checks that both builds
-give the same bits where they must (rows below 16 against one row at a time).
+give the same bits where they must (rows below 16 against one row at a time). With --modes, this
+checkout's build in float32 arithmetic against bfloat16 arithmetic instead (what --dtype float32
+and --dtype auto run on such a CPU).
 
-    python -m pageserve.loadtest.bench_linear_rows [--base HEAD] [--rounds 15] [--rows 1,2,...]
+    python -m pageserve.loadtest.bench_linear_rows [--base HEAD | --modes] [--rounds 15] [--rows 1,2,...]
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def two_layers() -> list[torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD", help="commit whose kernels are the A side")
+    ap.add_argument("--modes", action="store_true", help="float32 against bfloat16 arithmetic, this checkout's build")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=20, help="calls of the four matrices a round, the best kept")
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,16,64")
@@ -71,8 +74,12 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="bench_linear_"))
-    libs = {"base": cpu_kernels.CpuKernels(build_at(a.base, tmp), bf16_dot=True),
-            "new": cpu_kernels.CpuKernels(build_at(None, tmp), bf16_dot=True)}
+    if a.modes:
+        so = build_at(None, tmp)
+        libs = {"f32": cpu_kernels.CpuKernels(so, bf16_dot=False), "bf16": cpu_kernels.CpuKernels(so, bf16_dot=True)}
+    else:
+        libs = {"base": cpu_kernels.CpuKernels(build_at(a.base, tmp), bf16_dot=True),
+                "new": cpu_kernels.CpuKernels(build_at(None, tmp), bf16_dot=True)}
     mats = two_layers()
     mats = [mats[i % len(mats)] if i < len(mats) else blocks(mats[i % len(mats)].detach().clone(),
                                                              mats[i % len(mats)].block_format,
@@ -83,11 +90,11 @@ def main() -> None:
     for r in rows:  # same bits: each build against itself row by row below 16, and the two builds
         for m in mats[:8]:
             x = xs[r][m.in_features]
-            ya, yb = libs["base"](x, m), libs["new"](x, m)
+            ya, yb = (lib(x, m) for lib in libs.values())
             if r < 16:
-                alone = torch.cat([libs["new"](x[i:i + 1], m) for i in range(r)])
-                assert torch.equal(yb, alone), f"new build: rows {r} not the bits of one row at a time"
-            if not torch.equal(ya, yb):
+                alone = torch.cat([list(libs.values())[1](x[i:i + 1], m) for i in range(r)])
+                assert torch.equal(yb, alone), f"{list(libs)[1]}: rows {r} not the bits of one row at a time"
+            if not a.modes and not torch.equal(ya, yb):
                 print(f"rows {r}, {tuple(m.shape)}: the builds differ (max {(ya - yb).abs().max().item():.3g})")
     times = {name: {r: [] for r in rows} for name in libs}
     for _ in range(a.rounds):
