@@ -31,7 +31,9 @@ class DraftModel:
         self.block_size = runner.block_size
 
     def _slot(self, sr: ScheduledRequest, pos: int) -> int:
-        return sr.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        """(The block tables hold the step's blocks: its first forward brought them up to date.)"""
+        block = self.runner.block_tables.block_id(sr.request_id, pos // self.block_size)
+        return block * self.block_size + pos % self.block_size
 
     def _forward(self, step: SchedulerOutput, rows: list[int] | None = None) -> list[int]:
         """Run the draft over `step`; the greedy tokens at hidden rows `rows` (default: each

@@ -43,6 +43,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same as ids, kept as they change: read every step
+        # per request: how many of its block ids the runners' tables hold (see block_update)
+        self._ids_sent: dict[str, int] = {}
         self.req_hashes: dict[str, list[bytes]] = {}  # chained digests of the request's full blocks
         self.req_num_cached: dict[str, int] = {}  # how many of its blocks are in the cache map
         self.reset_counters()
@@ -58,14 +60,27 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.req_block_ids.get(request_id, ()))
 
+    def block_update(self, request_id: str) -> tuple[int, list[int]]:
+        """What a step tells the runners of the request's block table: (the index from which
+        it changed, its ids from there on). The whole table for a request the runners have not
+        been sent (new, or its blocks given back since) or whose table was rewritten; else only
+        the blocks appended since the last update. Each runner applies them in step order
+        (step_inputs.BlockTables)."""
+        ids = self.req_block_ids.get(request_id, [])
+        start = self._ids_sent.get(request_id, 0)
+        self._ids_sent[request_id] = len(ids)
+        return start, ids[start:]
+
     def _sync_ids(self, rid: str, rewrite: bool) -> None:
         """req_block_ids after req_blocks changed: appended to (or, rewrite, changed anywhere)."""
         blocks = self.req_blocks.get(rid)
         if blocks is None:
             self.req_block_ids.pop(rid, None)
+            self._ids_sent.pop(rid, None)
             return
         ids = self.req_block_ids.setdefault(rid, [])
         if rewrite:
+            self._ids_sent.pop(rid, None)
             ids[:] = [b.block_id for b in blocks]
         else:
             ids.extend([b.block_id for b in blocks[len(ids):]])
@@ -218,6 +233,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
         self.req_block_ids.pop(rid, None)
+        self._ids_sent.pop(rid, None)
         # tail blocks first: they are the least likely to be shared, so the first evicted
         self.pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
         self.req_num_cached.pop(rid, None)
@@ -227,6 +243,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         held: dict[int, int] = {}
         assert self.req_block_ids.keys() == self.req_blocks.keys()
+        assert all(n <= len(self.req_block_ids[rid]) for rid, n in self._ids_sent.items())
         for rid, blocks in self.req_blocks.items():
             assert self.req_block_ids[rid] == [b.block_id for b in blocks], rid
             live = [b for b in blocks if b is not NULL_BLOCK]

@@ -28,7 +28,7 @@ from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, qua
 from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
-from pageserve.runtime.step_inputs import step_inputs
+from pageserve.runtime.step_inputs import BlockTables, step_inputs
 from pageserve.runtime.step_sampler import StepSampler
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
 from pageserve.sampling.sampler import TokenLogprobs, topk_logprobs
@@ -103,7 +103,10 @@ class ModelRunner:
         self.profiled_graph_pool = 0  # bytes kept for the CUDA graphs' memory pool (CUDA profile)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs, once captured
         self.images = EncoderOutputs(model_cfg.bf16_matmuls)  # the vision encoder's outputs (multimodal models)
+        self.block_tables = BlockTables()  # the requests' block tables, brought up to date each step
         self.draft = None if draft is None else DraftModel(ModelRunner(draft, device_cfg, block_size, seed, self.dev))
+        if self.draft is not None:  # under the same block tables
+            self.draft.runner.block_tables = self.block_tables
 
     def block_bytes(self) -> int:
         """Bytes of one KV block: the model's, and its draft model's where it has one."""
@@ -230,6 +233,7 @@ class ModelRunner:
                           self.model_cfg.vocab_size, self.model_cfg.eos_token_ids, "profile-graph",
                           write=False)
         ids, pos, meta = self._prepare(step)[:3]
+        self.block_tables.release(r.request_id for r in step.requests)
         self.dev.synchronize()
         before = self.dev.memory_allocated()
         self.dev.reset_peak_memory_stats()
@@ -266,6 +270,7 @@ class ModelRunner:
                               self.block_size, cfg.vocab_size, cfg.eos_token_ids)
         for step in steps:
             self.execute(step)
+            self.execute(SchedulerOutput(finished_ids=[r.request_id for r in step.requests]))
         self.dev.synchronize()
         logger.info("kernel warm-up: %d steps launching every kernel variant in %.1f s",
                     len(steps), time.perf_counter() - start)
@@ -319,7 +324,7 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                       torch.Tensor]:
-        inputs = step_inputs(out, self.dev, self.device, self.lora, self.sampler.last_draws)
+        inputs = step_inputs(out, self.dev, self.device, self.block_tables, self.lora, self.sampler.last_draws)
         self.kernels.prepare(inputs[2])
         return inputs
 
@@ -331,6 +336,8 @@ class ModelRunner:
         queued (but for what needs the host: logprobs, drafts), so that the next step can be
         prepared while it runs."""
         self.sampler.release(out.finished_ids, out.preempted)
+        self.block_tables.release(out.finished_ids)  # before the step's updates: a preempted
+        self.block_tables.release(out.preempted)  # request may come back in it, sent whole
         for swapper in (self.swapper, self.draft and self.draft.runner.swapper):
             if swapper is not None:
                 swapper.swap(out.swap_out, out.swap_in)  # copies run on side streams

@@ -39,7 +39,10 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # position of token_ids[0]
-    block_ids: list[int]
+    # its block table from index block_ids_start on (KVCacheManager.block_update): the runners
+    # keep the rest from earlier steps
+    block_ids_start: int
+    new_block_ids: list[int]
     sample: bool  # this chunk reaches the end of the request's tokens, so a token is sampled
     sampling_params: SamplingParams
     pool: bool = False  # an embedding request: sum its tokens' last hidden states
@@ -322,7 +325,8 @@ class Scheduler:
         ahead = self._in_flight.get(rid, 0)
         self._in_flight[rid] = ahead + num_new
         start = req.num_computed_tokens + ahead
-        block_ids = self.kv.block_ids(rid)
+        block_ids = self.kv.req_block_ids[rid]
+        block_ids_start, new_block_ids = self.kv.block_update(rid)
         bs = self.block_size
         num_tokens = len(req.token_ids)
         placeholder = start == num_tokens  # running ahead: its token is sampled by the step in flight
@@ -333,7 +337,8 @@ class Scheduler:
             token_ids=[0] if placeholder else req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
             placeholder=placeholder,
             start_pos=start,
-            block_ids=block_ids,
+            block_ids_start=block_ids_start,
+            new_block_ids=new_block_ids,
             sample=placeholder or end == num_tokens and not req.pooling,
             draft_tokens=drafts,
             sampling_params=req.sampling_params,

@@ -1,12 +1,12 @@
 """A step's input tensors from its SchedulerOutput: token ids, positions and the attention
 metadata, built on the host in lists and numpy and uploaded once each (on a GPU through pinned
 memory, not waiting for the step in flight). Under async scheduling, a request running ahead has
-a placeholder token, filled on the device from the last step's draws."""
+a placeholder token, filled on the device from the last step's draws. Block tables are kept
+between steps (BlockTables): a step brings only what changed in them."""
 
 from __future__ import annotations
 
-import itertools
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -15,13 +15,72 @@ from pageserve.runtime.kernels import AttentionMetadata
 from pageserve.runtime.scheduler import SchedulerOutput
 
 
-def step_inputs(out: SchedulerOutput, dev, device: torch.device, lora=None,
+class BlockTables:
+    """The block tables of the requests a runner has seen, one row each, kept on the host
+    between steps: each step writes only the ids that changed (ScheduledRequest.block_ids_start
+    and new_block_ids, from KVCacheManager.block_update), so building a step's tables costs
+    by what changed, not by every request's whole context. Entries past a row's length are 0."""
+
+    def __init__(self):
+        self.rows: dict[str, int] = {}
+        self.free: list[int] = []
+        self.table = np.zeros((8, 16), dtype=np.int32)
+        self.lens = np.zeros(8, dtype=np.int64)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or preempted requests (a preempted one is sent whole when it runs again)."""
+        for rid in request_ids:
+            row = self.rows.pop(rid, None)
+            if row is not None:
+                self.table[row, :self.lens[row]] = 0
+                self.lens[row] = 0
+                self.free.append(row)
+
+    def update(self, requests) -> np.ndarray:
+        """Apply the step's changes; the requests' rows, in order."""
+        rows = np.empty(len(requests), dtype=np.int64)
+        for i, r in enumerate(requests):
+            row = self.rows.get(r.request_id)
+            if row is None:
+                if r.block_ids_start:
+                    raise RuntimeError(f"request {r.request_id}: a block table update from index "
+                                       f"{r.block_ids_start} for a table this runner does not hold")
+                row = self.rows[r.request_id] = self.free.pop() if self.free else self._new_row()
+            start, new = r.block_ids_start, r.new_block_ids
+            if new or not start:
+                end = start + len(new)
+                if end > self.table.shape[1]:
+                    self.table = np.pad(self.table, ((0, 0), (0, max(end, 2 * self.table.shape[1]) - self.table.shape[1])))
+                self.table[row, start:end] = new
+                if end < self.lens[row]:  # a rewritten table that got shorter
+                    self.table[row, end:self.lens[row]] = 0
+                self.lens[row] = end
+            rows[i] = row
+        return rows
+
+    def _new_row(self) -> int:
+        row = len(self.rows) + len(self.free)
+        if row == len(self.lens):
+            self.table = np.pad(self.table, ((0, len(self.lens)), (0, 0)))
+            self.lens = np.pad(self.lens, (0, len(self.lens)))
+        return row
+
+    def block_id(self, request_id: str, index: int) -> int:
+        return int(self.table[self.rows[request_id], index])
+
+    def of(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), the longest row's length] block ids, padded with 0."""
+        return self.table[rows, :max(1, int(self.lens[rows].max(initial=0)))]
+
+
+def step_inputs(out: SchedulerOutput, dev, device: torch.device, tables: BlockTables, lora=None,
                 last_draws: Callable[[list[str]], tuple[torch.Tensor, list[int]]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
     """(input ids, positions, metadata, the rows whose logits are sampled, the same rows on the
-    device). dev: the device's uploads (runtime/device.py); lora: the adapter manager, for the
-    step's adapter rows; last_draws: the last step's draws on the device and the rows of these
-    requests in them (StepSampler.last_draws)."""
+    device). dev: the device's uploads (runtime/device.py); tables: the runner's block tables,
+    brought up to date with the step's; lora: the adapter manager, for the step's adapter rows;
+    last_draws: the last step's draws on the device and the rows of these requests in them
+    (StepSampler.last_draws)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start = [0]
@@ -39,20 +98,15 @@ def step_inputs(out: SchedulerOutput, dev, device: torch.device, lora=None,
         seq_lens.append(r.start_pos + n)
         if r.sample and not r.draft_tokens:
             logits_rows.append(query_start[-1] - 1)
-    # [B, max blocks] padded with 0, in one numpy assignment: a list of lists through
-    # torch.tensor is the slowest part of preparing a large batch
-    lens = np.array([len(r.block_ids) for r in out.requests])
-    block_tables = np.zeros((len(lens), lens.max()), dtype=np.int32)
-    block_tables[np.arange(lens.max()) < lens[:, None]] = \
-        np.fromiter(itertools.chain.from_iterable(r.block_ids for r in out.requests), np.int32, lens.sum())
+    block_tables = tables.of(tables.update(out.requests))  # [B, max blocks], padded with 0
     draws, rows = last_draws(ahead) if holes else (None, [])
     # one copy to the device for all of them
-    slots, qsl, lens_t, tables, ids, pos, rows_t, holes_t, draw_rows = dev.upload_many(
+    slots, qsl, lens_t, tables_t, ids, pos, rows_t, holes_t, draw_rows = dev.upload_many(
         [(out.slot_mapping, torch.int64), (query_start, torch.int32), (seq_lens, torch.int32),
          (block_tables, torch.int32), (input_ids, torch.int64), (positions, torch.int64),
          (logits_rows, torch.int64), (holes, torch.int64), (rows, torch.int64)], device)
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=qsl, seq_lens=lens_t, block_tables=tables,
+        slot_mapping=slots, query_start_loc=qsl, seq_lens=lens_t, block_tables=tables_t,
         max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
         max_seq_len=max(seq_lens),
         lora=None if lora is None else lora.batch(out.requests, len(input_ids)),

@@ -44,7 +44,8 @@ def build_step(shapes: list[tuple[int, int, int]], params: list[SamplingParams],
         blocks = [b % num_blocks for b in range(-(-ctx // block_size))]
         tokens = [t % vocab_size for t in range(ctx)]
         out.requests.append(ScheduledRequest(
-            request_id=f"{name}-{i}", token_ids=tokens[start:], start_pos=start, block_ids=blocks,
+            request_id=f"{name}-{i}", token_ids=tokens[start:], start_pos=start, block_ids_start=0,
+            new_block_ids=blocks,
             sample=True, sampling_params=sp, num_samples=samples, num_prompt_tokens=ctx,
             matcher=matcher, request_tokens=tokens, eos_token_ids=eos_token_ids))
         out.slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size if write else -1

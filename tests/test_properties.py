@@ -15,6 +15,7 @@ from pageserve.runtime.config import SchedulerConfig
 from pageserve.runtime.kv_cache_manager import KVCacheManager, cdiv
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
+from pageserve.runtime.step_inputs import BlockTables
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.sampling.params import SamplingParams
 
@@ -111,6 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                               enable_chunked_prefill=True, prompts_first=prompts_first)
         self.swap = SwapSpace(num_blocks // 2 if mode == "swap" else 0)
         self.sched = Scheduler(cfg, self.kv, self.swap, mode)
+        self.tables = BlockTables()  # what a runner holds, from the steps' updates alone
         self.capacity = num_blocks * block_size
         self.requests: dict[str, Request] = {}
         self.count = 0
@@ -191,14 +193,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(out.slot_mapping) == out.num_tokens
         assert len(set(out.slot_mapping)) == out.num_tokens, "two tokens written to one slot"
         bs, offset = self.kv.block_size, 0
-        for sr in out.requests:
+        self.tables.release(out.finished_ids)
+        self.tables.release(out.preempted)
+        table = self.tables.of(self.tables.update(out.requests))
+        for i, sr in enumerate(out.requests):
             req = self.requests[sr.request_id]
             assert req.status == RequestStatus.RUNNING  # never one still waiting for its grammar
-            assert sr.block_ids == self.kv.block_ids(req.request_id)
+            ids = self.kv.block_ids(req.request_id)
+            # the runner's table, from the updates alone, is the request's, padded with 0
+            assert table[i, :len(ids)].tolist() == ids and not table[i, len(ids):].any()
             # each token goes to its own position's slot in the request's own blocks
             for j, slot in enumerate(out.slot_mapping[offset:offset + len(sr.token_ids)]):
                 pos = sr.start_pos + j
-                assert slot == sr.block_ids[pos // bs] * bs + pos % bs
+                assert slot == ids[pos // bs] * bs + pos % bs
             offset += len(sr.token_ids)
         for what, happened in (("preempted", out.preempted), ("swapped out", out.swap_out),
                                ("swapped in", out.swap_in)):

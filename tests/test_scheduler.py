@@ -107,7 +107,7 @@ def test_slot_mapping_follows_block_table():
     sched.kv.free(first)  # free queue now: 3, 1, 0
     sched.add_request(make("a", 40))
     out = sched.schedule()
-    assert out.requests[0].block_ids == [3, 1, 0]
+    assert (out.requests[0].block_ids_start, out.requests[0].new_block_ids) == (0, [3, 1, 0])
     assert out.slot_mapping == list(range(48, 64)) + list(range(16, 32)) + list(range(0, 8))
 
 

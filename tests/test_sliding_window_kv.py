@@ -21,6 +21,7 @@ from pageserve.runtime.kv_cache_manager import KVCacheManager, cdiv
 from pageserve.runtime.models import registry
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler, SchedulerOutput
+from pageserve.runtime.step_inputs import BlockTables
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.sampling.params import SamplingParams as Params
 from tests.conftest import assert_pool_clean
@@ -153,6 +154,7 @@ class SlidingWindowSchedulerMachine(SchedulerMachine):
                               enable_chunked_prefill=True)
         self.swap = SwapSpace(num_blocks // 2 if mode == "swap" else 0)
         self.sched = Scheduler(cfg, self.kv, self.swap, mode)
+        self.tables = BlockTables()
         self.requests: dict[str, Request] = {}
         self.count = 0
         self.ended: set[str] = set()

@@ -106,7 +106,8 @@ def step(num_requests: int = 5, tokens: int = 40) -> SchedulerOutput:
     for i in range(num_requests):
         toks = list(range(1000 * i, 1000 * i + tokens))
         requests.append(ScheduledRequest(
-            request_id=f"req-{i}", token_ids=toks[-3:], start_pos=tokens - 3, block_ids=[i, 10 + i, 20 + i],
+            request_id=f"req-{i}", token_ids=toks[-3:], start_pos=tokens - 3, block_ids_start=i,
+            new_block_ids=[i, 10 + i, 20 + i],
             sample=i % 2 == 0, sampling_params=sampling(i), pool=i == 4, num_samples=2, num_prompt_tokens=tokens - 5,
             matcher=MaskRow.of(FakeMatcher([1, 31, 40 + i]), 100) if i % 2 else None, request_tokens=toks,
             eos_token_ids=(2, 151_643), mm_items=(image(i), image(i + 1, torch.bfloat16)) if i < 2 else (),
