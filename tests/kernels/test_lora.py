@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pageserve.loadtest.gpu_quant_check import graphed
 from pageserve.triton_kernels.lora import expand_config, lora_expand, lora_shrink, shrink_config
 
 pytestmark = pytest.mark.unit
@@ -227,18 +228,11 @@ def test_lora_cuda_graph(device):
         target.copy_(out)
         lora_expand(target, lora_shrink(x, lora_a, *static), lora_b, slices, *static)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    replay = graphed(step)  # compiled outside the capture, then captured
     token_slot, *other = make_groups(37, [3, 0, 30, 1], device, seed=5)
     for dst, src in zip(static, other):
         dst.copy_(src)
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     y = reference_shrink(x, lora_a, token_slot).float()
     assert_near(target, reference_expand(out, y, lora_b, slices, token_slot), BF16_ULPS, 1e-5)
