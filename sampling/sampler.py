@@ -65,6 +65,14 @@ class SamplingMetadata:
             truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
             self.truncated = up(truncated, torch.bool, device)
             self.any_truncated = any(truncated)
+            # for draw without a sync (on a GPU): the truncated rows, and the rows whose draw the
+            # host cannot tell to lie among the candidates (all but top-k within them)
+            k = min(vocab_size, CANDIDATES)
+            cut = [i for i, t in enumerate(truncated) if t]
+            maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
+                          if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
+            self.cut_rows = up(cut, torch.int64, device) if device.type == "cuda" else None
+            self.maybe_full_rows = up(maybe_full, torch.int64, device) if device.type == "cuda" else None
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
@@ -160,14 +168,26 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=weights.shape[-1] - 1)
 
 
-def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch.Tensor:
+def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor:
     """Sample each row of temperature-scaled logits after min-p, top-k and top-p.
 
     A truncated row is sampled among its CANDIDATES most likely tokens when those provably
     hold every token the filters keep (top-k within them, the min-p threshold above the last
     of them, or their mass past top-p); any other row over the whole vocabulary (sorting it
     when truncated). Which way a row goes depends on that row alone, so a seeded row draws
-    the same token whatever else is in the batch. Both by inverse CDF: one uniform a row."""
+    the same token whatever else is in the batch. Both by inverse CDF: one uniform a row.
+
+    sync_free (the default on a GPU): the host reads nothing back (a sync would stall the
+    step queued behind this one): every truncated row is drawn among its candidates, every
+    row the host cannot tell to stay there over the whole vocabulary, and each row keeps the
+    draw its own data chooses, the same token as the other way."""
+    if sync_free is None:
+        sync_free = logits.is_cuda
+    if sync_free and meta.cut_rows is None:  # built off a GPU (tests): the index lists now
+        cut = meta.truncated.nonzero()[:, 0]
+        k = min(logits.shape[-1], CANDIDATES)
+        sure = meta.truncated & (((meta.top_k > 0) & (meta.top_k <= k)) | (k == logits.shape[-1]))
+        meta.cut_rows, meta.maybe_full_rows = cut, (~sure).nonzero()[:, 0]
     vocab = logits.shape[-1]
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     full = ~meta.truncated
@@ -181,7 +201,7 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
         by_top_p = (meta.top_p < 1) & (cand.sum(dim=-1) > meta.top_p) & (meta.top_k <= k)
         whole = torch.full_like(meta.truncated, k == vocab)
         exact = meta.truncated & (by_top_k | by_min_p | by_top_p | whole)
-        rows = exact.nonzero()[:, 0]
+        rows = meta.cut_rows if sync_free else exact.nonzero()[:, 0]
         if rows.numel():
             c, t, p, m = cand[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows]
             # what min-p and top-k keep: inside the candidates when they bound the row, else
@@ -190,25 +210,33 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor) -> torch
                     & (c >= threshold[rows, None]))
             norm = (c * head).sum(dim=-1)
             # rows bounded by top-p alone: min-p keeps tokens past the candidates as well
-            wide = (~(by_top_k | by_min_p | whole))[rows] & (m > 0)
-            if wide.any():
+            loose = (~(by_top_k | by_min_p | whole))[rows]
+            wide = loose & (m > 0)
+            if sync_free:
+                if meta.need_min_p:  # else no row is wide
+                    kept_mass = (probs * (probs >= threshold[:, None])).sum(dim=-1)
+                    norm = torch.where(wide, kept_mass[rows], norm)
+            elif wide.any():
                 w = rows[wide]
                 norm[wide] = (probs[w] * (probs[w] >= threshold[w, None])).sum(dim=-1)
-            norm = torch.where((~(by_top_k | by_min_p | whole))[rows] & (m == 0),
-                               torch.ones_like(norm), norm)
+            norm = torch.where(loose & (m == 0), torch.ones_like(norm), norm)
             kept = _truncate_sorted(c, t, p, m, norm)
             out[rows] = cand_ids[rows].gather(1, inverse_cdf(kept, u[rows])[:, None])[:, 0]
         full = ~exact
-    rows = full.nonzero()[:, 0]
-    if rows.numel():
+    if not meta.any_truncated:
+        rows = slice(None)  # every row, as the host knows
+    else:
+        rows = meta.maybe_full_rows if sync_free else full.nonzero()[:, 0]
         if rows.numel() == logits.shape[0]:  # every row: a view, not a copy (12 MB at 64 rows)
             rows = slice(None)
+    if isinstance(rows, slice) or rows.numel():
         sub = logits[rows]
         if meta.need_min_p:
             sub = apply_min_p(sub, meta.min_p[rows])
         if meta.need_sort:
             sub = apply_top_k_top_p(sub, meta.top_k[rows], meta.top_p[rows])
-        out[rows] = inverse_cdf(sub.softmax(dim=-1), u[rows])
+        drawn = inverse_cdf(sub.softmax(dim=-1), u[rows])
+        out[rows] = torch.where(full[rows], drawn, out[rows]) if sync_free and meta.any_truncated else drawn
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 from pageserve.sampling.penalties import TokenCounts
-from pageserve.sampling.sampler import SampleRow, SamplingMetadata, process_logits, sample
+from pageserve.sampling.sampler import SampleRow, SamplingMetadata, draw, process_logits, sample
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -92,6 +92,30 @@ def test_empirical_frequencies_match_exact_probabilities(params, vocab):
     stat = ((counts[support] - expected) ** 2 / expected).sum().item()
     df = int(support.sum()) - 1
     assert 2 <= df <= len(CHI2_999) and stat < CHI2_999[df - 1], (stat, df)
+
+
+@pytest.mark.parametrize("vocab", [12, 600, 1000], ids=["v12", "v600", "v1000"])
+def test_the_draw_without_a_sync_takes_the_same_tokens(vocab):
+    """On a GPU the draw reads nothing back to the host (every truncated row drawn among its
+    candidates, every row not provably bounded by them over the whole vocabulary, each row
+    keeping the draw its own data chooses): the tokens of the draw that asks the device which
+    rows go which way, row for row, over every kind of row in one batch."""
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.7, top_k=6), SamplingParams(temperature=1.3, top_p=0.8),
+             SamplingParams(temperature=1.3, top_p=0.995), SamplingParams(temperature=0.9, min_p=0.08),
+             SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02),
+             SamplingParams(temperature=1.0, top_k=300, min_p=0.001),
+             SamplingParams(temperature=1.3, top_p=0.9, min_p=0.0005)]
+    gen = torch.Generator().manual_seed(4321)
+    params = [kinds[i % len(kinds)] for i in range(90)]
+    logits = torch.stack([_logits(vocab, gen) * (0.5 + (i % 7) / 3) for i in range(len(params))])
+    for trial in range(20):
+        u = torch.rand(len(params), generator=gen)
+        got = {}
+        for sync_free in (False, True):
+            meta = SamplingMetadata(_rows(params), torch.device("cpu"), vocab)
+            got[sync_free] = draw(logits / meta.temperature[:, None], meta, u, sync_free=sync_free)
+        assert torch.equal(got[True], got[False]), (trial, (got[True] != got[False]).nonzero().tolist())
 
 
 def _reference_process(logits, params, prompts, histories):
