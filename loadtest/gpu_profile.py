@@ -1,6 +1,7 @@
 """The GPU check's profile section: where a decode step's time goes, with async scheduling off
 and on. A random-weight model of Qwen2.5-0.5B's shape in bf16 (TINY's on CPU with --smoke), 128
-greedy requests decoding together; per mode: the wall time per step, the share of it the device
+greedy requests decoding together (and, async, the same sampled at temperature 0.7 and top-p
+0.9, as chat front ends ask); per mode: the wall time per step, the share of it the device
 spends in kernels (from a torch profiler trace, kept gzipped beside gpu_check.json), and the
 host-device synchronizations per step (torch.cuda's sync debug mode, CUDA only)."""
 
@@ -18,7 +19,8 @@ import torch
 from pageserve.loadtest.gpu_engine_checks import QWEN_05B, TINY, qwen_like
 
 
-def _engine(path: Path, device: torch.device, smoke: bool, async_scheduling: bool, requests: int):
+def _engine(path: Path, device: torch.device, smoke: bool, async_scheduling: bool, requests: int,
+            sampled: bool = False):
     from pageserve.runtime import SamplingParams
     from pageserve.runtime.engine import LLMEngine
     from pageserve.runtime.engine_args import EngineArgs
@@ -26,7 +28,8 @@ def _engine(path: Path, device: torch.device, smoke: bool, async_scheduling: boo
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(path), dtype="float32" if smoke else "bfloat16", device=device.type,
         kv_cache_memory=0.05 if smoke else 8, max_num_seqs=requests, async_scheduling=async_scheduling))
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.7 if sampled else 0.0, top_p=0.9 if sampled else 1.0,
+                            max_tokens=10_000, ignore_eos=True)
     for i in range(requests):
         engine.add_request([(31 * i + 7 * j) % 997 + 3 for j in range(64 if smoke else 256)], params)
     while engine.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
@@ -68,8 +71,8 @@ def section_profile(args, report, device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with tempfile.TemporaryDirectory() as tmp:
         path = qwen_like(Path(tmp), shape)
-        for mode in ("sync", "async"):
-            engine = _engine(path, device, smoke, mode == "async", requests)
+        for mode in ("sync", "async", "async_sampled"):
+            engine = _engine(path, device, smoke, mode != "sync", requests, sampled=mode == "async_sampled")
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()
@@ -89,7 +92,7 @@ def section_profile(args, report, device):
             r = result[mode]
             kernels = "-" if busy is None else f"{busy * 1e3:.2f} ms ({r['device_busy'] * 100:.0f}%)"
             syncs = "-" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:.1f}"
-            print(f"  {mode:5s}: {r['step_ms']:.2f} ms a step; device in kernels {kernels}; syncs a step {syncs}")
+            print(f"  {mode:13s}: {r['step_ms']:.2f} ms a step; device in kernels {kernels}; syncs a step {syncs}")
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
