@@ -50,7 +50,8 @@ class BlockTables:
             if new or not start:
                 end = start + len(new)
                 if end > self.table.shape[1]:
-                    self.table = np.pad(self.table, ((0, 0), (0, max(end, 2 * self.table.shape[1]) - self.table.shape[1])))
+                    width = max(end, 2 * self.table.shape[1])
+                    self.table = np.pad(self.table, ((0, 0), (0, width - self.table.shape[1])))
                 self.table[row, start:end] = new
                 if end < self.lens[row]:  # a rewritten table that got shorter
                     self.table[row, end:self.lens[row]] = 0
