@@ -1,7 +1,7 @@
 """The GPU check's profile section: where a decode step's time goes, with async scheduling off
 and on. A random-weight model of Qwen2.5-0.5B's shape in bf16 (TINY's on CPU with --smoke), 128
-greedy requests decoding together (and, async, the same sampled at temperature 0.7 and top-p
-0.9, as chat front ends ask); per mode: the wall time per step, the share of it the device
+greedy requests decoding together (and, async, the same sampled at temperature 0.7 and top-k
+50, which reads nothing back from the device); per mode: the wall time per step, the share of it the device
 spends in kernels (from a torch profiler trace, kept gzipped beside gpu_check.json), and the
 host-device synchronizations per step (torch.cuda's sync debug mode, CUDA only)."""
 
@@ -28,7 +28,7 @@ def _engine(path: Path, device: torch.device, smoke: bool, async_scheduling: boo
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(path), dtype="float32" if smoke else "bfloat16", device=device.type,
         kv_cache_memory=0.05 if smoke else 8, max_num_seqs=requests, async_scheduling=async_scheduling))
-    params = SamplingParams(temperature=0.7 if sampled else 0.0, top_p=0.9 if sampled else 1.0,
+    params = SamplingParams(temperature=0.7 if sampled else 0.0, top_k=50 if sampled else 0,
                             max_tokens=10_000, ignore_eos=True)
     for i in range(requests):
         engine.add_request([(31 * i + 7 * j) % 997 + 3 for j in range(64 if smoke else 256)], params)

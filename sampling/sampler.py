@@ -71,6 +71,7 @@ class SamplingMetadata:
             cut = [i for i, t in enumerate(truncated) if t]
             maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
                           if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
+            self.bounded_on_host = len(cut) + len(maybe_full) == len(params)  # no row left to the data
             self.cut_rows = up(cut, torch.int64, device) if device.type == "cuda" else None
             self.maybe_full_rows = up(maybe_full, torch.int64, device) if device.type == "cuda" else None
 
@@ -177,12 +178,14 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor, sync_fre
     when truncated). Which way a row goes depends on that row alone, so a seeded row draws
     the same token whatever else is in the batch. Both by inverse CDF: one uniform a row.
 
-    sync_free (the default on a GPU): the host reads nothing back (a sync would stall the
-    step queued behind this one): every truncated row is drawn among its candidates, every
-    row the host cannot tell to stay there over the whole vocabulary, and each row keeps the
-    draw its own data chooses, the same token as the other way."""
+    sync_free: the host reads nothing back (a sync would stall the step queued behind this
+    one): every truncated row is drawn among its candidates, every row the host cannot tell to
+    stay there over the whole vocabulary, and each row keeps the draw its own data chooses, the
+    same token as the other way. The default on a GPU where that costs nothing more: no row is
+    truncated but by a top-k within the candidates (a top-p or min-p row would sort the whole
+    vocabulary every step, likely dearer than the sync)."""
     if sync_free is None:
-        sync_free = logits.is_cuda
+        sync_free = logits.is_cuda and meta.bounded_on_host
     if sync_free and meta.cut_rows is None:  # built off a GPU (tests): the index lists now
         cut = meta.truncated.nonzero()[:, 0]
         k = min(logits.shape[-1], CANDIDATES)
