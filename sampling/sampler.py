@@ -65,15 +65,11 @@ class SamplingMetadata:
             truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
             self.truncated = up(truncated, torch.bool, device)
             self.any_truncated = any(truncated)
-            # for draw without a sync (on a GPU): the truncated rows, and the rows whose draw the
-            # host cannot tell to lie among the candidates (all but top-k within them)
-            k = min(vocab_size, CANDIDATES)
-            cut = [i for i, t in enumerate(truncated) if t]
-            maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
-                          if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
+            cut, maybe_full = sync_free_rows(params, truncated, vocab_size)
             self.bounded_on_host = len(cut) + len(maybe_full) == len(params)  # no row left to the data
-            self.cut_rows = up(cut, torch.int64, device) if device.type == "cuda" else None
-            self.maybe_full_rows = up(maybe_full, torch.int64, device) if device.type == "cuda" else None
+            self.cut_rows = self.maybe_full_rows = None  # draw() finds them where it is asked to
+            if device.type == "cuda" and self.bounded_on_host and self.any_truncated:
+                self.cut_rows, self.maybe_full_rows = up(cut, torch.int64, device), up(maybe_full, torch.int64, device)
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
@@ -107,6 +103,16 @@ class SamplingMetadata:
         """Grammar masks for the batch, applied in one call by `apply(logits, bitmask)` (the
         Triton kernel on CUDA, the torch reference elsewhere)."""
         self.bitmask, self.apply_bitmask = bitmask, apply
+
+
+def sync_free_rows(params: list[SamplingParams], truncated: list[bool], vocab_size: int) -> tuple[list[int], list[int]]:
+    """For draw without a sync: the truncated rows, and the rows whose draw the host cannot
+    tell to lie among the candidates (all but those truncated by a top-k within them)."""
+    k = min(vocab_size, CANDIDATES)
+    cut = [i for i, t in enumerate(truncated) if t]
+    maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
+                  if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
+    return cut, maybe_full
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -186,7 +192,7 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor, sync_fre
     vocabulary every step, likely dearer than the sync)."""
     if sync_free is None:
         sync_free = logits.is_cuda and meta.bounded_on_host
-    if sync_free and meta.cut_rows is None:  # built off a GPU (tests): the index lists now
+    if sync_free and meta.any_truncated and meta.cut_rows is None:  # forced (tests): the lists now
         cut = meta.truncated.nonzero()[:, 0]
         k = min(logits.shape[-1], CANDIDATES)
         sure = meta.truncated & (((meta.top_k > 0) & (meta.top_k <= k)) | (k == logits.shape[-1]))

@@ -12,7 +12,7 @@ import torch
 
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 from pageserve.sampling.penalties import TokenCounts
-from pageserve.sampling.sampler import SampleRow, SamplingMetadata, draw, process_logits, sample
+from pageserve.sampling.sampler import SampleRow, SamplingMetadata, draw, process_logits, sample, sync_free_rows
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -116,6 +116,9 @@ def test_the_draw_without_a_sync_takes_the_same_tokens(vocab):
             meta = SamplingMetadata(_rows(params), torch.device("cpu"), vocab)
             got[sync_free] = draw(logits / meta.temperature[:, None], meta, u, sync_free=sync_free)
         assert torch.equal(got[True], got[False]), (trial, (got[True] != got[False]).nonzero().tolist())
+    # the rows a GPU's metadata uploads are those draw() finds on the device when forced
+    truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
+    assert sync_free_rows(params, truncated, vocab) == (meta.cut_rows.tolist(), meta.maybe_full_rows.tolist())
 
 
 def _reference_process(logits, params, prompts, histories):
