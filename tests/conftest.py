@@ -58,8 +58,8 @@ def own_cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session")
 def avx2_kernels(tmp_path_factory):
     """The C kernels built for AVX2 on a CPU that has AVX-512 (the path older CPUs take), once."""
-    from pageserve.triton_kernels import cpu_kernels
     from pageserve.runtime.config import cpu_flags
+    from pageserve.triton_kernels import cpu_kernels
 
     if "avx512f" not in cpu_flags():
         pytest.skip("no AVX-512 here: the native build is the AVX2 one")
