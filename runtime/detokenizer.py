@@ -3,7 +3,9 @@
 Tokens become text one at a time through the tokenizers library's `DecodeStream`, which
 holds back the bytes of a character split across tokens, so no half UTF-8 character is ever
 emitted. Text that could still turn out to be the start of a stop string is held back until
-the next tokens decide it."""
+the next tokens decide it. A request that reports only its final text and has no stop strings
+is decoded in one call when its text is asked for (`deferred`), not a call a token: the same
+text."""
 
 from __future__ import annotations
 
@@ -17,13 +19,19 @@ _CONTEXT_TOKENS = 4
 
 class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "stream", "skip_special", "ids", "text", "sent", "stop", "include_stop",
-                 "max_stop_len", "stop_prefixes")
+                 "max_stop_len", "stop_prefixes", "context", "pending")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 include_stop: bool, skip_special_tokens: bool):
+                 include_stop: bool, skip_special_tokens: bool, deferred: bool = False):
+        """deferred: tokens are only collected until the text is asked for (take_delta); for
+        requests with no stop strings (nothing to look for in the text as it grows)."""
+        if deferred and stop:
+            raise ValueError("a detokenizer with stop strings cannot defer its decoding")
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
-        self.stream = self._new_stream(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.context = self._whole_chars(prompt_token_ids[-_CONTEXT_TOKENS:])  # the stream's first
+        self.stream = DecodeStream(ids=self.context, skip_special_tokens=skip_special_tokens)
+        self.pending: list[int] | None = [] if deferred else None  # deferred: tokens not decoded yet
         self.ids: list[int] = []  # the output tokens decoded so far
         self.text = ""  # the output text so far (cut at a stop string once one is seen)
         self.sent = 0  # characters of `text` already handed out
@@ -33,11 +41,14 @@ class IncrementalDetokenizer:
         # every proper prefix of a stop string: text ending in one is held back
         self.stop_prefixes = {s[:k] for s in stop for k in range(1, len(s))}
 
-    def _new_stream(self, context: list[int]) -> DecodeStream:
+    def _whole_chars(self, context: list[int]) -> list[int]:
         # context that ends inside a character would leak into the first output text
         while context and self.tokenizer.decode(context, skip_special_tokens=False).endswith("\ufffd"):
             context = context[:-1]
-        return DecodeStream(ids=context, skip_special_tokens=self.skip_special)
+        return context
+
+    def _new_stream(self, context: list[int]) -> DecodeStream:
+        return DecodeStream(ids=self._whole_chars(context), skip_special_tokens=self.skip_special)
 
     def _step(self, token_id: int) -> str | None:
         self.ids.append(token_id)
@@ -57,6 +68,9 @@ class IncrementalDetokenizer:
         """Decode one more token. Returns the stop string it completed, if any; the text is
         then cut there (after the stop string when it is to be included). With `check_stop`
         off (before min_tokens), stop strings are not looked for."""
+        if self.pending is not None:
+            self.pending.append(token_id)
+            return None
         chunk = self._step(token_id)
         if not chunk:
             return None
@@ -74,8 +88,38 @@ class IncrementalDetokenizer:
             self.text = self.text[:where + len(found) if self.include_stop else where]
         return found
 
+    def _catch_up(self) -> None:
+        """Decode the deferred tokens: at once where that gives the stream's text, else token by
+        token through the stream."""
+        pending, self.pending = self.pending, None
+        if pending:
+            text = self.decode_at_once(pending)
+            if text is None:
+                for token_id in pending:
+                    self.add_token(token_id)
+            else:
+                self.text += text
+                self.ids += pending
+                self.stream = self._new_stream(self.ids[-_CONTEXT_TOKENS:])
+        self.pending = []
+
+    def decode_at_once(self, new_ids: list[int]) -> str | None:
+        """The text of new_ids after those decoded so far, in one decode, or None where it might
+        differ from the stream's: the whole decode does not extend the text so far, or its new
+        part holds a replacement character (where the stream holds back or drops bytes). With
+        neither, every window the stream decodes starts and ends on whole characters (the
+        context ends on one), so its pieces join to the whole decode."""
+        decode, skip = self.tokenizer.decode, self.skip_special
+        before = decode(self.context, skip_special_tokens=skip) + self.text
+        whole = decode(self.context + self.ids + new_ids, skip_special_tokens=skip)
+        if not whole.startswith(before) or "\ufffd" in whole[len(before):]:
+            return None
+        return whole[len(before):]
+
     def take_delta(self, finished: bool) -> str:
         """The text not handed out yet, less a tail that may still grow into a stop string."""
+        if self.pending is not None:
+            self._catch_up()
         end = len(self.text) if finished else len(self.text) - self._held_back()
         if end <= self.sent:
             return ""

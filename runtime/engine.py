@@ -290,8 +290,10 @@ class LLMEngine:
 
     def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
         p = req.sampling_params
+        # text asked for only at the end, and no stop string to look for as it grows
+        deferred = p.output_kind == RequestOutputKind.FINAL_ONLY and not p.stop
         return IncrementalDetokenizer(self._tokenizer, req.prompt_token_ids, p.stop,
-                                      p.include_stop_str_in_output, p.skip_special_tokens)
+                                      p.include_stop_str_in_output, p.skip_special_tokens, deferred)
 
     def _new_request(self, request_id, token_ids, params, max_tokens, prompt, cache_salt,
                      pooling: bool = False, arrival_time: float | None = None, mm_items: tuple = ()) -> Request:

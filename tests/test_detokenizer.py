@@ -139,6 +139,54 @@ def _byte_fallback_tokenizer():
     return tok
 
 
+def _llama_style_tokenizer():
+    """SentencePiece as Llama's tokenizer.json has it: '▁' for spaces, byte fallback, the
+    first leading space stripped, special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁the", "▁a", "▁cat", "s", "ing", "▁", "▁▁", "x", "中", "\n"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["default model", "llama-style"])
+def test_deferred_decoding_gives_the_streams_text(tokenizer, kind):
+    """A final-only request without stop strings is decoded once at the end: the same text as
+    token by token, through whole texts, random ids, stray bytes and special tokens."""
+    tok = backend_tokenizer(tokenizer) if kind == "default model" else _llama_style_tokenizer()
+    vocab = tok.get_vocab_size()
+    texts = ["你好，世界！", " emoji 🙂👨‍👩‍👧", "naïve — ünïcödé", "two  spaces\n\nlines", "<|im_end|> x <s>"]
+    rng = random.Random(0)
+    at_once = 0
+    for trial in range(600):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(6))]
+        if trial % 3 == 0:  # whole characters after any prompt (one that ends inside one too)
+            ids = tok.encode(rng.choice(texts) + rng.choice(texts), add_special_tokens=False).ids
+        else:  # any ids, or mostly the byte tokens (characters split and broken)
+            ids = [rng.randrange(vocab if trial % 3 == 1 else 300) for _ in range(rng.randrange(1, 30))]
+        skip = trial % 2 == 0
+        streamed = IncrementalDetokenizer(tok, prompt, [], False, skip)
+        deferred = IncrementalDetokenizer(tok, prompt, [], False, skip, deferred=True)
+        for t in ids:
+            assert streamed.add_token(t) is None and deferred.add_token(t) is None
+        quick = IncrementalDetokenizer(tok, prompt, [], False, skip, deferred=True).decode_at_once(ids)
+        text = streamed.take_delta(finished=True)
+        assert deferred.take_delta(finished=True) == text, (ids, prompt, skip)
+        assert quick in (None, text), (ids, prompt, skip)
+        at_once += quick is not None
+        if trial % 3 == 0:  # whole characters: always the one-call way
+            assert quick is not None
+    assert at_once >= 200  # the whole texts at least
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, [], ["x"], False, True, deferred=True)
+
+
 def test_stray_byte_tokens_never_raise_or_leak_the_prompt():
     tok = _byte_fallback_tokenizer()
     a, e4, b8, ad = 0, 2 + 0xE4, 2 + 0xB8, 2 + 0xAD
