@@ -13,6 +13,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -63,11 +64,14 @@ def device_info(device: torch.device) -> dict:
     return {**info, "name": provenance()["cpu"]}
 
 
-def _time_steps(engine) -> list[tuple[int, int, float]]:
-    """Times each engine step from here on: (requests, tokens, seconds) of the step scheduled
-    in it (under async scheduling a call also collects the step before)."""
+def _time_steps(engine, event: Callable | None = None) -> list[list]:
+    """Times each engine step from here on: [requests, tokens, seconds, device events] of the
+    step scheduled in it (under async scheduling a call also collects the step before).
+    `event`: where given (torch.cuda.Event on a GPU), a pair of timing events brackets the
+    device's work of the step's execution: from its inputs on the device to its sampled tokens
+    (read after the run, so that nothing waits for them while it runs)."""
     timeline, step, schedule = [], engine.step, engine.scheduler.schedule
-    scheduled = []
+    scheduled, events = [], []
 
     def spied_schedule(*args):
         out = schedule(*args)
@@ -76,25 +80,58 @@ def _time_steps(engine) -> list[tuple[int, int, float]]:
 
     def timed_step():
         scheduled.clear()
+        events.clear()
         t0 = time.perf_counter()
         outs = step()
-        timeline.append((*(scheduled[-1] if scheduled else (0, 0)), time.perf_counter() - t0))
+        timeline.append([*(scheduled[-1] if scheduled else (0, 0)), time.perf_counter() - t0, list(events)])
         return outs
     engine.step, engine.scheduler.schedule = timed_step, spied_schedule
+    if event is not None:
+        runner = engine.runner
+        prepare, execute = runner._prepare, runner.execute
+
+        def marked_prepare(*args):
+            inputs = prepare(*args)
+            events.append(event(enable_timing=True))
+            events[-1].record()
+            return inputs
+
+        def marked_execute(*args):
+            result = execute(*args)
+            if len(events) % 2:  # it prepared inputs: a forward ran
+                events.append(event(enable_timing=True))
+                events[-1].record()
+            return result
+        runner._prepare, runner.execute = marked_prepare, marked_execute
     return timeline
+
+
+def _untime_steps(engine) -> None:
+    """The classes' methods again."""
+    for obj, names in ((engine, ("step",)), (engine.scheduler, ("schedule",)), (engine.runner, ("_prepare", "execute"))):
+        for name in names:
+            obj.__dict__.pop(name, None)
 
 
 def _summarize_steps(timeline) -> dict:
     """Step counts and mean milliseconds: steps with a prompt chunk, and decode-only steps
-    by number of requests."""
-    kinds: dict[str, list[float]] = {}
-    for requests, tokens, seconds in timeline:
+    by number of requests; with device events, the device's mean milliseconds from a step's
+    inputs to its sampled tokens too (a step's wall time well above it: the host is the bound)."""
+    kinds: dict[str, list] = {}
+    for requests, tokens, seconds, events in timeline:
         if tokens > requests:
             kind = "with prompts"
         else:
             kind = next(f"decode <= {b}" for b in (16, 64, 128, 192, 256, 10 ** 9) if requests <= b)
-        kinds.setdefault(kind, []).append(seconds)
-    return {k: {"steps": len(v), "mean_ms": 1e3 * sum(v) / len(v), "total_s": sum(v)} for k, v in kinds.items()}
+        kinds.setdefault(kind, []).append((seconds, events))
+    summary = {}
+    for kind, steps in kinds.items():
+        seconds = [s for s, _ in steps]
+        summary[kind] = {"steps": len(steps), "mean_ms": 1e3 * sum(seconds) / len(steps), "total_s": sum(seconds)}
+        device = [sum(e[i].elapsed_time(e[i + 1]) for i in range(0, len(e) - 1, 2)) for _, e in steps if len(e) >= 2]
+        if device:
+            summary[kind]["device_mean_ms"] = sum(device) / len(device)
+    return summary
 
 
 def run(args) -> dict:
@@ -117,12 +154,14 @@ def run(args) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     graphs = llm.engine.runner.graphs
     replays = graphs.replays if graphs is not None else 0
-    timeline = _time_steps(llm.engine)
+    timeline = _time_steps(llm.engine, torch.cuda.Event if cfg.device.device.type == "cuda" else None)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     replays = graphs.replays - replays if graphs is not None else 0
-    del llm.engine.step, llm.engine.scheduler.schedule  # the classes' again
+    _untime_steps(llm.engine)
+    if cfg.device.device.type == "cuda":
+        torch.cuda.synchronize()  # the timing events are all done
     prompt_tokens = sum(map(len, prompts))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if output_tokens != sum(out_lens):  # nano-vllm counts what was asked for: the same, or no figure
@@ -152,8 +191,10 @@ def print_summary(r: dict) -> None:
           f"{r['prompt_tokens']} prompt + {r['output_tokens']} output tokens in {r['seconds']:.2f} s, "
           f"{r['steps']} steps ({r['graph_replays']} from CUDA graphs), "
           f"async scheduling {'on' if r['async_scheduling'] else 'off'}")
-    print("  steps: " + "; ".join(f"{k}: {v['steps']} x {v['mean_ms']:.2f} ms = {v['total_s']:.2f} s"
-                                  for k, v in r["steps_by_kind"].items()))
+    print("  steps: " + "; ".join(
+        f"{k}: {v['steps']} x {v['mean_ms']:.2f} ms = {v['total_s']:.2f} s"
+        + (f" (device {v['device_mean_ms']:.2f} ms)" if "device_mean_ms" in v else "")
+        for k, v in r["steps_by_kind"].items()))
     print(f"output: {r['output_tok_s']:,.0f} tok/s (nano-vllm's figure); prompt + output: {r['total_tok_s']:,.0f} tok/s")
     print(f"beside: {pub['model']} on an {pub['hardware']}: vLLM {pub['vllm_output_tok_s']:,}, nano-vllm-triton "
           f"{pub['nano_vllm_triton_output_tok_s']:,} tok/s; target on an {pub['target']['hardware']}: "

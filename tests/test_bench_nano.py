@@ -3,6 +3,7 @@ runs on."""
 
 import json
 import random
+import time
 
 import pytest
 
@@ -93,3 +94,42 @@ def test_smoke_runs_end_to_end(tmp_path, extra):
     pub = r["public_figures"]
     assert (pub["vllm_output_tok_s"], pub["nano_vllm_triton_output_tok_s"], pub["target"]["output_tok_s"]) == \
         (17700, 24100, 30000)
+
+
+class _ClockEvent:
+    """torch.cuda.Event's timing calls, on the host clock."""
+
+    def __init__(self, enable_timing: bool):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.at - self.at) * 1e3
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_timeline_brackets_each_forward_with_device_events(tiny_model_dir, async_scheduling):
+    from pageserve.loadtest.bench_nano import _summarize_steps, _time_steps, _untime_steps
+    from pageserve.runtime import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, async_scheduling=async_scheduling)
+    engine = llm.engine
+    timeline = _time_steps(engine, _ClockEvent)
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    _untime_steps(engine)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert "step" not in vars(engine) and "execute" not in vars(engine.runner)  # the classes' methods again
+    ran = [t for t in timeline if t[0]]
+    assert ran and all(len(events) == 2 for *_, events in ran)  # one forward a step that ran one
+    assert all(not events for requests, *_, events in timeline if not requests)
+    for *_, seconds, (start, end) in ran:  # inside the step's wall time
+        assert 0 < start.elapsed_time(end) <= seconds * 1e3
+    summary = _summarize_steps(timeline)
+    assert sum(v["steps"] for v in summary.values()) == len(timeline)
+    decode = summary["decode <= 16"]
+    assert 0 < decode["device_mean_ms"] <= decode["mean_ms"]
