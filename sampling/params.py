@@ -174,3 +174,10 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens
+        mask, no penalties, no log-probabilities."""
+        return (self.temperature == 0.0 and not self.logit_bias and not self.min_tokens and self.logprobs is None
+                and not self.has_penalties)

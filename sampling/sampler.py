@@ -49,9 +49,16 @@ class SamplingMetadata:
         for the step in flight: runtime/device.py); torch.tensor by default."""
         up = upload or _upload
         params = [r.params for r in rows]
+        self.generators = generators or {}  # row -> the request's own seeded generator
+        self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
+        self.apply_bitmask = None
+        if all(p.plain_greedy for p in params):  # an argmax and nothing else (most greedy batches)
+            self.all_greedy = self.any_greedy = True
+            self.bias = self.banned = self.penalty_rows = None
+            self.logprob_rows, self.max_logprobs, self.num_logprobs = [], 0, []
+            return
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
-        self.generators = generators or {}  # row -> the request's own seeded generator
         if not self.all_greedy:  # the random-sampling tensors: a greedy step needs none
             self.greedy = up([p.greedy for p in params], torch.bool, device)
             # greedy rows keep temperature 1 so the division stays finite; their argmax is used
@@ -89,9 +96,6 @@ class SamplingMetadata:
             self.presence = up([params[i].presence_penalty for i in pen], torch.float32, device)
             self.frequency = up([params[i].frequency_penalty for i in pen], torch.float32, device)
             self.repetition = up([params[i].repetition_penalty for i in pen], torch.float32, device)
-
-        self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
-        self.apply_bitmask = None
 
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         self.logprob_rows = [i for i, _ in want]

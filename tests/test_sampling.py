@@ -177,6 +177,27 @@ def test_penalties_and_logit_bias_match_a_plain_reference():
     assert torch.allclose(again[finite], ref[finite], atol=1e-4)
 
 
+@pytest.mark.parametrize("feature", [{"logit_bias": {3: 50.0, 7: -50.0}}, {"min_tokens": 5}, {"presence_penalty": 1.5},
+                                     {"frequency_penalty": -1.0}, {"repetition_penalty": 1.7}, {"logprobs": 2}])
+def test_a_greedy_batch_with_one_processor_applies_it(feature):
+    """Greedy rows skip the sampler's tensors only where nothing but an argmax is asked for."""
+    vocab, rng = 20, random.Random(1)
+    params = [SamplingParams(temperature=0, stop_token_ids=[5], max_tokens=20, **feature) for _ in range(4)]
+    prompts = [[rng.randrange(vocab) for _ in range(6)] for _ in params]
+    histories = [[rng.randrange(vocab) for _ in range(3)] for _ in params]
+    rows = [SampleRow(f"r{i}", p, prompts[i] + histories[i], len(prompts[i]), (1,)) for i, p in enumerate(params)]
+    meta = SamplingMetadata(rows, torch.device("cpu"), vocab, counts=TokenCounts(vocab, torch.device("cpu")))
+    logits = torch.randn(len(params), vocab)
+    logits[:, 3] = logits[:, 5] = logits[:, 1] = 10.0  # the biased, the stop and the EOS token lead
+    ours, ref = process_logits(logits.clone(), meta), _reference_process(logits, params, prompts, histories)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert torch.allclose(ours[~torch.isinf(ref)], ref[~torch.isinf(ref)], atol=1e-4)
+    assert meta.logprob_rows == ([0, 1, 2, 3] if "logprobs" in feature else [])
+    assert not torch.equal(ours, logits) or "logprobs" in feature
+    plain = SamplingMetadata(_rows([SamplingParams(temperature=0)] * 4), torch.device("cpu"), vocab)
+    assert torch.equal(process_logits(logits.clone(), plain), logits)
+
+
 def test_same_seed_same_text_alone_and_in_a_mixed_batch_of_16(tiny_llm):
     target = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=4242,
                             presence_penalty=0.5)
