@@ -332,25 +332,14 @@ class Scheduler:
         placeholder = start == num_tokens  # running ahead: its token is sampled by the step in flight
         drafts = req.draft_tokens if not placeholder and start + num_new > num_tokens else []
         end = start + num_new - len(drafts)
+        # positional, in the fields' order (tests/test_scheduler.py checks it): by keyword the
+        # call costs three times as much, at every request of every step
         out.requests.append(ScheduledRequest(
-            request_id=rid,
-            token_ids=[0] if placeholder else req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
-            placeholder=placeholder,
-            start_pos=start,
-            block_ids_start=block_ids_start,
-            new_block_ids=new_block_ids,
-            sample=placeholder or end == num_tokens and not req.pooling,
-            draft_tokens=drafts,
-            sampling_params=req.sampling_params,
-            pool=req.pooling,
-            num_samples=req.num_samples,
-            num_prompt_tokens=req.num_prompt_tokens,
-            request_tokens=req.token_ids,
-            eos_token_ids=req.eos_token_ids,
-            mm_items=req.mm_items,
-            lora=req.lora,
-            matcher=req.matcher if req.matcher is None or req.matcher.active else None,
-        ))
+            rid, [0] if placeholder else req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
+            start, block_ids_start, new_block_ids, placeholder or end == num_tokens and not req.pooling,
+            req.sampling_params, req.pooling, req.num_samples, req.num_prompt_tokens,
+            req.matcher if req.matcher is None or req.matcher.active else None, req.token_ids,
+            req.eos_token_ids, req.mm_items, req.lora, drafts, placeholder))
         if num_new == 1:  # a decode (most of them)
             out.slot_mapping.append(block_ids[start // bs] * bs + start % bs)
         else:

@@ -216,3 +216,32 @@ def test_a_fork_copies_every_field_but_what_each_sequence_owns():
     child.token_ids.append(9)
     child.logprobs.append("x")
     assert parent.token_ids == [1, 2, 3] and parent.logprobs == []
+
+
+def test_a_scheduled_request_carries_the_requests_own_fields():
+    """_emit builds ScheduledRequest positionally: each field must hold what its name says."""
+    from dataclasses import fields
+
+    from pageserve.runtime.lora.request import LoRARequest
+    from pageserve.runtime.scheduler import ScheduledRequest
+
+    class Matcher:
+        active = True
+
+    assert [f.name for f in fields(ScheduledRequest)] == [
+        "request_id", "token_ids", "start_pos", "block_ids_start", "new_block_ids", "sample", "sampling_params",
+        "pool", "num_samples", "num_prompt_tokens", "matcher", "request_tokens", "eos_token_ids", "mm_items",
+        "lora", "draft_tokens", "placeholder"]
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
+                                      enable_chunked_prefill=True, max_loras=1),
+                      KVCacheManager(64, 16))
+    req = Request("a", list(range(1000, 1040)), SamplingParams(n=2, max_tokens=9), 9, (5, 6))
+    req.lora, req.matcher = LoRARequest("ad", 3, "/x"), Matcher()
+    sched.add_request(req)
+    sr = sched.schedule().requests[0]
+    assert (sr.request_id, sr.token_ids, sr.start_pos, sr.block_ids_start, sr.new_block_ids, sr.sample) == \
+        ("a", req.token_ids, 0, 0, sched.kv.block_ids("a"), True)
+    assert sr.sampling_params is req.sampling_params and sr.request_tokens is req.token_ids
+    assert (sr.pool, sr.num_samples, sr.num_prompt_tokens, sr.eos_token_ids) == (False, 2, 40, (5, 6))
+    assert (sr.matcher, sr.mm_items, sr.lora) == (req.matcher, (), req.lora)
+    assert (sr.draft_tokens, sr.placeholder) == ([], False)
