@@ -385,7 +385,12 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
-            tokens = runs.get(sr.request_id) or ([next(samples) for _ in range(sr.num_samples)] if sr.sample else [])
+            if not sr.sample:
+                tokens = runs.get(sr.request_id, [])
+            elif sr.num_samples == 1:  # most of them
+                tokens = runs.get(sr.request_id) or [next(samples)]
+            else:
+                tokens = runs.get(sr.request_id) or [next(samples) for _ in range(sr.num_samples)]
             part = next(pools) if sr.pool else None
             if req.status.finished:  # failed earlier in this loop, with its n > 1 siblings
                 continue
@@ -453,6 +458,8 @@ class LLMEngine:
         status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
         if req.matcher is not None and status is None:
             status = self._advance_grammar(req, token)
+        if status is None and req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return []  # nothing to report before the end
         if status is not None:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)

@@ -153,9 +153,10 @@ class KVCacheManager:
         back from the swap space gets placeholders there). Returns False when the pool is too
         short, changing nothing but that giving back."""
         rid = request.request_id
-        if not new_computed_blocks and not self.sliding_window and rid in self.req_blocks:
+        held = self.req_blocks.get(rid)
+        if held is not None and not new_computed_blocks and not self.sliding_window:
             # a running request (a decode, most steps): at most new blocks at the end
-            num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(self.req_blocks[rid])
+            num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(held)
             if num_needed <= 0:
                 return num_needed + keep_free <= self.pool.num_free_blocks
         blocks = self.req_blocks.setdefault(rid, [])

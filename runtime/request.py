@@ -22,7 +22,10 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.WAITING_FOR_GRAMMAR
+        return self > _LAST_UNFINISHED
+
+
+_LAST_UNFINISHED = int(RequestStatus.WAITING_FOR_GRAMMAR)  # a plain int: the member's look-up costs 3x the test
 
 
 def child_id(request_id: str, index: int) -> str:
