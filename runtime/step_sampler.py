@@ -86,7 +86,7 @@ class StepSampler:
         if at_drafts is not None:
             parts.append(at_drafts)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        meta = SamplingMetadata(rows, self.device, self.vocab_size, own, self.counts, self.dev.upload)
+        meta = SamplingMetadata(rows, self.device, self.vocab_size, own, self.counts, self.dev.upload_many)
         if constrained:
             meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)

@@ -44,64 +44,76 @@ class SamplingMetadata:
 
     def __init__(self, rows: list[SampleRow], device: torch.device, vocab_size: int,
                  generators: dict[int, torch.Generator] | None = None,
-                 counts: TokenCounts | None = None, upload: Callable | None = None):
-        """upload(values, dtype, device): host lists to the device (on a GPU without waiting
-        for the step in flight: runtime/device.py); torch.tensor by default."""
-        up = upload or _upload
+                 counts: TokenCounts | None = None, upload_many: Callable | None = None):
+        """upload_many([(values, dtype), ...], device): host lists to the device, all in one copy
+        (on a GPU without waiting for the step in flight: runtime/device.py); torch.tensor each
+        by default."""
         params = [r.params for r in rows]
         self.generators = generators or {}  # row -> the request's own seeded generator
         self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
         self.apply_bitmask = None
+        self.bias = self.banned = self.penalty_rows = None
         if all(p.plain_greedy for p in params):  # an argmax and nothing else (most greedy batches)
             self.all_greedy = self.any_greedy = True
-            self.bias = self.banned = self.penalty_rows = None
             self.logprob_rows, self.max_logprobs, self.num_logprobs = [], 0, []
             return
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
+        up: list[tuple[str, list, torch.dtype]] = []  # (attribute, host values, dtype), uploaded together
         if not self.all_greedy:  # the random-sampling tensors: a greedy step needs none
-            self.greedy = up([p.greedy for p in params], torch.bool, device)
+            truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
             # greedy rows keep temperature 1 so the division stays finite; their argmax is used
-            self.temperature = up([p.temperature or 1.0 for p in params], torch.float32, device)
-            self.top_k = up([min(p.top_k, vocab_size) for p in params], torch.int64, device)
-            self.top_p = up([p.top_p for p in params], torch.float32, device)
-            self.min_p = up([p.min_p for p in params], torch.float32, device)
+            up += [("greedy", [p.greedy for p in params], torch.bool),
+                   ("temperature", [p.temperature or 1.0 for p in params], torch.float32),
+                   ("top_k", [min(p.top_k, vocab_size) for p in params], torch.int64),
+                   ("top_p", [p.top_p for p in params], torch.float32),
+                   ("min_p", [p.min_p for p in params], torch.float32),
+                   ("truncated", truncated, torch.bool)]
             sampled = [p for p in params if not p.greedy]
             self.need_sort = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
             self.need_min_p = any(p.min_p > 0 for p in sampled)
-            truncated = [not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0) for p in params]
-            self.truncated = up(truncated, torch.bool, device)
             self.any_truncated = any(truncated)
             cut, maybe_full = sync_free_rows(params, truncated, vocab_size)
             self.bounded_on_host = len(cut) + len(maybe_full) == len(params)  # no row left to the data
             self.cut_rows = self.maybe_full_rows = None  # draw() finds them where it is asked to
             if device.type == "cuda" and self.bounded_on_host and self.any_truncated:
-                self.cut_rows, self.maybe_full_rows = up(cut, torch.int64, device), up(maybe_full, torch.int64, device)
+                up += [("cut_rows", cut, torch.int64), ("maybe_full_rows", maybe_full, torch.int64)]
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
         banned = [(i, t) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
                   for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else r.eos_token_ids))]
-        self.bias = _index(bias, device, up) if bias else None
-        self.banned = _index(banned, device, up) if banned else None
+        if bias:
+            rows_at, tokens, values = zip(*bias)
+            up += [("bias_rows", rows_at, torch.int64), ("bias_tokens", tokens, torch.int64),
+                   ("bias_values", values, torch.float32)]
+        if banned:
+            rows_at, tokens = zip(*banned)
+            up += [("banned_rows", rows_at, torch.int64), ("banned_tokens", tokens, torch.int64)]
 
         pen = [i for i, p in enumerate(params) if p.has_penalties]
-        self.penalty_rows = None
         if pen:
             assert counts is not None
             self.counts = counts
-            self.penalty_rows = up(pen, torch.int64, device)
-            self.count_rows = up([counts.row(rows[i].request_id, rows[i].token_ids, rows[i].num_prompt_tokens)
-                                  for i in pen], torch.int64, device)
-            self.presence = up([params[i].presence_penalty for i in pen], torch.float32, device)
-            self.frequency = up([params[i].frequency_penalty for i in pen], torch.float32, device)
-            self.repetition = up([params[i].repetition_penalty for i in pen], torch.float32, device)
+            up += [("penalty_rows", pen, torch.int64),
+                   ("count_rows", [counts.row(rows[i].request_id, rows[i].token_ids, rows[i].num_prompt_tokens)
+                                   for i in pen], torch.int64),
+                   ("presence", [params[i].presence_penalty for i in pen], torch.float32),
+                   ("frequency", [params[i].frequency_penalty for i in pen], torch.float32),
+                   ("repetition", [params[i].repetition_penalty for i in pen], torch.float32)]
+        if up:
+            tensors = (upload_many or _upload_many)([(values, dtype) for _, values, dtype in up], device)
+            for (name, _, _), tensor in zip(up, tensors):
+                setattr(self, name, tensor)
+        if bias:
+            self.bias = (self.bias_rows, self.bias_tokens, self.bias_values)
+        if banned:
+            self.banned = (self.banned_rows, self.banned_tokens)
 
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         self.logprob_rows = [i for i, _ in want]
         self.max_logprobs = max((k for _, k in want), default=0)
         self.num_logprobs = [k for _, k in want]
-
 
     def set_bitmask(self, bitmask: torch.Tensor, apply) -> None:
         """Grammar masks for the batch, applied in one call by `apply(logits, bitmask)` (the
@@ -119,16 +131,8 @@ def sync_free_rows(params: list[SamplingParams], truncated: list[bool], vocab_si
     return cut, maybe_full
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _index(items: list[tuple], device, up) -> tuple[torch.Tensor, ...]:
-    cols = list(zip(*items))
-    out = [up(cols[0], torch.int64, device), up(cols[1], torch.int64, device)]
-    if len(cols) > 2:
-        out.append(up(cols[2], torch.float32, device))
-    return tuple(out)
+def _upload_many(items: list[tuple], device: torch.device) -> list[torch.Tensor]:
+    return [torch.tensor(values, dtype=dtype, device=device) for values, dtype in items]
 
 
 # candidates looked at first for truncated rows (top-k, top-p, min-p); a row whose kept tokens

@@ -185,6 +185,27 @@ def test_the_host_waits_for_a_step_only_when_collecting_it(tiny_model_dir, monke
     assert sum(e[0] == "upload_many" for e in dev.log) >= len(downloads)
 
 
+def test_a_sampled_steps_parameters_go_up_with_one_copy(tiny_model_dir, monkeypatch):
+    """On a (fake) GPU, the sampling rows' temperatures, top-k, biases and penalties go up in one
+    copy a step (not one each), and give the tokens they give on the CPU."""
+    dev = FakeCuda()
+    params = SamplingParams(temperature=0.8, top_k=5, seed=3, logit_bias={7: 3.0}, presence_penalty=0.5,
+                            min_tokens=2, stop_token_ids=[11], max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    kw = dict(dtype="float32", max_num_batched_tokens=32, kv_cache_memory=0.001)
+    want, _ = run(tiny_model_dir, prompts, params, **kw)
+    monkeypatch.setattr(model_runner, "device_for", lambda device: dev)
+    llm = LLM(str(tiny_model_dir), **kw)
+    dev.log.clear()
+    got = [[o.outputs[0].token_ids] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert not any(e[0] == "upload" for e in dev.log)
+    sizes = [e[1] for e in dev.log if e[0] == "upload_many"]
+    # each step: its inputs (nine lists), then its sampling rows (six, bias three, banned
+    # tokens two while min_tokens holds, penalties five)
+    assert sizes[:2] == [9, 16] and set(sizes[1::2]) == {14, 16} and set(sizes[::2]) == {9}
+
+
 def test_uploads_packed_in_one_buffer():
     """Lists and arrays of several dtypes and shapes (empty ones too) through one byte buffer
     come out as they went in."""
