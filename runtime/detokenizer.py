@@ -120,7 +120,7 @@ class IncrementalDetokenizer:
         """The text not handed out yet, less a tail that may still grow into a stop string."""
         if self.pending is not None:
             self._catch_up()
-        end = len(self.text) if finished else len(self.text) - self._held_back()
+        end = len(self.text) if finished or not self.stop else len(self.text) - self._held_back()
         if end <= self.sent:
             return ""
         delta = self.text[self.sent:end]

@@ -33,7 +33,11 @@ def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> R
 
 
 def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetrics:
-    members = members or [req]
+    if not members or len(members) == 1:  # one sequence (most requests, at every streamed step)
+        one = members[0] if members else req
+        return RequestMetrics(req.arrival_time, req.first_token_time, one.finished_time, req.scheduled_time,
+                              req.num_prompt_tokens, one.num_output_tokens, one.num_output_tokens,
+                              one.num_cached_tokens, len(req.mm_items), req.encoder_seconds)
     finished = max((m.finished_time for m in members if m.finished_time is not None), default=None)
     return RequestMetrics(req.arrival_time, req.first_token_time, finished, req.scheduled_time,
                           req.num_prompt_tokens, sum(m.num_output_tokens for m in members),
@@ -71,11 +75,11 @@ class OutputProcessor:
         completion = self._completion(req, finished, kind == RequestOutputKind.DELTA)
         if all_done:
             self.groups.pop(req.output_id, None)
-        return RequestOutput(
-            request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion], finished=all_done, metrics=_metrics(req, group),
-            prompt_logprobs=req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None,
-            lora_request=req.lora)
+        # positional, in the fields' order (every streamed token of every request comes here):
+        # request_id, prompt, prompt_token_ids, outputs, finished, metrics, embedding, prompt_logprobs, lora_request
+        return RequestOutput(req.output_id, req.prompt, req.prompt_token_ids, [completion], all_done,
+                             _metrics(req, group), None,
+                             req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None, req.lora)
 
     @staticmethod
     def _completion(req: Request, finished: bool, delta: bool) -> CompletionOutput:

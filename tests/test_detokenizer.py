@@ -3,12 +3,14 @@ boundaries and never handed out early; the engine's streamed deltas join to its 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
+from pageserve.runtime.outputs import RequestMetrics, RequestOutput
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -85,16 +87,27 @@ def test_engine_deltas_join_to_the_final_text(tiny_llm):
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     finals = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                use_tqdm=False)
-    delta = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    delta = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                           prompt_logprobs=1)
     ids = [engine.add_request(p, delta) for p in prompts]
     texts, tokens = {i: "" for i in ids}, {i: [] for i in ids}
+    firsts = set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             texts[out.request_id] += out.outputs[0].text
             tokens[out.request_id] += out.outputs[0].token_ids
+            # the streamed output is built positionally: each field holds what its name says
+            assert out.prompt_token_ids == prompts[ids.index(out.request_id)] and out.prompt is None
+            assert isinstance(out.metrics, RequestMetrics) and out.embedding is None and out.lora_request is None
+            assert out.finished == (len(tokens[out.request_id]) == 40)
+            assert (out.prompt_logprobs is not None) == (out.request_id not in firsts)  # with the first delta only
+            firsts.add(out.request_id)
     for rid, final in zip(ids, finals):
         assert texts[rid] == final.outputs[0].text
         assert tokens[rid] == final.outputs[0].token_ids
+    assert [f.name for f in dataclasses.fields(RequestOutput)] == [
+        "request_id", "prompt", "prompt_token_ids", "outputs", "finished", "metrics", "embedding", "prompt_logprobs",
+        "lora_request"]
 
 
 def test_engine_stop_string_sets_stop_reason(tiny_llm):
