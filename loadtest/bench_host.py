@@ -3,7 +3,7 @@ a GPU step must hide behind (async scheduling) or wait for. A tiny random-weight
 requests with prompts of 100-600 tokens all decoding greedily; engines with async scheduling
 off and on built side by side in one process and timed in alternated rounds.
 
-    python -m pageserve.loadtest.bench_host [--requests 256] [--rounds 7] [--steps 50] [--profile]
+    python -m pageserve.loadtest.bench_host [--requests 256] [--rounds 7] [--steps 50] [--stream] [--profile]
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from pageserve.runtime.engine_args import EngineArgs
 from pageserve.sampling.params import RequestOutputKind
 
 
-def stubbed_engine(model_dir: Path, requests: int, async_scheduling: bool, seed: int = 0) -> LLMEngine:
+def stubbed_engine(model_dir: Path, requests: int, async_scheduling: bool, seed: int = 0,
+                   stream: bool = False) -> LLMEngine:
     """An engine whose model returns zeros for hidden states and fixed random logits, with
-    `requests` requests past their prompts, decoding."""
+    `requests` requests past their prompts, decoding (stream: each reporting its new text every
+    step, as the server's streamed requests do; else only its final one)."""
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), dtype="float32", max_num_seqs=requests, max_num_batched_tokens=8192,
         max_model_len=1024, kv_cache_memory=2, async_scheduling=async_scheduling, seed=seed))
@@ -46,7 +48,7 @@ def stubbed_engine(model_dir: Path, requests: int, async_scheduling: bool, seed:
     model.forward = lambda ids, pos, meta, kv, *a, **k: torch.zeros(len(ids), width)
     model.compute_logits = compute_logits
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     for _ in range(requests):
         engine.add_request([rng.randrange(3, 300) for _ in range(rng.randrange(100, 600))], params)
     s = engine.scheduler
@@ -70,21 +72,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=50, help="decode steps a round")
+    parser.add_argument("--stream", action="store_true", help="requests stream their text (DELTA outputs)")
     parser.add_argument("--profile", action="store_true", help="then print where one engine's steps spend it")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
-        engines = {"sync": stubbed_engine(model_dir, args.requests, False),
-                   "async": stubbed_engine(model_dir, args.requests, True)}
+        engines = {"sync": stubbed_engine(model_dir, args.requests, False, stream=args.stream),
+                   "async": stubbed_engine(model_dir, args.requests, True, stream=args.stream)}
         times = {name: [] for name in engines}
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 times[name].append(ms_per_step(engine, args.steps))
-        result = {"requests": args.requests, "steps_per_round": args.steps,
+        result = {"requests": args.requests, "steps_per_round": args.steps, "stream": args.stream,
                   "ms_per_step": times, "median_ms": {k: statistics.median(v) for k, v in times.items()}}
-        print(f"host work per decode step, {args.requests} requests, {args.rounds} rounds of {args.steps} steps:")
+        print(f"host work per decode step, {args.requests} {'streamed ' if args.stream else ''}requests, "
+              f"{args.rounds} rounds of {args.steps} steps:")
         for name, ms in times.items():
             print(f"  {name:5s} median {statistics.median(ms):.2f} ms  (rounds: {', '.join(f'{t:.2f}' for t in ms)})")
         if args.profile:
