@@ -75,8 +75,8 @@ class SamplingMetadata:
             self.any_truncated = any(truncated)
             cut, maybe_full = sync_free_rows(params, truncated, vocab_size)
             self.bounded_on_host = len(cut) + len(maybe_full) == len(params)  # no row left to the data
-            self.cut_rows = self.maybe_full_rows = None  # draw() finds them where it is asked to
-            if device.type == "cuda" and self.bounded_on_host and self.any_truncated:
+            self.cut_rows = self.maybe_full_rows = None  # off CUDA, a draw forced to go sync-free finds them
+            if device.type == "cuda" and self.any_truncated:  # for a draw without a sync; in the step's one copy
                 up += [("cut_rows", cut, torch.int64), ("maybe_full_rows", maybe_full, torch.int64)]
 
         # (row, token, value) triples: logit bias added, and tokens banned by min_tokens

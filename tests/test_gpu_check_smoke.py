@@ -21,7 +21,10 @@ def test_profile_nano_and_prefill_sections_smoke(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["failed"] == []
-    for mode in ("sync", "async", "async_sampled"):
+    from pageserve.loadtest.gpu_profile import MODES
+
+    assert len(MODES) == 5
+    for mode in MODES:
         entry = report["profile"][mode]
         assert entry["step_ms"] > 0 and (tmp_path / entry["trace"]).stat().st_size > 1000
     nano = report["nano"]
