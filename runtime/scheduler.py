@@ -236,7 +236,7 @@ class Scheduler:
         """A waiting request could be admitted this step, with budget left after the running
         prompts' chunks, and a running one is decoding (so that deferring the decodes has
         something to give way to)."""
-        if self.swapped or not any(_decoding(r) for r in self.running):
+        if self.swapped or not self.waiting or not any(_decoding(r) for r in self.running):
             return False
         chunks = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not _decoding(r))
         if chunks >= self.config.max_num_batched_tokens:
