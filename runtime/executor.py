@@ -222,12 +222,21 @@ class MultiprocExecutor:
                 except (EOFError, OSError):
                     self._fail(self._death(rank))
                 if status == "error":
-                    self._fail(f"worker rank {rank} failed:\n{value}")
+                    dead = self._dead_peer(rank)
+                    self._fail(f"worker rank {rank} failed:\n{value}" if dead is None else
+                               f"{self._death(dead)}; rank {rank} failed with it: {(value.strip().splitlines() or [''])[-1]}")
                 answers[rank] = value
             for s in ready:
                 if s in sentinels and sentinels[s] in pending.values():
                     self._fail(self._death(sentinels[s]))
         return answers
+
+    def _dead_peer(self, rank: int, wait: float = 1.0) -> int | None:
+        """A rank whose collective lost a peer fails too, often before the peer's exit is seen:
+        the rank, other than `rank`, that has died within `wait` seconds (the cause to report)."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank}
+        ready = multiprocessing.connection.wait(list(sentinels), wait) if sentinels else []
+        return sentinels[ready[0]] if ready else None
 
     def _death(self, rank: int) -> str:
         proc = self._procs[rank]

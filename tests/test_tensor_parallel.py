@@ -6,6 +6,7 @@ split; a worker that dies or hangs stops the engine and leaves no process behind
 import os
 import random
 import signal
+import time
 
 import psutil
 import pytest
@@ -295,3 +296,28 @@ def test_stopping_the_async_engine_stops_the_workers(tiny_model_dir):
     assert len(tokens) == 4
     assert not any(psutil.pid_exists(p) for p in pids)
     assert _children() <= before
+
+
+def test_a_rank_failing_beside_a_dead_peer_reports_the_death():
+    """A rank whose collective lost its peer fails with the collective's error, often before the
+    peer's exit is seen: the executor names the dead peer (the cause), with the other's error."""
+    import multiprocessing
+    import weakref
+
+    from pageserve.runtime import wire
+    from pageserve.runtime.executor import MultiprocExecutor, _stop
+
+    ctx = multiprocessing.get_context("spawn")
+    alive, dead = ctx.Process(target=time.sleep, args=(30,)), ctx.Process(target=os._exit, args=(9,))
+    alive.start(), dead.start()
+    dead.join(10)
+    answer, answered = ctx.Pipe()
+    silent, _ = ctx.Pipe()
+    answered.send_bytes(wire.encode(("error", "Traceback ...\nRuntimeError: Connection closed by peer")))
+    ex = object.__new__(MultiprocExecutor)
+    ex._procs, ex._conns, ex._dead = [alive, dead], [answer, silent], False
+    ex._finalizer = weakref.finalize(ex, _stop, ex._procs, ex._conns)
+    with pytest.raises(ExecutorDeadError, match=r"rank 1 \(pid \d+\) died \(exit code 9\); rank 0 failed with it: "
+                                                 r"RuntimeError: Connection closed by peer"):
+        ex._collect(10)
+    assert not alive.is_alive()
