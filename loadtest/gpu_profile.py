@@ -3,7 +3,9 @@ and on. A random-weight model of Qwen2.5-0.5B's shape in bf16 (TINY's on CPU wit
 greedy requests decoding together; with async scheduling also sampled at temperature 0.7: with
 top-k 50 (which reads nothing back from the device), with top-p 0.9 (where the sampler asks the
 device which rows its candidates bound: two syncs a step), and top-p 0.9 drawn the sync-free way
-(every top-p row's whole vocabulary sorted each step), to weigh that sort against the syncs. Per
+(every top-p row's whole vocabulary sorted each step), to weigh that sort against the syncs
+(random weights bound no row within its candidates, so the sync way sorts every row too: the pair
+gives the syncs' cost and the sort's, which a trained model's batch pays one or the other of). Per
 mode: the wall time per step, the share of it the device spends in kernels (from a torch profiler
 trace, kept gzipped beside gpu_check.json), and the host-device synchronizations per step
 (torch.cuda's sync debug mode, CUDA only)."""
