@@ -32,3 +32,20 @@ def test_profile_nano_and_prefill_sections_smoke(tmp_path):
     assert nano["sync"]["output_tokens"] == nano["async"]["output_tokens"] > 0
     assert nano["async_over_sync"] > 0
     assert [r["max_abs_err"] < 3e-2 and r["paged_us"] > 0 for r in report["prefill"]] == [True, True]
+
+
+def test_quant_and_lora_sections_smoke(tmp_path):
+    """The quantized GEMMs' and LoRA kernels' sections, launched and replayed (a graph on CUDA),
+    at the smoke shapes under the interpreter: every case within its error bound."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections",
+                          "quant,lora", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["failed"] == []
+    cases = report["quant"]["cases"]
+    assert {c["method"] for c in cases} == {"int4", "fp8", "fp8 triton", "int8", "int8 triton"}
+    assert all(c["ok"] for c in cases)
+    assert all(c["us"] > 0 and c["graph_us"] > 0 for c in cases)
+    assert report["lora"]["cases"] and all(c["ok"] for c in report["lora"]["cases"])
