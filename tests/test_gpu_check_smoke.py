@@ -10,19 +10,24 @@ import sys
 
 import pytest
 
+from pageserve.loadtest.gpu_profile import MODES
+
 pytestmark = pytest.mark.engine
 
 
-def test_profile_nano_and_prefill_sections_smoke(tmp_path):
+def _smoke(tmp_path, sections: str) -> dict:
+    """gpu_check --smoke on these sections under the interpreter: its report, no section failed."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections",
-                          "profile,nano,prefill", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections", sections,
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["failed"] == []
-    from pageserve.loadtest.gpu_profile import MODES
+    return report
 
+
+def test_profile_nano_and_prefill_sections_smoke(tmp_path):
+    report = _smoke(tmp_path, "profile,nano,prefill")
     assert len(MODES) == 5
     for mode in MODES:
         entry = report["profile"][mode]
@@ -37,13 +42,7 @@ def test_profile_nano_and_prefill_sections_smoke(tmp_path):
 def test_quant_and_lora_sections_smoke(tmp_path):
     """The quantized GEMMs' and LoRA kernels' sections, launched and replayed (a graph on CUDA),
     at the smoke shapes under the interpreter: every case within its error bound."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pageserve.loadtest.gpu_check", "--smoke", "--sections",
-                          "quant,lora", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["failed"] == []
+    report = _smoke(tmp_path, "quant,lora")
     cases = report["quant"]["cases"]
     assert {c["method"] for c in cases} == {"int4", "fp8", "fp8 triton", "int8", "int8 triton"}
     assert all(c["ok"] for c in cases)
