@@ -30,7 +30,7 @@ from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from pageserve.runtime.multimodal import MultiModalProcessor
 from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
 from pageserve.runtime.outputs import RequestOutput
-from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.request import LAST_UNFINISHED, Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.spec_decode import make_proposer
 from pageserve.runtime.stats import EngineStats, IterationCounters
@@ -41,6 +41,7 @@ from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # a module global: the enum's attribute costs 7x the test
 _POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # unused: nothing is sampled
 
 
@@ -376,7 +377,8 @@ class LLMEngine:
             return []
         runs = self.spec.accept_all(sched.requests, result.spec_tokens) if self.spec is not None else {}
         scheduled = self.scheduler.update_after_step(
-            {rid: len(sr.draft_tokens) + 1 - len(runs[rid]) for sr in sched.requests if (rid := sr.request_id) in runs})
+            {rid: len(sr.draft_tokens) + 1 - len(runs[rid]) for sr in sched.requests if (rid := sr.request_id) in runs}
+            if runs else None)
         self.counters.step_seconds += time.perf_counter() - started
         for rid, seconds in result.encoder_seconds.items():
             self.counters.encoder_seconds += seconds
@@ -385,17 +387,24 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples, pools = iter(result.sampled), iter(result.pooled)
         for sr, req in zip(sched.requests, scheduled):
-            if not sr.sample:
+            if sr.placeholder and not runs:  # a decode run ahead (async scheduling: most of them)
+                tokens, token = None, next(samples)
+            elif not sr.sample:
                 tokens = runs.get(sr.request_id, [])
             elif sr.num_samples == 1:  # most of them
                 tokens = runs.get(sr.request_id) or [next(samples)]
             else:
                 tokens = runs.get(sr.request_id) or [next(samples) for _ in range(sr.num_samples)]
             part = next(pools) if sr.pool else None
-            if req.status.finished:  # failed earlier in this loop, with its n > 1 siblings
+            # failed earlier in this loop (with its n > 1 siblings), or, run ahead, finished by
+            # the step before (its slot was wasted)
+            if req.status > LAST_UNFINISHED:
                 continue
             try:
-                outputs.extend(self._update_request(sr, req, result, tokens, part))
+                if tokens is None:  # one token past the prompt, nothing else: _update_request's last case
+                    outputs.extend(self._append_token(req, token, result.logprobs.get(sr.request_id)))
+                else:
+                    outputs.extend(self._update_request(sr, req, result, tokens, part))
             except ExecutorDeadError:  # a fork's block copy found the ranks gone: the engine's end
                 raise
             except Exception as e:  # noqa: BLE001 - one request's fault, not the engine's
@@ -458,7 +467,7 @@ class LLMEngine:
         status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
         if req.matcher is not None and status is None:
             status = self._advance_grammar(req, token)
-        if status is None and req.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+        if status is None and req.sampling_params.output_kind is _FINAL_ONLY:
             return []  # nothing to report before the end
         if status is not None:
             self._finish(req, status)

@@ -366,14 +366,17 @@ class ModelRunner:
             hidden = self.model(ids, pos, meta, self.kv_caches)
         else:
             hidden = self.graphs.run(size, ids, pos, meta)
-        starts = [0, *itertools.accumulate(len(r.token_ids) for r in out.requests)]
-        if any(r.pool for r in out.requests):
-            result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
-                             for i, r in enumerate(out.requests) if r.pool]
-        if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
-            result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
-        spec_rows = [starts[i + 1] - len(r.draft_tokens) - 1 + j for i, r in enumerate(out.requests)
-                     if r.draft_tokens for j in range(len(r.draft_tokens) + 1)]
+        spec_rows = []
+        # one pass for what most steps have none of (each request's rows, pooling, prompt logprobs, drafts)
+        if any(r.pool or r.draft_tokens or r.sampling_params.prompt_logprobs is not None for r in out.requests):
+            starts = [0, *itertools.accumulate(len(r.token_ids) for r in out.requests)]
+            if any(r.pool for r in out.requests):
+                result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
+                                 for i, r in enumerate(out.requests) if r.pool]
+            if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
+                result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
+            spec_rows = [starts[i + 1] - len(r.draft_tokens) - 1 + j for i, r in enumerate(out.requests)
+                         if r.draft_tokens for j in range(len(r.draft_tokens) + 1)]
         if not logits_rows and not spec_rows:
             return result
         # every rank computes the logits (gathered on rank 0), which samples

@@ -26,7 +26,7 @@ from pageserve.runtime.config import PreemptionMode, SchedulerConfig
 from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.lora.request import LoRARequest
-from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.request import LAST_UNFINISHED, Request, RequestStatus
 from pageserve.runtime.stats import SchedulerStats
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.sampling.params import SamplingParams
@@ -219,7 +219,10 @@ class Scheduler:
             return False
         if num_output + 1 >= req.max_tokens or num_tokens + 1 >= self.config.max_model_len:
             return False
-        return self.kv.allocate_slots(req, ahead + 1)
+        kv = self.kv
+        if not kv.sliding_window and num_tokens < len(kv.req_block_ids[req.request_id]) * self.block_size:
+            return True  # its slot is in a block it holds (allocate_slots' answer, 15 steps in 16)
+        return kv.allocate_slots(req, ahead + 1)
 
     def _pop_newest_idle(self) -> Request:
         """Take out the newest running request that no step in flight holds."""
@@ -329,17 +332,22 @@ class Scheduler:
         block_ids_start, new_block_ids = self.kv.block_update(rid)
         bs = self.block_size
         num_tokens = len(req.token_ids)
-        placeholder = start == num_tokens  # running ahead: its token is sampled by the step in flight
-        drafts = req.draft_tokens if not placeholder and start + num_new > num_tokens else []
-        end = start + num_new - len(drafts)
         # positional, in the fields' order (tests/test_scheduler.py checks it): by keyword the
         # call costs three times as much, at every request of every step
-        out.requests.append(ScheduledRequest(
-            rid, [0] if placeholder else req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
-            start, block_ids_start, new_block_ids, placeholder or end == num_tokens and not req.pooling,
-            req.sampling_params, req.pooling, req.num_samples, req.num_prompt_tokens,
-            req.matcher if req.matcher is None or req.matcher.active else None, req.token_ids,
-            req.eos_token_ids, req.mm_items, req.lora, drafts, placeholder))
+        if start == num_tokens:  # running ahead: its one token is sampled by the step in flight
+            # (one sample, no grammar, no drafts: Scheduler._runs_ahead)
+            out.requests.append(ScheduledRequest(
+                rid, [0], start, block_ids_start, new_block_ids, True, req.sampling_params, req.pooling, 1,
+                req.num_prompt_tokens, None, req.token_ids, req.eos_token_ids, req.mm_items, req.lora, [], True))
+        else:
+            drafts = req.draft_tokens if start + num_new > num_tokens else []
+            end = start + num_new - len(drafts)
+            out.requests.append(ScheduledRequest(
+                rid, req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
+                start, block_ids_start, new_block_ids, end == num_tokens and not req.pooling,
+                req.sampling_params, req.pooling, req.num_samples, req.num_prompt_tokens,
+                req.matcher if req.matcher is None or req.matcher.active else None, req.token_ids,
+                req.eos_token_ids, req.mm_items, req.lora, drafts, False))
         if num_new == 1:  # a decode (most of them)
             out.slot_mapping.append(block_ids[start // bs] * bs + start % bs)
         else:
@@ -388,16 +396,19 @@ class Scheduler:
         later, and no block holding one is ever cached). Returns its scheduled requests (those
         aborted while it ran included)."""
         reqs = []
-        bs, cached = self.block_size, self.kv.req_num_cached
+        bs, cached, in_flight = self.block_size, self.kv.req_num_cached, self._in_flight
         for req, num_new in self._steps.popleft() if self._steps else ():
-            self._land(req, num_new)
+            rid = req.request_id
+            left = in_flight.pop(rid) - num_new  # _land, inline: at every request of every step
+            if left:
+                in_flight[rid] = left
             reqs.append(req)
-            if req.status.finished:  # aborted while in flight: its blocks are free already
+            if req.status > LAST_UNFINISHED:  # aborted while in flight: its blocks are free already
                 continue
-            req.num_computed_tokens += num_new - (rejected.get(req.request_id, 0) if rejected else 0)
+            req.num_computed_tokens += num_new - (rejected.get(rid, 0) if rejected else 0)
             if req.draft_tokens:
                 req.draft_tokens = []
-            if req.num_computed_tokens // bs > cached.get(req.request_id, 0):  # a block filled
+            if req.num_computed_tokens // bs > cached.get(rid, 0):  # a block filled
                 self.kv.cache_computed_blocks(req)
             if req.mm_items:
                 self.encoder_cache.release_done(req)

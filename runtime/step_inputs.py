@@ -88,17 +88,25 @@ def step_inputs(out: SchedulerOutput, dev, device: torch.device, tables: BlockTa
     seq_lens: list[int] = []
     logits_rows: list[int] = []
     holes, ahead = [], []  # async scheduling: where a token the last step drew goes, and whose
+    end = max_query_len = 0
     for r in out.requests:
-        n = len(r.token_ids)
-        if r.placeholder:
-            holes.append(len(input_ids))
-            ahead.append(r.request_id)
-        input_ids.extend(r.token_ids)
-        positions.extend(range(r.start_pos, r.start_pos + n))
-        query_start.append(query_start[-1] + n)
-        seq_lens.append(r.start_pos + n)
+        start, ids = r.start_pos, r.token_ids
+        n = len(ids)
+        if n == 1:  # a decode (most of them)
+            if r.placeholder:
+                holes.append(end)
+                ahead.append(r.request_id)
+            input_ids.append(ids[0])
+            positions.append(start)
+        else:
+            input_ids.extend(ids)
+            positions.extend(range(start, start + n))
+            max_query_len = max(max_query_len, n)
+        end += n
+        query_start.append(end)
+        seq_lens.append(start + n)
         if r.sample and not r.draft_tokens:
-            logits_rows.append(query_start[-1] - 1)
+            logits_rows.append(end - 1)
     block_tables = tables.of(tables.update(out.requests))  # [B, max blocks], padded with 0
     draws, rows = last_draws(ahead) if holes else (None, [])
     # one copy to the device for all of them
@@ -108,7 +116,7 @@ def step_inputs(out: SchedulerOutput, dev, device: torch.device, tables: BlockTa
          (logits_rows, torch.int64), (holes, torch.int64), (rows, torch.int64)], device)
     meta = AttentionMetadata(
         slot_mapping=slots, query_start_loc=qsl, seq_lens=lens_t, block_tables=tables_t,
-        max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens))),
+        max_query_len=max(max_query_len, 1),
         max_seq_len=max(seq_lens),
         lora=None if lora is None else lora.batch(out.requests, len(input_ids)),
     )

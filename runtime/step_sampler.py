@@ -54,7 +54,11 @@ class StepSampler:
         each, in order)."""
         rows, own, constrained = [], {}, []  # SampleRows; row -> seeded generator; grammar rows
         plain_reqs = [r for r in out.requests if r.sample and not r.draft_tokens]
-        for r in plain_reqs:
+        simple = all(r.num_samples == 1 and r.matcher is None and r.sampling_params.seed is None for r in plain_reqs)
+        if simple:  # one row each, no generator or grammar of its own (most batches): the loop's rows
+            rows = [SampleRow(r.request_id, r.sampling_params, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids)
+                    for r in plain_reqs]
+        for r in () if simple else plain_reqs:
             for i in range(r.num_samples):
                 if r.matcher is not None:
                     constrained.append((len(rows), r.matcher, ()))

@@ -148,6 +148,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        try:  # the member itself: the engine tests it by identity
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                             f"got {self.output_kind!r}") from None
 
     @staticmethod
     def _check_logit_bias(bias) -> dict[int, float]:

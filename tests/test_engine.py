@@ -5,6 +5,7 @@ import pytest
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.engine import LLMEngine
+from pageserve.sampling.params import RequestOutputKind
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -43,10 +44,16 @@ def test_bad_prompt_is_refused_before_the_engine(tiny_llm, prompt, params, match
     ("seed", -1, r"seed must be an integer"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
     ("top_k", -3, r"top_k must be -1"),
+    ("output_kind", 7, r"output_kind must be one of \['CUMULATIVE', 'DELTA', 'FINAL_ONLY'\], got 7"),
 ])
 def test_bad_sampling_params(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_output_kind_given_as_its_value_is_the_member():
+    """The engine tells a final-only request by identity with the member."""
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_requests_join_and_leave_at_any_step(tiny_llm):

@@ -139,6 +139,30 @@ def test_swap_moves_only_the_blocks_inside_the_window():
     sched.swap.check_integrity()
 
 
+@pytest.mark.unit
+def test_decodes_running_ahead_free_the_blocks_before_the_window():
+    """Async scheduling: a decode run ahead (its slot mostly in a block it holds) still gives
+    back the blocks that fall before its window, at every step, as a decode scheduled after its
+    token does."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False, sliding_window=6)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          enable_chunked_prefill=True, async_scheduling=True)
+    sched = Scheduler(cfg, kv, SwapSpace(0))
+    a = _request("a", list(range(1, 9)), 48)
+    sched.add_request(a)
+    assert [r.placeholder for r in sched.schedule().requests] == [False]  # the prompt
+    ahead = 0
+    for token in range(40):
+        ahead += [r.placeholder for r in sched.schedule().requests] == [True]
+        skip = kv.num_skipped_blocks(a.num_computed_tokens)  # before the window of what it computes
+        assert kv.req_blocks["a"][:skip] == [NULL_BLOCK] * skip, token
+        sched.update_after_step()
+        a.token_ids.append(token)
+        assert len(_live(kv, "a")) <= cdiv(6 - 1 + 2, 4) + 1
+        kv.check_integrity()
+    assert ahead == 40
+
+
 class SlidingWindowSchedulerMachine(SchedulerMachine):
     """The scheduler machine of test_properties over an all-sliding model: requests may be
     longer than the whole pool, as long as one request's window and step fit in it."""
