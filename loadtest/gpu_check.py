@@ -35,7 +35,8 @@
    weights the Triton version reads as a fraction of 4.8 TB/s;
 9. quant (loadtest/gpu_quant_check.py): W4A16 (groups of 128), FP8 and INT8 linear layers at
    4096 -> 14336 and 14336 -> 4096 for 1, 16 and 256 tokens against the bf16 matmul of the
-   dequantized weight: error relative to the output's scale, median time against bf16;
+   dequantized weight: error relative to the output's scale, median time against bf16; the
+   W4A16 GEMM at 1 and 16 tokens over 24 tile, K-split configurations against its default;
 10. lora (loadtest/gpu_lora_check.py): the multi-LoRA shrink + expand kernels on Llama-3-8B's
    q/k/v projection (4096 -> 4096 + 1024 + 1024), 8 slots of rank 16, for 1, 16 and 256 tokens
    spread over the 8 adapters: error of the delta against float32 torch, median time against

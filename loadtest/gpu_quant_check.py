@@ -6,7 +6,8 @@ reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channe
 method's largest error relative to the reference's largest value, and its median time against
 the bf16 matmul's (CUDA events, after warm-up), launched and replayed from a CUDA graph (as the
 engine's decode steps run them, without the host's launch costs). fp8 and int8 run twice: gemm="auto" (torch's
-scaled matmul where it applies; the path is reported) and the Triton GEMM alone."""
+scaled matmul where it applies; the path is reported) and the Triton GEMM alone. Then the W4A16
+GEMM's tile sweep at decode sizes (int4_tile_sweep)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,51 @@ def section_quant(args, report, device):
                 print(f"      {name:11s} ({path:16s}) {t * 1e6:9.1f} us, {t_bf16 / t:5.2f}x bf16; from a graph "
                       f"{tg * 1e6:9.1f} us, {g_bf16 / tg:5.2f}x; "
                       f"max |err| / max |y| {err:.1e} {'ok' if ok else 'FAILED'}")
+        report["quant"].setdefault("int4_tiles", []).extend(int4_tile_sweep(layers, k, n, w, device, g, args.smoke))
         del layers, w
     if not all(c["ok"] for c in cases):
         raise RuntimeError("a quantized linear layer differs from the bf16 matmul beyond its bound")
+
+
+def int4_tile_sweep(layers: dict, k: int, n: int, w: torch.Tensor, device, generator, smoke: bool) -> list[dict]:
+    """The W4A16 GEMM at decode sizes (1 and 16 tokens) over a grid of tiles, warps and K
+    splits, replayed from a CUDA graph, against the default configuration and the bf16 matmul:
+    what to change in int4_linear.default_config if its choice is far from the best."""
+    from pageserve.triton_kernels.int4_linear import default_config, int4_linear
+
+    if smoke:
+        grid = [dict(block_n=32, block_k=32, num_warps=2, split_k=2)]
+        batches, iters = (1,), 2
+    else:
+        grid = [dict(block_n=bn, block_k=bk, num_warps=4, split_k=sk)
+                for bn in (16, 32, 64, 128) for bk in (64, 128) for sk in (1, 4, 8)]
+        batches, iters = (1, 16), 30
+    rows = []
+    for m in batches:
+        x = torch.randn(m, k, generator=generator, device=device).to(torch.bfloat16)
+        want = F.linear(x, w).float()
+        scale = want.abs().max().item()
+        t_bf16 = median_time(graphed(lambda: F.linear(x, w)), iters)
+        default = default_config(m, n, k, GROUP, x.dtype, x.device)
+        found = []
+        for config in [None, *grid]:
+            fn = (lambda: int4_linear(x, *layers["int4"], GROUP)) if config is None else \
+                (lambda c=config: int4_linear(x, *layers["int4"], GROUP, block_m=16, num_stages=4, **c))
+            err = ((fn().float() - want).abs().max() / scale).item()
+            t = median_time(graphed(fn), iters)
+            found.append((t, config or {"default": True, **default}, err))
+        (t_default, _, _), (t_best, best, _) = found[0], min(found, key=lambda f: f[0])
+        # bytes read: the packed weight, its scales and zeros, x (a lower bound on the traffic)
+        weight_bytes = n * k // 2 + n * (k // GROUP) * 5 + m * k * 2
+        row = {"k": k, "n": n, "batch": m, "bf16_graph_us": t_bf16 * 1e6, "default": found[0][1],
+               "default_us": t_default * 1e6, "best": best, "best_us": t_best * 1e6,
+               "best_speedup_vs_bf16": t_bf16 / t_best, "best_gb_s": weight_bytes / t_best / 1e9,
+               "max_rel_err_worst": max(f[2] for f in found),
+               "all": [{"us": t * 1e6, **c} for t, c, _ in found]}
+        rows.append(row)
+        print(f"    int4 tiles, M {m:3d}, {k} -> {n}: default {t_default * 1e6:8.1f} us, best {t_best * 1e6:8.1f} us "
+              f"({t_bf16 / t_best:4.2f}x the bf16 matmul's {t_bf16 * 1e6:.1f} us, {row['best_gb_s']:.0f} GB/s) "
+              f"with {best}")
+        if row["max_rel_err_worst"] >= MAX_REL_ERR["int4"]:
+            raise RuntimeError(f"int4_linear with some tile of the sweep is off: {row['max_rel_err_worst']:.2e}")
+    return rows

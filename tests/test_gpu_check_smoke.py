@@ -47,4 +47,7 @@ def test_quant_and_lora_sections_smoke(tmp_path):
     assert {c["method"] for c in cases} == {"int4", "fp8", "fp8 triton", "int8", "int8 triton"}
     assert all(c["ok"] for c in cases)
     assert all(c["us"] > 0 and c["graph_us"] > 0 for c in cases)
+    tiles = report["quant"]["int4_tiles"]  # the sweep: the default and one tile per shape
+    assert [(t["batch"], len(t["all"]), t["default"]["default"]) for t in tiles] == [(1, 2, True)]
+    assert tiles[0]["best_us"] == min(c["us"] for c in tiles[0]["all"]) and tiles[0]["max_rel_err_worst"] < 2e-2
     assert report["lora"]["cases"] and all(c["ok"] for c in report["lora"]["cases"])
