@@ -550,9 +550,12 @@ class LLMEngine:
         pool = self.kv.pool
         slots = (pool.num_blocks - pool.num_free_blocks) * self.kv.block_size
         if slots:
-            # under a sliding window a request holds only its blocks since the window's start
-            held = sum(r.num_computed_tokens - self.kv.num_skipped_blocks(r.num_computed_tokens) * self.kv.block_size
-                       for r in self.scheduler.running)
+            running = self.scheduler.running
+            if self.kv.sliding_window:  # a request holds only its blocks since the window's start
+                held = sum(r.num_computed_tokens - self.kv.num_skipped_blocks(r.num_computed_tokens) * self.kv.block_size
+                           for r in running)
+            else:
+                held = sum(r.num_computed_tokens for r in running)
             self.counters.kv_waste_sum += max(0.0, 1.0 - held / slots)
             self.counters.kv_waste_steps += 1
         self.counters.steps += 1

@@ -195,3 +195,18 @@ def test_stats_snapshot_starts_at_zero_after_warm_up(tiny_model_dir):
     assert s.scheduler.prefix_cache_queries == 6 and s.steps == 3
     s.finished["length"] = 99  # a copy: the engine's counters are not touched
     assert llm.engine.stats().finished == {"length": 2}
+
+
+def test_kv_waste_is_the_share_of_held_slots_without_a_token(tiny_llm):
+    """The KV waste metric: per step, the allocated slots not holding a computed token over the
+    allocated slots (a 20-token prompt in two 16-token blocks: 12 of 32)."""
+    engine = tiny_llm.engine
+    c = engine.counters
+    assert engine.kv.block_size == 16 and not engine.scheduler.running
+    engine.add_request(list(range(300, 320)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    waste, steps = c.kv_waste_sum, c.kv_waste_steps
+    engine.step()  # the whole prompt
+    assert c.kv_waste_steps == steps + 1 and c.kv_waste_sum - waste == pytest.approx(12 / 32)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_clean(engine)
