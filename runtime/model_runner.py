@@ -380,8 +380,10 @@ class ModelRunner:
         if not logits_rows and not spec_rows:
             return result
         # every rank computes the logits (gathered on rank 0), which samples
-        # the rows on the device: indexing with a list copies from pageable memory and waits for the step
-        plain = self.sample_logits(hidden[rows_on_device], out) if logits_rows else None
+        # the rows on the device: indexing with a list copies from pageable memory and waits for
+        # the step; no indexing where every token samples (a decode step: the rows are all, in order)
+        sampled = hidden if len(logits_rows) == len(hidden) else hidden[rows_on_device]
+        plain = self.sample_logits(sampled, out) if logits_rows else None
         at_drafts = self.model.compute_logits(hidden[spec_rows]) if spec_rows else None
         if not self.model_cfg.tp_rank:
             self.sampler.sample(out, plain, at_drafts, result)

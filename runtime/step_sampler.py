@@ -34,7 +34,8 @@ class StepSampler:
         """kernels: the backend's argmax and grammar-mask kernels (Kernels); dev: the device's
         copies to the host (runtime/device.py)."""
         self.vocab_size, self.device, self.kernels, self.dev = vocab_size, device, kernels, dev
-        self._last: tuple[torch.Tensor, list[SampleRow]] | None = None  # the last step's draws, by row
+        # the last step's draws and whose they are, row by row (request or n > 1 sequence ids)
+        self._last: tuple[torch.Tensor, list[str]] | None = None
         self.generator = torch.Generator(device=device)  # unseeded requests' draws
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}  # per-request generators of seeded requests
@@ -52,8 +53,16 @@ class StepSampler:
         """Fill result (a StepResult) from the logits of the requests that sample without drafts
         (`plain`: one row each, in order) and of those with drafts (`at_drafts`: 1 + drafts rows
         each, in order)."""
-        rows, own, constrained = [], {}, []  # SampleRows; row -> seeded generator; grammar rows
         plain_reqs = [r for r in out.requests if r.sample and not r.draft_tokens]
+        spec, rewind = [r for r in out.requests if r.draft_tokens], {}
+        if at_drafts is None and all(r.num_samples == 1 and r.matcher is None and r.sampling_params.plain_greedy
+                                     for r in plain_reqs):
+            # an argmax and nothing else, one row each (most greedy batches): no rows or metadata
+            token_ids = self.kernels.argmax(plain)
+            self._last = (token_ids, [r.request_id for r in plain_reqs])
+            result.pending = self.dev.download(token_ids)
+            return
+        rows, own, constrained = [], {}, []  # SampleRows; row -> seeded generator; grammar rows
         simple = all(r.num_samples == 1 and r.matcher is None and r.sampling_params.seed is None for r in plain_reqs)
         if simple:  # one row each, no generator or grammar of its own (most batches): the loop's rows
             rows = [SampleRow(r.request_id, r.sampling_params, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids)
@@ -68,7 +77,6 @@ class StepSampler:
                     own[len(rows)] = self._generator(rid, p.seed + i)
                 rows.append(SampleRow(rid, p, r.request_tokens, r.num_prompt_tokens, r.eos_token_ids))
         num_plain = len(rows)
-        spec, rewind = [r for r in out.requests if r.draft_tokens], {}
         for r in spec:
             p = r.sampling_params
             if r.matcher is not None:
@@ -94,7 +102,7 @@ class StepSampler:
         if constrained:
             meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)
-        self._last = (token_ids, rows[:num_plain])
+        self._last = (token_ids, [row.request_id for row in rows[:num_plain]])
         by_row = dict(zip(meta.logprob_rows, logprobs))
         result.logprobs = {rows[i].request_id: by_row[i] for i in meta.logprob_rows if i < num_plain}
         if not spec:  # the host reads the draws when the step is collected (StepResult.resolve)
@@ -115,11 +123,14 @@ class StepSampler:
                     torch.rand((), generator=gen, device=self.device)
             at += len(r.draft_tokens) + 1
 
-    def last_draws(self, request_ids: list[str]) -> tuple[torch.Tensor, list[int]]:
+    def last_draws(self, request_ids: list[str]) -> tuple[torch.Tensor, list[int] | None]:
         """The last step's draws on the device, and the row of each of these requests (one
-        token each) in them."""
-        ids, rows = self._last
-        where = {r.request_id: i for i, r in enumerate(rows)}
+        token each) in them: None where they are the last step's rows, in order (a steady
+        batch of decodes)."""
+        ids, owners = self._last
+        if request_ids == owners:
+            return ids, None
+        where = {rid: i for i, rid in enumerate(owners)}
         return ids, [where[rid] for rid in request_ids]
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:

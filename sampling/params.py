@@ -94,6 +94,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
+    # greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens mask, no
+    # penalties, no log-probabilities (set from the fields above: the sampler reads it every row)
+    plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self):
         for name in ("n", "top_k", "min_tokens"):
@@ -153,6 +156,8 @@ class SamplingParams:
         except ValueError:
             raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                              f"got {self.output_kind!r}") from None
+        self.plain_greedy = (self.temperature == 0.0 and not self.logit_bias and not self.min_tokens
+                             and self.logprobs is None and not self.has_penalties)
 
     @staticmethod
     def _check_logit_bias(bias) -> dict[int, float]:
@@ -179,10 +184,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens
-        mask, no penalties, no log-probabilities."""
-        return (self.temperature == 0.0 and not self.logit_bias and not self.min_tokens and self.logprobs is None
-                and not self.has_penalties)

@@ -75,6 +75,23 @@ def test_requests_join_and_leave_at_any_step(tiny_llm):
     assert_pool_clean(engine)
 
 
+
+def test_a_one_token_embedding_between_decodes_samples_nothing(tiny_llm):
+    """A step of one token per request (the runner's decode path) with an embedding request among
+    them: its row is not sampled, and the requests after it get their own tokens."""
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in tiny_llm.generate([[7, 8, 9], [40]], params, use_tqdm=False)]
+    first = engine.add_request([7, 8, 9], params)
+    engine.step()  # its prompt; it decodes from here on
+    pooled, last = engine.add_embedding_request([5]), engine.add_request([40], params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outs[first].outputs[0].token_ids, outs[last].outputs[0].token_ids] == alone
+    assert outs[pooled].embedding is not None
+    assert_pool_clean(engine)
+
 def test_batched_output_equals_alone(tiny_llm):
     prompts = [list(range(3, 3 + n)) for n in (4, 70, 130, 9)]
     together = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)

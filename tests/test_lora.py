@@ -161,6 +161,19 @@ def test_n_above_one_keeps_the_adapter(llama_case, llama_llm):
     assert [c.token_ids for c in out.outputs] == [alone] * 3
 
 
+
+def test_adapters_under_async_scheduling(llama_case, llama_llm):
+    """Decodes run ahead of their tokens under the adapters they were admitted with: each prompt's
+    tokens as without async scheduling, in a batch mixing three adapters and the base model."""
+    base, adapters = llama_case
+    loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)] + [None]
+    prompts = [p for _ in loras for p in PROMPTS]
+    per_prompt = [lora for lora in loras for _ in PROMPTS]
+    want = tokens(llama_llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt))
+    llm = lora_llm(base, async_scheduling=True)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)) == want
+    assert_pool_clean(llm.engine)
+
 def test_adapters_that_cannot_be_served_are_refused(llama_case, llama_llm, tiny_llm, tmp_path):
     base, adapters = llama_case
     llm = llama_llm

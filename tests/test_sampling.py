@@ -4,6 +4,8 @@ HF on the real model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 
@@ -266,7 +268,7 @@ def test_n_sequences_share_the_prompt_blocks(tiny_model_dir):
 
 
 def _fields(p: SamplingParams) -> dict:
-    return {name: getattr(p, name) for name in p.__slots__}
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
 
 
 def test_logprobs_match_hf_log_softmax_on_the_default_model():
