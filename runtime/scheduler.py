@@ -145,7 +145,9 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         # prompts first: decodes wait one step (never two in a row) while prompts are admitted
         defer = self.config.prompts_first and not self._deferred and self._prompts_can_start()
+        # the running requests' parts go into `out` as they are scheduled, the others' after
         budget, preempted_any = self._schedule_running(budget, scheduled, out, skip_decodes=defer)
+        emitted = len(scheduled)
         if not preempted_any:
             budget = self._swap_in(budget, scheduled, out)
             if not self.swapped:
@@ -153,9 +155,10 @@ class Scheduler:
         if defer and not scheduled and not preempted_any:  # no prompt could start after all
             defer = False
             self._schedule_running(budget, scheduled, out, skip_decodes=False)
+            emitted = len(scheduled)
         self._deferred = defer
 
-        for req, num_new in scheduled:
+        for req, num_new in scheduled[emitted:]:
             self._emit(out, req, num_new)
         if scheduled:
             self._steps.append(scheduled)
@@ -170,13 +173,17 @@ class Scheduler:
     def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput,
                           skip_decodes: bool) -> tuple[int, bool]:
         """The running requests' next tokens, oldest first, preempting the newest where blocks
-        run out. Returns the budget left and whether anything was preempted."""
+        run out; each one's part goes into `out` at once (a victim is never one already scheduled:
+        it is the newest request no step holds, at or after the one that needs the block).
+        Returns the budget left and whether anything was preempted."""
         preempted_any = False
+        run_ahead = self.config.async_scheduling and not skip_decodes
+        in_flight = self._in_flight
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < self._step_cap:
             req = self.running[i]
-            if req.request_id in self._in_flight:
-                if self._runs_ahead(req, skip_decodes):
+            if req.request_id in in_flight:
+                if run_ahead and self._run_ahead(req, out):
                     scheduled.append((req, 1))
                     budget -= 1
                 i += 1
@@ -199,30 +206,46 @@ class Scheduler:
             else:
                 self.encoder_cache.hold(req, req.num_computed_tokens, num_new)
                 scheduled.append((req, num_new))
+                self._emit(out, req, num_new)
                 budget -= num_new
                 i += 1
         return budget, preempted_any
 
-    def _runs_ahead(self, req: Request, skip_decodes: bool) -> bool:
-        """Async scheduling: whether the request, in flight in a step that samples its next
-        token, takes a slot for that token in this step (without preempting anything). Not
-        where the host must see the token first: a grammar, drafts, n > 1 forks, a min_tokens
-        mask, or a token that may be its last by length."""
-        p = req.sampling_params
-        num_tokens = req.num_tokens
+    def _run_ahead(self, req: Request, out: SchedulerOutput) -> bool:
+        """Async scheduling (the caller checks it is on and decodes are not deferred): the
+        request, in flight in a step that samples its next token, takes a slot for that token
+        in this step where it can without preempting anything (its part goes into `out`).
+        Not where the host must see the token first: a grammar, drafts, n > 1 forks, a
+        min_tokens mask, or a token that may be its last by length."""
+        tokens = req.token_ids
+        num_tokens = len(tokens)
         num_output = num_tokens - req.num_prompt_tokens
-        if not self.config.async_scheduling or skip_decodes or req.pooling or req.matcher is not None \
-                or req.num_samples != 1 or req.draft_tokens or num_output < p.min_tokens:
+        p = req.sampling_params
+        if req.pooling or req.matcher is not None or req.num_samples != 1 or req.draft_tokens \
+                or num_output < p.min_tokens:
             return False
-        ahead = self._in_flight[req.request_id]
+        rid = req.request_id
+        ahead = self._in_flight[rid]
         if req.num_computed_tokens + ahead != num_tokens:  # the step in flight samples nothing
             return False
         if num_output + 1 >= req.max_tokens or num_tokens + 1 >= self.config.max_model_len:
             return False
-        kv = self.kv
-        if not kv.sliding_window and num_tokens < len(kv.req_block_ids[req.request_id]) * self.block_size:
-            return True  # its slot is in a block it holds (allocate_slots' answer, 15 steps in 16)
-        return kv.allocate_slots(req, ahead + 1)
+        kv, bs = self.kv, self.block_size
+        # its slot is most often in a block it holds (15 steps in 16): allocate_slots' answer,
+        # but under a sliding window, whose blocks before the window that call gives back
+        if (kv.sliding_window or num_tokens >= len(kv.req_block_ids[rid]) * bs) \
+                and not kv.allocate_slots(req, ahead + 1):
+            return False
+        self._in_flight[rid] = ahead + 1
+        block_ids_start, new_block_ids = kv.block_update(rid)
+        # positional, in the fields' order (tests/test_scheduler.py checks it): by keyword the
+        # call costs three times as much, at every request of every step
+        out.requests.append(ScheduledRequest(
+            rid, [0], num_tokens, block_ids_start, new_block_ids, True, p, False, 1, req.num_prompt_tokens,
+            None, tokens, req.eos_token_ids, req.mm_items, req.lora, [], True))
+        out.slot_mapping.append(kv.req_block_ids[rid][num_tokens // bs] * bs + num_tokens % bs)
+        out.num_tokens += 1
+        return True
 
     def _pop_newest_idle(self) -> Request:
         """Take out the newest running request that no step in flight holds."""
@@ -323,7 +346,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        """The request's part of the step; its tokens are in flight from now on."""
+        """The request's part of the step (but a decode run ahead's: _run_ahead); its tokens
+        are in flight from now on."""
         rid = req.request_id
         ahead = self._in_flight.get(rid, 0)
         self._in_flight[rid] = ahead + num_new
@@ -332,22 +356,14 @@ class Scheduler:
         block_ids_start, new_block_ids = self.kv.block_update(rid)
         bs = self.block_size
         num_tokens = len(req.token_ids)
-        # positional, in the fields' order (tests/test_scheduler.py checks it): by keyword the
-        # call costs three times as much, at every request of every step
-        if start == num_tokens:  # running ahead: its one token is sampled by the step in flight
-            # (one sample, no grammar, no drafts: Scheduler._runs_ahead)
-            out.requests.append(ScheduledRequest(
-                rid, [0], start, block_ids_start, new_block_ids, True, req.sampling_params, req.pooling, 1,
-                req.num_prompt_tokens, None, req.token_ids, req.eos_token_ids, req.mm_items, req.lora, [], True))
-        else:
-            drafts = req.draft_tokens if start + num_new > num_tokens else []
-            end = start + num_new - len(drafts)
-            out.requests.append(ScheduledRequest(
-                rid, req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
-                start, block_ids_start, new_block_ids, end == num_tokens and not req.pooling,
-                req.sampling_params, req.pooling, req.num_samples, req.num_prompt_tokens,
-                req.matcher if req.matcher is None or req.matcher.active else None, req.token_ids,
-                req.eos_token_ids, req.mm_items, req.lora, drafts, False))
+        drafts = req.draft_tokens if start + num_new > num_tokens else []
+        end = start + num_new - len(drafts)
+        out.requests.append(ScheduledRequest(
+            rid, req.token_ids[start:end] + drafts if drafts else req.token_ids[start:end],
+            start, block_ids_start, new_block_ids, end == num_tokens and not req.pooling,
+            req.sampling_params, req.pooling, req.num_samples, req.num_prompt_tokens,
+            req.matcher if req.matcher is None or req.matcher.active else None, req.token_ids,
+            req.eos_token_ids, req.mm_items, req.lora, drafts, False))
         if num_new == 1:  # a decode (most of them)
             out.slot_mapping.append(block_ids[start // bs] * bs + start % bs)
         else:

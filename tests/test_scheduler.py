@@ -111,6 +111,27 @@ def test_slot_mapping_follows_block_table():
     assert out.slot_mapping == list(range(48, 64)) + list(range(16, 32)) + list(range(0, 8))
 
 
+
+def test_runner_tables_take_only_what_changed_and_refuse_a_table_they_never_got():
+    """A runner's block tables (step_inputs.BlockTables) apply each step's changes; a request
+    sent from past the start of a table that runner never got is refused by name, with or
+    without new ids of its own."""
+    from types import SimpleNamespace
+
+    from pageserve.runtime.step_inputs import BlockTables
+
+    def sent(rid, start, new):
+        return SimpleNamespace(request_id=rid, block_ids_start=start, new_block_ids=new)
+
+    tables = BlockTables()
+    rows = tables.update([sent("a", 0, [5, 6]), sent("b", 0, [9])])
+    assert tables.of(rows).tolist() == [[5, 6], [9, 0]]
+    rows = tables.update([sent("b", 1, []), sent("a", 2, [7])])  # b unchanged, a one block longer
+    assert tables.of(rows).tolist() == [[9, 0, 0], [5, 6, 7]]
+    for new in ([], [3]):
+        with pytest.raises(RuntimeError, match="request c: a block table update from index 2 for a table"):
+            tables.update([sent("a", 3, []), sent("c", 2, new)])
+
 def test_first_come_first_served_and_max_num_seqs():
     sched = make_scheduler(budget=1000, max_seqs=3)
     for i in range(5):
@@ -245,3 +266,26 @@ def test_a_scheduled_request_carries_the_requests_own_fields():
     assert (sr.pool, sr.num_samples, sr.num_prompt_tokens, sr.eos_token_ids) == (False, 2, 40, (5, 6))
     assert (sr.matcher, sr.mm_items, sr.lora) == (req.matcher, (), req.lora)
     assert (sr.draft_tokens, sr.placeholder) == ([], False)
+
+
+def test_a_decode_run_ahead_carries_the_requests_own_fields():
+    """Async scheduling's record of a decode run ahead (built positionally too, apart): its
+    one placeholder token at the position after the request's tokens, in the next block."""
+    from pageserve.runtime.lora.request import LoRARequest
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
+                                      enable_chunked_prefill=True, async_scheduling=True, max_loras=1),
+                      KVCacheManager(64, 16))
+    req = Request("a", list(range(1000, 1032)), SamplingParams(max_tokens=9), 9, (5, 6))
+    req.lora = LoRARequest("ad", 3, "/x")
+    sched.add_request(req)
+    sched.schedule()  # the prompt: two full blocks, its first token sampled
+    second = sched.schedule()  # run ahead of that token, into a third block
+    sr = second.requests[0]
+    assert (sr.request_id, sr.token_ids, sr.start_pos, sr.sample, sr.placeholder) == ("a", [0], 32, True, True)
+    assert (sr.block_ids_start, sr.new_block_ids) == (2, sched.kv.block_ids("a")[2:]) and len(sr.new_block_ids) == 1
+    assert sr.sampling_params is req.sampling_params and sr.request_tokens is req.token_ids
+    assert (sr.pool, sr.num_samples, sr.num_prompt_tokens, sr.eos_token_ids) == (False, 1, 32, (5, 6))
+    assert (sr.matcher, sr.mm_items, sr.lora, sr.draft_tokens) == (None, (), req.lora, [])
+    assert (second.slot_mapping, second.num_tokens) == ([sched.kv.block_ids("a")[2] * 16], 1)
+    assert sched._steps[-1] == [(req, 1)]
