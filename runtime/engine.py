@@ -91,6 +91,7 @@ class LLMEngine:
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
+        self._max_model_len = config.model.max_model_len  # read at every token
 
     @staticmethod
     def _image_processor(config: EngineConfig) -> MultiModalProcessor | None:
@@ -385,7 +386,7 @@ class LLMEngine:
             if rid in self.requests:
                 self.requests[rid].encoder_seconds += seconds
         outputs: list[RequestOutput] = []
-        samples, pools = iter(result.sampled), iter(result.pooled)
+        samples, pools, logprobs = iter(result.sampled), iter(result.pooled), result.logprobs
         for sr, req in zip(sched.requests, scheduled):
             if sr.placeholder and not runs:  # a decode run ahead (async scheduling: most of them)
                 tokens, token = None, next(samples)
@@ -402,7 +403,9 @@ class LLMEngine:
                 continue
             try:
                 if tokens is None:  # one token past the prompt, nothing else: _update_request's last case
-                    outputs.extend(self._append_token(req, token, result.logprobs.get(sr.request_id)))
+                    out = self._append_token(req, token, logprobs.get(sr.request_id) if logprobs else None)
+                    if out is not None:
+                        outputs.append(out)
                 else:
                     outputs.extend(self._update_request(sr, req, result, tokens, part))
             except ExecutorDeadError:  # a fork's block copy found the ranks gone: the engine's end
@@ -437,44 +440,46 @@ class LLMEngine:
         if not tokens:
             return []
         if len(tokens) == 1 and not sr.draft_tokens:  # a decode's token (most of them)
-            return self._append_token(req, tokens[0], result.logprobs.get(req.request_id))
+            out = self._append_token(req, tokens[0], result.logprobs.get(req.request_id))
+            return [] if out is None else [out]
         outputs = []
         if sr.draft_tokens:  # a speculative run: its tokens in order, until one ends the request
             logprobs = result.spec_logprobs.get(req.request_id)
             for i, token in enumerate(tokens):
-                outputs.extend(self._append_token(req, token, logprobs[i] if logprobs else None))
+                outputs.append(self._append_token(req, token, logprobs[i] if logprobs else None))
                 if req.status.finished:
                     break
-            return outputs
-        members = [req] + self._fork(req)  # n > 1: the first sample forks the request
-        for member, token in zip(members, tokens):
-            outputs.extend(self._append_token(member, token, result.logprobs.get(member.request_id)))
-        return outputs
+        else:
+            members = [req] + self._fork(req)  # n > 1: the first sample forks the request
+            outputs = [self._append_token(member, token, result.logprobs.get(member.request_id))
+                       for member, token in zip(members, tokens)]
+        return [out for out in outputs if out is not None]
 
     def _fail_request(self, output_id: str, error: Exception) -> None:
         """End a request (all its sequences) with an error for its owner (see take_failures)."""
         self._failures.append((output_id, error))
         self.abort_request(output_id)
 
-    def _append_token(self, req: Request, token: int, logprobs) -> list[RequestOutput]:
-        """logprobs: the token's TokenLogprobs where the request asked for them."""
+    def _append_token(self, req: Request, token: int, logprobs) -> RequestOutput | None:
+        """What the request reports after the token (None: nothing yet). logprobs: the
+        token's TokenLogprobs where the request asked for them."""
         req.token_ids.append(token)
         if req.logprobs is not None:
             assert logprobs is not None, f"no logprobs for {req.request_id}"
             req.logprobs.append(logprobs)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        status = detokenize_and_check_stop(req, token, self.config.model.max_model_len)
+        status = detokenize_and_check_stop(req, token, self._max_model_len)
         if req.matcher is not None and status is None:
             status = self._advance_grammar(req, token)
         if status is None and req.sampling_params.output_kind is _FINAL_ONLY:
-            return []  # nothing to report before the end
+            return None  # nothing to report before the end
         if status is not None:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
         if out is not None and out.finished:  # the whole request (all n sequences) is done
             self.counters.count_finished(req.finish_reason)
-        return [out] if out is not None else []
+        return out
 
     def _advance_grammar(self, req: Request, token: int) -> RequestStatus | None:
         """Feed the appended token to the request's grammar. While the grammar waits for the

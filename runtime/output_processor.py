@@ -20,7 +20,7 @@ def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> R
     elif token in params.stop_token_ids:
         req.stop_reason = token
         status = RequestStatus.FINISHED_STOPPED
-    num_tokens = req.num_tokens
+    num_tokens = len(req.token_ids)
     num_output = num_tokens - req.num_prompt_tokens
     if status is None or params.include_stop_str_in_output:
         stop_str = req.detokenizer.add_token(token, num_output >= params.min_tokens)

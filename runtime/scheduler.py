@@ -280,6 +280,8 @@ class Scheduler:
         return req.lora is None or req.lora.lora_int_id in adapters or len(adapters) < self.config.max_loras
 
     def _swap_in(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+        if not self.swapped:
+            return budget
         adapters = self._running_adapters()
         while self.swapped and budget > 0 and self.num_running_seqs < self.config.max_num_seqs \
                 and len(scheduled) < self._step_cap:
@@ -310,6 +312,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
         # passed over, in arrival order: until their grammar is compiled, or while the running
         # batch holds --max-loras other adapters
+        if not self.waiting:
+            return
         passed = []
         adapters = self._running_adapters()
         while self.waiting and budget > 0 and len(scheduled) < self._step_cap:
