@@ -7,6 +7,8 @@ from pageserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestO
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.sampling.params import RequestOutputKind
 
+_FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA  # read at every token
+
 
 def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """Feed the request's new token to its detokenizer (unless it is a stop token whose text is
@@ -35,8 +37,9 @@ def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> R
 def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetrics:
     if not members or len(members) == 1:  # one sequence (most requests, at every streamed step)
         one = members[0] if members else req
+        num_output = len(one.token_ids) - one.num_prompt_tokens
         return RequestMetrics(req.arrival_time, req.first_token_time, one.finished_time, req.scheduled_time,
-                              req.num_prompt_tokens, one.num_output_tokens, one.num_output_tokens,
+                              req.num_prompt_tokens, num_output, num_output,
                               one.num_cached_tokens, len(req.mm_items), req.encoder_seconds)
     finished = max((m.finished_time for m in members if m.finished_time is not None), default=None)
     return RequestMetrics(req.arrival_time, req.first_token_time, finished, req.scheduled_time,
@@ -61,7 +64,7 @@ class OutputProcessor:
         kind = req.sampling_params.output_kind
         group = self.groups.get(req.output_id)
         all_done = finished and (group is None or all(m.status.finished for m in group))
-        if kind == RequestOutputKind.FINAL_ONLY:
+        if kind is _FINAL_ONLY:
             if not all_done:
                 return None
             members = group or [req]
@@ -72,23 +75,25 @@ class OutputProcessor:
                 finished=True, metrics=_metrics(req, members), prompt_logprobs=members[0].prompt_logprobs,
                 lora_request=req.lora)
         first = req.num_sent_tokens == 0
-        completion = self._completion(req, finished, kind == RequestOutputKind.DELTA)
+        delta = kind is _DELTA
+        completion = self._completion(req, finished, delta)
         if all_done:
             self.groups.pop(req.output_id, None)
         # positional, in the fields' order (every streamed token of every request comes here):
         # request_id, prompt, prompt_token_ids, outputs, finished, metrics, embedding, prompt_logprobs, lora_request
         return RequestOutput(req.output_id, req.prompt, req.prompt_token_ids, [completion], all_done,
                              _metrics(req, group), None,
-                             req.prompt_logprobs if first or kind != RequestOutputKind.DELTA else None, req.lora)
+                             req.prompt_logprobs if first or not delta else None, req.lora)
 
     @staticmethod
     def _completion(req: Request, finished: bool, delta: bool) -> CompletionOutput:
         detok = req.detokenizer
         new_text = detok.take_delta(finished)
         start = req.num_sent_tokens
-        req.num_sent_tokens = req.num_output_tokens
+        tokens = req.token_ids
+        req.num_sent_tokens = len(tokens) - req.num_prompt_tokens
         if delta:
-            text, ids = new_text, req.token_ids[req.num_prompt_tokens + start:]
+            text, ids = new_text, tokens[req.num_prompt_tokens + start:]
             logprobs = req.logprobs[start:] if req.logprobs is not None else None
         else:
             text, ids, logprobs = detok.text[:detok.sent], req.output_token_ids, req.logprobs

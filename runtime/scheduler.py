@@ -231,19 +231,22 @@ class Scheduler:
         if num_output + 1 >= req.max_tokens or num_tokens + 1 >= self.config.max_model_len:
             return False
         kv, bs = self.kv, self.block_size
+        ids = kv.req_block_ids[rid]
         # its slot is most often in a block it holds (15 steps in 16): allocate_slots' answer,
         # but under a sliding window, whose blocks before the window that call gives back
-        if (kv.sliding_window or num_tokens >= len(kv.req_block_ids[rid]) * bs) \
-                and not kv.allocate_slots(req, ahead + 1):
-            return False
+        if kv.sliding_window or num_tokens >= len(ids) * bs:
+            if not kv.allocate_slots(req, ahead + 1):
+                return False
+            block_ids_start, new_block_ids = kv.block_update(rid)
+        else:  # its table as the step in flight sent it (block_update's answer, without the call)
+            block_ids_start, new_block_ids = len(ids), []
         self._in_flight[rid] = ahead + 1
-        block_ids_start, new_block_ids = kv.block_update(rid)
         # positional, in the fields' order (tests/test_scheduler.py checks it): by keyword the
         # call costs three times as much, at every request of every step
         out.requests.append(ScheduledRequest(
             rid, [0], num_tokens, block_ids_start, new_block_ids, True, p, False, 1, req.num_prompt_tokens,
             None, tokens, req.eos_token_ids, req.mm_items, req.lora, [], True))
-        out.slot_mapping.append(kv.req_block_ids[rid][num_tokens // bs] * bs + num_tokens % bs)
+        out.slot_mapping.append(ids[num_tokens // bs] * bs + num_tokens % bs)
         out.num_tokens += 1
         return True
 

@@ -132,6 +132,36 @@ def test_runner_tables_take_only_what_changed_and_refuse_a_table_they_never_got(
         with pytest.raises(RuntimeError, match="request c: a block table update from index 2 for a table"):
             tables.update([sent("a", 3, []), sent("c", 2, new)])
 
+def test_step_inputs_give_the_adapters_every_token_of_the_step():
+    """The step's adapter batch is built over all its tokens (prompt chunks and decodes, with
+    and without an adapter): the Triton kernels read every token's row from it."""
+    import torch
+
+    from pageserve.runtime.device import HostDevice
+    from pageserve.runtime.lora.request import LoRARequest
+    from pageserve.runtime.step_inputs import BlockTables, step_inputs
+
+    class Recorder:
+        def batch(self, requests, num_tokens):
+            self.seen = ([r.request_id for r in requests], num_tokens)
+
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096,
+                          enable_chunked_prefill=True, max_loras=1)
+    sched = Scheduler(cfg, KVCacheManager(64, 16, enable_prefix_caching=False))
+    a, b = make("a", 5), make("b", 3)
+    a.lora = LoRARequest("x", 1, "/nowhere")
+    sched.add_request(a)
+    sched.add_request(b)
+    lora, tables = Recorder(), BlockTables()
+    step_inputs(sched.schedule(), HostDevice(), torch.device("cpu"), tables, lora)
+    assert lora.seen == (["a", "b"], 8)
+    sched.update_after_step()
+    for req in (a, b):
+        req.token_ids.append(7)
+    step_inputs(sched.schedule(), HostDevice(), torch.device("cpu"), tables, lora)
+    assert lora.seen == (["a", "b"], 2)
+
+
 def test_first_come_first_served_and_max_num_seqs():
     sched = make_scheduler(budget=1000, max_seqs=3)
     for i in range(5):
