@@ -129,20 +129,21 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream, named: bool
     `named` (the Responses API): each event also has an `event: <its type>` line, and there is
     no [DONE]."""
     async def frames():
+        # each event's bytes as sse-starlette would write them (orjson's JSON has no newline)
         try:
             async for event in events:
-                data = dumps(event).decode()
-                yield {"event": event["type"], "data": data} if named else data
+                data = dumps(event)
+                yield b"event: %s\ndata: %s\n\n" % (event["type"].encode(), data) if named else b"data: %s\n\n" % data
         except Exception as e:  # the engine failed, died, timed out or is shutting down: tell the client
             error = failure(e)
             if named:
-                yield {"event": "error", "data": dumps(error_event(error)).decode()}
+                yield b"event: error\ndata: %s\n\n" % dumps(error_event(error))
             else:
-                yield dumps(error.envelope()).decode()
+                yield b"data: %s\n\n" % dumps(error.envelope())
         finally:
             stream.abort()
         if not named:
-            yield "[DONE]"
+            yield b"data: [DONE]\n\n"
     return _AbortingEventSource(stream, frames(), sep="\n", ping=15)
 
 

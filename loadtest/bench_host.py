@@ -37,16 +37,7 @@ def stubbed_engine(model_dir: Path, requests: int, async_scheduling: bool, seed:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model_dir), dtype="float32", max_num_seqs=requests, max_num_batched_tokens=8192,
         max_model_len=1024, kv_cache_memory=2, async_scheduling=async_scheduling, seed=seed))
-    model = engine.runner.model
-    width, vocab = model.embed_tokens.weight.shape[1], engine.config.model.vocab_size
-    bank = torch.rand(1024, vocab, generator=torch.Generator().manual_seed(seed))
-    calls = itertools.count()
-
-    def compute_logits(hidden):  # other rows each step: a request's tokens vary, as a model's do
-        return bank[(torch.arange(hidden.shape[0]) * 7 + next(calls)) % len(bank)]
-
-    model.forward = lambda ids, pos, meta, kv, *a, **k: torch.zeros(len(ids), width)
-    model.compute_logits = compute_logits
+    stub_model(engine, seed)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
     for _ in range(requests):
@@ -57,6 +48,21 @@ def stubbed_engine(model_dir: Path, requests: int, async_scheduling: bool, seed:
     for _ in range(3):
         engine.step()
     return engine
+
+
+def stub_model(engine: LLMEngine, seed: int = 0) -> None:
+    """The engine's model from now on returns zeros for hidden states and rows of a fixed bank
+    of random logits, other rows each step (a request's tokens vary, as a model's do)."""
+    model = engine.runner.model
+    width, vocab = model.embed_tokens.weight.shape[1], engine.config.model.vocab_size
+    bank = torch.rand(1024, vocab, generator=torch.Generator().manual_seed(seed))
+    calls = itertools.count()
+
+    def compute_logits(hidden):
+        return bank[(torch.arange(hidden.shape[0]) * 7 + next(calls)) % len(bank)]
+
+    model.forward = lambda ids, pos, meta, kv, *a, **k: torch.zeros(len(ids), width)
+    model.compute_logits = compute_logits
 
 
 def ms_per_step(engine: LLMEngine, steps: int) -> float:
