@@ -49,7 +49,10 @@ clean:
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl "outlines-core==0.2.14"
+		-d .whl "outlines-core==0.2.14" \
+		"starlette==1.10.0" "sse-starlette==3.7.1" "uvicorn==0.55.0" "httptools==0.9.0" "orjson==3.13.0" \
+		"pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" "typing-inspection==0.4.5" \
+		"typing-extensions==4.16.0" "anyio==4.16.0"
 
 # one folder to install pageserve from on a machine without network (docs/offline.md):
 # make wheelhouse DIR=wheelhouse [PLATFORM=manylinux_2_28_x86_64] [PYTHON=3.12] [EXTRAS=test] [FIND_LINKS=folder]

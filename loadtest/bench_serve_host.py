@@ -1,9 +1,11 @@
-"""The server's host work per streamed token, with the model stubbed out as in bench_host: what
-bounds a server's streamed throughput once the device is fast. The server (a subprocess: the
-stubbed engine behind the real app, uvicorn with uvloop and httptools, async scheduling on as on
-a GPU) streams N concurrent chat completions of T tokens each (ignore_eos, greedy) to clients
-in this process (httpx, one asyncio loop). Its CPU time per 1,000 tokens is set against the
-same engine stepping the same prompts offline (streamed outputs, no server), in alternated rounds.
+"""The server's host work per streamed token: what bounds a server's streamed throughput once
+the device is fast. The server (a subprocess: the engine behind the real app, uvicorn with
+uvloop and httptools, async scheduling on as on a GPU) streams N concurrent chat completions of
+T tokens each (ignore_eos, greedy) to clients in --client-procs processes (httpx, one asyncio
+loop each). Its tokens a second and CPU time per 1,000 tokens are set against the same engine
+stepping the same prompts offline (streamed outputs, no server) in this process, in alternated
+rounds. By default the model is the tiny one with its forward and logits stubbed out (the host
+work alone); --model runs a real one (the GPU check's `serve` section).
 
     python -m pageserve.loadtest.bench_serve_host [--requests 256] [--max-tokens 300] [--rounds 3]
 """
@@ -37,17 +39,17 @@ from pageserve.sampling.params import RequestOutputKind
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter"]
 
 
-def _engine_args(model_dir: Path, requests: int) -> EngineArgs:
-    return EngineArgs(model=str(model_dir), dtype="float32", max_num_seqs=requests, max_num_batched_tokens=8192,
-                      max_model_len=1024, kv_cache_memory=2, async_scheduling=True, seed=0)
+def _engine_args(model_dir: Path, requests: int, dtype: str, kv_cache_memory: float) -> EngineArgs:
+    return EngineArgs(model=str(model_dir), dtype=dtype, max_num_seqs=requests, max_num_batched_tokens=8192,
+                      kv_cache_memory=kv_cache_memory, async_scheduling=True, seed=0)
 
 
 def _messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Write a few words about {TOPICS[i % len(TOPICS)]}, number {i}."}]
 
 
-def _serve(model_dir: Path, port: int, requests: int, profile: str | None = None) -> None:
-    """The server process: the stubbed engine behind the app, as `pageserve serve` runs it."""
+def _serve(args: EngineArgs, stub: bool, port: int, profile: str | None = None) -> None:
+    """The server process: the engine (stubbed: stub_model) behind the app, as `pageserve serve` runs it."""
     import uvicorn
 
     from pageserve.app.server import build_app
@@ -55,9 +57,10 @@ def _serve(model_dir: Path, port: int, requests: int, profile: str | None = None
     from pageserve.runtime.async_engine import AsyncEngine
 
     torch.set_num_threads(1)
-    engine = AsyncEngine.build(_engine_args(model_dir, requests), log_stats_interval=float("inf"))
-    stub_model(engine.engine)
-    settings = ServerSettings(("tiny",), str(model_dir), log_requests=False, max_num_queued_reqs=4 * requests)
+    engine = AsyncEngine.build(args, log_stats_interval=float("inf"))
+    if stub:
+        stub_model(engine.engine)
+    settings = ServerSettings(("tiny",), args.model, log_requests=False, max_num_queued_reqs=4 * args.max_num_seqs)
     app = build_app(ServerState(engine, engine.tokenizer, settings, engine.max_model_len))
     gc.collect()
     gc.freeze()
@@ -78,10 +81,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _stream_all(url: str, requests: int, max_tokens: int) -> tuple[int, int]:
-    """Every client's streamed chat completion; returns the completion tokens (usage) and the
+def _client_proc(url: str, first: int, count: int, max_tokens: int) -> tuple[int, int, float]:
+    """One client process's streams: (completion tokens, events, its CPU seconds)."""
+    cpu = time.process_time()
+    tokens, events = asyncio.run(_stream_all(url, range(first, first + count), max_tokens))
+    return tokens, events, time.process_time() - cpu
+
+
+async def _stream_all(url: str, indices: range, max_tokens: int) -> tuple[int, int]:
+    """Streamed chat completions, all at once; returns the completion tokens (usage) and the
     events that brought them."""
-    limits = httpx.Limits(max_connections=requests + 8, max_keepalive_connections=requests + 8)
+    limits = httpx.Limits(max_connections=len(indices) + 8, max_keepalive_connections=len(indices) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def one(i: int) -> tuple[int, int]:
             body = {"model": "tiny", "messages": _messages(i), "max_tokens": max_tokens, "ignore_eos": True,
@@ -97,7 +107,7 @@ async def _stream_all(url: str, requests: int, max_tokens: int) -> tuple[int, in
                             tokens = usage["completion_tokens"] if usage else tokens
             return tokens, events
 
-        counts = await asyncio.gather(*(one(i) for i in range(requests)))
+        counts = await asyncio.gather(*(one(i) for i in indices))
         return sum(t for t, _ in counts), sum(e for _, e in counts)
 
 
@@ -115,49 +125,65 @@ def _offline(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
     return time.perf_counter() - wall, time.process_time() - cpu, tokens
 
 
+def _wait_for(url: str, server) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or not server.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--client-procs", type=int, default=1, help="processes the streams are spread over")
+    parser.add_argument("--model", default=None, help="a real model (default: the tiny one, stubbed out)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-memory", type=float, default=2, help="GiB, for each of the two engines")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="write a cProfile of the server's event loop thread there")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "tiny")
+    stub = args.model is None
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, spawn.Pool(args.client_procs) as clients:
+        model_dir = build_tiny_model(Path(tmp) / "tiny") if stub else Path(args.model)
+        engine_args = _engine_args(model_dir, args.requests, args.dtype, args.kv_cache_memory)
+        if stub:
+            torch.set_num_threads(1)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = multiprocessing.get_context("spawn").Process(
-            target=_serve, args=(model_dir, port, args.requests, args.profile))
+        server = spawn.Process(target=_serve, args=(engine_args, stub, port, args.profile))
         server.start()
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or not server.is_alive():
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.2)
-            engine = LLMEngine.from_engine_args(_engine_args(model_dir, args.requests))
-            stub_model(engine)
+            _wait_for(url, server)
+            engine = LLMEngine.from_engine_args(engine_args)
+            if stub:
+                stub_model(engine)
             tok = engine.tokenizer
             prompts = [tok.apply_chat_template(_messages(i), add_generation_prompt=True, tokenize=True)
                        for i in range(args.requests)]
             prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+            share = -(-args.requests // args.client_procs)
+            parts = [(url, first, min(share, args.requests - first), args.max_tokens)
+                     for first in range(0, args.requests, share)]
             rows = []
             for _ in range(args.rounds):
                 off_wall, off_cpu, off_tokens = _offline(engine, prompts, args.max_tokens)
-                server_cpu, client_cpu, wall = _cpu_seconds(server.pid), time.process_time(), time.perf_counter()
-                tokens, events = asyncio.run(_stream_all(url, args.requests, args.max_tokens))
+                server_cpu, wall = _cpu_seconds(server.pid), time.perf_counter()
+                done = clients.starmap(_client_proc, parts)
                 wall = time.perf_counter() - wall
-                server_cpu, client_cpu = _cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+                server_cpu = _cpu_seconds(server.pid) - server_cpu
+                tokens, events, client_cpu = (sum(column) for column in zip(*done))
                 rows.append({"offline_tok_s": off_tokens / off_wall, "offline_cpu_ms_per_1k": off_cpu / off_tokens * 1e6,
                              "server_tok_s": tokens / wall, "server_cpu_ms_per_1k": server_cpu / tokens * 1e6,
                              "client_cpu_ms_per_1k": client_cpu / tokens * 1e6, "tokens": tokens,
@@ -168,12 +194,17 @@ def main(argv: list[str] | None = None) -> dict:
                       f"(clients {r['client_cpu_ms_per_1k']:.1f}), {r['tokens_per_event']:.2f} tokens an event", flush=True)
         finally:
             server.terminate()
-            server.join(30)
-    ratio = statistics.median(r["server_cpu_ms_per_1k"] / r["offline_cpu_ms_per_1k"] for r in rows)
-    print(f"{args.requests} streams of {args.max_tokens} tokens: the server's CPU per token is {ratio:.1f}x "
-          f"the offline engine's (median of {len(rows)} rounds)")
-    result = {"requests": args.requests, "max_tokens": args.max_tokens, "rounds": rows,
-              "server_over_offline_cpu": ratio}
+            server.join(60)
+            if server.is_alive():
+                server.kill()
+    ratios = {"server_over_offline_cpu": statistics.median(r["server_cpu_ms_per_1k"] / r["offline_cpu_ms_per_1k"]
+                                                           for r in rows),
+              "server_over_offline_tok_s": statistics.median(r["server_tok_s"] / r["offline_tok_s"] for r in rows)}
+    print(f"{args.requests} streams of {args.max_tokens} tokens: the server's CPU per token is "
+          f"{ratios['server_over_offline_cpu']:.1f}x the offline engine's, its tokens a second "
+          f"{ratios['server_over_offline_tok_s']:.2f}x (medians of {len(rows)} rounds)")
+    result = {"requests": args.requests, "max_tokens": args.max_tokens, "model": "stubbed tiny" if stub else args.model,
+              "dtype": args.dtype, "rounds": rows, **ratios}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1))
     return result

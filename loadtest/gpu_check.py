@@ -25,6 +25,9 @@
    profile (loadtest/gpu_profile.py): 128 requests decoding on that shape, async scheduling off
    and on: step time, the device's share of it in kernels, host-device syncs a step, and a
    torch profiler trace of each (profile_sync.json.gz, profile_async.json.gz in --out);
+   serve (loadtest/bench_serve_host.py): the real server streaming 256 chat completions of 512
+   tokens on that shape against the same engine offline: streamed tok/s and the server's CPU
+   per token;
 7. readiness (loadtest/gpu_readiness.py, in a process of its own): no kernel compiles while
    serving after warm-up, the warm-up time, no out-of-memory at --gpu-memory-utilization 0.95
    under the worst load with the profiled peak covering the serving peak, swap-outs
@@ -46,7 +49,8 @@
     python -m pageserve.loadtest.gpu_check --smoke      # tiny shapes on CPU under TRITON_INTERPRET=1
 
 The GPU machine has torch, triton, transformers and pytest but not outlines-core, which the
-engine imports: `make gpu-wheels` fetches it into .whl here; carry .whl and run there
+engine imports, nor the server's packages (the serve section): `make gpu-wheels` fetches them
+into .whl here (about 6 MB); carry .whl and run there
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/pageserve &&  # the tree as the pageserve package
     PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 python3 -m pageserve.loadtest.gpu_check --out $OUT
@@ -72,7 +76,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs, section_nano  # noqa: E402
+from pageserve.loadtest.gpu_engine_checks import section_engine, section_graphs, section_nano, section_serve  # noqa: E402
 from pageserve.loadtest.gpu_prefill_check import section_prefill  # noqa: E402
 from pageserve.loadtest.gpu_profile import section_profile  # noqa: E402
 from pageserve.loadtest.gpu_lora_check import section_lora  # noqa: E402
@@ -406,7 +410,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
     parser.add_argument("--sections",
-                        default="graphs,tests,shapes,decode,prefill,engine,nano,profile,readiness,moe,quant,lora")
+                        default="graphs,tests,shapes,decode,prefill,engine,nano,profile,serve,readiness,moe,quant,lora")
     parser.add_argument("--tests-timeout", type=float, default=240, help="seconds for the kernel tests")
     args = parser.parse_args()
     device = check_device(args.smoke)
@@ -419,7 +423,7 @@ def main() -> int:
     print(f"== gpu_check on {report['device']}, torch {torch.__version__}, triton {triton.__version__} ==")
     sections = {"tests": section_kernel_tests, "shapes": section_large_shapes, "graphs": section_graphs,
                 "decode": section_decode_bench, "engine": section_engine, "nano": section_nano,
-                "profile": section_profile,
+                "profile": section_profile, "serve": section_serve,
                 "prefill": lambda args, report, device: section_prefill(args, report, device, paged_batch, timed),
                 "readiness": section_readiness, "moe": section_moe, "quant": section_quant, "lora": section_lora}
     start = time.perf_counter()
@@ -429,7 +433,7 @@ def main() -> int:
         try:
             if name in ("tests", "readiness"):  # in processes of their own
                 sections[name](args, report)
-            elif name in ("engine", "graphs", "nano", "profile"):  # the engine manages its own inference mode
+            elif name in ("engine", "graphs", "nano", "profile", "serve"):  # the engine manages its own inference mode
                 sections[name](args, report, device)
             else:
                 with torch.inference_mode():

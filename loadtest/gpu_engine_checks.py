@@ -1,6 +1,7 @@
 """The GPU check's engine sections (loadtest/gpu_check.py runs them): offline throughput
-against HF, nano-vllm's workload, and decode steps with and without CUDA graphs, on random-weight
-models with Qwen2.5-0.5B's shapes (or TINY's, with --smoke); the readiness checks build the same models."""
+against HF, nano-vllm's workload, streamed serving against offline, and decode steps with and
+without CUDA graphs, on random-weight models with Qwen2.5-0.5B's shapes (or TINY's, with
+--smoke); the readiness checks build the same models."""
 
 from __future__ import annotations
 
@@ -61,6 +62,23 @@ def section_nano(args, report, device):
     runs["async_over_sync"] = runs["async"]["output_tok_s"] / runs["sync"]["output_tok_s"]
     print(f"async scheduling: {runs['async_over_sync']:.3f}x the output tok/s of synchronous steps")
     report["nano"] = runs
+
+
+def section_serve(args, report, device):
+    """The real server streaming 256 chat completions of 512 tokens at once on the Qwen2.5-0.5B
+    shape in bf16, against the same engine offline on the same prompts (loadtest/bench_serve_host.py):
+    streamed tokens a second, and the server process's CPU per token; the stubbed CPU version
+    with --smoke."""
+    from pageserve.loadtest import bench_serve_host
+
+    if args.smoke:
+        report["serve"] = bench_serve_host.main(["--requests", "8", "--max-tokens", "16", "--rounds", "1"])
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = qwen_like(Path(tmp), QWEN_05B)
+        report["serve"] = bench_serve_host.main([
+            "--model", str(path), "--dtype", "bfloat16", "--kv-cache-memory", "16", "--requests", "256",
+            "--max-tokens", "512", "--rounds", "2", "--client-procs", "4"])
 
 
 def decode_steps(engine, batch: int, steps: int, prompt_len: int = 32) -> tuple[list[float], dict]:

@@ -26,8 +26,8 @@ def _smoke(tmp_path, sections: str) -> dict:
     return report
 
 
-def test_profile_nano_and_prefill_sections_smoke(tmp_path):
-    report = _smoke(tmp_path, "profile,nano,prefill")
+def test_profile_nano_prefill_and_serve_sections_smoke(tmp_path):
+    report = _smoke(tmp_path, "profile,nano,prefill,serve")
     assert len(MODES) == 5
     for mode in MODES:
         entry = report["profile"][mode]
@@ -37,6 +37,8 @@ def test_profile_nano_and_prefill_sections_smoke(tmp_path):
     assert nano["sync"]["output_tokens"] == nano["async"]["output_tokens"] > 0
     assert nano["async_over_sync"] > 0
     assert [r["max_abs_err"] < 3e-2 and r["paged_us"] > 0 for r in report["prefill"]] == [True, True]
+    serve = report["serve"]["rounds"][0]  # every stream's every token through the real server
+    assert serve["tokens"] == 8 * 16 and serve["server_tok_s"] > 0 and serve["offline_tok_s"] > 0
 
 
 def test_quant_and_lora_sections_smoke(tmp_path):
