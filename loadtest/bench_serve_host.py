@@ -98,7 +98,8 @@ async def _stream_all(url: str, indices: range, max_tokens: int) -> tuple[int, i
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             tokens = events = 0
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                response.raise_for_status()
+                if response.status_code != 200:  # (an httpx error would not survive the pool's pickling)
+                    raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()[:500]}")
                 async for line in response.aiter_lines():
                     if line.startswith("data:"):
                         events += 1
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_for(url, server)
+            print(f"server up (pid {server.pid})", flush=True)
             engine = LLMEngine.from_engine_args(engine_args)
             if stub:
                 stub_model(engine)
