@@ -39,9 +39,10 @@ from pageserve.sampling.params import RequestOutputKind
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter"]
 
 
-def _engine_args(model_dir: Path, requests: int, dtype: str, kv_cache_memory: float) -> EngineArgs:
+def _engine_args(model_dir: Path, requests: int, dtype: str, kv_cache_memory: float,
+                 stream_interval: int) -> EngineArgs:
     return EngineArgs(model=str(model_dir), dtype=dtype, max_num_seqs=requests, max_num_batched_tokens=8192,
-                      kv_cache_memory=kv_cache_memory, async_scheduling=True, seed=0)
+                      kv_cache_memory=kv_cache_memory, async_scheduling=True, seed=0, stream_interval=stream_interval)
 
 
 def _messages(i: int) -> list[dict]:
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="a real model (default: the tiny one, stubbed out)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory", type=float, default=2, help="GiB, for each of the two engines")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the engines' --stream-interval")
     parser.add_argument("--output-json", default=None, metavar="PATH")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="write a cProfile of the server's event loop thread there")
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, spawn.Pool(args.client_procs) as clients:
         model_dir = build_tiny_model(Path(tmp) / "tiny") if stub else Path(args.model)
-        engine_args = _engine_args(model_dir, args.requests, args.dtype, args.kv_cache_memory)
+        engine_args = _engine_args(model_dir, args.requests, args.dtype, args.kv_cache_memory, args.stream_interval)
         if stub:
             torch.set_num_threads(1)
         with socket.socket() as s:
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{ratios['server_over_offline_cpu']:.1f}x the offline engine's, its tokens a second "
           f"{ratios['server_over_offline_tok_s']:.2f}x (medians of {len(rows)} rounds)")
     result = {"requests": args.requests, "max_tokens": args.max_tokens, "model": "stubbed tiny" if stub else args.model,
-              "dtype": args.dtype, "rounds": rows, **ratios}
+              "dtype": args.dtype, "stream_interval": args.stream_interval, "rounds": rows, **ratios}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1))
     return result

@@ -171,8 +171,12 @@ class SchedulerConfig:
     max_loras: int = 0  # distinct LoRA adapters the running batch may hold (0: adapters are off)
     # a decoding request runs in the next step too before its token is known (runtime/scheduler.py)
     async_scheduling: bool = False
+    # a streamed request reports every this many tokens (its first and its last at once)
+    stream_interval: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -92,6 +92,7 @@ class LLMEngine:
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
         self._max_model_len = config.model.max_model_len  # read at every token
+        self._stream_interval = config.scheduler.stream_interval
 
     @staticmethod
     def _image_processor(config: EngineConfig) -> MultiModalProcessor | None:
@@ -472,9 +473,14 @@ class LLMEngine:
         status = detokenize_and_check_stop(req, token, self._max_model_len)
         if req.matcher is not None and status is None:
             status = self._advance_grammar(req, token)
-        if status is None and req.sampling_params.output_kind is _FINAL_ONLY:
-            return None  # nothing to report before the end
-        if status is not None:
+        if status is None:
+            if req.sampling_params.output_kind is _FINAL_ONLY:
+                return None  # nothing to report before the end
+            # --stream-interval: the tokens since the last report wait for a full interval
+            if self._stream_interval > 1 and req.num_sent_tokens and \
+                    len(req.token_ids) - req.num_prompt_tokens - req.num_sent_tokens < self._stream_interval:
+                return None
+        else:
             self._finish(req, status)
         out = self.outputs.output(req, status is not None)
         if out is not None and out.finished:  # the whole request (all n sequences) is done

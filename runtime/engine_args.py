@@ -53,6 +53,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # schedule the next step while this one runs (one rank); None: on CUDA where it applies
     async_scheduling: bool | None = None
+    stream_interval: int = 1  # a streamed request's outputs every this many tokens (its first and last always)
     swap_space: float | None = None  # GiB of host memory for preempted requests' KV blocks
     preemption_mode: str = "swap"
     attention_backend: str = "auto"
@@ -156,6 +157,9 @@ class EngineArgs:
                        help="schedule step N+1 while step N runs (one rank): a decode's next input is the "
                             "token step N samples, taken on the device (default: on CUDA with one rank and "
                             "no speculative decoding)")
+        g.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens a streamed request gathers before its next piece is sent (its first "
+                            "token and its end at once): fewer, longer events cost the server less per token")
         g = parser.add_argument_group("engine")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto: CUDA when there is a device, else CPU")
@@ -371,6 +375,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             prompts_first=device.type == "cpu",
             max_loras=self.max_loras if self.enable_lora else 0,
+            stream_interval=self.stream_interval,
             async_scheduling=self.async_scheduling if self.async_scheduling is not None else (
                 device.type == "cuda" and self.tensor_parallel_size * self.pipeline_parallel_size == 1
                 and SpeculativeConfig.parse(self.speculative_config) is None),
