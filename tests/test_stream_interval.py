@@ -89,4 +89,16 @@ def test_pieces_of_five_tokens_give_the_whole_answers_thinking_and_call(thinking
     tokens = chunks[-1]["usage"]["completion_tokens"]
     assert tokens == whole["usage"]["completion_tokens"]
     assert len(deltas) < tokens / 3  # pieces of five tokens, not one each
+
+    # the Responses API's events from the same pieces: the same thinking and call as its whole answer
+    body = {"model": srv.model, "temperature": 0, "max_output_tokens": 200, "input": "Note the colours",
+            "tools": [{"type": "function", **NOTE["function"]}]}
+    whole = httpx.post(f"{srv.url}/v1/responses", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{srv.url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [item["type"] for item in done] == [item["type"] for item in whole["output"]] == ["reasoning", "function_call"]
+    assert json.loads(done[1]["arguments"]) == json.loads(whole["output"][1]["arguments"]) == CALL["arguments"]
+    assert done[0]["content"] == whole["output"][0]["content"]
+    assert events[-1]["type"] == "response.completed"
     srv.wait_idle()
