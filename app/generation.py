@@ -16,8 +16,9 @@ from pageserve.app.errors import APIError, bad_request
 from pageserve.app.http import engine_error
 from pageserve.app.json_out import dumps
 from pageserve.app.state import ServerState
-from pageserve.runtime.async_engine import RequestFailedError, RequestStream
+from pageserve.runtime.async_engine import RequestFailedError
 from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime.request_stream import RequestStream
 from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

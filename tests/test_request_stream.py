@@ -1,4 +1,4 @@
-"""A request's stream of outputs in the server (AsyncEngine's RequestStream): streamed (delta)
+"""A request's stream of outputs in the server (runtime/request_stream.py): streamed (delta)
 outputs that wait for a reader behind the engine are merged into one, and nothing is lost or
 reordered by it."""
 
@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from pageserve.runtime import SamplingParams
-from pageserve.runtime.async_engine import AsyncEngine, RequestStream
+from pageserve.runtime.async_engine import AsyncEngine
+from pageserve.runtime.request_stream import RequestStream
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.outputs import CompletionOutput, RequestOutput
 from pageserve.sampling.params import RequestOutputKind
@@ -29,8 +30,8 @@ class _Engine:
 
 def _stream(*delta_ids: str) -> RequestStream:
     stream = RequestStream(_Engine())
-    stream._open.update(["a", "b"])
-    stream._deltas.update(delta_ids)
+    for rid in ("a", "b"):
+        stream.expect(rid, deltas=rid in delta_ids)
     return stream
 
 
