@@ -2,8 +2,9 @@
 
 The model forward runs in a worker thread, so the event loop keeps accepting connections and
 writing streams meanwhile. New requests and aborts are handed to the engine only between
-steps, on the loop thread, so the engine is never touched by two threads at once. Each request
-owns an asyncio queue that receives its outputs; a handler reads only its own queue."""
+steps, on the loop thread, so the engine is never touched by two threads at once. Each HTTP
+request's outputs go to its own RequestStream (runtime/request_stream.py), which only its
+handler reads."""
 
 from __future__ import annotations
 
