@@ -19,13 +19,7 @@ import time
 
 import httpx
 
-from pageserve.loadtest.common import save_json, start_server
-
-TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
-          "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge", "a volcano",
-          "chess", "a garden", "the wind", "a violin", "a desert", "honey", "a lighthouse", "paper",
-          "a train", "clouds", "a museum", "salt", "a mountain", "glass", "a clock"]
-
+from pageserve.loadtest.common import conversations, save_json, start_server
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None)
@@ -37,11 +31,6 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory", type=float, default=2.0)
     parser.add_argument("--output-json", default=None, metavar="PATH")
     return parser
-
-
-def conversations(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} (#{i})."}]
-            for i in range(n)]
 
 
 def engine_flags(args) -> list[str]:

@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import tempfile
 import time
@@ -30,23 +29,17 @@ import httpx
 import torch
 
 from pageserve.loadtest.bench_host import stub_model
+from pageserve.loadtest.common import conversations, free_port, wait_healthy
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import SamplingParams
 from pageserve.runtime.engine import LLMEngine
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.sampling.params import RequestOutputKind
 
-TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter"]
-
-
 def _engine_args(model_dir: Path, requests: int, dtype: str, kv_cache_memory: float,
                  stream_interval: int) -> EngineArgs:
     return EngineArgs(model=str(model_dir), dtype=dtype, max_num_seqs=requests, max_num_batched_tokens=8192,
                       kv_cache_memory=kv_cache_memory, async_scheduling=True, seed=0, stream_interval=stream_interval)
-
-
-def _messages(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Write a few words about {TOPICS[i % len(TOPICS)]}, number {i}."}]
 
 
 def _serve(args: EngineArgs, stub: bool, port: int, profile: str | None = None) -> None:
@@ -93,9 +86,10 @@ async def _stream_all(url: str, indices: range, max_tokens: int) -> tuple[int, i
     """Streamed chat completions, all at once; returns the completion tokens (usage) and the
     events that brought them."""
     limits = httpx.Limits(max_connections=len(indices) + 8, max_keepalive_connections=len(indices) + 8)
+    convs = conversations(indices.stop)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def one(i: int) -> tuple[int, int]:
-            body = {"model": "tiny", "messages": _messages(i), "max_tokens": max_tokens, "ignore_eos": True,
+            body = {"model": "tiny", "messages": convs[i], "max_tokens": max_tokens, "ignore_eos": True,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             tokens = events = 0
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -127,19 +121,6 @@ def _offline(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tu
     return time.perf_counter() - wall, time.process_time() - cpu, tokens
 
 
-def _wait_for(url: str, server) -> None:
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or not server.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.2)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -161,21 +142,19 @@ def main(argv: list[str] | None = None) -> dict:
         engine_args = _engine_args(model_dir, args.requests, args.dtype, args.kv_cache_memory, args.stream_interval)
         if stub:
             torch.set_num_threads(1)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         server = spawn.Process(target=_serve, args=(engine_args, stub, port, args.profile))
         server.start()
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_for(url, server)
+            wait_healthy(url, 600, lambda: server.exitcode)
             print(f"server up (pid {server.pid})", flush=True)
             engine = LLMEngine.from_engine_args(engine_args)
             if stub:
                 stub_model(engine)
             tok = engine.tokenizer
-            prompts = [tok.apply_chat_template(_messages(i), add_generation_prompt=True, tokenize=True)
-                       for i in range(args.requests)]
+            prompts = [tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+                       for conv in conversations(args.requests)]
             prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
             share = -(-args.requests // args.client_procs)
             parts = [(url, first, min(share, args.requests - first), args.max_tokens)

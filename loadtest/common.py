@@ -7,8 +7,21 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import httpx
+
+
+TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
+          "a tree", "coffee", "a bicycle", "the ocean", "a library", "snow", "a bridge", "a volcano",
+          "chess", "a garden", "the wind", "a violin", "a desert", "honey", "a lighthouse", "paper",
+          "a train", "clouds", "a museum", "salt", "a mountain", "glass", "a clock"]
+
+
+def conversations(n: int) -> list[list[dict]]:
+    """`n` one-message chats, each a different question."""
+    return [[{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]} (#{i})."}]
+            for i in range(n)]
 
 
 def distinct_prompts(vocab_size: int, num: int, length: int) -> list[list[int]]:
@@ -61,23 +74,38 @@ def save_json(result: dict, path: str | None) -> dict:
     return result
 
 
-def start_server(flags: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
-    """`pageserve serve` with `flags` on a free loopback port, once it answers /health."""
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, exit_code: Callable[[], int | None] = lambda: None) -> None:
+    """Until `url`/health answers 200; `exit_code` says whether the server's process has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (code := exit_code()) is not None:
+            raise RuntimeError(f"the server exited with {code}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout} s")
+
+
+def start_server(flags: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`pageserve serve` with `flags` on a free loopback port, once it answers /health."""
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pageserve.app.cli", "serve", "--port", str(port),
                              "--uvicorn-log-level", "warning", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not start")
+    try:
+        wait_healthy(url, timeout, proc.poll)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url

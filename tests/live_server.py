@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+from pageserve.loadtest.common import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,20 +26,6 @@ def free_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
-
-
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the server at {url} did not become healthy in {timeout} s")
 
 
 class InProcessServer:
@@ -111,7 +97,7 @@ class SubprocessServer:
             cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
             env={**(os.environ if base_env is None else base_env), **(env or {})})
         try:
-            wait_healthy(self.url, startup_timeout, self.proc)
+            wait_healthy(self.url, startup_timeout, self.proc.poll)
         except BaseException:
             self.stop()
             raise
