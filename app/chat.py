@@ -126,7 +126,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
     rid = request_id("chatcmpl", request)
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model)
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model, body.priority)
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:

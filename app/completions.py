@@ -47,7 +47,7 @@ async def completions(request: Request) -> Response:
     params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs,
                              structured=structured_outputs(body)[0], defaults=state.sampling_defaults)
     rid = request_id("cmpl", request)
-    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model)
+    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model, priority=body.priority)
     try:  # after start(), which checked the token ids
         echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     except BaseException:

@@ -72,7 +72,7 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
 
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
           cache_salt: str | None, param: str, images: tuple = (),
-          model: str | None = None) -> tuple[RequestStream, dict[str, int]]:
+          model: str | None = None, priority: int = 0) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
     index (an output's choice index is prompt index x n + its own index). `images`: the one
     prompt's images (runtime.multimodal.ImageItem). `model`: the checked name the request
@@ -93,7 +93,7 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     try:
         for i, ids in enumerate(prompts):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
-            engine.add_request(stream, rid, ids, params, cache_salt, param, images, lora)
+            engine.add_request(stream, rid, ids, params, cache_salt, param, images, lora, priority)
             index[rid] = i
     except BaseException:
         stream.abort()

@@ -179,6 +179,7 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0  # --scheduling-policy priority: the lowest first
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
@@ -414,6 +415,7 @@ class ResponsesRequest(_Body):
         list[Annotated[str, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, min_length=1)
+    priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -217,12 +217,12 @@ class AsyncEngine:
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
                     params: SamplingParams, cache_salt: str | None = None, param: str = "prompt",
-                    images: tuple = (), lora: LoRARequest | None = None) -> None:
+                    images: tuple = (), lora: LoRARequest | None = None, priority: int = 0) -> None:
         """Check the request now, once (InvalidRequest naming the field at fault, `param` for
         the prompt), and queue it for the next step; its outputs go to `stream`. `images`: what
         process_images made of the prompt's images. `lora`: an adapter add_lora has read."""
         checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True,
-                                             mm_items=images)
+                                             mm_items=images, priority=priority)
         self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)),
                       deltas=params.output_kind == RequestOutputKind.DELTA)
 

@@ -27,6 +27,12 @@ class PreemptionMode(_Choice):
     RECOMPUTE = "recompute"  # freed; the request is computed again later
 
 
+class SchedulingPolicy(_Choice):
+    """scheduling_policy: the order in which requests get the engine"""
+    FCFS = "fcfs"  # by arrival
+    PRIORITY = "priority"  # by the request's priority (lowest value first), then by arrival
+
+
 class Backend(_Choice):
     """attention_backend: which kernels run"""
     TORCH = "torch"  # triton_kernels/torch_ops.py, the CPU path
@@ -173,8 +179,10 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # a streamed request reports every this many tokens (its first and its last at once)
     stream_interval: int = 1
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self):
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.max_num_seqs < 1:

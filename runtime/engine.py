@@ -14,7 +14,7 @@ import torch
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.matcher import Matcher, reasoning_end_position
 from pageserve.grammar.vocabulary import backend_tokenizer
-from pageserve.runtime.config import EngineConfig, SpeculativeConfig
+from pageserve.runtime.config import EngineConfig, SchedulingPolicy, SpeculativeConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
 from pageserve.runtime.draft_model import draft_model_config
@@ -87,7 +87,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.grammar = GrammarCompiler(tokenizer)
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
-                                     config.scheduler.max_num_seqs, self.grammar.regex)
+                                     config.scheduler.max_num_seqs, self.grammar.regex,
+                                     config.scheduler.policy == SchedulingPolicy.PRIORITY)
         self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
@@ -214,8 +215,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
-        processed = dataclasses.replace(self.inputs.process(prompt, params, cache_salt), lora=lora_request)
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> str:
+        processed = dataclasses.replace(self.inputs.process(prompt, params, cache_salt, priority=priority),
+                                        lora=lora_request)
         if lora_request is not None:
             self.add_lora(lora_request)
         return self.add_processed(processed, request_id, arrival_time)
@@ -249,6 +252,7 @@ class LLMEngine:
         req = self._new_request(request_id, p.prompt_token_ids, params, p.max_tokens, p.prompt,
                                 p.cache_salt, pooling, arrival_time, p.mm_items)
         req.lora = p.lora
+        req.priority = p.priority
         if pooling:
             self.scheduler.add_request(req)
             return req.request_id

@@ -14,7 +14,7 @@ import torch
 from pageserve.runtime import quantization
 from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, ExecutorBackend, LoRAConfig, ModelConfig,
                                       MultiModalConfig, ParallelConfig, PreemptionMode, SchedulerConfig,
-                                      SpeculativeConfig, cpu_flags,
+                                      SchedulingPolicy, SpeculativeConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
@@ -54,6 +54,7 @@ class EngineArgs:
     # schedule the next step while this one runs (one rank); None: on CUDA where it applies
     async_scheduling: bool | None = None
     stream_interval: int = 1  # a streamed request's outputs every this many tokens (its first and last always)
+    scheduling_policy: str = "fcfs"  # or "priority": by each request's priority, the lowest first
     swap_space: float | None = None  # GiB of host memory for preempted requests' KV blocks
     preemption_mode: str = "swap"
     attention_backend: str = "auto"
@@ -98,7 +99,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        PreemptionMode(self.preemption_mode)  # its own check, before anything loads
+        PreemptionMode(self.preemption_mode)  # their own checks, before anything loads
+        SchedulingPolicy(self.scheduling_policy)
         self.parallel_config()
         self.max_images()
         if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
@@ -160,6 +162,10 @@ class EngineArgs:
         g.add_argument("--stream-interval", type=int, default=1,
                        help="tokens a streamed request gathers before its next piece is sent (its first "
                             "token and its end at once): fewer, longer events cost the server less per token")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="fcfs: requests are admitted in arrival order; priority: by each request's "
+                            "`priority` field (the lowest value first, ties by arrival), and a preemption takes "
+                            "the running request of lowest priority")
         g = parser.add_argument_group("engine")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto: CUDA when there is a device, else CPU")
@@ -376,6 +382,7 @@ class EngineArgs:
             prompts_first=device.type == "cpu",
             max_loras=self.max_loras if self.enable_lora else 0,
             stream_interval=self.stream_interval,
+            policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling if self.async_scheduling is not None else (
                 device.type == "cuda" and self.tensor_parallel_size * self.pipeline_parallel_size == 1
                 and SpeculativeConfig.parse(self.speculative_config) is None),

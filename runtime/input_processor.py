@@ -31,19 +31,22 @@ class ProcessedRequest:
     grammar: str | None = None  # the regex the output must match
     mm_items: tuple = ()  # multimodal.ImageItem of each image, in prompt order
     lora: LoRARequest | None = None  # the adapter it runs under
+    priority: int = 0  # --scheduling-policy priority: the lowest value runs first
 
 
 class InputProcessor:
-    def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex):
+    def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex,
+                 priority_scheduling: bool = False):
         self.tokenize = tokenize  # text -> token ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.grammar_regex = grammar_regex  # StructuredOutputsParams -> regex, ValueError if unenforceable
+        self.priority_scheduling = priority_scheduling
 
     def process(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                 param: str = "prompt", strict_max_tokens: bool = False, mm_items: tuple = (),
-                prompt_text: str | None = None) -> ProcessedRequest:
+                prompt_text: str | None = None, priority: int = 0) -> ProcessedRequest:
         """`strict_max_tokens`: a max_tokens that does not fit beside the prompt is an error (the
         server, as vLLM's), not cut to what fits (the offline API). `mm_items`: the images of a
         prompt the multimodal processor made (their tokens are in `prompt`)."""
@@ -62,6 +65,7 @@ class InputProcessor:
         for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             self.check_token_ids(token_ids, name)
         _check_salt(cache_salt)
+        self._check_priority(priority)
         grammar = None
         if params.structured_outputs is not None:
             spec = params.structured_outputs
@@ -75,13 +79,20 @@ class InputProcessor:
                 self.check_token_ids((spec.reasoning_start,), "structured_outputs.reasoning_start")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else prompt_text,
-                                cache_salt, grammar, tuple(mm_items))
+                                cache_salt, grammar, tuple(mm_items), priority=priority)
 
     def process_embedding(self, prompt: str | list[int], param: str = "input") -> ProcessedRequest:
         ids = self._prompt_ids(prompt, param, self.max_model_len)
         if len(ids) > self.max_model_len:
             raise self.too_long(len(ids), param)
         return ProcessedRequest(ids, None, 0, prompt if isinstance(prompt, str) else None)
+
+    def _check_priority(self, priority) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority must be an integer, got {priority!r}", "priority")
+        if priority and not self.priority_scheduling:
+            raise InvalidRequest(f"priority {priority} was given, but the server schedules first come, first "
+                                 "served (start it with --scheduling-policy priority)", "priority")
 
     def check_token_ids(self, token_ids, param: str) -> None:
         for t in token_ids:

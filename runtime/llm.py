@@ -26,9 +26,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """lora_request: the adapter every prompt runs under, or one per prompt (None: the base
-        model); the engine needs enable_lora=True."""
+        model); the engine needs enable_lora=True. priority: one per prompt, the lowest first
+        (the engine needs scheduling_policy="priority")."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -42,28 +44,31 @@ class LLM:
         loras = lora_request if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         for lora in dict.fromkeys(x for x in loras if x is not None):
             self.engine.add_lora(lora)
         # every prompt is checked before any enters the engine, so a bad one leaves no debris
         checked = []
-        for i, (p, sp, lora) in enumerate(zip(prompts, sampling_params, loras)):
+        for i, (p, sp, lora, prio) in enumerate(zip(prompts, sampling_params, loras, priority)):
             try:
                 prompt, salt, images = _unpack(p)
-                checked.append(replace(self._process(prompt, sp, salt, images), lora=lora))
+                checked.append(replace(self._process(prompt, sp, salt, images, prio), lora=lora))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
 
-    def _process(self, prompt, params: SamplingParams, salt: str | None, images):
+    def _process(self, prompt, params: SamplingParams, salt: str | None, images, priority: int):
         if images is None:
-            return self.engine.inputs.process(prompt, params, salt)
+            return self.engine.inputs.process(prompt, params, salt, priority=priority)
         if self.engine.images is None:
             raise ValueError(f"{self.engine.config.model.architecture} takes no images")
         if not isinstance(prompt, str):
             raise ValueError("a prompt with multi_modal_data is text, with the model's image placeholder per image")
         images = images if isinstance(images, (list, tuple)) else [images]
         ids, items = self.engine.images.process(prompt, list(images))
-        return self.engine.inputs.process(ids, params, salt, mm_items=items, prompt_text=prompt)
+        return self.engine.inputs.process(ids, params, salt, mm_items=items, prompt_text=prompt, priority=priority)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

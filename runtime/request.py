@@ -49,6 +49,7 @@ class Request:
         "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
         "num_samples", "logprobs", "prompt_logprobs", "scheduled_time", "num_prompt_counted",
         "grammar", "matcher", "num_cached_tokens", "mm_items", "encoder_seconds", "lora", "draft_tokens",
+        "priority",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -65,6 +66,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.arrival_time = time.monotonic()
+        self.priority = 0  # --scheduling-policy priority: the lowest value runs first
         self.stop_reason: int | str | None = None
         self.cache_salt = cache_salt  # keeps one tenant's prefix cache from serving another
         self.lora = lora  # the LoRARequest it runs under (None: the base model)

@@ -2,10 +2,11 @@
 
 Each step every running request gets the tokens it still lacks (one for a decode, a chunk
 for a prompt); then swapped-out requests come back; then, once none is left swapped out,
-waiting requests are admitted first come, first served while the budget, the sequence limit
-and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting request can start
+waiting requests are admitted first come, first served (or by priority: runtime/request_queue.py)
+while the budget, the sequence limit and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting request can start
 leaves the decodes out (the next step always has them). When a running request cannot get a
-block, the newest running request is preempted: its blocks go to the CPU swap space when there
+block, the newest running request (under the priority policy: the one of lowest priority) is
+preempted: its blocks go to the CPU swap space when there
 is room (mode "swap"), else they are freed and the request is recomputed from its tokens
 later.
 
@@ -22,11 +23,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pageserve.runtime.config import PreemptionMode, SchedulerConfig
+from pageserve.runtime.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.request import LAST_UNFINISHED, Request, RequestStatus
+from pageserve.runtime.request_queue import priority_key, request_queue
 from pageserve.runtime.stats import SchedulerStats
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.sampling.params import SamplingParams
@@ -103,9 +105,12 @@ class Scheduler:
         self.preemption_mode = PreemptionMode(preemption_mode)
         self.encoder_cache = encoder_cache or EncoderCacheManager(0)
         self.block_size = kv.block_size
-        self.waiting: deque[Request] = deque()
+        self.waiting = request_queue(config.policy)
+        # oldest first; by priority_key under the priority policy, so that the newest idle one
+        # (the victim of a preemption) is the one of lowest priority
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.swapped = request_queue(config.policy)
+        self._by_priority = config.policy == SchedulingPolicy.PRIORITY
         self.reset_counters()
         self._steps: deque[list[tuple[Request, int]]] = deque()  # each step in flight: what it computes
         # the requests of those steps: their tokens in flight (not scheduled again until done,
@@ -138,6 +143,8 @@ class Scheduler:
         """The next step. `max_step_seqs`: the most requests it takes (with several steps in
         flight, each takes a share of the requests, so that the batches are even)."""
         self._step_cap = max_step_seqs or self.config.max_num_seqs
+        if self._by_priority:  # those admitted last step and forks join in order (a sort of sorted runs)
+            self.running.sort(key=priority_key)
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.encoder_cache.begin_step()
@@ -251,7 +258,8 @@ class Scheduler:
         return True
 
     def _pop_newest_idle(self) -> Request:
-        """Take out the newest running request that no step in flight holds."""
+        """Take out the newest running request that no step in flight holds (the last in the
+        running order: under the priority policy, the one of lowest priority)."""
         for j in range(len(self.running) - 1, -1, -1):
             if self.running[j].request_id not in self._in_flight:
                 return self.running.pop(j)

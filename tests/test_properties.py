@@ -14,6 +14,7 @@ from pageserve.runtime.block_pool import BlockPool
 from pageserve.runtime.config import SchedulerConfig
 from pageserve.runtime.kv_cache_manager import KVCacheManager, cdiv
 from pageserve.runtime.request import Request, RequestStatus
+from pageserve.runtime.request_queue import priority_key
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.step_inputs import BlockTables
 from pageserve.runtime.swap_space import SwapSpace
@@ -105,11 +106,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(mode=st.sampled_from(["swap", "recompute"]), num_blocks=st.integers(6, 24),
                 block_size=st.sampled_from([4, 16]), budget=st.integers(8, 96), max_seqs=st.integers(1, 8),
-                prefix=st.booleans(), prompts_first=st.booleans())
-    def setup(self, mode, num_blocks, block_size, budget, max_seqs, prefix, prompts_first):
+                prefix=st.booleans(), prompts_first=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+    def setup(self, mode, num_blocks, block_size, budget, max_seqs, prefix, prompts_first, policy):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
         cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
-                              enable_chunked_prefill=True, prompts_first=prompts_first)
+                              enable_chunked_prefill=True, prompts_first=prompts_first, policy=policy)
         self.swap = SwapSpace(num_blocks // 2 if mode == "swap" else 0)
         self.sched = Scheduler(cfg, self.kv, self.swap, mode)
         self.tables = BlockTables()  # what a runner holds, from the steps' updates alone
@@ -123,8 +124,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         return [r for r in self.requests.values() if not r.status.finished]
 
     @rule(prefix=st.sampled_from([[], [11] * 20, [12, 13] * 9]), tail=st.lists(st.integers(1, 50), max_size=30),
-          max_tokens=st.integers(1, 40), n=st.sampled_from([1, 1, 1, 2, 3]), grammar=st.booleans())
-    def arrive(self, prefix, tail, max_tokens, n, grammar):
+          max_tokens=st.integers(1, 40), n=st.sampled_from([1, 1, 1, 2, 3]), grammar=st.booleans(),
+          priority=st.integers(-2, 2))
+    def arrive(self, prefix, tail, max_tokens, n, grammar, priority):
         prompt = (prefix + tail) or [1]
         # the engine refuses these before they reach the scheduler (n > --max-num-seqs; a
         # context longer than max_model_len, which is never more than the pool holds)
@@ -134,6 +136,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.count += 1
         req = _request(f"r{self.count}", prompt, max_tokens)
         req.num_samples = n  # n > 1: forked after its first token, as the engine does
+        req.priority = priority  # read under the priority policy only
         if grammar:  # structured output: not admitted until its grammar has compiled
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
@@ -260,6 +263,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.request_id in self.swap.req_blocks
         for r in s.waiting:
             assert r.request_id not in self.kv.req_blocks
+        if s.config.policy == "priority":  # the queues in the order they are taken
+            for queue in (list(s.waiting), list(s.swapped)):
+                assert queue == sorted(queue, key=priority_key)
         for rid in self.ended:
             assert rid not in self.kv.req_blocks and rid not in self.swap.req_blocks
         for block in self.kv.pool.hash_to_block.values():  # a prefix hit reads only written KV
