@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import signal
+import ssl
 import time
 from pathlib import Path
 
@@ -78,6 +79,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-media-domains", action="append", default=None, metavar="HOSTS",
                    help="hosts whose http(s) image URLs the server fetches (a JSON list, comma-separated, or "
                         "repeated); none by default, and never private addresses")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM); needs --ssl-certfile")
+    g.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM) for HTTPS")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="CA certificates (PEM) that client certificates are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
+                   help="client certificates: 0 not asked for, 1 checked when given, 2 required (mutual TLS; "
+                        "needs --ssl-ca-certs)")
     g.add_argument("--max-request-body-mb", type=float, default=32.0, help="larger request bodies get a 413")
     g.add_argument("--max-prompt-logprobs-tokens", type=int, default=32768,
                    help="prompt tokens one request may ask logprobs of (echo with logprobs, or prompt_logprobs)")
@@ -153,6 +161,31 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           allow_runtime_lora_updating=runtime_updating_allowed(ns.allow_runtime_lora_updating))
 
 
+def tls_options(ns: argparse.Namespace) -> dict:
+    """uvicorn's HTTPS settings from the --ssl-* flags, checked (before the model loads)."""
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if ns.ssl_certfile is None:
+        if ns.ssl_ca_certs is not None or ns.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS (--ssl-keyfile and --ssl-certfile)")
+        return {}
+    if ns.ssl_cert_reqs != ssl.CERT_NONE and ns.ssl_ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check client certificates against")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(ns, flag)
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {path!r} is not a file")
+    try:  # a key that does not match its certificate, or a file that is not PEM, fails here
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(ns.ssl_certfile, ns.ssl_keyfile)
+        if ns.ssl_ca_certs is not None:
+            context.load_verify_locations(ns.ssl_ca_certs)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"the --ssl-* files cannot be used: {e}") from None
+    return dict(ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                ssl_cert_reqs=ns.ssl_cert_reqs)
+
+
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's contents, or the value itself when it is a template."""
     if value is None:
@@ -198,6 +231,7 @@ def run(ns: argparse.Namespace) -> int:
         return run_headless_node(args)
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
+    tls = tls_options(ns)
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
                                log_stats_interval=float("inf") if ns.disable_log_stats else 5.0,
                                request_timeout=ns.request_timeout)
@@ -217,13 +251,13 @@ def run(ns: argparse.Namespace) -> int:
     # what start-up made lives as long as the server: the collector's passes skip it from now on
     gc.collect()
     gc.freeze()
-    logger.info("serving %s on http://%s:%d%s%s", ", ".join(settings.served_model_names), ns.host,
-                ns.port, " (API key required)" if settings.api_keys else "",
+    logger.info("serving %s on %s://%s:%d%s%s", ", ".join(settings.served_model_names),
+                "https" if tls else "http", ns.host, ns.port, " (API key required)" if settings.api_keys else "",
                 "; chat page at /" if settings.enable_frontend else "")
     # uvicorn's own grace period only backs ours up: by then every request has ended
     config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http="httptools",
                             log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=ns.shutdown_timeout + 5, **tls)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
     # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -81,14 +81,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float, exit_code: Callable[[], int | None] = lambda: None) -> None:
-    """Until `url`/health answers 200; `exit_code` says whether the server's process has ended."""
+def wait_healthy(url: str, timeout: float, exit_code: Callable[[], int | None] = lambda: None,
+                 verify=True) -> None:
+    """Until `url`/health answers 200; `exit_code` says whether the server's process has ended;
+    `verify`: httpx's (a CA file or an SSL context for an HTTPS server)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (code := exit_code()) is not None:
             raise RuntimeError(f"the server exited with {code}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

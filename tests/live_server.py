@@ -81,14 +81,15 @@ class InProcessServer:
 class SubprocessServer:
     """`pageserve serve --port PORT ARGS...` from this checkout; or `command` (a `pageserve` program
     installed elsewhere) run in `cwd` with `base_env` (default: this process's environment)
-    updated by `env`."""
+    updated by `env`. `verify`: httpx's, for a server that serves HTTPS (--ssl-certfile)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None,
-                 cwd: Path = ROOT, base_env: dict[str, str] | None = None, startup_timeout: float = 120):
+                 cwd: Path = ROOT, base_env: dict[str, str] | None = None, startup_timeout: float = 120,
+                 verify=None):
         sock = free_socket()
         port = sock.getsockname()[1]
         sock.close()
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'http' if verify is None else 'https'}://127.0.0.1:{port}"
         self.log_path = ROOT / ".cache" / f"server-{port}.log"
         self.log_path.parent.mkdir(exist_ok=True)
         self.log = open(self.log_path, "w")
@@ -97,7 +98,7 @@ class SubprocessServer:
             cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
             env={**(os.environ if base_env is None else base_env), **(env or {})})
         try:
-            wait_healthy(self.url, startup_timeout, self.proc.poll)
+            wait_healthy(self.url, startup_timeout, self.proc.poll, verify=True if verify is None else verify)
         except BaseException:
             self.stop()
             raise
