@@ -57,6 +57,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto",
                    help="where unset sampling fields' defaults come from: auto (the model's "
                         "generation_config.json), a folder holding one, or vllm (the API's own)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='sampling defaults set on top of --generation-config\'s, e.g. \'{"temperature": 0.5}\' '
+                        "(temperature, top_p, top_k, min_p, repetition_penalty)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
@@ -125,6 +128,18 @@ def _list_flag(values: list[str] | None, flag: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _json_object(value: str | None, flag: str) -> dict:
+    if value is None:
+        return {}
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag}: {value!r} is not a JSON object")
+    return obj
+
+
 def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
     keys = list(ns.api_key or [])
     if os.environ.get("PAGESERVE_API_KEY"):
@@ -153,6 +168,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           enable_frontend=not ns.disable_frontend,
                           chat_template=read_chat_template(ns.chat_template),
                           generation_config=ns.generation_config,
+                          override_generation_config=_json_object(ns.override_generation_config,
+                                                                  "--override-generation-config"),
                           max_stored_responses=ns.max_stored_responses,
                           max_stored_responses_mb=ns.max_stored_responses_mb,
                           max_prompt_logprobs_tokens=ns.max_prompt_logprobs_tokens,

@@ -28,12 +28,27 @@ GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pen
 logger = logging.getLogger(__name__)
 
 
-def generation_defaults(source: str, model_generation_config: dict) -> dict:
+def check_generation_overrides(overrides: dict) -> dict:
+    """--override-generation-config's fields and values, checked before the model loads."""
+    unknown = sorted(set(overrides) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"--override-generation-config cannot set {', '.join(unknown)}; it sets "
+                         f"{', '.join(GENERATION_DEFAULTS)}")
+    try:  # top_k 0 is transformers' "no top-k", as in a generation_config.json
+        SamplingParams(**{**overrides, **({"top_k": -1} if overrides.get("top_k") == 0 else {})})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--override-generation-config: {e}") from None
+    return overrides
+
+
+def generation_defaults(source: str, model_generation_config: dict, overrides: dict | None = None) -> dict:
     """--generation-config: `auto` takes the model's generation_config.json, a folder that
-    folder's, `vllm` none (the API's own defaults)."""
+    folder's, `vllm` none (the API's own defaults); `overrides` (--override-generation-config)
+    set or replace fields on top, as in vLLM."""
+    overrides = check_generation_overrides(overrides or {})
     if source == "vllm":
-        return {}
-    if source == "auto":
+        gen, where = {}, "the API's defaults"
+    elif source == "auto":
         gen, where = model_generation_config, "the model's generation_config.json"
     else:
         path = Path(source) / "generation_config.json"
@@ -41,6 +56,8 @@ def generation_defaults(source: str, model_generation_config: dict) -> dict:
             gen, where = json.loads(path.read_text()), str(path)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--generation-config {source}: cannot read {path}: {e}") from None
+    if overrides:
+        gen, where = {**gen, **overrides}, f"{where} and --override-generation-config"
     defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
     if defaults.get("top_k") == 0:  # transformers' "no top-k"
         defaults["top_k"] = -1
@@ -69,6 +86,7 @@ class ServerSettings:
     enable_frontend: bool = True  # the chat page at / (--disable-frontend)
     chat_template: str | None = None  # --chat-template, read: replaces the model's own
     generation_config: str = "auto"  # --generation-config: auto, vllm or a folder
+    override_generation_config: dict = field(default_factory=dict)  # fields set on top of it
     max_stored_responses: int = 1024  # finished Responses API answers kept for previous_response_id
     max_stored_responses_mb: float = 256  # ... and the bytes they may take
     max_prompt_logprobs_tokens: int = 32768  # prompt tokens with logprobs in one request
@@ -94,6 +112,7 @@ class ServerSettings:
             raise ValueError("--max-prompt-logprobs-tokens must be >= 0")
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)  # the names it knows, for a wrong one
+        check_generation_overrides(self.override_generation_config)
 
 
 @dataclass
@@ -116,7 +135,8 @@ class ServerState:
         if self.settings.chat_template is not None:
             self.tokenizer.chat_template = self.settings.chat_template
         self.sampling_defaults = generation_defaults(self.settings.generation_config,
-                                                     self.engine.generation_config)
+                                                     self.engine.generation_config,
+                                                     self.settings.override_generation_config)
         self.responses = ResponseStore(self.settings.max_stored_responses,
                                        int(self.settings.max_stored_responses_mb * 2**20))
         self.media = MediaLoader(MediaSettings(tuple(d.lower() for d in self.settings.allowed_media_domains)))

@@ -3,6 +3,7 @@ the tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import httpx
@@ -79,9 +80,10 @@ def test_generation_config_supplies_what_a_request_omits(bare_model, tmp_path):
     folder = tmp_path / "gen"
     folder.mkdir()
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 0.8, "repetition_penalty": 1.1}))
-    srv = serve(bare_model, chat_template="{{ messages[0]['content'] }}>", generation_config=str(folder))
+    srv = serve(bare_model, chat_template="{{ messages[0]['content'] }}>", generation_config=str(folder),
+                override_generation_config={"top_p": 0.5, "min_p": 0.05})
     try:
-        assert srv.state.sampling_defaults == {"top_p": 0.8, "repetition_penalty": 1.1}
+        assert srv.state.sampling_defaults == {"top_p": 0.5, "repetition_penalty": 1.1, "min_p": 0.05}
     finally:
         srv.stop()
 
@@ -94,6 +96,30 @@ def test_generation_defaults_are_checked_at_start_up():
     with pytest.raises(ValueError, match="sampling defaults of the model's generation_config.json are not valid"):
         generation_defaults("auto", {"top_p": 1.5})
     assert generation_defaults("vllm", {"temperature": 0.7}) == {}
+
+
+def test_override_generation_config_sets_fields_on_top():
+    from pageserve.app.serve import add_args, settings_from_args
+    from pageserve.app.state import generation_defaults
+
+    model = {"temperature": 0.7, "top_p": 0.9}
+    assert generation_defaults("auto", model, {"temperature": 0.2, "top_k": 0}) == {
+        "temperature": 0.2, "top_p": 0.9, "top_k": -1}
+    assert generation_defaults("vllm", model, {"min_p": 0.1}) == {"min_p": 0.1}  # vLLM's: only the overrides
+    for bad, words in (({"temprature": 1}, "cannot set temprature; it sets temperature, top_p"),
+                       ({"max_new_tokens": 9}, "cannot set max_new_tokens"),
+                       ({"top_p": 2}, "--override-generation-config: top_p must be in")):
+        with pytest.raises(ValueError, match=words):
+            generation_defaults("auto", model, bad)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    ns = parser.parse_args(["--override-generation-config", '{"repetition_penalty": 1.2}'])
+    assert settings_from_args(ns, "m").override_generation_config == {"repetition_penalty": 1.2}
+    for value, words in (("[1]", "is not a JSON object"), ("{temperature", "is not a JSON object"),
+                         ('{"top_k": -5}', "top_k")):  # refused before the model loads
+        ns = parser.parse_args(["--override-generation-config", value])
+        with pytest.raises(ValueError, match=words):
+            settings_from_args(ns, "m")
 
 
 def test_chat_template_flag_reads_a_file_or_a_template(tmp_path):
