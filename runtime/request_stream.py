@@ -65,7 +65,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.abort()
             raise item
-        if self._unread:
+        if self._unread and item.request_id in self._deltas:  # (an embedding's output has no sequences)
             key = (item.request_id, item.outputs[0].index)
             if self._unread.get(key) is item:
                 del self._unread[key]

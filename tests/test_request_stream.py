@@ -77,6 +77,17 @@ def test_other_sequences_and_non_delta_outputs_are_not_merged_and_an_error_still
     assert got == [(0, "1"), (1, "23"), (0, "x"), (0, "xy")]
 
 
+@pytest.mark.unit
+def test_an_output_without_sequences_passes_beside_unread_deltas():
+    stream = _stream("a")
+    stream.put(_delta("a", "1", [1]))
+    stream.put(_delta("a", "2", [2]))
+    stream.put(RequestOutput("b", None, [1, 2], [], True))  # an embedding's: no sequences
+    stream.put(_delta("a", "3", [3], finished=True))
+    outs = asyncio.run(_read(stream))
+    assert [(o.request_id, [c.text for c in o.outputs]) for o in outs] == [("a", ["12"]), ("b", []), ("a", ["3"])]
+
+
 @pytest.mark.engine
 def test_a_reader_behind_the_engine_gets_the_whole_text_in_fewer_pieces(tiny_model_dir):
     """A streamed request whose reader waits until the request has finished gets its output in
