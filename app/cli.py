@@ -113,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        from pageserve.app.vllm_flags import explain
+
+        why = explain(unknown) if ns.command == "serve" else None
+        if why is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(f"pageserve serve: error: {why}", file=sys.stderr)
+        return 2
     from pageserve.runtime.models.loader import ModelLoadError
 
     try:

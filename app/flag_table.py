@@ -38,7 +38,8 @@ def _cell(text: str) -> str:
 
 
 def flag_tables(parser: argparse.ArgumentParser | None = None) -> str:
-    """One table a --help group, in --help's order: flag, default, the help line."""
+    """One table a --help group, in --help's order: flag, default, the help line; then the vLLM
+    flags that are not taken (app/vllm_flags.py)."""
     from pageserve.app.cli import shown_default
 
     parser = parser or serve_parser()
@@ -58,6 +59,11 @@ def flag_tables(parser: argparse.ArgumentParser | None = None) -> str:
                 help_text, default = help_text[:said.start()], _cell(said.group(1))
             out.append(f"| `{_invocation(a)}` | {default or ''} | {_cell(help_text)} |")
         out.append("")
+    from pageserve.app.vllm_flags import NOT_TAKEN
+
+    out += ["### vLLM flags pageserve does not take", "", "`pageserve serve` answers each with this line.", "",
+            "| flag | instead |", "|---|---|"]
+    out += [f"| `{flag}` | {_cell(why)} |" for flag, why in NOT_TAKEN.items()]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

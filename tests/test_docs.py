@@ -160,6 +160,24 @@ def test_serving_flag_tables_are_the_parsers():
         f"`{flag_table.REGENERATE}`")
 
 
+@pytest.mark.unit
+def test_a_vllm_flag_pageserve_does_not_take_gets_its_line(capsys):
+    from pageserve.app.cli import main
+    from pageserve.app.flag_table import serve_parser
+    from pageserve.app.vllm_flags import NOT_TAKEN
+
+    taken = {s for a in serve_parser()._actions for s in a.option_strings}
+    assert not taken & set(NOT_TAKEN), "a flag in app/vllm_flags.py is one pageserve serve now takes"
+    assert main(["serve", "--trust-remote-code", "--kv-cache-dtype=fp8", "--port", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["pageserve serve: error: --trust-remote-code is vLLM's: " + NOT_TAKEN["--trust-remote-code"],
+                   "--kv-cache-dtype is vLLM's: " + NOT_TAKEN["--kv-cache-dtype"]]
+    with pytest.raises(SystemExit) as exited:  # any other flag: argparse's own answer
+        main(["serve", "--no-such-flag"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
 def _serve_commands() -> list[tuple[str, list[str]]]:
     """Each `pageserve serve ...` command in the docs' shell blocks: where, and its arguments."""
     out = []

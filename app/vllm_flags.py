@@ -1,0 +1,39 @@
+"""vLLM `serve` flags that pageserve does not take, each with what to do instead. A command line
+moved from vLLM gets that line for such a flag, rather than argparse's bare "unrecognized
+arguments"; docs/serving.md's table of them is made from this one."""
+
+from __future__ import annotations
+
+_SAME_TOKENIZER = "the tokenizer is the model's own (its directory's tokenizer files, or its GGUF file's)"
+
+NOT_TAKEN = {
+    "--trust-remote-code": "pageserve runs its own code for the architectures it knows (docs/models.md), never "
+                           "code from a checkpoint: leave the flag out",
+    "--tokenizer": _SAME_TOKENIZER,
+    "--tokenizer-mode": _SAME_TOKENIZER,
+    "--tokenizer-revision": _SAME_TOKENIZER,
+    "--load-format": "the weights are read from the model's safetensors or GGUF files, whichever it has",
+    "--kv-cache-dtype": "the KV cache is kept in the model's dtype; a quantized KV cache is not supported",
+    "--hf-overrides": "the model's config.json is read as it is",
+    "--cpu-offload-gb": "the weights stay on the device; spread a larger model with --tensor-parallel-size or "
+                        "--pipeline-parallel-size",
+    "--num-gpu-blocks-override": "the KV pool is sized by --gpu-memory-utilization (CUDA) or --kv-cache-memory "
+                                 "(GiB)",
+    "--max-seq-len-to-capture": "CUDA graphs are captured for the batch sizes in --cuda-graph-sizes",
+    "--data-parallel-size": "run one server per replica behind a load balancer (docs/parallel.md)",
+    "--enable-expert-parallel": "MoE experts are split by tensor parallelism only",
+    "--guided-decoding-backend": "structured output is always compiled with outlines-core",
+    "--max-logprobs": "logprobs and top_logprobs go up to 20, as in OpenAI's API",
+    "--enable-sleep-mode": "the weights and the KV pool stay on the device while the server runs",
+    "--root-path": "serve behind a proxy that strips the path prefix",
+    "--config": "flags are read from the command line only, not from a YAML file",
+    "--tool-parser-plugin": "the tool-call parsers are built in (--tool-call-parser)",
+}
+
+
+def explain(unknown: list[str]) -> str | None:
+    """One line per vLLM flag in `unknown` (the arguments the parser did not take) that this
+    table knows; None when there is none."""
+    lines = [f"{flag} is vLLM's: {NOT_TAKEN[flag]}"
+             for flag in dict.fromkeys(arg.split("=", 1)[0] for arg in unknown) if flag in NOT_TAKEN]
+    return "\n".join(lines) or None
