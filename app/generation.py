@@ -7,7 +7,7 @@ import functools
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -124,11 +124,12 @@ def cached_tokens(out) -> int:
     return out.metrics.num_cached_tokens if out.metrics is not None else 0
 
 
-def sse_response(events: AsyncIterator[dict], stream: RequestStream, named: bool = False) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[dict], stream: RequestStream, named: bool = False,
+                 on_error: Callable[[APIError], dict] | None = None) -> EventSourceResponse:
     """Each event is `data: <json>\n\n`; the stream ends with `data: [DONE]`. An error after
     the 200 becomes an error event. A client that goes away aborts the engine requests.
-    `named` (the Responses API): each event also has an `event: <its type>` line, and there is
-    no [DONE]."""
+    `named` (the Responses and Messages APIs): each event also has an `event: <its type>` line,
+    there is no [DONE], and an error is an `error` event: `on_error`'s (default: error_event's)."""
     async def frames():
         # each event's bytes as sse-starlette would write them (orjson's JSON has no newline)
         try:
@@ -138,7 +139,7 @@ def sse_response(events: AsyncIterator[dict], stream: RequestStream, named: bool
         except Exception as e:  # the engine failed, died, timed out or is shutting down: tell the client
             error = failure(e)
             if named:
-                yield b"event: error\ndata: %s\n\n" % dumps(error_event(error))
+                yield b"event: error\ndata: %s\n\n" % dumps((on_error or error_event)(error))
             else:
                 yield b"data: %s\n\n" % dumps(error.envelope())
         finally:

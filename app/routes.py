@@ -17,7 +17,9 @@ from pageserve.app.embeddings import embeddings
 from pageserve.app.errors import APIError
 from pageserve.app.frontend import chat_page
 from pageserve.app.http import api_route, json_response, read_json
+from pageserve.app.anthropic_protocol import CountTokensRequest, MessagesRequest
 from pageserve.app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter, unload_lora_adapter
+from pageserve.app.messages import count_tokens, create_message
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, ResponsesRequest, TokenizeRequest)
@@ -98,6 +100,10 @@ ROUTES = (
     RouteSpec("/v1/responses/{response_id}", "delete", delete_response, "Delete a stored response"),
     RouteSpec("/v1/responses/{response_id}/input_items", "get", list_input_items,
               "The input items of a stored response"),
+    RouteSpec("/v1/messages", "post", create_message,
+              "A message (Anthropic's Messages API), whole or streamed as its named events (SSE)", MessagesRequest),
+    RouteSpec("/v1/messages/count_tokens", "post", count_tokens,
+              "The prompt tokens of a Messages API conversation", CountTokensRequest),
     RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (mean-pooled last hidden states)",
               EmbeddingRequest),
     RouteSpec("/v1/models", "get", models, "The served models and LoRA adapters"),

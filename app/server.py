@@ -31,8 +31,8 @@ _OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the open ones of the route table,
-    compared in constant time against every key. The request's scope then names its owner (a
+    """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`, on every route but the
+    open ones of the route table, compared in constant time against every key. The request's scope then names its owner (a
     hash of the key) for what it may see of stored state."""
 
     def __init__(self, app, api_keys: tuple[str, ...]):
@@ -43,7 +43,8 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
             who = self._owner(scope)
             if who is None:
-                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                                    "(or 'x-api-key: <key>').",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await err.response()(scope, receive, send)
                 return
@@ -51,11 +52,13 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _owner(self, scope) -> str | None:
-        header = b""
+        header = x_api_key = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 header = value
-        given = header[7:] if header[:7].lower() == b"bearer " else b""
+            elif name == b"x-api-key":
+                x_api_key = value
+        given = header[7:] if header[:7].lower() == b"bearer " else x_api_key
         who = None
         for key, tag in self.keys:  # no early exit: the time does not tell which key came close
             if hmac.compare_digest(given, key):

@@ -53,7 +53,8 @@ class Block:
         """How the block talks to a server, or None where it does not."""
         if self.lang in ("sh", "bash") and re.search(r"^\s*curl\b", self.code, re.M):
             return "curl"
-        if self.lang == "python" and ("OpenAI(" in self.code or "from pageserve import LLM" in self.code):
+        if self.lang == "python" and ("OpenAI(" in self.code or "Anthropic(" in self.code
+                                      or "from pageserve import LLM" in self.code):
             return "python"
         if self.lang in ("js", "ts", "javascript", "typescript") and re.search(r"from \"(openai|@ai-sdk/[\w-]+)\"",
                                                                               self.code):

@@ -1,0 +1,133 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) through the real server
+and Anthropic's own Python SDK, on a scripted model that thinks and then makes a hermes tool
+call: the thinking, tool_use and text blocks, whole and streamed (the SDK assembles the stream's
+events into the same message), a second turn with the tool's result, stop reasons, usage, the
+x-api-key header and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.scripted import QWEN3_STYLE_TEMPLATE, build_scripted_model, scripted_server
+
+pytestmark = pytest.mark.server
+
+CALL = {"name": "note", "arguments": {"text": "the sky is blue and the grass is green"}}
+SCRIPT = f"<think>I should write a note about colours</think><tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+NOTE = {"name": "note", "description": "Write a note",
+        "input_schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+ASK = [{"role": "user", "content": "Note the colours"}]
+KEY = "messages-key"
+GREEDY = {"temperature": 0}  # (the SDK has no such argument any more; the API takes it)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    path = build_scripted_model(tmp_path_factory.mktemp("messages"), SCRIPT, chat_template=QWEN3_STYLE_TEMPLATE)
+    s = scripted_server(path, {"max_model_len": 1024, "kv_cache_memory": 0.02}, api_keys=(KEY,),
+                        reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def _blocks(message) -> list[dict]:
+    return [block.model_dump(exclude_none=True) for block in message.content]
+
+
+def test_a_tool_call_whole_and_streamed(srv, client):
+    whole = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, tools=[NOTE], messages=ASK)
+    assert whole.type == "message" and whole.role == "assistant" and whole.id.startswith("msg_")
+    blocks = _blocks(whole)
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"]
+    assert blocks[0]["thinking"] == "I should write a note about colours"
+    assert (blocks[1]["name"], blocks[1]["input"]) == (CALL["name"], CALL["arguments"])
+    assert whole.stop_reason == "tool_use" and whole.stop_sequence is None
+    assert whole.usage.output_tokens > 10 and whole.usage.input_tokens + whole.usage.cache_read_input_tokens > 3
+
+    with client.messages.stream(model=srv.model, max_tokens=200, extra_body=GREEDY, tools=[NOTE], messages=ASK) as s:
+        events = list(s)
+        streamed = s.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    assert kinds.count("content_block_stop") == 2
+    assert sum(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events) >= 2
+    streamed_blocks = _blocks(streamed)
+    assert [b["type"] for b in streamed_blocks] == ["thinking", "tool_use"]
+    assert streamed_blocks[0]["thinking"] == blocks[0]["thinking"]
+    assert streamed_blocks[1]["input"] == CALL["arguments"] and streamed_blocks[1]["name"] == "note"
+    assert streamed.stop_reason == "tool_use"
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+    # the second turn: the assistant's blocks back, and the tool's result
+    history = [*ASK, {"role": "assistant", "content": blocks},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[1]["id"],
+                                             "content": [{"type": "text", "text": "noted: 7 words"}]}]}]
+    second = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, tools=[NOTE],
+                                    messages=history)
+    counted = client.messages.count_tokens(model=srv.model, tools=[NOTE], messages=history)
+    assert counted.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+    assert counted.input_tokens > client.messages.count_tokens(model=srv.model, tools=[NOTE],
+                                                               messages=ASK).input_tokens + 10
+    prompt = httpx.post(f"{srv.url}/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=30, json={
+        "messages": [{"role": "user", "content": "x"}]}).json()  # (the same key works as a Bearer token)
+    assert prompt["count"] > 0
+    srv.wait_idle()
+
+
+def test_text_stop_sequences_and_max_tokens(srv, client):
+    # no tools: the call's markup is text; a stop sequence inside the thinking ends it there
+    whole = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK)
+    blocks = _blocks(whole)
+    assert [b["type"] for b in blocks] == ["thinking", "text"] and "<tool_call>" in blocks[1]["text"]
+    assert whole.stop_reason == "end_turn"
+    text = "".join(client.messages.stream(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK).__enter__()
+                   .text_stream)
+    assert text == blocks[1]["text"]
+    stopped = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK,
+                                     stop_sequences=["note about"])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "note about")
+    assert _blocks(stopped) == [{"type": "thinking", "thinking": "I should write a ", "signature": ""}]
+    short = client.messages.create(model=srv.model, max_tokens=3, extra_body=GREEDY,
+                                   system=[{"type": "text", "text": "Be brief."}], messages=ASK)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    srv.wait_idle()
+
+
+def test_errors_in_anthropics_shape(srv, client):
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(
+            model=srv.model, max_tokens=5, messages=ASK)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=5, messages=ASK)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    for body, words in (({"messages": ASK}, "'max_tokens' is a required field"),
+                        ({"messages": ASK, "max_tokens": 5, "tool_choice": {"type": "tool"}}, "needs the tool's 'name'"),
+                        ({"messages": [{"role": "assistant", "content": [
+                            {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}], "max_tokens": 5},
+                         "tool_result blocks belong to user messages"),
+                        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+                          "max_tokens": 5}, "document"),
+                        # an image goes to the image loader, which knows this model takes none
+                        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+                            "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}],
+                          "max_tokens": 5}, "takes no images")):
+        r = httpx.post(f"{srv.url}/v1/messages", headers={"x-api-key": KEY}, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+        assert words in err["error"]["message"], err
+    with pytest.raises(anthropic.BadRequestError, match="is not a valid regex"):
+        client.messages.create(model=srv.model, max_tokens=5, tools=[{"name": "bad", "input_schema": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": "(a|"}}}}], messages=ASK)
+    srv.wait_idle()
