@@ -2,11 +2,14 @@
 and Anthropic's own Python SDK, on a scripted model that thinks and then makes a hermes tool
 call: the thinking, tool_use and text blocks, whole and streamed (the SDK assembles the stream's
 events into the same message), a second turn with the tool's result, stop reasons, usage, the
-x-api-key header and errors in Anthropic's shape."""
+x-api-key header and errors in Anthropic's shape; and the Vercel AI SDK's Anthropic provider."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -22,6 +25,7 @@ NOTE = {"name": "note", "description": "Write a note",
         "input_schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
 ASK = [{"role": "user", "content": "Note the colours"}]
 KEY = "messages-key"
+NODE_DIR = Path(__file__).resolve().parent / "node"
 GREEDY = {"temperature": 0}  # (the SDK has no such argument any more; the API takes it)
 
 
@@ -130,4 +134,21 @@ def test_errors_in_anthropics_shape(srv, client):
     with pytest.raises(anthropic.BadRequestError, match="is not a valid regex"):
         client.messages.create(model=srv.model, max_tokens=5, tools=[{"name": "bad", "input_schema": {
             "type": "object", "properties": {"x": {"type": "string", "pattern": "(a|"}}}}], messages=ASK)
+    srv.wait_idle()
+
+
+def test_the_vercel_ai_sdks_anthropic_provider(srv):
+    """What a TypeScript front end sees through `@ai-sdk/anthropic`, streamed and whole."""
+    node = shutil.which("node")
+    assert node, "node is needed for this test (make test installs the npm packages)"
+    assert (NODE_DIR / "node_modules" / "@ai-sdk" / "anthropic").is_dir(), "run `make test` (npm ci in tests/node)"
+    proc = subprocess.run([node, str(NODE_DIR / "anthropic.mjs"), srv.url, srv.model, KEY],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    for answer in (got["streamed"], got["whole"]):
+        assert answer["reasoning"] == "I should write a note about colours"
+        assert answer["calls"] == [{"name": CALL["name"], "input": CALL["arguments"]}]
+        assert answer["finish"] == "tool-calls" and answer["text"] == ""
+    assert got["streamed"]["outputTokens"] == got["whole"]["outputTokens"] > 10
     srv.wait_idle()
