@@ -111,6 +111,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped = request_queue(config.policy)
         self._by_priority = config.policy == SchedulingPolicy.PRIORITY
+        self._joined = False  # requests joined the running list since it was last put in order
         self.reset_counters()
         self._steps: deque[list[tuple[Request, int]]] = deque()  # each step in flight: what it computes
         # the requests of those steps: their tokens in flight (not scheduled again until done,
@@ -143,8 +144,9 @@ class Scheduler:
         """The next step. `max_step_seqs`: the most requests it takes (with several steps in
         flight, each takes a share of the requests, so that the batches are even)."""
         self._step_cap = max_step_seqs or self.config.max_num_seqs
-        if self._by_priority:  # those admitted last step and forks join in order (a sort of sorted runs)
+        if self._by_priority and self._joined:  # (leaving keeps the order)
             self.running.sort(key=priority_key)
+            self._joined = False
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.encoder_cache.begin_step()
@@ -313,6 +315,7 @@ class Scheduler:
             self.num_swapped_in_blocks += valid - first
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._joined = True
             if req.lora is not None:
                 adapters.add(req.lora.lora_int_id)
             self.encoder_cache.hold(req, req.num_computed_tokens, num_new)
@@ -353,6 +356,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._joined = True
             if req.lora is not None:
                 adapters.add(req.lora.lora_int_id)
             self.encoder_cache.hold(req, num_hit, num_new)
@@ -467,6 +471,7 @@ class Scheduler:
                 copies.append(copy)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
+            self._joined = True
         return copies
 
     @property
