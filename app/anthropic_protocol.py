@@ -50,11 +50,16 @@ class ToolUseBlock(_Body):
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: str | list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]] = ""
     is_error: bool = False
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(b.text for b in self.content if b.type == "text")
+
+    def images(self) -> list[ImageBlock]:
+        return [] if isinstance(self.content, str) else [b for b in self.content if b.type == "image"]
 
 
 class ThinkingBlock(_Body):
@@ -78,6 +83,7 @@ class MessageParam(_Body):
 
 
 class AnthropicTool(_Body):
+    type: str | None = None  # "custom" or none: a function the client runs (server tools are refused)
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
@@ -96,7 +102,7 @@ class ToolChoice(_Body):
 
 
 class ThinkingConfig(_Body):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: integer(ge=0) | None = None
 
 
@@ -111,7 +117,7 @@ class _Conversation(_Body):
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system or None
-        return "".join(b.text for b in self.system) or None
+        return "\n\n".join(b.text for b in self.system) or None
 
 
 class MessagesRequest(_Conversation):

@@ -202,7 +202,9 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
                     yield chunk(c.index, {"content": ""}, logprobs=logprobs)
             if c.finish_reason is not None:
                 reason = c.finish_reason
-                if parsers is not None and parsers[c.index].num_calls and reason == "stop":
+                # calls cut short (a stop string inside one) are not calls, as in the whole answer
+                parser = parsers[c.index] if parsers is not None else None
+                if parser is not None and parser.num_calls > len(parser.failed_calls) and reason == "stop":
                     reason = "tool_calls"
                 yield chunk(c.index, {}, reason, c.stop_reason)
     if include_usage:

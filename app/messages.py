@@ -55,7 +55,7 @@ def _anthropic_route(handler):
 def chat_messages(body: _Conversation) -> list[ChatMessage]:
     """Content blocks -> chat messages: an assistant turn's text, thinking and tool_use blocks make
     one assistant message (its tool calls, its reasoning_content); a user turn's tool_result
-    blocks become tool messages, ahead of its text and images."""
+    blocks become tool messages, ahead of its text and images (a tool result's images among them)."""
     messages: list[ChatMessage] = []
     if (system := body.system_text()) is not None:
         messages.append(ChatMessage(role="system", content=system))
@@ -87,6 +87,8 @@ def chat_messages(body: _Conversation) -> list[ChatMessage]:
                 text = ("Error: " if block.is_error else "") + block.text()
                 messages.append(ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id,
                                             name=names.get(block.tool_use_id)))
+                parts += [ContentPart(type="image_url", image_url=ImageURL(url=image.source.as_url()))
+                          for image in block.images()]
             elif block.type == "thinking":
                 thinking.append(block.thinking)
             # redacted_thinking: nothing a template can show
@@ -104,9 +106,15 @@ def chat_messages(body: _Conversation) -> list[ChatMessage]:
     return messages
 
 
-def _tools(state: ServerState, body: _Conversation):
+def _tools(state: ServerState, body: _Conversation, plan: bool = True):
+    """The tools as chat tools, and (with `plan`) the plan for their calls."""
+    for i, t in enumerate(body.tools or ()):
+        if t.type not in (None, "custom"):
+            raise bad_request(f"server tools ({t.type}) are not supported: only tools the client runs", f"tools.{i}.type")
     tools = [ChatTool(function=FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema))
              for t in body.tools or ()]
+    if not plan:
+        return tools or None, None
     choice: ToolChoice | None = body.tool_choice
     if choice is None:
         named = None
@@ -120,12 +128,14 @@ def _tools(state: ServerState, body: _Conversation):
     return tools or None, plan
 
 
-async def _prompt(state: ServerState, body: _Conversation):
-    tools, plan = _tools(state, body)
-    kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking is not None else None
-    view = SimpleNamespace(messages=chat_messages(body), add_generation_prompt=True, continue_final_message=False,
+async def _prompt(state: ServerState, body: _Conversation, plan: bool = True):
+    tools, tool_plan = _tools(state, body, plan)
+    kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking is not None else None
+    messages = chat_messages(body)
+    prefill = messages[-1].role == "assistant" and bool(messages[-1].content)  # the answer goes on from it
+    view = SimpleNamespace(messages=messages, add_generation_prompt=not prefill, continue_final_message=prefill,
                            tools=tools, chat_template_kwargs=kwargs)
-    return (*await chat_prompt(state, view), plan)
+    return (*await chat_prompt(state, view), tool_plan)
 
 
 # ---- the routes ----
@@ -135,7 +145,7 @@ async def count_tokens(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, CountTokensRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
-    _, ids, _, _ = await _prompt(state, body)
+    _, ids, _, _ = await _prompt(state, body, plan=False)  # (no grammar to compile for a count)
     return json_response({"input_tokens": len(ids)})
 
 
@@ -259,8 +269,8 @@ async def _events(stream, head: dict, num_prompt: int, tool_parser: ToolFormat |
         if last:
             for event in blocks.close():
                 yield event
-            yield {"type": "message_delta", "delta": _stop(c, parser is not None and parser.num_calls > 0),
-                   "usage": {"output_tokens": num_output, "cache_read_input_tokens": cached}}
+            called = parser is not None and parser.num_calls > len(parser.failed_calls)
+            yield {"type": "message_delta", "delta": _stop(c, called), "usage": _usage(num_prompt, num_output, cached)}
             yield {"type": "message_stop"}
 
 

@@ -19,7 +19,8 @@ from starlette.routing import Route
 
 from pageserve.app.body_check import BodyChecker
 from pageserve.app.errors import APIError
-from pageserve.app.http import OWNER
+from pageserve.app.http import OWNER, json_response
+from pageserve.app.messages import anthropic_error
 from pageserve.app.metrics import Metrics
 from pageserve.app.openapi import openapi_document
 from pageserve.app.routes import ROUTES, served_routes
@@ -46,7 +47,10 @@ class APIKeyMiddleware:
                 err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
                                     "(or 'x-api-key: <key>').",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await err.response()(scope, receive, send)
+                response = err.response()
+                if scope["path"].startswith("/v1/messages"):  # Anthropic's clients read their own shape
+                    response = json_response(anthropic_error(err), 401, err.headers)
+                await response(scope, receive, send)
                 return
             scope[OWNER] = who
         await self.app(scope, receive, send)

@@ -109,9 +109,10 @@ def test_text_stop_sequences_and_max_tokens(srv, client):
 
 
 def test_errors_in_anthropics_shape(srv, client):
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as refused:
         anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(
             model=srv.model, max_tokens=5, messages=ASK)
+    assert refused.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="claude-sonnet-4-5", max_tokens=5, messages=ASK)
     assert missing.value.body["error"]["type"] == "not_found_error"
@@ -151,4 +152,58 @@ def test_the_vercel_ai_sdks_anthropic_provider(srv):
         assert answer["calls"] == [{"name": CALL["name"], "input": CALL["arguments"]}]
         assert answer["finish"] == "tool-calls" and answer["text"] == ""
     assert got["streamed"]["outputTokens"] == got["whole"]["outputTokens"] > 10
+    srv.wait_idle()
+
+
+def test_what_claude_code_sends(srv, client):
+    """Prefill, adaptive thinking, system blocks, a tool result with an image, server tools,
+    counting with a tool choice the server could not plan, and usage of a cached prompt, streamed."""
+    prefill = [*ASK, {"role": "assistant", "content": "The colours"}]
+    counted = client.messages.count_tokens(model=srv.model, messages=prefill).input_tokens
+    rendered = httpx.post(f"{srv.url}/tokenize", headers={"x-api-key": KEY}, timeout=30, json={
+        "messages": prefill, "add_generation_prompt": False, "continue_final_message": True}).json()["count"]
+    assert counted == rendered  # the answer goes on from the assistant's words
+    assert client.messages.count_tokens(model=srv.model, messages=ASK, tools=[NOTE],
+                                        tool_choice={"type": "tool", "name": "elsewhere"}).input_tokens > 0
+    answer = client.messages.create(model=srv.model, max_tokens=200, messages=ASK, thinking={"type": "adaptive"},
+                                    system=[{"type": "text", "text": "You are terse.",
+                                             "cache_control": {"type": "ephemeral"}}])
+    assert answer.content[0].type == "thinking"
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):  # routed to the image loader
+        client.messages.create(model=srv.model, max_tokens=5, messages=[*ASK, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "note", "input": {"text": "x"}}]}, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "text", "text": "a picture"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}])
+    with pytest.raises(anthropic.BadRequestError, match="server tools"):
+        client.messages.create(model=srv.model, max_tokens=5, messages=ASK,
+                               tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    # the second time, the prompt is in the prefix cache: streamed usage splits it as whole usage does
+    with client.messages.stream(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK) as s:
+        usage = s.get_final_message().usage
+    assert usage.cache_read_input_tokens > 0
+    assert usage.input_tokens + usage.cache_read_input_tokens == client.messages.count_tokens(
+        model=srv.model, messages=ASK).input_tokens
+    srv.wait_idle()
+
+
+def test_a_stop_sequence_inside_a_call_is_not_a_tool_use(srv, client):
+    request = dict(model=srv.model, max_tokens=200, extra_body=GREEDY, tools=[NOTE], messages=ASK,
+                   stop_sequences=["blue"])
+    whole = client.messages.create(**request)
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "blue")
+    assert [b.type for b in whole.content] == ["thinking"]
+    with client.messages.stream(**request) as s:
+        streamed = s.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "blue")
+    # chat completions, streamed: the same finish reason as whole
+    chat = {"model": srv.model, "max_tokens": 200, "temperature": 0, "stop": ["blue"], "messages": ASK,
+            "tools": [{"type": "function", "function": {"name": "note", "parameters": NOTE["input_schema"]}}]}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat, headers=headers,
+                      timeout=60).json()["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**chat, "stream": True}, headers=headers,
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     srv.wait_idle()
