@@ -2,13 +2,13 @@
 
 Each step every running request gets the tokens it still lacks (one for a decode, a chunk
 for a prompt); then swapped-out requests come back; then, once none is left swapped out,
-waiting requests are admitted first come, first served (or by priority: runtime/request_queue.py)
-while the budget, the sequence limit and the KV pool allow. With `prompts_first` (CPUs), a step where a waiting request can start
-leaves the decodes out (the next step always has them). When a running request cannot get a
-block, the newest running request (under the priority policy: the one of lowest priority) is
-preempted: its blocks go to the CPU swap space when there
-is room (mode "swap"), else they are freed and the request is recomputed from its tokens
-later.
+waiting requests are admitted first come, first served (or by priority:
+runtime/request_queue.py) while the budget, the sequence limit and the KV pool allow. With
+`prompts_first` (CPUs), a step where a waiting request can start leaves the decodes out (the
+next step always has them). When a running request cannot get a block, the newest running
+request (under the priority policy: the one of lowest priority) is preempted: its blocks go to
+the CPU swap space when there is room (mode "swap"), else they are freed and the request is
+recomputed from its tokens later.
 
 With async scheduling the next step is scheduled while the last one runs: a request whose step
 in flight samples its next token runs ahead in the new step with that token as a placeholder
