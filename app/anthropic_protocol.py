@@ -106,7 +106,7 @@ class ThinkingConfig(_Body):
     budget_tokens: integer(ge=0) | None = None
 
 
-class _Conversation(_Body):
+class Conversation(_Body):
     model: str | None = None
     messages: list[MessageParam] = Field(min_length=1, max_length=4096)
     system: str | list[TextBlock] | None = None
@@ -120,7 +120,7 @@ class _Conversation(_Body):
         return "\n\n".join(b.text for b in self.system) or None
 
 
-class MessagesRequest(_Conversation):
+class MessagesRequest(Conversation):
     max_tokens: integer(ge=1)
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
                               Field(max_length=MAX_STOP)] | None = None
@@ -132,5 +132,5 @@ class MessagesRequest(_Conversation):
     priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0  # --scheduling-policy priority, as on the other routes
 
 
-class CountTokensRequest(_Conversation):
+class CountTokensRequest(Conversation):
     pass

@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pageserve.app.anthropic_protocol import CountTokensRequest, MessagesRequest, ToolChoice, _Conversation
+from pageserve.app.anthropic_protocol import Conversation, CountTokensRequest, MessagesRequest, ToolChoice
 from pageserve.app.chat import chat_prompt
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import cached_tokens, collect, sampling_params, sse_response, start
@@ -52,7 +52,7 @@ def _anthropic_route(handler):
 
 # ---- input ----
 
-def chat_messages(body: _Conversation) -> list[ChatMessage]:
+def chat_messages(body: Conversation) -> list[ChatMessage]:
     """Content blocks -> chat messages: an assistant turn's text, thinking and tool_use blocks make
     one assistant message (its tool calls, its reasoning_content); a user turn's tool_result
     blocks become tool messages, ahead of its text and images (a tool result's images among them)."""
@@ -98,7 +98,7 @@ def chat_messages(body: _Conversation) -> list[ChatMessage]:
         if any(p.type == "image_url" for p in parts):
             content = parts
         else:
-            content = "".join(p.text for p in parts) if parts or not calls else None
+            content = "\n".join(p.text for p in parts) if parts or not calls else None
         messages.append(ChatMessage(role=m.role, content=content, tool_calls=calls or None,
                                     reasoning_content="".join(thinking) or None))
     if not any(m.role != "system" for m in messages):
@@ -106,7 +106,7 @@ def chat_messages(body: _Conversation) -> list[ChatMessage]:
     return messages
 
 
-def _tools(state: ServerState, body: _Conversation, plan: bool = True):
+def _tools(state: ServerState, body: Conversation, plan: bool = True):
     """The tools as chat tools, and (with `plan`) the plan for their calls."""
     for i, t in enumerate(body.tools or ()):
         if t.type not in (None, "custom"):
@@ -128,7 +128,7 @@ def _tools(state: ServerState, body: _Conversation, plan: bool = True):
     return tools or None, plan
 
 
-async def _prompt(state: ServerState, body: _Conversation, plan: bool = True):
+async def _prompt(state: ServerState, body: Conversation, plan: bool = True):
     tools, tool_plan = _tools(state, body, plan)
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking is not None else None
     messages = chat_messages(body)
