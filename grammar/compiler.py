@@ -2,14 +2,15 @@
 
 The regex is built on the caller's thread (fast, and where a bad schema must fail: the HTTP
 handler turns that into a 400). The Index, the slow part (a DFA over the whole vocabulary;
-from milliseconds to seconds), is compiled off the event loop and the engine thread, in a
-child process with time and memory limits (grammar/worker.py), and kept in an LRU cache, so
-the same schema is compiled once; one that failed is not tried again. A request whose grammar
-is still compiling waits in the scheduler without holding up the others."""
+from milliseconds to seconds), is compiled off the event loop and the engine thread, in child
+processes with time and memory limits (grammar/worker.py), two at once, and kept in an LRU
+cache, so the same schema is compiled once; one that failed is not tried again. A request whose
+grammar is still compiling waits in the scheduler without holding up the others."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import threading
 import time
@@ -57,17 +58,21 @@ class _LRU(OrderedDict):
 
 class GrammarCompiler:
     def __init__(self, tokenizer, cache_size: int = 64, timeout: float = 60.0,
-                 memory_bytes: int = 4 << 30):
+                 memory_bytes: int = 4 << 30, workers: int = 2):
+        """`workers`: compiles that run at once, each in its own child process, so one grammar
+        that takes up to `timeout` to compile does not hold up every other request's."""
         self.tokenizer = tokenizer
         self.timeout, self.memory_bytes = timeout, memory_bytes
-        self._worker: CompileWorker | None = None
+        self._vocabulary: tuple | None = None  # (eos, tokens), read on the first compile
+        self._idle: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
+        self._workers: list[CompileWorker] = []  # every child started, for shutdown
         self.vocab_len = 0
         self._lock = threading.Lock()
         self._regexes = _LRU(256)  # spec key -> regex
         self._indexes = _LRU(cache_size)  # regex -> CompiledGrammar
         self._failed = _LRU(256)  # regex -> the error it gave (not compiled again)
         self._inflight: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         self._closed = False
 
     def regex(self, spec: StructuredOutputsParams) -> str:
@@ -102,14 +107,10 @@ class GrammarCompiler:
         try:
             if self._closed:
                 raise UnsupportedSchema("the server is shutting down")
-            if self._worker is None:
-                from pageserve.grammar.vocabulary import vocabulary_tokens
-
-                eos, tokens, self.vocab_len = vocabulary_tokens(self.tokenizer)
-                self._worker = CompileWorker(eos, tokens, self.timeout, self.memory_bytes)
+            worker = self._take_worker()
             t0 = time.perf_counter()
             try:
-                index = self._worker.compile(regex)
+                index = worker.compile(regex)
             except CompilerStopped as e:  # shutdown: nothing wrong with the grammar
                 logger.info("%s", e)
                 raise UnsupportedSchema(str(e)) from None
@@ -118,6 +119,8 @@ class GrammarCompiler:
                 with self._lock:
                     self._failed.put(regex, str(e))
                 raise UnsupportedSchema(str(e)) from None
+            finally:
+                self._idle.put(worker)
             seconds = time.perf_counter() - t0
             logger.info("compiled a grammar in %.2f s (%d regex chars)", seconds, len(regex))
             with self._lock:
@@ -127,12 +130,32 @@ class GrammarCompiler:
             with self._lock:
                 self._inflight.pop(regex, None)
 
+    def _take_worker(self) -> CompileWorker:
+        """An idle child, or a new one (no more are made than the pool has threads)."""
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._closed:
+                raise UnsupportedSchema("the server is shutting down")
+            if self._vocabulary is None:
+                from pageserve.grammar.vocabulary import vocabulary_tokens
+
+                eos, tokens, self.vocab_len = vocabulary_tokens(self.tokenizer)
+                self._vocabulary = eos, tokens
+            worker = CompileWorker(*self._vocabulary, self.timeout, self.memory_bytes)
+            self._workers.append(worker)
+        return worker
+
     def shutdown(self) -> None:
         """Stop compiling: queued compiles are dropped, the child process is ended."""
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._worker is not None:
-            self._worker.close()
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.close()
 
 
 _ANCHORS = re.compile(r"^(?:\^|\\A)|(?<!\\)(?:\$|\\z)$")

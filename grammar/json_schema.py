@@ -31,6 +31,9 @@ _SUPPORTED = {
 }
 _FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# outlines-core's compile time grows about 5x with each digit of a least magnitude (measured:
+# `minimum` 123456789.5 takes 1 s, 1234567890.5 4.6 s, 12345678901.5 24 s; a maximum costs little)
+MAX_LEAST_MAGNITUDE = 1e10
 MAX_SCHEMA_CHARS = 64_000  # a schema written as JSON
 # a schema's regex; outlines-core's grows with the square of an object's optional properties, so
 # a schema of a few KB could take minutes of the grammar worker (every request's grammar waits)
@@ -260,6 +263,11 @@ def _bound(node: dict, path: str) -> tuple[float, bool, float, bool]:
 
 def _number_regex(node: dict, integer: bool, path: str) -> str:
     lo, lo_excl, hi, hi_excl = _bound(node, path)
+    for low, keys in ((lo, "minimum"), (-hi, "maximum")):  # the least magnitude, of v >= 0 and of v < 0
+        if low >= MAX_LEAST_MAGNITUDE:
+            raise UnsupportedSchema(f"the {keys} at {path} asks for numbers of magnitude at least {low:g}; "
+                                    f"structured output enforces such a bound only below {MAX_LEAST_MAGNITUDE:g}: "
+                                    "leave it out and check the value after")
     parts = []
     if hi > 0 or (hi == 0 and not hi_excl):  # v >= 0: magnitudes in [max(lo, 0), hi]
         part = _magnitude(*((lo, lo_excl) if lo >= 0 else (0.0, False)), hi, hi_excl, integer)
@@ -321,19 +329,47 @@ def _with_fraction(whole: str, fractions: list[str], bare: bool) -> str:
     return f"({whole})({frac})?" if bare else f"({whole}){frac}"
 
 
+def _first_run(digits: str) -> tuple[int, int, str]:
+    """The first digit, how many times it repeats at the start, and the digits after."""
+    k = len(digits) - len(digits.lstrip(digits[0]))
+    return int(digits[0]), k, digits[k:]
+
+
+def _repeat(c: int, lo: int, hi: int | None = None) -> str:
+    """The digit c, lo to hi times (exactly lo when hi is None)."""
+    if hi is None or hi == lo:
+        return str(c) * lo if lo < 4 else f"{c}{{{lo}}}"
+    return f"{c}{{{lo},{hi}}}"
+
+
+# Each bound's fraction is taken a run of equal digits at a time, so the regex grows with the
+# runs, not the digits: 1.2e-301 has a run of 300 zeros (as prefixes, a 49 KB regex).
+
 def _frac_at_least(a: str, strict: bool) -> list[str]:
-    """Non-empty digit strings d with 0.d >= 0.a (> when strict)."""
-    out = [f"{a[:i]}[{int(a[i]) + 1}-9][0-9]*" for i in range(len(a)) if a[i] != "9"]
-    out.append(f"{a}[0-9]*[1-9][0-9]*" if strict else f"{a}[0-9]*" if a else "[0-9]+")
+    """Non-empty digit strings d with 0.d >= 0.a (> when strict); `a` has no trailing zeros."""
+    if not a:
+        return ["[0-9]*[1-9][0-9]*" if strict else "[0-9]+"]
+    c, k, rest = _first_run(a)
+    out = [f"{_repeat(c, 0, k - 1)}[{c + 1}-9][0-9]*"] if c < 9 else []  # a larger digit within the run
+    if rest:
+        out.append(f"{_repeat(c, k)}({'|'.join(_frac_at_least(rest, strict))})")
+    else:
+        out.append(f"{_repeat(c, k)}[0-9]*[1-9][0-9]*" if strict else f"{_repeat(c, k)}[0-9]*")
     return out
 
 
 def _frac_at_most(b: str, strict: bool) -> list[str]:
-    """Non-empty digit strings d with 0.d <= 0.b (< when strict)."""
-    out = [f"{b[:i]}[0-{int(b[i]) - 1}][0-9]*" for i in range(len(b)) if b[i] != "0"]
-    out += [f"{b[:j]}0*" for j in range(1, len(b))]  # a proper prefix of b, then zeros
-    if not strict:
-        out.append(f"{b}0*" if b else "0+")
+    """Non-empty digit strings d with 0.d <= 0.b (< when strict); `b` has no trailing zeros."""
+    if not b:
+        return [] if strict else ["0+"]
+    c, k, rest = _first_run(b)
+    out = [f"{_repeat(c, 0, k - 1)}[0-{c - 1}][0-9]*"] if c > 0 else []  # a smaller digit within the run
+    if k > 1:
+        out.append(_repeat(c, 1, k - 1))  # a part of the run, then the end
+    if rest:
+        out.append(f"{_repeat(c, k)}({'|'.join(_frac_at_most(rest, strict))})?")
+    elif not strict:
+        out.append(f"{_repeat(c, k)}0*")
     return out
 
 
@@ -341,12 +377,21 @@ def _frac_between(a: str, b: str, a_strict: bool, b_strict: bool) -> list[str]:
     """Non-empty digit strings d with 0.a <(=) 0.d <(=) 0.b, where 0.a <= 0.b."""
     if not a and not b:
         return [] if a_strict or b_strict else ["0+"]
-    a0, b0 = (int(a[0]) if a else 0), (int(b[0]) if b else 0)
-    a_rest, b_rest = a[1:], b[1:]
-    if a0 == b0:
+    # the digits both share, `a` read with the zeros after its end (0.a <= 0.b: `b` is not shorter)
+    same = next((i for i, (x, y) in enumerate(zip(a.ljust(len(b), "0"), b)) if x != y), len(b))
+    if same:  # every such d starts with those digits, or is `a` and some of those zeros
+        a_rest, b_rest = a[same:], b[same:]
         rest = _frac_between(a_rest, b_rest, a_strict, b_strict)
         empty_ok = not a_rest and not a_strict and (bool(b_rest) or not b_strict)
-        return [f"{a0}({'|'.join(rest)})" + ("?" if empty_ok else "")] if rest else ([str(a0)] if empty_ok else [])
+        written = _written(b[:same])
+        out = [f"{written}({'|'.join(rest)})" + ("?" if empty_ok else "")] if rest else \
+            ([written] if empty_ok else [])
+        fewest = 0 if a else 1  # d is `a`, then fewer zeros than the prefix has after it (d not empty)
+        if not a_strict and same - len(a) - 1 >= fewest:
+            out.append(_written(a) + _repeat(0, fewest, same - len(a) - 1))
+        return out
+    a0, b0 = (int(a[0]) if a else 0), (int(b[0]) if b else 0)
+    a_rest, b_rest = a[1:], b[1:]
     out = []
     if b0 - a0 > 1:
         out.append(f"[{a0 + 1}-{b0 - 1}][0-9]*")
@@ -360,6 +405,15 @@ def _frac_between(a: str, b: str, a_strict: bool, b_strict: bool) -> list[str]:
     elif empty_ok:
         out.append(str(b0))
     return out
+
+
+def _written(digits: str) -> str:
+    """Exactly `digits`, each run of a digit written once with its count."""
+    out = []
+    while digits:
+        c, k, digits = _first_run(digits)
+        out.append(_repeat(c, k))
+    return "".join(out)
 
 
 def _int_at_least(a: int) -> str:

@@ -3,18 +3,21 @@ bitmask, the tool-call parsers, and grammar-constrained requests in the engine (
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 import sys
 import time
 from concurrent.futures import Future
+from decimal import Decimal
 
 import jsonschema
 import numpy as np
 import pytest
 
 from pageserve.app.tool_parsers import tool_format
+from pageserve.grammar import json_schema
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
 from pageserve.grammar.matcher import Matcher
@@ -52,6 +55,36 @@ def test_numeric_bounds_are_exact(schema):
             assert bool(rx.fullmatch(t)) == valid.is_valid(json.loads(t)), t
 
 
+def test_fine_bounds_are_exact_and_grow_with_their_runs_of_digits(compiler):
+    """A bound's fraction is written a run of equal digits at a time: 1.2e-301 (a run of 300
+    zeros) is a regex of about 100 characters, not one of 49 KB, and bounds either side of a long
+    run are exact (checked against exact decimals on digit strings around each bound) and
+    compile (-1.2e-301 and [1e-300, 2e-300] failed to, nested 300 deep)."""
+    rng = random.Random(0)
+    fractions = ["", "1", "5", "05", "005", "1005", "125", "9", "99", "0099", "000012", "5001", "0009",
+                 "0" * 40 + "12"]
+    for a, b in itertools.product(fractions, repeat=2):
+        lo, hi = Decimal(f"0.{a or 0}"), Decimal(f"0.{b or 0}")
+        texts = {base[:rng.randint(0, len(base))] + "".join(rng.choices("0123456789", k=rng.randint(0, 3)))
+                 for base in (a, b) for _ in range(60)} | {a + "0", b + "00", "0", "1", "9"}
+        texts.discard("")
+        for lo_excl, hi_excl in itertools.product((False, True), repeat=2):
+            cases = [(json_schema._frac_at_least(a, lo_excl), lambda v: v > lo if lo_excl else v >= lo),
+                     (json_schema._frac_at_most(a, hi_excl), lambda v: v < lo if hi_excl else v <= lo)]
+            if lo <= hi:
+                cases.append((json_schema._frac_between(a, b, lo_excl, hi_excl),
+                              lambda v: (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)))
+            for alternatives, allowed in cases:
+                rx = re.compile("|".join(f"(?:{x})" for x in alternatives)) if alternatives else None
+                for t in texts:
+                    assert bool(rx and rx.fullmatch(t)) == allowed(Decimal(f"0.{t}")), (a, b, lo_excl, hi_excl, t)
+    tiny = schema_to_regex({"type": "number", "minimum": 1.2e-301})
+    assert len(tiny) < 200
+    assert re.fullmatch(tiny, "0." + "0" * 300 + "12") and not re.fullmatch(tiny, "0." + "0" * 300 + "11")
+    for schema in ({"type": "number", "minimum": -1.2e-301}, {"type": "number", "minimum": 1e-300, "maximum": 2e-300}):
+        compiler.submit(schema_to_regex(schema)).result(timeout=30)
+
+
 def test_bounds_with_enum_and_unused_defs():
     assert schema_to_regex({"type": "integer", "minimum": 1, "enum": [0, 1, 5, 999], "maximum": 10}) == "(1|5)"
     regex = schema_to_regex({"$defs": {"n": {"type": "integer", "minimum": 0}}, "type": "object",
@@ -83,6 +116,8 @@ def test_client_regexes(regex, result):
     ({"type": "string", "format": "hostname"}, "format 'hostname'"),
     ({"type": "string", "pattern": "(?=x)y"}, "look-around"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "leave no integer"),
+    ({"type": "integer", "minimum": 1.7e308}, "magnitude at least 1.7e+308"),
+    ({"type": "number", "maximum": -2e10}, "the maximum at # asks for numbers of magnitude at least 2e+10"),
     ("{not json", "not valid JSON"),
 ])
 def test_what_cannot_be_enforced_is_named(schema, words):
@@ -200,15 +235,20 @@ def test_lazy_tool_grammar_holds_a_started_call_to_the_schema(compiler):
 
 def test_a_grammar_that_compiles_too_long_is_stopped(tiny_model_dir):
     """An automaton that grows exponentially is cut off by the time limit (the child process
-    is killed), the failure is remembered, and the compiler goes on serving other grammars."""
+    is killed), the failure is remembered, and the compiler goes on serving other grammars,
+    also while that one compiles (in the second child)."""
     from transformers import AutoTokenizer
 
-    c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=2)
+    c = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), timeout=4)
     try:
-        with pytest.raises(UnsupportedSchema, match="longer than 2 s"):
-            c.submit("[ab]*a[ab]{40}").result(timeout=30)
+        slow = c.submit("[ab]*a[ab]{40}")
+        t = time.perf_counter()
+        assert c.submit("(one|two)").result(timeout=30) is not None
+        assert not slow.done(), f"the other grammar waited {time.perf_counter() - t:.1f} s"
+        with pytest.raises(UnsupportedSchema, match="longer than 4 s"):
+            slow.result(timeout=30)
         assert c.submit("(yes|no)").result(timeout=30) is not None
-        with pytest.raises(UnsupportedSchema, match="longer than 2 s"):
+        with pytest.raises(UnsupportedSchema, match="longer than 4 s"):
             c.submit("[ab]*a[ab]{40}").result(timeout=0.1)  # known, not compiled again
     finally:
         c.shutdown()
@@ -221,7 +261,7 @@ def test_the_compiler_process_runs_below_the_server(compiler):
     from pageserve.grammar import worker
 
     compiler.submit("(low|priority)").result(timeout=60)
-    child = compiler._worker._proc
+    child = compiler._workers[0]._proc
     assert child.poll() is None
     assert os.getpriority(os.PRIO_PROCESS, child.pid) == os.getpriority(os.PRIO_PROCESS, 0) + worker.NICE
 
@@ -382,8 +422,6 @@ def test_a_schema_whose_regex_would_be_huge_is_refused_before_it_is_built(monkey
     """Optional properties grow outlines-core's regex as their square: 60 untyped ones are under
     1 KB of JSON and tens of MB of regex. Refused from an estimate, never built; 300 optional
     strings are built and refused by their regex's length; all required, they are fine."""
-    from pageserve.grammar import json_schema
-
     built = []
     real = json_schema.build_regex_from_schema
     monkeypatch.setattr(json_schema, "build_regex_from_schema", lambda *a: built.append(a) or real(*a))
@@ -420,8 +458,6 @@ def test_the_size_estimate_is_linear_and_counts_what_outlines_writes_out(monkeyp
     every link (outlines-core writes a $ref out in place). The estimate sizes each definition
     once, so it answers in a few hundred steps, and the schema is refused unbuilt. An array of
     any items costs what any value costs, so 120 of them are refused unbuilt too."""
-    from pageserve.grammar import json_schema
-
     steps, built = [], []
     size_bound = json_schema._size_bound
     monkeypatch.setattr(json_schema, "_size_bound", lambda *a: steps.append(1) or size_bound(*a))
