@@ -29,7 +29,7 @@ async def embeddings(request: Request) -> Response:
     engine = state.engine
     base = request_id("embd", request)
     suffix = uuid.uuid4().hex[:8]
-    stream = engine.new_stream(len(inputs))
+    stream = engine.new_stream(len(inputs), "input")
     try:
         index = {}
         for i, ids in enumerate(inputs):

@@ -87,7 +87,7 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
                           "prompt_logprobs")
     engine = state.engine
     lora = state.adapters.get(model)
-    stream = engine.new_stream(len(prompts))
+    stream = engine.new_stream(len(prompts), param)
     index: dict[str, int] = {}
     suffix = uuid.uuid4().hex[:8]
     try:

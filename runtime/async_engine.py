@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from pageserve.runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from pageserve.runtime.engine_args import EngineArgs
-from pageserve.runtime.input_processor import ProcessedRequest
+from pageserve.runtime.input_processor import InvalidRequest, ProcessedRequest
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request_stream import RequestStream
@@ -200,19 +200,22 @@ class AsyncEngine:
         """Compile a grammar ahead of the first request that needs it (in the grammar worker)."""
         return self.engine.grammar.submit(regex)
 
-    def _check_accepting(self, num_requests: int) -> None:
+    def _check_accepting(self, num_requests: int, param: str) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self._closed or self._draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
+        if num_requests > self.max_num_queued_reqs:  # never fits: a retry cannot help
+            raise InvalidRequest(f"the request has {num_requests} prompts and the server queues at most "
+                                 f"{self.max_num_queued_reqs} (--max-num-queued-reqs): send fewer at once", param)
         if self.num_queued + num_requests > self.max_num_queued_reqs:
             raise QueueFullError(f"the server has {self.num_queued} requests waiting and its limit "
                                  f"is {self.max_num_queued_reqs} (--max-num-queued-reqs); retry later")
 
-    def new_stream(self, num_requests: int = 1) -> RequestStream:
+    def new_stream(self, num_requests: int = 1, param: str = "prompt") -> RequestStream:
         """A stream for `num_requests` engine requests, refused when they would not fit in the
-        queue."""
-        self._check_accepting(num_requests)
+        queue (InvalidRequest naming `param`, the prompts, when they never would)."""
+        self._check_accepting(num_requests, param)
         return RequestStream(self)
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],

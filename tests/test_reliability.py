@@ -188,6 +188,20 @@ def test_five_times_the_kv_capacity_at_once(small_server):
     _assert_settled(srv, tasks_before)
 
 
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(small_server):
+    """A request that alone is over --max-num-queued-reqs could never be taken: a 400 naming its
+    prompts (a 503 told the client to retry forever); the queue's limit itself is taken."""
+    srv = small_server
+    limit = srv.state.engine.max_num_queued_reqs
+    for path, key in (("/v1/completions", "prompt"), ("/v1/embeddings", "input")):
+        body = {"model": srv.model, key: ["hi"] * (limit + 1), "max_tokens": 1}
+        r = httpx.post(f"{srv.url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == key, r.text
+        assert "--max-num-queued-reqs" in r.json()["error"]["message"]
+        body[key] = body[key][:limit]
+        assert httpx.post(f"{srv.url}{path}", json=body, timeout=60).status_code == 200
+
+
 def test_graceful_shutdown(tiny_model_dir):
     """Once shutdown starts: no new connections; a request that ends within --shutdown-timeout
     ends normally; the rest get an error (an error event then [DONE], or a 503); every block is
