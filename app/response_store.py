@@ -171,12 +171,28 @@ class ResponseStore:
             del self._shares[owner]
         return True
 
-    def find_item(self, owner: str, item_id: str) -> dict | None:
-        """An item (input or output) of one of `owner`'s stored responses, for an
-        `item_reference`; from the response stored last when several hold it."""
+    def holder(self, owner: str, item_id: str) -> StoredResponse | None:
+        """The stored response of `owner`'s, the one stored last, that holds an item (input or
+        output) with this id, for an `item_reference`. Its items are read with find_items."""
         share = self._shares.get(owner)
         holders = share.items.get(item_id) if share else None
-        if not holders:
-            return None
-        stored = share.responses[holders[-1]]
-        return next(item for item in stored.own_items if item["id"] == item_id)
+        return share.responses[holders[-1]] if holders else None
+
+    def find_item(self, owner: str, item_id: str) -> dict | None:
+        stored = self.holder(owner, item_id)
+        return find_items([(stored, item_id)])[0] if stored is not None else None
+
+
+def find_items(references: list[tuple[StoredResponse, str]]) -> list[dict]:
+    """The items named by (holder, item id) pairs; each holder's items read once (one may hold
+    megabytes: the caller runs this off the event loop)."""
+    read: dict[int, dict[str, dict]] = {}
+    out = []
+    for stored, item_id in references:
+        items = read.get(id(stored))
+        if items is None:
+            items = read[id(stored)] = {}
+            for item in stored.own_items:
+                items.setdefault(item["id"], item)  # the first, where an item comes twice
+        out.append(items[item_id])
+    return out

@@ -17,12 +17,13 @@ from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import (cached_tokens, collect, error_event, failure, sampling_params,
                                       sse_response, start)
 from pageserve.app.http import api_route, json_response, owner, read_json, until_disconnected
+from pageserve.app.json_out import dumps
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
                                     NamedToolChoice, ResponsesRequest, ToolCall)
 from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.response_output import ResponseOutput, item_id
-from pageserve.app.response_store import ChainTooLong, StoredResponse, check_chain
+from pageserve.app.response_store import ChainTooLong, StoredResponse, check_chain, find_items
 from pageserve.app.state import ServerState
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 from pageserve.grammar.matcher import reasoning_end_position
@@ -33,19 +34,22 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # ---- input ----
 
-def _input_items(state: ServerState, who: str, body: ResponsesRequest) -> list[dict]:
+async def _input_items(state: ServerState, who: str, body: ResponsesRequest) -> list[dict]:
     """The request's input as item dicts, each with an id; item references resolved among the
-    caller's own stored responses."""
+    caller's own stored responses (read off the event loop)."""
     if isinstance(body.input, str):
         return [{"id": item_id("msg"), "type": "message", "role": "user",
                  "content": [{"type": "input_text", "text": body.input}]}]
-    items = []
+    items: list = []
+    places, references = [], []
     for i, item in enumerate(body.input):
         if item.type == "item_reference":
-            found = state.responses.find_item(who, item.id)
-            if found is None:
+            holder = state.responses.holder(who, item.id)
+            if holder is None:
                 raise bad_request(f"item_reference {item.id!r} names no item of a stored response", f"input.{i}.id")
-            items.append(found)
+            places.append(len(items))
+            references.append((holder, item.id))
+            items.append(None)
             continue
         d = item.model_dump(exclude_none=True)
         if isinstance(d.get("content"), str):
@@ -54,6 +58,9 @@ def _input_items(state: ServerState, who: str, body: ResponsesRequest) -> list[d
         d.pop("encrypted_content", None)  # never rendered: not worth its room in the store
         d.setdefault("id", item_id({"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(item.type, "item")))
         items.append(d)
+    if references:
+        for place, found in zip(places, await asyncio.to_thread(find_items, references)):
+            items[place] = found
     return items
 
 
@@ -144,7 +151,7 @@ async def create_response(request: Request) -> Response:
     previous = None
     if body.previous_response_id is not None:
         previous = _stored(state, who, body.previous_response_id)
-    items = _input_items(state, who, body)
+    items = await _input_items(state, who, body)
     if previous is None:
         messages = chat_messages(body.instructions, items)
     else:
@@ -361,9 +368,28 @@ async def delete_response(request: Request) -> Response:
 
 @api_route
 async def list_input_items(request: Request) -> Response:
+    """A page of a stored response's input items, as OpenAI's: `order` (desc by default),
+    `limit` (1 to 100, 20 by default) and `after` (an item id)."""
     stored = _stored(request.app.state.server, owner(request), request.path_params["response_id"])
-    data = stored.input_items
-    if request.query_params.get("order", "desc") == "desc":
-        data.reverse()
-    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                          "last_id": data[-1]["id"] if data else None, "has_more": False})
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be asc or desc", "order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", "limit")
+    after = query.get("after")
+
+    def page() -> bytes:  # a stored list may be megabytes of JSON: read off the event loop
+        data = stored.input_items
+        if order == "desc":
+            data.reverse()
+        start = 0
+        if after is not None:
+            start = next((i + 1 for i, item in enumerate(data) if item["id"] == after), None)
+            if start is None:
+                raise bad_request(f"after {after!r} is not an input item of this response", "after")
+        data, more = data[start:start + int(limit)], start + int(limit) < len(data)
+        return dumps({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                      "last_id": data[-1]["id"] if data else None, "has_more": more})
+    return Response(await asyncio.to_thread(page), media_type="application/json")
