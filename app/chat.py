@@ -13,7 +13,7 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.http import api_route, many_logprobs, read_json, reply, until_disconnected
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
 from pageserve.app.reasoning import ReasoningStream
@@ -138,24 +138,26 @@ async def chat_completions(request: Request) -> Response:
     finally:
         stream.abort()
     out = next(iter(outs.values()))
-    choices = []
-    for c in out.outputs:
-        message = {"role": "assistant"}
-        text = c.text
-        if thinking is not None:  # vLLM's field and its newer name
-            reasoning, text = thinking.extract(c.text, prompt_text)
-            message.update(reasoning_content=reasoning, reasoning=reasoning)
-        content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
-        message.update(content=content, tool_calls=calls)
-        choices.append({
-            "index": c.index, "message": message,
-            "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
-            "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-            "stop_reason": c.stop_reason})
-    return json_response({
-        "object": "chat.completion", **head, "choices": choices,
-        "usage": usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs), cached_tokens(out)),
-    })
+    num_generated = sum(len(c.token_ids) for c in out.outputs)
+
+    def build() -> dict:
+        choices = []
+        for c in out.outputs:
+            message = {"role": "assistant"}
+            text = c.text
+            if thinking is not None:  # vLLM's field and its newer name
+                reasoning, text = thinking.extract(c.text, prompt_text)
+                message.update(reasoning_content=reasoning, reasoning=reasoning)
+            content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
+            message.update(content=content, tool_calls=calls)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
+                "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+                "stop_reason": c.stop_reason})
+        return {"object": "chat.completion", **head, "choices": choices,
+                "usage": usage(len(prompt_ids), num_generated, cached_tokens(out))}
+    return await reply(build, many_logprobs(num_generated, params.logprobs))
 
 
 async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int,

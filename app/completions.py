@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from starlette.requests import Request
@@ -11,15 +10,11 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, json_response, read_json, until_disconnected
-from pageserve.app.json_out import dumps
+from pageserve.app.http import api_route, many_logprobs, read_json, reply, until_disconnected
 from pageserve.app.logprobs import completion_logprobs
 from pageserve.app.protocol import CompletionRequest
 from pageserve.app.state import ServerState
 from pageserve.app.structured import structured_outputs
-
-# prompt tokens with logprobs past which a whole reply is built in a worker thread
-LARGE_REPLY_TOKENS = 2048
 
 
 def split_prompts(prompt) -> list[str | list[int]]:
@@ -31,7 +26,8 @@ def split_prompts(prompt) -> list[str | list[int]]:
 
 async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
     """Texts tokenized; token ids as they are (the engine checks them as it takes them)."""
-    return [await state.tokenize(p) if isinstance(p, str) else p for p in prompts]
+    texts = iter(await state.tokenize_all([p for p in prompts if isinstance(p, str)]))
+    return [next(texts) if isinstance(p, str) else p for p in prompts]
 
 
 @api_route
@@ -64,7 +60,7 @@ async def completions(request: Request) -> Response:
     finally:
         stream.abort()
 
-    def reply() -> dict:
+    def build() -> dict:
         choices, num_generated = [], 0
         for r in index:
             for c in outs[r].outputs:
@@ -73,9 +69,9 @@ async def completions(request: Request) -> Response:
         choices.sort(key=lambda c: c["index"])
         return {**head, "choices": choices,
                 "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
-    if echo_logprobs is not None and num_prompt > LARGE_REPLY_TOKENS:  # a long list of dicts: off the loop
-        return Response(await asyncio.to_thread(lambda: dumps(reply())), media_type="application/json")
-    return json_response(reply())
+    num_generated = sum(len(c.token_ids) for r in index for c in outs[r].outputs)
+    large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, echo_logprobs)
+    return await reply(build, large)
 
 
 class _Job:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from pageserve.app.completions import prompt_token_ids, split_prompts
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import collect, request_id
-from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.http import LARGE_REPLY_FLOATS, api_route, read_json, reply, until_disconnected
 from pageserve.app.protocol import EmbeddingRequest
 from pageserve.app.state import ServerState
 
@@ -39,12 +39,15 @@ async def embeddings(request: Request) -> Response:
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()
-    data = []
-    for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
-        vector = outs[rid].embedding
-        if body.encoding_format == "base64":
-            vector = base64.b64encode(array("f", vector).tobytes()).decode()  # little-endian float32
-        data.append({"object": "embedding", "index": i, "embedding": vector})
-    num_tokens = sum(len(ids) for ids in inputs)
-    return json_response({"object": "list", "data": data, "model": model,
-                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+    def build() -> dict:
+        data = []
+        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
+            vector = outs[rid].embedding
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(array("f", vector).tobytes()).decode()  # little-endian float32
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        num_tokens = sum(len(ids) for ids in inputs)
+        return {"object": "list", "data": data, "model": model,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+    return await reply(build, sum(len(out.embedding) for out in outs.values()) >= LARGE_REPLY_FLOATS)

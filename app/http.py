@@ -44,6 +44,26 @@ def json_response(content, status: int = 200, headers: dict[str, str] | None = N
                     headers=headers)
 
 
+# what makes a reply large enough to be built in a worker thread: logprob entries (a token, or
+# one of its alternatives) take about 4 us each to build and write (a chat reply of 1.3 million
+# held the event loop 5.8 s); embedding values about 30 ns (2,048 of 576 took 60 ms)
+LARGE_REPLY_ENTRIES = 10_000
+LARGE_REPLY_FLOATS = 1_000_000
+
+
+def many_logprobs(num_tokens: int, top: int | None) -> bool:
+    """Whether `num_tokens` tokens' logprobs with `top` alternatives each (None: no logprobs)
+    make a large reply."""
+    return top is not None and num_tokens * (1 + top) >= LARGE_REPLY_ENTRIES
+
+
+async def reply(build: Callable[[], dict], large: bool) -> Response:
+    """The dict `build` makes, as JSON; made off the event loop when `large`."""
+    if large:
+        return Response(await asyncio.to_thread(lambda: dumps(build())), media_type="application/json")
+    return json_response(build())
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:

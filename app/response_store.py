@@ -16,6 +16,7 @@ owner's."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -131,52 +132,60 @@ class ResponseStore:
             raise ValueError("the stored responses' bounds must be >= 0")
         self.max_responses, self.max_bytes = max_responses, max_bytes
         self._shares: dict[str, _Share] = {}
+        # a reply built in a worker thread (a large one) stores itself from there
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return sum(len(s.responses) for s in self._shares.values())
+        with self._lock:
+            return sum(len(s.responses) for s in self._shares.values())
 
     @property
     def bytes(self) -> int:
-        return sum(s.bytes for s in self._shares.values())
+        with self._lock:
+            return sum(s.bytes for s in self._shares.values())
 
     def put(self, owner: str, response_id: str, stored: StoredResponse) -> bool:
         """Keep `stored` in `owner`'s share, evicting that share's least recently used; False
         when it alone is over a bound."""
         if self.max_responses == 0 or stored.size > self.max_bytes:
             return False
-        share = self._shares.setdefault(owner, _Share())
-        share.delete(response_id)
-        share.responses[response_id] = stored
-        share.bytes += stored.size
-        for item_id in stored.item_ids:
-            holders = share.items.setdefault(item_id, [])
-            if response_id not in holders:  # an item may come twice in one response
-                holders.append(response_id)
-        while len(share.responses) > self.max_responses or share.bytes > self.max_bytes:
-            share.delete(next(iter(share.responses)))
+        with self._lock:
+            share = self._shares.setdefault(owner, _Share())
+            share.delete(response_id)
+            share.responses[response_id] = stored
+            share.bytes += stored.size
+            for item_id in stored.item_ids:
+                holders = share.items.setdefault(item_id, [])
+                if response_id not in holders:  # an item may come twice in one response
+                    holders.append(response_id)
+            while len(share.responses) > self.max_responses or share.bytes > self.max_bytes:
+                share.delete(next(iter(share.responses)))
         return True
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        share = self._shares.get(owner)
-        stored = share.responses.get(response_id) if share else None
-        if stored is not None:
-            share.responses.move_to_end(response_id)
-        return stored
+        with self._lock:
+            share = self._shares.get(owner)
+            stored = share.responses.get(response_id) if share else None
+            if stored is not None:
+                share.responses.move_to_end(response_id)
+            return stored
 
     def delete(self, owner: str, response_id: str) -> bool:
-        share = self._shares.get(owner)
-        if share is None or not share.delete(response_id):
-            return False
-        if not share.responses:
-            del self._shares[owner]
-        return True
+        with self._lock:
+            share = self._shares.get(owner)
+            if share is None or not share.delete(response_id):
+                return False
+            if not share.responses:
+                del self._shares[owner]
+            return True
 
     def holder(self, owner: str, item_id: str) -> StoredResponse | None:
         """The stored response of `owner`'s, the one stored last, that holds an item (input or
         output) with this id, for an `item_reference`. Its items are read with find_items."""
-        share = self._shares.get(owner)
-        holders = share.items.get(item_id) if share else None
-        return share.responses[holders[-1]] if holders else None
+        with self._lock:
+            share = self._shares.get(owner)
+            holders = share.items.get(item_id) if share else None
+            return share.responses[holders[-1]] if holders else None
 
     def find_item(self, owner: str, item_id: str) -> dict | None:
         stored = self.holder(owner, item_id)

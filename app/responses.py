@@ -16,7 +16,7 @@ from pageserve.app.chat import chat_prompt
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import (cached_tokens, collect, error_event, failure, sampling_params,
                                       sse_response, start)
-from pageserve.app.http import api_route, json_response, owner, read_json, until_disconnected
+from pageserve.app.http import api_route, json_response, many_logprobs, owner, read_json, reply, until_disconnected
 from pageserve.app.json_out import dumps
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
@@ -191,8 +191,11 @@ async def create_response(request: Request) -> Response:
     finally:
         stream.abort()
     out = next(iter(outs.values()))
-    answer.feed(out)
-    return json_response(answer.finish(out.outputs[0].finish_reason))
+
+    def build() -> dict:
+        answer.feed(out)
+        return answer.finish(out.outputs[0].finish_reason)
+    return await reply(build, many_logprobs(len(out.outputs[0].token_ids), params.logprobs))
 
 
 class _Answer:

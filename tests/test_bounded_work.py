@@ -1,7 +1,8 @@
 """What one request may cost the others: a body of millions of token ids is refused without
 holding the event loop (the real server, /health timed throughout), a prompt's length is checked
 before its ids, a conversation is measured by all its text when choosing where to render it,
-and prompt logprobs are bounded per request."""
+large replies and many texts are made off the event loop, and prompt logprobs are bounded per
+request."""
 
 from __future__ import annotations
 
@@ -91,6 +92,59 @@ def test_every_text_of_a_conversation_counts_where_it_renders():
         assert _text_size(ChatCompletionRequest.model_validate(body)) > LONG_TEXT, body
     small = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert _text_size(small) < 100
+
+
+def _on_event_loop() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.server
+def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, monkeypatch):
+    """A chat reply of n=128 with 20 logprobs over 490 tokens held the event loop 5.8 s, and
+    2,048 short embeddings inputs, tokenized one by one on it, up to 3.4 s. Replies with many
+    logprob entries (or embedding values) are written in a worker thread, as are many texts that
+    are long together; small ones stay on the loop (the thread hop would cost them more)."""
+    from pageserve.app import embeddings, http
+
+    srv, written, tokenized = tiny_server, [], []
+    dumps = http.dumps
+    monkeypatch.setattr(http, "dumps", lambda value: written.append(_on_event_loop()) or dumps(value))
+    tokenize = srv.state.engine.tokenize
+    monkeypatch.setattr(srv.state.engine, "tokenize", lambda *a: tokenized.append(_on_event_loop()) or tokenize(*a))
+    chat = {"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True}
+    big = {"n": 16, "logprobs": True, "top_logprobs": 20}  # 16 x 40 x 21 = 13,440 entries
+    for path, body, off in (("/v1/chat/completions", {**chat, **big}, True),
+                            ("/v1/chat/completions", {**chat, "max_tokens": 4, "logprobs": True}, False),
+                            ("/v1/completions", {"model": srv.model, "prompt": "hi", "max_tokens": 40, "n": 16,
+                                                 "ignore_eos": True, "logprobs": 20}, True),
+                            ("/v1/responses", {"model": srv.model, "input": "hi", "max_output_tokens": 40,
+                                               "top_logprobs": 20}, False)):
+        written.clear()
+        r = httpx.post(f"{srv.url}{path}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert written == [not off], (path, written)
+    monkeypatch.setattr(http, "LARGE_REPLY_ENTRIES", 10)  # a response (n is 1) stores itself from the thread
+    written.clear()
+    r = httpx.post(f"{srv.url}/v1/responses", json={"model": srv.model, "input": "hi", "max_output_tokens": 8,
+                                                     "top_logprobs": 20}, timeout=60)
+    assert r.status_code == 200 and written == [False]
+    assert httpx.get(f"{srv.url}/v1/responses/{r.json()['id']}").json() == r.json()
+    for inputs, off in ((["a few words"] * 600, True), (["a few words"] * 3, False)):
+        tokenized.clear()
+        r = httpx.post(f"{srv.url}/v1/embeddings", json={"model": srv.model, "input": inputs}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["data"]) == len(inputs), r.text
+        assert tokenized == [not off] * len(inputs)
+    monkeypatch.setattr(embeddings, "LARGE_REPLY_FLOATS", 100)
+    written.clear()
+    assert httpx.post(f"{srv.url}/v1/embeddings", json={"model": srv.model, "input": ["a", "b"]}).status_code == 200
+    assert written == [False]
+    srv.wait_idle()
 
 
 @pytest.mark.server

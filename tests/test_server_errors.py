@@ -217,9 +217,11 @@ def test_queue_full_is_503_with_retry_after(guarded):
         refused = client.post(f"{guarded.url}/v1/completions", json={**body, "stream": False})
         err = _assert_envelope(refused, 503)
         assert refused.headers["retry-after"] == "1" and err["code"] == "server_overloaded"
-        # the whole batch of prompts counts against the limit too
-        many = client.post(f"{guarded.url}/v1/completions", json={**body, "prompt": [[5]] * 3})
+        # the whole batch of prompts counts against the limit too; one over it alone never fits
+        many = client.post(f"{guarded.url}/v1/completions", json={**body, "prompt": [[5]] * 2})
         _assert_envelope(many, 503)
+        too_many = client.post(f"{guarded.url}/v1/completions", json={**body, "prompt": [[5]] * 3})
+        assert _assert_envelope(too_many, 400)["param"] == "prompt"
     # the streams were closed: once the server has noticed (their requests are aborted within
     # a step of that), it serves again
     deadline = time.monotonic() + 10
