@@ -60,8 +60,17 @@ def many_logprobs(num_tokens: int, top: int | None) -> bool:
 async def reply(build: Callable[[], dict], large: bool) -> Response:
     """The dict `build` makes, as JSON; made off the event loop when `large`."""
     if large:
-        return Response(await asyncio.to_thread(lambda: dumps(build())), media_type="application/json")
+        return Response(await asyncio.to_thread(lambda: _dumps_in_pieces(build())), media_type="application/json")
     return json_response(build())
+
+
+def _dumps_in_pieces(value: dict) -> bytes:
+    """`value` as JSON, its lists (choices, data, output) an item at a time: one orjson call
+    holds the GIL throughout, and an 81 MB reply written at once held the event loop 0.66 s."""
+    parts = []
+    for key, v in value.items():
+        parts.append(dumps(key) + b":" + (b"[" + b",".join(map(dumps, v)) + b"]" if isinstance(v, list) else dumps(v)))
+    return b"{" + b",".join(parts) + b"}"
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

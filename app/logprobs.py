@@ -10,6 +10,7 @@ class TokenText:
 
     def __init__(self, table: list[bytes]):
         self.table = table
+        self._chat: dict[int, tuple[str, list[int]]] = {}  # the tokens seen: their text and bytes
 
     def bytes(self, token_id: int) -> bytes:
         return self.table[token_id] if 0 <= token_id < len(self.table) else b""
@@ -17,10 +18,19 @@ class TokenText:
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="replace")
 
+    def chat(self, token_id: int) -> tuple[str, list[int]]:
+        """The text and the byte list of a chat logprob entry, made once per token: a reply of
+        128 choices with 20 alternatives has 1.3 million entries of a few thousand tokens."""
+        found = self._chat.get(token_id)
+        if found is None:
+            found = self._chat[token_id] = (self.text(token_id), list(self.bytes(token_id)))
+        return found
+
 
 def chat_logprobs(entries, tt: TokenText) -> dict:
     def item(token_id, logprob):
-        return {"token": tt.text(token_id), "logprob": logprob, "bytes": list(tt.bytes(token_id))}
+        text, raw = tt.chat(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
     return {"content": [{**item(e.token_id, e.logprob),
                          "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 

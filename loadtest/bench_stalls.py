@@ -1,0 +1,106 @@
+"""What one heavy but valid request costs everyone else: each case runs against a real server
+while a second client asks /health every 10 ms, and prints how long /health waited at most (a
+stalled event loop answers nothing) and how long the request took.
+
+    python -m pageserve.loadtest.bench_stalls [--model DIR] [--output-json PATH]
+
+Without --model it builds the tiny random-weight model the tests use. The last case times a
+small `guided_choice` request while another client's grammar takes long to compile."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from pageserve.loadtest.common import save_json, start_server
+
+SLOW_REGEX = "[ab]*a[ab]{40}"  # an automaton that grows exponentially: compiles until its time limit
+
+
+def _health_waits(url: str, stop: threading.Event, waits: list[float]) -> None:
+    with httpx.Client(timeout=120) as client:
+        while not stop.is_set():
+            t = time.perf_counter()
+            client.get(f"{url}/health")
+            waits.append(time.perf_counter() - t)
+            time.sleep(0.01)
+
+
+def _timed(url: str, path: str, body: dict) -> dict:
+    """The request's status and seconds, and /health's waits meanwhile."""
+    stop, waits = threading.Event(), []
+    poller = threading.Thread(target=_health_waits, args=(url, stop, waits))
+    poller.start()
+    time.sleep(0.05)
+    t = time.perf_counter()
+    r = httpx.post(f"{url}{path}", json=body, timeout=600)
+    seconds = time.perf_counter() - t
+    stop.set()
+    poller.join()
+    waits.sort()
+    return {"status": r.status_code, "request_s": round(seconds, 2), "health_max_s": round(waits[-1], 3),
+            "health_p50_s": round(waits[len(waits) // 2], 3), "health_samples": len(waits)}
+
+
+def cases(url: str, model: str) -> dict[str, dict]:
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 490,
+            "ignore_eos": True}
+    out = {
+        "chat n=128, 20 logprobs, 490 tokens": _timed(url, "/v1/chat/completions", {
+            **chat, "n": 128, "logprobs": True, "top_logprobs": 20}),
+        "completions n=128, 20 logprobs, 490 tokens": _timed(url, "/v1/completions", {
+            "model": model, "prompt": "hi", "max_tokens": 490, "ignore_eos": True, "n": 128, "logprobs": 20}),
+        "embeddings, 1,000 short inputs": _timed(url, "/v1/embeddings", {
+            "model": model, "input": [f"a short text, number {i}" for i in range(1000)]}),
+    }
+    # a stored response of 20 MB (reasoning items the template does not render), then 1,000
+    # references to its one message
+    thoughts = [{"type": "reasoning", "summary": [{"type": "summary_text", "text": f"thought {i} " * 10_000}]}
+                for i in range(200)]
+    stored = httpx.post(f"{url}/v1/responses", timeout=120, json={
+        "model": model, "input": [*thoughts, {"role": "user", "content": "x"}], "max_output_tokens": 1}).json()
+    message = httpx.get(f"{url}/v1/responses/{stored['id']}/input_items", params={"limit": 1}).json()["data"][0]
+    refs = [{"type": "item_reference", "id": message["id"]}] * 1000
+    out["responses, 1,000 item references"] = _timed(url, "/v1/responses", {
+        "model": model, "input": refs, "max_output_tokens": 1, "store": False})
+    # a grammar that compiles until its limit, then a small guided_choice beside it
+    slow = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", timeout=600, json={
+        "model": model, "prompt": "a", "max_tokens": 1, "guided_regex": SLOW_REGEX}))
+    slow.start()
+    time.sleep(1.0)
+    out["guided_choice beside a slow grammar"] = _timed(url, "/v1/completions", {
+        "model": model, "prompt": "yes or no?", "max_tokens": 3, "guided_choice": ["yes", "no"]})
+    slow.join()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model directory (default: the tiny test model)")
+    parser.add_argument("--output-json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    model = args.model
+    if model is None:
+        from pageserve.loadtest.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="stalls-"))))
+    proc, url = start_server(["--model", model, "--dtype", "float32", "--max-model-len", "1024",
+                              "--kv-cache-memory", "0.5", "--served-model-name", "m"])
+    try:
+        results = cases(url, "m")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(f"{'case':45s} {'status':>6s} {'request s':>9s} {'/health max s':>13s} {'p50 s':>6s}")
+    for name, r in results.items():
+        print(f"{name:45s} {r['status']:6d} {r['request_s']:9.2f} {r['health_max_s']:13.3f} {r['health_p50_s']:6.3f}")
+    return save_json({"cases": results}, args.output_json)
+
+
+if __name__ == "__main__":
+    main()
