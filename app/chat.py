@@ -122,9 +122,15 @@ async def chat_completions(request: Request) -> Response:
     thinking = state.reasoning
     if thinking is not None:
         grammar = thinking.after_reasoning(grammar, prompt_text)
+    budget = None
+    if body.thinking_token_budget is not None:
+        if thinking is None:
+            raise bad_request("thinking_token_budget bounds a reasoning model's thinking: the server has no "
+                              "--reasoning-parser", "thinking_token_budget")
+        budget = thinking.budget(body.thinking_token_budget, prompt_text)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                             structured=grammar, defaults=state.sampling_defaults)
+                             structured=grammar, defaults=state.sampling_defaults, thinking=budget)
     rid = request_id("chatcmpl", request)
     stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model, body.priority)
     created = int(time.time())

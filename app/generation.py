@@ -19,7 +19,7 @@ from pageserve.app.state import ServerState
 from pageserve.runtime.async_engine import RequestFailedError
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request_stream import RequestStream
-from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, ThinkingBudget
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ def request_id(prefix: str, request: Request) -> str:
 def sampling_params(body, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None,
                     structured: StructuredOutputsParams | None = None,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, thinking: ThinkingBudget | None = None) -> SamplingParams:
     """`body`: a chat, completions or responses request (a field a body lacks takes
     SamplingParams' default). `defaults`: the model's (generation_config.json) for the fields a
-    request leaves unset."""
+    request leaves unset. `thinking`: the reasoning parser's budget for the request's thinking."""
     given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     d = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     field = functools.partial(getattr, body)
@@ -65,6 +65,7 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
             seed=body.seed,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured,
+            thinking_budget=thinking,
         )
     except ValueError as e:
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None

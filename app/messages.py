@@ -158,12 +158,16 @@ async def create_message(request: Request) -> Response:
     grammar = plan.grammar if plan is not None else None
     tool_parser = plan.format if plan is not None and plan.parse else None
     thinking = state.reasoning
+    budget = None
     if thinking is not None:
         grammar = thinking.after_reasoning(grammar, prompt_text)
+        if body.thinking is not None and body.thinking.type == "enabled" and body.thinking.budget_tokens is not None:
+            budget = thinking.budget(body.thinking.budget_tokens, prompt_text)
     view = SimpleNamespace(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=None,
                            repetition_penalty=None, presence_penalty=0.0, frequency_penalty=0.0,
                            stop=body.stop_sequences, ignore_eos=False, seed=None, stream=body.stream)
-    params = sampling_params(view, body.max_tokens, None, structured=grammar, defaults=state.sampling_defaults)
+    params = sampling_params(view, body.max_tokens, None, structured=grammar, defaults=state.sampling_defaults,
+                             thinking=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     stream, _ = start(state, rid, [prompt_ids], params, None, "messages", images, model, body.priority)
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}

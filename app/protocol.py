@@ -200,6 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    thinking_token_budget: integer(ge=0) | None = None  # vLLM's: at most this many tokens of thinking
 
 
 class CompletionRequest(SamplingFields):

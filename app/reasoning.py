@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from pageserve.sampling.params import StructuredOutputsParams
+from pageserve.sampling.params import StructuredOutputsParams, ThinkingBudget
 
 
 class ReasoningState(enum.IntEnum):
@@ -167,6 +167,20 @@ class ReasoningParser:
             return spec
         opener = self.start_token_ids[0] if state == ReasoningState.OPEN and len(self.start_token_ids) == 1 else None
         return dataclasses.replace(spec, reasoning_end=self.end_token_ids, reasoning_start=opener)
+
+
+    def budget(self, tokens: int, prompt: str | None = None) -> ThinkingBudget | None:
+        """At most `tokens` tokens of thinking for an output that continues `prompt`: None when
+        the prompt closed the think block (nothing to bound), or when the output may open one
+        whose start tag is several tokens (the engine cannot tell it opened)."""
+        state = self.initial_state(prompt)
+        if state == ReasoningState.CONTENT:
+            return None
+        if state == ReasoningState.OPEN:
+            if len(self.start_token_ids) != 1:
+                return None
+            return ThinkingBudget(tokens, self.end_token_ids, self.start_token_ids[0])
+        return ThinkingBudget(tokens, self.end_token_ids)
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

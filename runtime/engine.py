@@ -264,6 +264,8 @@ class LLMEngine:
             req.grammar = self.grammar.submit(p.grammar)
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._grammar_waiting[req.request_id] = req
+        elif params.thinking_budget is not None:
+            req.matcher = self._matcher(req, None)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -280,13 +282,21 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - reported to the request's owner
                     self._fail_request(req.output_id, e if isinstance(e, ValueError) else ValueError(str(e)))
                     continue
-                params = req.sampling_params
-                stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *params.stop_token_ids)))
-                spec = params.structured_outputs
-                req.matcher = Matcher(index, stop_ids, reasoning_end=spec.reasoning_end,
-                                      reasoning_start=spec.reasoning_start)
+                req.matcher = self._matcher(req, index)
                 req.grammar = None
                 req.status = RequestStatus.WAITING
+
+    @staticmethod
+    def _matcher(req: Request, index) -> Matcher:
+        """The request's grammar (`index`, None for none) and thinking budget, as one matcher:
+        a budget's end marker is where the grammar starts too."""
+        params = req.sampling_params
+        stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *params.stop_token_ids)))
+        spec, budget = params.structured_outputs, params.thinking_budget
+        if budget is not None:
+            return Matcher(index, stop_ids, reasoning_end=budget.end, reasoning_start=budget.start,
+                           budget=budget.tokens)
+        return Matcher(index, stop_ids, reasoning_end=spec.reasoning_end, reasoning_start=spec.reasoning_start)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """(output id, error) of the requests ended by an error since the last call (a grammar
@@ -503,8 +513,11 @@ class LLMEngine:
                 return None
             m.start = 0
         elif m.start is None:
+            m.think(token)
             if m.ends_reasoning(req.token_ids, req.num_prompt_tokens):
                 m.start = req.num_output_tokens
+            return None
+        if m.guide is None:  # a thinking budget alone: nothing to govern after the thinking
             return None
         if not m.advance(token):
             logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)

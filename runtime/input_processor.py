@@ -77,6 +77,9 @@ class InputProcessor:
                 self.check_token_ids(spec.reasoning_end, "structured_outputs.reasoning_end")
             if spec.reasoning_start is not None:
                 self.check_token_ids((spec.reasoning_start,), "structured_outputs.reasoning_start")
+        if params.thinking_budget is not None:
+            budget = params.thinking_budget
+            self.check_token_ids((*budget.end, *(() if budget.start is None else (budget.start,))), "thinking_budget")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return ProcessedRequest(ids, params, max_tokens, prompt if isinstance(prompt, str) else prompt_text,
                                 cache_salt, grammar, tuple(mm_items), priority=priority)

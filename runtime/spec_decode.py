@@ -24,11 +24,12 @@ def can_speculate(req: Request, grammars: bool = True) -> bool:
     """Whether drafts can be scored for this request: one sequence (n > 1 forks first), no
     penalties (their counts would need the drafts), not pooling; a grammar (where the proposer
     can check drafts against it) only while it governs the tokens, not while it waits for the
-    end of reasoning or the output's first token."""
+    end of reasoning or the output's first token; a thinking budget, once the thinking is over."""
     p, m = req.sampling_params, req.matcher
-    governing = grammars and m is not None and m.start is not None and not m.opening
+    thought = m is not None and m.start is not None and not m.opening  # no thinking (left) to bound
     return (req.num_samples == 1 and not p.has_penalties and not req.pooling
-            and (p.structured_outputs is None or governing))
+            and (p.structured_outputs is None or grammars and thought)
+            and (p.thinking_budget is None or thought))
 
 
 def verify(drafts: list[int], sampled: list[int]) -> list[int]:

@@ -71,6 +71,28 @@ class StructuredOutputsParams:
         return repr((value, self.regex, self.choice, self.json_object))
 
 
+@dataclass(frozen=True, slots=True)
+class ThinkingBudget:
+    """At most `tokens` tokens of a reasoning model's thinking (vLLM's thinking_token_budget):
+    past them the engine writes `end` (the ids of `</think>`; from where the output's tail
+    already began it), and the answer follows. `start`: as StructuredOutputsParams'
+    reasoning_start, the one token that opens the thinking when the output may open it itself
+    (an output that does not open it has no thinking to bound)."""
+    tokens: int
+    end: tuple[int, ...]
+    start: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.tokens) or self.tokens < 0:
+            raise ValueError(f"the thinking budget must be an integer >= 0, got {self.tokens!r}")
+        end = tuple(self.end) if isinstance(self.end, (list, tuple)) else ()
+        if not end or any(not _is_int(t) or t < 0 for t in end):
+            raise ValueError(f"the thinking budget's end must be a non-empty sequence of token ids, got {self.end!r}")
+        object.__setattr__(self, "end", end)
+        if self.start is not None and (not _is_int(self.start) or self.start < 0):
+            raise ValueError(f"the thinking budget's start must be a token id, got {self.start!r}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -94,6 +116,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
+    thinking_budget: ThinkingBudget | None = None  # a bound on a reasoning model's thinking
     # greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens mask, no
     # penalties, no log-probabilities (set from the fields above: the sampler reads it every row)
     plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
@@ -148,6 +171,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
+            raise ValueError("thinking_budget must be a ThinkingBudget")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")

@@ -108,6 +108,23 @@ def test_text_stop_sequences_and_max_tokens(srv, client):
     srv.wait_idle()
 
 
+def test_a_thinking_budget_ends_the_thinking(srv, client):
+    """thinking.budget_tokens bounds the thinking (the engine writes `</think>` after so many
+    tokens); adaptive thinking has no budget."""
+    script = srv.engine.runner.script
+    budget = {"type": "enabled", "budget_tokens": 3}
+    whole = client.messages.create(model=srv.model, max_tokens=60, extra_body=GREEDY, messages=ASK, thinking=budget)
+    blocks = _blocks(whole)
+    assert blocks[0] == {"type": "thinking", "thinking": srv.engine.tokenizer.decode(script[1:4]), "signature": ""}
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    with client.messages.stream(model=srv.model, max_tokens=60, extra_body=GREEDY, messages=ASK, thinking=budget) as s:
+        assert _blocks(s.get_final_message()) == blocks
+    free = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK,
+                                  thinking={"type": "adaptive"})
+    assert _blocks(free)[0]["thinking"] == "I should write a note about colours"
+    srv.wait_idle()
+
+
 def test_errors_in_anthropics_shape(srv, client):
     with pytest.raises(anthropic.AuthenticationError) as refused:
         anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(

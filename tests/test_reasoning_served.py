@@ -161,6 +161,34 @@ def test_r1_template_opens_the_thinking(r1):
     r1.wait_idle()
 
 
+def test_thinking_token_budget_bounds_the_thinking(qwen3, r1, tiny_server):
+    """vLLM's thinking_token_budget: after that many tokens of thinking the engine writes
+    `</think>` and the answer follows (here the rest of the script, which the budget cut), whole
+    and streamed, also with a grammar; a budget the thinking does not reach changes nothing; a
+    server without a reasoning parser refuses it."""
+    for srv, opener in ((qwen3, 1), (r1, 0)):
+        script = srv.engine.runner.script
+        head = srv.engine.tokenizer.decode(script[opener:opener + 3])  # the first 3 tokens of thinking
+        message = post(srv, "chat/completions", {"messages": USER, "thinking_token_budget": 3,
+                                                 "max_tokens": 40})["choices"][0]["message"]
+        assert message["reasoning_content"] == head and message["content"], message
+        chunks = events(srv, "chat/completions", {"messages": USER, "thinking_token_budget": 3, "max_tokens": 40})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == head
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+        whole = post(srv, "chat/completions", {"messages": USER, "thinking_token_budget": 100})
+        assert whole["choices"][0]["message"]["reasoning_content"] == THOUGHT
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}
+        bounded = post(srv, "chat/completions", {"messages": USER, "response_format": fmt, "max_tokens": 60,
+                                                 "thinking_token_budget": 2})["choices"][0]["message"]
+        assert bounded["reasoning_content"] == srv.engine.tokenizer.decode(script[opener:opener + 2])
+        assert json.loads(bounded["content"])["a"] in ("yes", "no")
+        srv.wait_idle()
+    r = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60, json={
+        "model": tiny_server.model, "messages": USER, "thinking_token_budget": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+
+
 def test_output_text_logprobs_and_reasoning_tokens_leave_the_thinking_out(qwen3):
     """The thinking's tokens are counted as reasoning_tokens and carry no output_text logprobs,
     whole or streamed."""

@@ -369,3 +369,18 @@ def test_default_model_greedy_tokens_with_ngram_drafts():
     spec = LLM(None, speculative_config=NGRAM, **kw)
     assert tokens(spec.generate(batch, params, use_tqdm=False)) == want
     assert spec.engine.spec.stats.num_accepted_tokens > 20, spec.engine.spec.stats
+
+
+def test_a_thinking_budget_gives_the_same_tokens_with_drafts(plain, speculating):
+    """Drafts wait for the end of a bounded thinking (the budget's end is written a token a
+    step), then resume: the same greedy tokens as one token a step."""
+    from pageserve.sampling.params import ThinkingBudget
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
+                             thinking_budget=ThinkingBudget(b, (381, 382))) for m, b in ((90, 20), (60, 5)) * 4]
+    want = tokens(plain.generate(prompts(), params, use_tqdm=False))
+    assert all(any(tuple(t[i:i + 2]) == (381, 382) for i in range(len(t) - 1)) for t in want)
+    before = speculating.engine.spec.stats.num_accepted_tokens
+    assert tokens(speculating.generate(prompts(), params, use_tqdm=False)) == want
+    assert speculating.engine.spec.stats.num_accepted_tokens > before
+    assert_pool_clean(speculating.engine)
