@@ -39,6 +39,7 @@ class StreamParser:
         self.finished = False
         self.arguments: list[str] = []  # the open call's argument fragments so far
         self.content: list[str] = []  # all content handed out
+        self.pending_space: list[str] = []  # whitespace after it, handed out only before more text
         self.out: list[dict] = []  # deltas not yet taken, their text still as lists of pieces
 
     @property
@@ -71,7 +72,7 @@ class StreamParser:
         """After finish: the content and the calls that were complete and valid."""
         calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                  for c in self.calls if c["arguments"] is not None]
-        return "".join(self.content).strip() or None, calls
+        return "".join(self.content) or None, calls  # as streamed: no whitespace at its end
 
     # ---- what regions report ----
 
@@ -114,13 +115,19 @@ class StreamParser:
         if self.trim:
             text = text.lstrip("\n")
             self.trim = not text
-        if text:
-            self.at_start = False
-            self.content.append(text)
-            if self.out and "content" in self.out[-1]:
-                self.out[-1]["content"].append(text)
-            else:
-                self.out.append({"content": [text]})
+        if not text:
+            return
+        self.at_start = False
+        body = text.rstrip()  # whitespace after text waits for more text: none at the end, as whole
+        if not body:
+            self.pending_space.append(text)
+            return
+        text, self.pending_space = "".join(self.pending_space) + body, [text[len(body):]]
+        self.content.append(text)
+        if self.out and "content" in self.out[-1]:
+            self.out[-1]["content"].append(text)
+        else:
+            self.out.append({"content": [text]})
 
     def _enter(self, at: int, start: str) -> bool:
         self._content(self.buffer[:at])
