@@ -120,6 +120,16 @@ class Conversation(_Body):
         return "\n\n".join(b.text for b in self.system) or None
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None  # structured output: the answer's text follows the schema
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # taken, and changes nothing
+
+
 class MessagesRequest(Conversation):
     max_tokens: integer(ge=1)
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
@@ -130,6 +140,7 @@ class MessagesRequest(Conversation):
     top_k: integer(ge=1) | None = None
     metadata: dict[str, Any] | None = None
     priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0  # --scheduling-policy priority, as on the other routes
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(Conversation):

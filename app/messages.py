@@ -22,6 +22,7 @@ from pageserve.app.http import api_route, json_response, read_json, until_discon
 from pageserve.app.protocol import (ChatMessage, ChatTool, ContentPart, FunctionCall, FunctionDefinition,
                                     FunctionName, ImageURL, NamedToolChoice, ToolCall)
 from pageserve.app.state import ServerState
+from pageserve.sampling.params import StructuredOutputsParams
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 
 # Anthropic's error types by status (the others: api_error)
@@ -156,6 +157,15 @@ async def create_message(request: Request) -> Response:
     model = state.check_model(body.model)
     prompt_text, prompt_ids, images, plan = await _prompt(state, body)
     grammar = plan.grammar if plan is not None else None
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is not None:
+        if grammar is not None:
+            raise bad_request("output_config.format cannot be combined with tool calls (each is a grammar); "
+                              "send the tools with tool_choice none, or leave them out", "output_config.format")
+        try:
+            grammar = StructuredOutputsParams(json=fmt.schema_, source="output_config.format")
+        except ValueError as e:
+            raise bad_request(str(e), "output_config.format") from None
     tool_parser = plan.format if plan is not None and plan.parse else None
     thinking = state.reasoning
     budget = None

@@ -125,6 +125,24 @@ def test_a_thinking_budget_ends_the_thinking(srv, client):
     srv.wait_idle()
 
 
+def test_output_config_format_is_structured_output(srv, client):
+    """output_config.format's JSON schema governs the answer after the thinking (the script's
+    tool call is not JSON of that shape, so the grammar shows); effort is taken; with tool calls
+    it is a 400."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    fmt = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+    whole = client.messages.create(model=srv.model, max_tokens=100, extra_body=GREEDY, messages=ASK,
+                                   output_config=fmt)
+    blocks = _blocks(whole)
+    assert blocks[0]["thinking"] == "I should write a note about colours"
+    assert json.loads(blocks[1]["text"])["colour"] in ("red", "blue") and whole.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=srv.model, max_tokens=100, messages=ASK, tools=[NOTE], output_config=fmt)
+    assert "output_config.format" in err.value.body["error"]["message"]
+    srv.wait_idle()
+
+
 def test_errors_in_anthropics_shape(srv, client):
     with pytest.raises(anthropic.AuthenticationError) as refused:
         anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(
