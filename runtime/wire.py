@@ -34,7 +34,7 @@ from pageserve.runtime.model_runner import StepResult
 from pageserve.runtime.multimodal import ImageItem
 from pageserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from pageserve.runtime.step_sampler import fill_grammar_rows
-from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, ThinkingBudget
 from pageserve.sampling.sampler import TokenLogprobs
 
 
@@ -74,7 +74,7 @@ class MaskRow:
 
 # every dataclass and enum a message may hold: tagged by class name (keep names unique)
 TYPES: tuple[type, ...] = (
-    SchedulerOutput, ScheduledRequest, SamplingParams, StructuredOutputsParams, RequestOutputKind,
+    SchedulerOutput, ScheduledRequest, SamplingParams, StructuredOutputsParams, ThinkingBudget, RequestOutputKind,
     LoRARequest, ImageItem, MaskRow, CacheConfig, PreemptionMode, StepResult, TokenLogprobs)
 _BY_NAME = {cls.__name__: cls for cls in TYPES}
 assert len(_BY_NAME) == len(TYPES), "two allow-listed types share a name"

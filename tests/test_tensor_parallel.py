@@ -17,7 +17,7 @@ from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.executor import ExecutorDeadError
 from pageserve.runtime.models import parallel
-from pageserve.sampling.params import StructuredOutputsParams
+from pageserve.sampling.params import StructuredOutputsParams, ThinkingBudget
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -60,6 +60,9 @@ def workload(seed=0):
     params.append(SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3))
     prompts.append([rng.randrange(3, 384) for _ in range(30)])
     params.append(SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True))
+    prompts.append([rng.randrange(3, 384) for _ in range(20)])  # a thinking budget's mask crosses the wire
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                 thinking_budget=ThinkingBudget(5, (381, 382))))
     return prompts, params
 
 
@@ -96,10 +99,11 @@ def test_tp2_same_tokens_as_tp1_under_pressure(model):
     assert preemptions > 0 and swapped > 0 and recomputed > 0, stats
     assert hits > 0, stats
     assert stats[2] == stats[1]  # the same schedule: the ranks' pools are the same size as one rank's
-    n2 = results[2][-5][0]
+    n2 = results[2][-6][0]
     assert n2[0] != n2[1]  # n = 2 drew two different sequences
-    assert len(results[2][-2][1]) == 150  # prompt logprobs compared at every position
-    assert len(results[2][-1][2]) == 12  # and sample logprobs at every output token
+    assert len(results[2][-3][1]) == 150  # prompt logprobs compared at every position
+    assert len(results[2][-2][2]) == 12  # and sample logprobs at every output token
+    assert results[2][-1][0][0][5:7] == [381, 382]  # the budget's end, after five tokens
 
 
 def _children() -> set[int]:

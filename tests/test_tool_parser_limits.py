@@ -71,7 +71,7 @@ def test_long_content_fed_by_character_keeps_no_growing_string(name):
     deltas = fed_by_character(parser, text)
     assert longest_text(parser) < 100
     deltas += parser.finish()
-    assert "".join(d.get("content", "") for d in deltas) == text and parser.num_calls == 0
+    assert "".join(d.get("content", "") for d in deltas) == text.rstrip() and parser.num_calls == 0  # as whole
 
 
 @pytest.mark.parametrize("name", TOOL_PARSERS)

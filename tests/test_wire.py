@@ -31,7 +31,7 @@ from pageserve.runtime.request import Request
 from pageserve.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.wire import MaskRow, WireError, decode, encode
-from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, ThinkingBudget
 from pageserve.sampling.sampler import TokenLogprobs
 
 pytestmark = pytest.mark.unit
@@ -87,7 +87,8 @@ def sampling(i: int) -> SamplingParams:
                           max_tokens=100 + i, min_tokens=2, stop=["\n\n", "END"], stop_token_ids=[2, 3],
                           include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False,
                           seed=2 ** 63 - 1 - i, logprobs=5, prompt_logprobs=3,
-                          output_kind=RequestOutputKind.DELTA, structured_outputs=so)
+                          output_kind=RequestOutputKind.DELTA, structured_outputs=so,
+                          thinking_budget=[ThinkingBudget(3, (7, 8), 6), ThinkingBudget(0, (9,)), None][i % 3])
 
 
 def image(seed: int, dtype=torch.float32) -> ImageItem:
