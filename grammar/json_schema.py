@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from decimal import Decimal
 
@@ -31,9 +32,17 @@ _SUPPORTED = {
 }
 _FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-# outlines-core's compile time grows about 5x with each digit of a least magnitude (measured:
-# `minimum` 123456789.5 takes 1 s, 1234567890.5 4.6 s, 12345678901.5 24 s; a maximum costs little)
-MAX_LEAST_MAGNITUDE = 1e10
+# outlines-core's compile time grows about 5x with each digit where a range of integers may leave
+# its ends, and about 2x with each digit of a range's upper end (measured with SmolLM2's
+# vocabulary: integers from 123456789 take 1 s, from 1234567890123 over 30 s; up to 10**15 0.3 s,
+# 10**18 2.9 s; numbers up to 1e30, over 60 s). Integers from 1700000000000 (the significant
+# digits of an end count, not its length) are cheap.
+MAX_BOUND_DIGITS = 9
+MAX_UPPER_DIGITS = 16  # 10**15 has 16
+
+
+class _TooFine(ValueError):
+    """An end of a range of integers with more than MAX_BOUND_DIGITS digits to leave it at."""
 MAX_SCHEMA_CHARS = 64_000  # a schema written as JSON
 # a schema's regex; outlines-core's grows with the square of an object's optional properties, so
 # a schema of a few KB could take minutes of the grammar worker (every request's grammar waits)
@@ -263,19 +272,20 @@ def _bound(node: dict, path: str) -> tuple[float, bool, float, bool]:
 
 def _number_regex(node: dict, integer: bool, path: str) -> str:
     lo, lo_excl, hi, hi_excl = _bound(node, path)
-    for low, keys in ((lo, "minimum"), (-hi, "maximum")):  # the least magnitude, of v >= 0 and of v < 0
-        if low >= MAX_LEAST_MAGNITUDE:
-            raise UnsupportedSchema(f"the {keys} at {path} asks for numbers of magnitude at least {low:g}; "
-                                    f"structured output enforces such a bound only below {MAX_LEAST_MAGNITUDE:g}: "
-                                    "leave it out and check the value after")
     parts = []
     if hi > 0 or (hi == 0 and not hi_excl):  # v >= 0: magnitudes in [max(lo, 0), hi]
-        part = _magnitude(*((lo, lo_excl) if lo >= 0 else (0.0, False)), hi, hi_excl, integer)
+        try:
+            part = _magnitude(*((lo, lo_excl) if lo >= 0 else (0.0, False)), hi, hi_excl, integer)
+        except _TooFine as e:
+            raise _too_fine(e, path) from None
         if part:
             parts.append(part)
     if lo < 0:  # v < 0: -m with m in [max(-hi, 0), -lo] ("-0" only where 0 is allowed)
         low = (-hi, hi_excl) if hi < 0 else (0.0, hi == 0 and hi_excl)
-        part = _magnitude(*low, -lo, lo_excl, integer)
+        try:
+            part = _magnitude(*low, -lo, lo_excl, integer)
+        except _TooFine as e:
+            raise _too_fine(e, path) from None
         if part:
             parts.append(f"-({part})")
     if not parts:
@@ -284,21 +294,46 @@ def _number_regex(node: dict, integer: bool, path: str) -> str:
     return "|".join(parts)
 
 
+def _too_fine(e: _TooFine, path: str) -> UnsupportedSchema:
+    return UnsupportedSchema(f"the bounds at {path} make a grammar of integers that may end at {e}; structured "
+                             f"output enforces ranges whose ends have at most {MAX_BOUND_DIGITS} significant "
+                             f"digits, up to 10**{MAX_UPPER_DIGITS - 1} (the grammar's compile time grows steeply "
+                             "with both): leave the bound out and check the value after")
+
+
+def _ends(a: int, b: int | None) -> int:
+    """`a`, checked as the least of the integers up to `b` (None: any above): the digits where
+    the range may leave its ends, after those both share, are at most MAX_BOUND_DIGITS."""
+    x = str(a)
+    y = str(10 ** len(x) - 1 if b is None else b)
+    if len(y) > MAX_UPPER_DIGITS:
+        raise _TooFine(y)
+    shared = len(os.path.commonprefix([x, y])) if len(x) == len(y) else 0
+    # trailing zeros cost nothing, nor do an upper end's trailing nines
+    for end, digits in ((x, x.rstrip("0")), (y, y.rstrip("9").rstrip("0"))):
+        if len(digits) - shared > MAX_BOUND_DIGITS:
+            raise _TooFine(end)
+    return a
+
+
 def _magnitude(lo: float, lo_excl: bool, hi: float, hi_excl: bool, integer: bool) -> str:
     """Digits (and for numbers an optional fraction) of values v with lo <(=) v <(=) hi, where
-    0 <= lo. Empty when there are none. Exact, fractional ends included."""
+    0 <= lo. Empty when there are none. Exact, fractional ends included. _TooFine where a range
+    of integers it writes would be too costly to compile."""
     if integer:
         a = math.floor(lo) + 1 if lo_excl and float(lo).is_integer() else math.ceil(lo)
         if math.isinf(hi):
-            return _int_at_least(a)
+            return _int_at_least(_ends(a, None))
         b = math.ceil(hi) - 1 if hi_excl and float(hi).is_integer() else math.floor(hi)
-        return _int_range(a, b) if a <= b else ""
+        return _int_range(_ends(a, b), b) if a <= b else ""
     low, low_frac = _split(lo)
     parts = []
     if math.isinf(hi):
+        if not low_frac and not lo_excl:  # an integer minimum: its own digits, then any fraction
+            return _with_fraction(_int_at_least(_ends(low, None)), [r"[0-9]+"], True)
         parts.append(_with_fraction(str(low), _frac_at_least(low_frac, lo_excl),
                                     not low_frac and not lo_excl))
-        parts.append(_with_fraction(_int_at_least(low + 1), [r"[0-9]+"], True))
+        parts.append(_with_fraction(_int_at_least(_ends(low + 1, None)), [r"[0-9]+"], True))
         return "|".join(p for p in parts if p)
     high, high_frac = _split(hi)
     top_whole = bool(high_frac) or not hi_excl  # the integer `high` itself is allowed
@@ -308,7 +343,7 @@ def _magnitude(lo: float, lo_excl: bool, hi: float, hi_excl: bool, integer: bool
     else:
         parts.append(_with_fraction(str(low), _frac_at_least(low_frac, lo_excl), not low_frac and not lo_excl))
         if high - low > 1:
-            parts.append(_with_fraction(_int_range(low + 1, high - 1), [r"[0-9]+"], True))
+            parts.append(_with_fraction(_int_range(_ends(low + 1, high - 1), high - 1), [r"[0-9]+"], True))
         parts.append(_with_fraction(str(high), _frac_at_most(high_frac, hi_excl), top_whole))
     return "|".join(p for p in parts if p)
 
