@@ -41,6 +41,11 @@ class ResponseOutput:
                           {"summary": [], "content": [], "encrypted_content": None})
         self._delta("response.reasoning_text.delta", part, text)
 
+    @property
+    def writing_text(self) -> bool:
+        """A message's text is the item being written."""
+        return self._open is not None and self._open["type"] == "message"
+
     def text(self, text: str, logprobs: list[dict] | None = None) -> None:
         if not text and not logprobs:
             return

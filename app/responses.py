@@ -216,6 +216,7 @@ class _Answer:
         self.token_ids: list[int] = []  # the whole output's, to tell its reasoning tokens
         self.reasoning_end: int | None = None  # where the thinking ended in token_ids, once it has
         self.previous, self.items, self.owner = previous, items, who
+        self.held_logprobs: list[dict] = []  # of tokens whose text the tool parser holds back
 
     def feed(self, out) -> None:
         """One engine output (a delta when streaming, the whole answer otherwise)."""
@@ -238,6 +239,12 @@ class _Answer:
         if c.finish_reason is not None:
             deltas += self.tools.finish(c.finish_reason == "length")
         self.output.failed_calls.update(self.tools.failed_calls)
+        if logprobs and not deltas:  # text the parser holds back: its logprobs go with what follows,
+            self.held_logprobs += logprobs
+            if c.finish_reason is not None and self.output.writing_text:  # or with the text before it
+                self.output.text("", self.held_logprobs)
+            return
+        logprobs, self.held_logprobs = (self.held_logprobs + (logprobs or [])) or None, []
         for i, delta in enumerate(deltas):
             self._delta(delta, logprobs if i == 0 else None)
 

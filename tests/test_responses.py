@@ -341,6 +341,33 @@ def test_a_call_that_is_not_valid_closes_incomplete(fmt, pieces):
     assert json.loads(resp["output"][0]["arguments"]) == {"a": 1} and resp["status"] == "completed"
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_logprobs_of_text_the_tool_parser_holds_back_are_kept(streamed):
+    """With tools, the parser holds whitespace (and a tag's possible start) until what follows
+    shows: those tokens' logprobs go with the text after them, so a streamed answer carries one
+    entry per token, as the whole one does (a second reader found them dropped)."""
+    from types import SimpleNamespace
+
+    from pageserve.app.logprobs import TokenText
+    from pageserve.app.protocol import ResponsesRequest
+    from pageserve.app.responses import _Answer
+    from pageserve.app.tools import tool_format
+
+    pieces = ["Hello", " ", "world", "\n", "\n", "<tool", "s are fun", " "]
+    state = SimpleNamespace(token_text=TokenText([p.encode() for p in pieces]))
+    body = ResponsesRequest(model="m", input="hi", store=False, top_logprobs=0)
+    answer = _Answer(state, body, "resp_1", "m", 1.0, 1.0, 3, tool_format("hermes"), True, None, None, [], "")
+    entries = [SimpleNamespace(token_id=i, logprob=-0.5, top=[]) for i in range(len(pieces))]
+    groups = [[i] for i in range(len(pieces))] if streamed else [list(range(len(pieces)))]
+    for n, group in enumerate(groups):
+        answer.feed(SimpleNamespace(metrics=None, outputs=[SimpleNamespace(
+            text="".join(pieces[i] for i in group), token_ids=group, logprobs=[entries[i] for i in group],
+            finish_reason="stop" if n == len(groups) - 1 else None)]))
+    part = answer.finish("stop")["output"][0]["content"][0]
+    assert part["text"] == "Hello world\n\n<tools are fun"
+    assert [lp["token"] for lp in part["logprobs"]] == pieces
+
+
 def test_two_api_keys_each_see_only_their_own_responses(tiny_model_dir, caplog):
     """Key B gets 404 on everything of key A's (as for an id that never was), cannot pull A's
     items into its own conversation nor plant one that A's reference resolves to; A's
