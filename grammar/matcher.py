@@ -64,6 +64,12 @@ class Matcher:
         reasoning), it is the output's first and may open the thinking, or the budget forces it."""
         return self.guide is not None and (self.start is not None or self.opening) or self.forcing
 
+    @property
+    def reads_tokens(self) -> bool:
+        """The host must see each token before the next is drawn: a grammar, or thinking still to
+        watch (a budget alone, once the thinking is over, needs nothing)."""
+        return self.guide is not None or self.start is None or self.opening
+
     def think(self, token_id: int) -> None:
         """One token of the thinking (while the grammar waits for its end)."""
         self.thought += 1

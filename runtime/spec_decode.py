@@ -103,7 +103,8 @@ class Proposer:
                 continue
             room = min(max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens) - 1
             drafts = self.propose(req, room)
-            req.draft_tokens = grammar_prefix(req.matcher, drafts) if req.matcher is not None and drafts else drafts
+            m = req.matcher
+            req.draft_tokens = grammar_prefix(m, drafts) if m is not None and m.guide is not None and drafts else drafts
 
     def propose(self, req: Request, max_len: int) -> list[int]:
         """Up to k drafts to follow req's tokens, no more than max_len (room left in its context

@@ -17,7 +17,7 @@ from pageserve.runtime import LLM, SamplingParams, model_runner
 from pageserve.runtime import scheduler as scheduler_mod
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.kernels import TorchKernels
-from pageserve.sampling.params import StructuredOutputsParams
+from pageserve.sampling.params import StructuredOutputsParams, ThinkingBudget
 from tests.conftest import assert_pool_clean
 from tests.fake_cuda import FakeCuda
 
@@ -92,11 +92,14 @@ def test_seeded_sampling_with_penalties_and_n(tiny_model_dir, placeholders):
     params[3] = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
         json={"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["v"], "additionalProperties": False}))
+    params[5] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,  # ahead once its thinking ends
+                               thinking_budget=ThinkingBudget(4, (381, 382)))
     want, _ = run(tiny_model_dir, prompts, params, kv_cache_memory=0.001)
     got, llm = run(tiny_model_dir, prompts, params, kv_cache_memory=0.001, async_scheduling=True)
     assert got == want
     assert placeholders["ahead"] > 20
     assert "v" in json.loads(llm.engine.tokenizer.decode(got[3][0]))
+    assert got[5][0][4:6] == [381, 382]
 
 
 def test_prefix_cache_hits(tiny_model_dir, placeholders):
