@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pageserve.app.tool_parsers import tool_format
-from pageserve.grammar import json_schema
+from pageserve.grammar import json_schema, numeric_ranges
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, schema_to_regex
 from pageserve.grammar.matcher import Matcher
@@ -71,10 +71,10 @@ def test_fine_bounds_are_exact_and_grow_with_their_runs_of_digits(compiler):
                  for base in (a, b) for _ in range(60)} | {a + "0", b + "00", "0", "1", "9"}
         texts.discard("")
         for lo_excl, hi_excl in itertools.product((False, True), repeat=2):
-            cases = [(json_schema._frac_at_least(a, lo_excl), lambda v: v > lo if lo_excl else v >= lo),
-                     (json_schema._frac_at_most(a, hi_excl), lambda v: v < lo if hi_excl else v <= lo)]
+            cases = [(numeric_ranges._frac_at_least(a, lo_excl), lambda v: v > lo if lo_excl else v >= lo),
+                     (numeric_ranges._frac_at_most(a, hi_excl), lambda v: v < lo if hi_excl else v <= lo)]
             if lo <= hi:
-                cases.append((json_schema._frac_between(a, b, lo_excl, hi_excl),
+                cases.append((numeric_ranges._frac_between(a, b, lo_excl, hi_excl),
                               lambda v: (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)))
             for alternatives, allowed in cases:
                 rx = re.compile("|".join(f"(?:{x})" for x in alternatives)) if alternatives else None
