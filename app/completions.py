@@ -60,16 +60,13 @@ async def completions(request: Request) -> Response:
     finally:
         stream.abort()
 
+    num_generated = sum(len(c.token_ids) for r in index for c in outs[r].outputs)
+
     def build() -> dict:
-        choices, num_generated = [], 0
-        for r in index:
-            for c in outs[r].outputs:
-                num_generated += len(c.token_ids)
-                choices.append(job.choice(outs[r], c, first=True, final=True))
+        choices = [job.choice(outs[r], c, first=True, final=True) for r in index for c in outs[r].outputs]
         choices.sort(key=lambda c: c["index"])
         return {**head, "choices": choices,
                 "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
-    num_generated = sum(len(c.token_ids) for r in index for c in outs[r].outputs)
     large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, echo_logprobs)
     return await reply(build, large)
 
