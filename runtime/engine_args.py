@@ -36,12 +36,16 @@ CPU_KV_CACHE_GIB = 4.0
 SWAP_SPACE_GIB = {"cuda": 4.0, "cpu": 1.0}  # committed at start-up: less where it is the same RAM as the pool
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
     revision: str | None = None  # of a hub model
     download_dir: str | None = None  # the Hugging Face cache to look in (and download into)
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # what the KV cache holds: auto (see resolve_kv_cache_dtype), bfloat16, float32
     quantization: str | None = None  # force the checkpoint's method, or "fp8" made at load time
     max_model_len: int | None = None
     block_size: int = 16
@@ -99,6 +103,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+                             + (": a float8 KV cache is not supported" if self.kv_cache_dtype.startswith("fp8") else ""))
         PreemptionMode(self.preemption_mode)  # their own checks, before anything loads
         SchedulingPolicy(self.scheduling_policy)
         self.parallel_config()
@@ -136,6 +143,10 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers")
         g = parser.add_argument_group("memory")
         g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens in one KV cache block")
+        g.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                       help="what the KV cache holds. auto: the model's dtype, and bfloat16 where the CPU kernels "
+                            "multiply in bfloat16 (the same outputs at half the bytes); bfloat16 under float32 "
+                            "arithmetic rounds each K and V value (half the bytes, not exact)")
         g.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV cache; on CUDA a cap on what --gpu-memory-utilization leaves "
                             f"(default: {CPU_KV_CACHE_GIB:g} on CPU)")
@@ -282,7 +293,7 @@ class EngineArgs:
             lib = cpu_kernels.load(cache_root() / "kernels")
         if lib is not None and lib.has_bf16_dot:
             logger.info("--dtype %s: the C kernels multiply in bfloat16 (%s)%s, float32 tensors between the "
-                        "matmuls and in the KV cache", self.dtype, lib.isa,
+                        "matmuls", self.dtype, lib.isa,
                         ", the fastest path here (--dtype float32: exact float32 sums)" if self.dtype == "auto"
                         else "")
             return torch.float32, True
@@ -298,6 +309,19 @@ class EngineArgs:
             why, dtype = "no C kernels, and no bfloat16 arithmetic in this CPU", torch.float32
         logger.info("--dtype auto: %s (%s; CPU vector units: %s)", str(dtype).removeprefix("torch."), why, units)
         return dtype, False
+
+    def resolve_kv_cache_dtype(self, device: torch.device, dtype: torch.dtype, bf16_matmuls: bool) -> torch.dtype:
+        """--kv-cache-dtype. auto: bfloat16 where the C kernels multiply in bfloat16, since every K
+        and V value they make is then a bfloat16 value (half the bytes, the same outputs); else the
+        activations' dtype. The Triton kernels take only the activations' dtype."""
+        if self.kv_cache_dtype == "auto":
+            return torch.bfloat16 if bf16_matmuls else dtype
+        kv = parse_dtype(self.kv_cache_dtype)
+        triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and device.type == "cuda")
+        if triton and kv != dtype:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the Triton attention keeps K and V in the "
+                             f"model's dtype ({str(dtype).removeprefix('torch.')}); leave the flag at auto")
+        return kv
 
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
         arch = hf["architectures"][0]
@@ -317,6 +341,7 @@ class EngineArgs:
                                  "are not supported yet")
         quantization.method_for(hf, self.quantization)  # refused here, in one line, before any weight is read
         dtype, bf16_matmuls = self.resolve_dtype(device)
+        kv_cache_dtype = self.resolve_kv_cache_dtype(device, dtype, bf16_matmuls)
         try:
             return ModelConfig(
                 path=str(path),
@@ -337,6 +362,7 @@ class EngineArgs:
                 eos_token_ids=eos_token_ids(hf, tokenizer),
                 dtype=dtype,
                 bf16_matmuls=bf16_matmuls,
+                kv_cache_dtype=kv_cache_dtype,
                 quantization=self.quantization,
                 max_model_len=max_len,
                 hf_config=hf,

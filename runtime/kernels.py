@@ -218,7 +218,7 @@ class TorchKernels(Kernels):
                 or meta.lora is not None or meta.key_limit is not None:
             return None
         first, last = kv_caches[0][0], kv_caches[-1][1]
-        key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), len(kv_caches))
+        key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), first.dtype, len(kv_caches))
         if self._stack is None or self._stack[0] != key:
             layers, stack = model.stack_weights(), None
             if layers is not None:

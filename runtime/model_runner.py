@@ -63,7 +63,7 @@ class StepResult:
 
 def kv_block_bytes(model: ModelConfig, block_size: int) -> int:
     """Bytes of one block across the layers of one rank (its stage's), K and V (of its KV heads)."""
-    elem = torch.empty((), dtype=model.dtype).element_size()
+    elem = model.kv_cache_dtype.itemsize
     return 2 * len(model.stage_layers) * block_size * model.kv_heads_per_rank * model.head_dim * elem
 
 
@@ -285,7 +285,7 @@ class ModelRunner:
             return
         shape = (len(cfg.stage_layers), 2, num_blocks, cfg.kv_heads_per_rank, self.block_size, cfg.head_dim)
         # zero-fill touches every page, so the pool's memory is committed now, not mid-run
-        self._kv_storage = self._kv_pool(shape, cfg.dtype)
+        self._kv_storage = self._kv_pool(shape, cfg.kv_cache_dtype)
         self._kv_storage.zero_()
         kib = resident_kib(self._kv_storage) if self.device.type == "cpu" else None
         if kib:

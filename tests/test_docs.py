@@ -169,10 +169,12 @@ def test_a_vllm_flag_pageserve_does_not_take_gets_its_line(capsys):
 
     taken = {s for a in serve_parser()._actions for s in a.option_strings}
     assert not taken & set(NOT_TAKEN), "a flag in app/vllm_flags.py is one pageserve serve now takes"
-    assert main(["serve", "--trust-remote-code", "--kv-cache-dtype=fp8", "--port", "1"]) == 2
+    assert main(["serve", "--trust-remote-code", "--load-format=dummy", "--port", "1"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["pageserve serve: error: --trust-remote-code is vLLM's: " + NOT_TAKEN["--trust-remote-code"],
-                   "--kv-cache-dtype is vLLM's: " + NOT_TAKEN["--kv-cache-dtype"]]
+                   "--load-format is vLLM's: " + NOT_TAKEN["--load-format"]]
+    assert main(["serve", "--kv-cache-dtype=fp8", "--port", "1"]) == 1  # taken, but not that value
+    assert "a float8 KV cache is not supported" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # any other flag: argparse's own answer
         main(["serve", "--no-such-flag"])
     assert exited.value.code == 2

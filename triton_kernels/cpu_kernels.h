@@ -89,6 +89,62 @@ static inline long row_stride(int wtype, long K) {
     return (wtype & ~W_DOT16) >= W_Q8_0 ? K / 32 * block_bytes(wtype) : K;
 }
 
+#ifdef PS_AVX2
+/* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial,
+   the power of two put into the exponent bits); within 2 ulp of expf over [-87, 88]. Vectorised
+   because libm's scalar expf made SiLU-and-mul much slower than torch's (docs/performance.md) */
+#define DEFINE_EXP(NAME, V, P, SI, FLOOR)                                                               \
+    static inline V NAME(V x) {                                                                         \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                         \
+        V fx = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(0.5f)));            \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                            \
+        x = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), x);                                         \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                            \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                          \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                          \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));                        \
+        return P##_mul_ps(y, P##_castsi##SI##_ps(P##_slli_epi32(                                        \
+                                 P##_add_epi32(P##_cvtps_epi32(fx), P##_set1_epi32(127)), 23)));       \
+    }
+DEFINE_EXP(exp8, __m256, _mm256, 256, _mm256_floor_ps)
+#ifdef PS_AVX512
+#define FLOOR16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+DEFINE_EXP(exp16, __m512, _mm512, 512, FLOOR16) /* the same values as exp8's, lane for lane */
+#endif
+#endif
+
+static inline float dot(const float *a, const float *b, long n) {
+    long i = 0;
+    float s = 0.0f;
+#ifdef PS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, long n) { /* y += a * x */
+    long i = 0;
+#ifdef PS_AVX2
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                           void *k_cache, void *v_cache, const int64_t *slots, const int32_t *block_tables,
+                           long ld_bt, const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                           float scale, float *out, int r16, int kv16);
 int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                      const float *bias, float *y, long ldy);
 int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,

@@ -40,6 +40,7 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention's KV cache may hold
 DOT16 = 8  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
 
 
@@ -62,11 +63,11 @@ class CpuKernels:
                            ("pageserve_rotary", [p, n, n, n, n, p, n, i]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p, i]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
-                                                          p, i]),
+                                                          p, i, i]),
                            ("pageserve_argmax", [p, n, n, n, p]),
                            ("pageserve_lora", [p, n, n, p, n, n, p, n, p, n, p, n, p, p, n, p]),
-                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, p, f, p, n, p, p, n, p, n, n, n, n, n,
-                                                        f, p, p])):
+                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, i, p, f, p, n, p, p, n, p, n, n, n, n,
+                                                        n, f, p, p])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
         lib.pageserve_linear.restype = ctypes.c_int
@@ -192,11 +193,13 @@ class CpuKernels:
         seq_lens[b] positions; None: one token per request (a decode step). The block tables
         must cover each request's seq_lens (the engine's invariant; not checked here, it would
         cost a pass over the tables a layer). q: [T, H, D]; k, v: [T, Hkv, D] (views of the
-        fused qkv rows are fine); caches [N, Hkv, block_size, D]."""
+        fused qkv rows are fine); caches [N, Hkv, block_size, D], float32 or bfloat16 (a new
+        K or V value rounded to nearest even as it is written, an old one widened exactly as it
+        is read: the arithmetic is float32 either way)."""
         t, h, d = q.shape
         b = block_tables.shape[0]
         hkv, bs = k_cache.shape[1], k_cache.shape[2]
-        ok = (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        ok = (q.dtype == k.dtype == v.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in KV_DTYPES
               and q.is_cpu and k.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_tables.is_cpu
               and k_cache.shape[3] == d and v_cache.shape == k_cache.shape
               and q.stride(2) == 1 and q.stride(1) == d and k.shape == v.shape == (t, hkv, d)
@@ -216,7 +219,7 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slot_mapping.data_ptr(), t, block_tables.data_ptr(), block_tables.stride(0),
             None if query_start_loc is None else query_start_loc.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d,
-            bs, scale, out.data_ptr(), self.bf16_dot)
+            bs, scale, out.data_ptr(), self.bf16_dot, k_cache.dtype == torch.bfloat16)
         if failed:
             raise MemoryError("paged_attention: no memory for the attention scores")
         return out
@@ -245,9 +248,10 @@ class CpuKernels:
         shapes = dims(first)[0]
         hidden, qkv, inter = shapes[0][0], shapes[1][0], shapes[6][1]
         caches = [c for pair in kv_caches for c in pair]
-        if len(kv_caches) != len(layers) or any(c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 4 or
-                                                c.shape != caches[0].shape for c in caches):
-            raise ValueError("decode_stack: one pair of float32 contiguous caches per layer")
+        if len(kv_caches) != len(layers) or any(c.dtype != caches[0].dtype or not c.is_contiguous() or c.dim() != 4
+                                                or c.shape != caches[0].shape for c in caches) \
+                or caches[0].dtype not in KV_DTYPES:
+            raise ValueError("decode_stack: one pair of contiguous caches per layer, all float32 or all bfloat16")
         _, hkv, block_size, head_dim = caches[0].shape
         heads = qkv // head_dim - 2 * hkv
         if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 or shapes[1][1] != hidden \
@@ -269,8 +273,8 @@ class CpuKernels:
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
         formats = (ctypes.c_int * len(formats))(*(f | self._dot for f in formats))
-        return DecodeStack(weights, formats, kv, final_norm, eps, hidden, len(layers), heads, hkv, head_dim, inter,
-                           block_size, layers, torch.empty(0))
+        return DecodeStack(weights, formats, kv, caches[0].dtype == torch.bfloat16, final_norm, eps, hidden,
+                           len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -294,7 +298,7 @@ class CpuKernels:
         if stack.scratch.numel() < need:
             stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
-            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv,
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv, stack.kv16,
             stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
@@ -318,6 +322,7 @@ class DecodeStack:
     weights: ctypes.Array
     formats: ctypes.Array  # per layer the four matrices' format codes (weight_format)
     kv: ctypes.Array
+    kv16: bool  # the caches hold bfloat16
     final_norm: torch.Tensor
     eps: float
     hidden: int

@@ -25,11 +25,12 @@ GROUP_COST_SLOTS = 1024
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's new K and V ([T, Hkv, D]) into the cache at their slots."""
+    """Write the step's new K and V ([T, Hkv, D]) into the cache at their slots, rounded to the
+    cache's dtype where it is narrower (a bfloat16 cache under float32 activations)."""
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, offsets] = key
-    v_cache[blocks, :, offsets] = value
+    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
 
 
 @dataclass(slots=True)
@@ -171,12 +172,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # query heads sharing a KV head become extra query rows: K/V are never repeated
         qg = q.index_select(0, g.q_rows).view(b, max_q, num_kv_heads, group_size, head_dim)
         qg = qg.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, b, max_q * group_size, head_dim)
-        kbuf, vbuf = workspace.get(g.tiles.numel() * block_size * head_dim, q)
+        kbuf, vbuf = workspace.get(g.tiles.numel() * block_size * head_dim, k_cache)
         shape = (g.tiles.numel(), block_size, head_dim)
         kg = torch.index_select(k_tiles, 0, g.tiles, out=kbuf.view(shape))
         vg = torch.index_select(v_tiles, 0, g.tiles, out=vbuf.view(shape))
-        kg = kg.view(num_kv_heads, b, length, head_dim)
-        vg = vg.view(num_kv_heads, b, length, head_dim)
+        # a cache narrower than q (bfloat16 under float32 activations) is widened, exactly
+        kg = kg.view(num_kv_heads, b, length, head_dim).to(q.dtype)
+        vg = vg.view(num_kv_heads, b, length, head_dim).to(q.dtype)
         if max_q == 1 or softcap:
             # decode: a handful of query rows per KV head, where SDPA's tiling is mostly
             # overhead; scores in the model dtype, softmax in float32 (as HF's eager path).

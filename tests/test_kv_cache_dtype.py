@@ -1,0 +1,210 @@
+"""--kv-cache-dtype: a bfloat16 KV cache. The C attention over a bfloat16 cache gives the float32
+cache's outputs to the bit when the values are bfloat16 ones (what the C kernels' bfloat16
+arithmetic writes), in every way it cuts a step; torch's attention too; new values are rounded
+to nearest even as torch rounds them; the engine's auto choice, its pool, swap and refusals."""
+
+import itertools
+
+import pytest
+import torch
+
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.engine_args import EngineArgs
+from pageserve.triton_kernels import cpu_kernels, torch_ops
+from tests.conftest import assert_pool_clean
+from tests.test_parity import random_prompts
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module", params=["native", "native-r16", "avx2"])
+def kernel(request, native_kernels):
+    """The kernels of this CPU in float32 arithmetic, in bfloat16 arithmetic where it has it (the
+    scores, probabilities and output rounded), and built for AVX2 where it has AVX-512."""
+    if request.param == "native":
+        return native_kernels
+    if request.param == "native-r16":
+        if not native_kernels.has_bf16_dot:
+            pytest.skip("no AVX512-BF16 here")
+        return cpu_kernels.CpuKernels(native_kernels.path, bf16_dot=True)
+    return request.getfixturevalue("avx2_kernels")
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """t's values rounded to bfloat16, kept in float32"""
+    return t.bfloat16().float()
+
+
+# (context before the step, rows in the step, rows as one request's chunk or as decodes)
+STEPS = {
+    "decodes, a KV head an item": [(n - 1, 1) for n in (1, 16, 17, 33, 100, 5)],
+    "decodes, every head an item": [(n - 1, 1) for n in (1, 16, 17, 33, 100, 5, 2, 64, 48, 9, 300, 7)],
+    "one decode in pieces": [(429, 1)],
+    "two decodes in pieces": [(130, 1), (2, 1)],
+    "prompt chunks and decodes": [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (63, 70)],
+    "chunks of at most 17 rows (groups)": [(30, 3), (100, 1), (555, 9), (2, 1), (41, 17)],
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 24), (6, 2, 40), (96, 2, 16)])
+def test_a_bfloat16_cache_gives_the_float32_caches_bits(kernel, step, heads, kv_heads, d):
+    """Both caches hold the same bfloat16 values, and the step's new K/V are bfloat16 values:
+    the outputs are the same bits and the caches hold the same values after the writes. Heads
+    of 24 and 40 floats take the scalar and 8-wide tails; 96 heads take one KV head an item."""
+    gen = torch.Generator().manual_seed(heads * 7 + d)
+    reqs = STEPS[step]
+    block_size, num_blocks = 16, 120
+    caches32 = [_bf16(torch.randn(num_blocks, kv_heads, block_size, d, generator=gen)) for _ in range(2)]
+    caches16 = [c.bfloat16() for c in caches32]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for before, n in reqs:
+        blocks = [order.pop() for _ in range(-(-(before + n) // block_size))]
+        tables.append(blocks + [0] * (40 - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(before, before + n)]
+    t = len(slots)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv[:, heads * d:] = _bf16(qkv[:, heads * d:])
+    q = qkv[:, :heads * d].reshape(t, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].reshape(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].reshape(t, kv_heads, d)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    sl = torch.tensor(slots, dtype=torch.int64)
+    lens = torch.tensor([before + n for before, n in reqs], dtype=torch.int32)
+    qsl = torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
+    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
+    torch.set_num_threads(2)
+    try:
+        if all(n == 1 for _, n in reqs):
+            want = kernel.paged_decode(q, k, v, *caches32, sl, bt, lens, 0.125)
+            got = kernel.paged_decode(q, k, v, *caches16, sl, bt, lens, 0.125)
+        else:
+            want = kernel.paged_attention(q, k, v, *caches32, sl, bt, lens, 0.125, qsl)
+            got = kernel.paged_attention(q, k, v, *caches16, sl, bt, lens, 0.125, qsl)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(caches16[0].float(), caches32[0]) and torch.equal(caches16[1].float(), caches32[1])
+    assert torch.equal(got, want), (got - want).abs().max()
+    # and the float32 outputs are attention's: torch's over the same cache
+    ref = torch_ops.paged_attention(q.contiguous(), *caches32, bt, qsl, lens, 0.125)
+    tol = 2e-2 if kernel.bf16_dot else 1e-5  # bfloat16 arithmetic rounds the scores and the output
+    assert torch.allclose(got, ref, rtol=tol, atol=tol)
+
+
+def test_new_values_are_rounded_as_torch_rounds_them(kernel):
+    """float32 K/V written to a bfloat16 cache: torch's .bfloat16() of each (to nearest, ties to
+    even), a tie and a NaN among them; and the attention reads what was written."""
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(4, 2, 16, generator=gen)
+    v = torch.randn(4, 2, 16, generator=gen)
+    k[0, 0, :4] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), float("nan")])  # two ties
+    caches = [torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.tensor([0, 17, 33, 63], dtype=torch.int64)
+    bt = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32).repeat(4, 1)
+    kernel.paged_decode(torch.randn(4, 4, 16, generator=gen), k, v, *caches, slots, bt,
+                        torch.tensor([1, 18, 34, 64], dtype=torch.int32), 0.25)
+    written_k = caches[0].permute(0, 2, 1, 3).reshape(64, 2, 16)[slots]
+    written_v = caches[1].permute(0, 2, 1, 3).reshape(64, 2, 16)[slots]
+    torch.testing.assert_close(written_k, k.bfloat16(), rtol=0, atol=0, equal_nan=True)  # a NaN stays one
+    assert torch.equal(written_v, v.bfloat16())
+    assert written_k[0, 0, :3].tolist() == [1.0, 1.0 + 4 * 2 ** -8, -1.0]
+
+
+@pytest.mark.parametrize("reqs", [[(5, 1), (40, 1), (0, 1)], [(0, 37), (5, 1), (40, 20)]])
+def test_torch_attention_widens_a_bfloat16_cache(reqs):
+    """torch_ops over a bfloat16 cache: the float32 cache's outputs (its decode path and SDPA's),
+    and reshape_and_cache rounds as .bfloat16() does."""
+    gen = torch.Generator().manual_seed(len(reqs))
+    heads, kv_heads, d, block_size = 6, 2, 32, 16
+    cache32 = [_bf16(torch.randn(20, kv_heads, block_size, d, generator=gen)) for _ in range(2)]
+    cache16 = [c.bfloat16() for c in cache32]
+    slots, tables, free = [], [], list(range(20))
+    for before, n in reqs:
+        blocks = [free.pop() for _ in range(-(-(before + n) // block_size))]
+        tables.append(blocks + [0] * (4 - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(before, before + n)]
+    t = len(slots)
+    k, v = torch.randn(t, kv_heads, d, generator=gen), torch.randn(t, kv_heads, d, generator=gen)
+    sl = torch.tensor(slots)
+    torch_ops.reshape_and_cache(_bf16(k), _bf16(v), *cache32, sl)
+    torch_ops.reshape_and_cache(k, v, *cache16, sl)
+    assert torch.equal(cache16[0].float(), cache32[0]) and torch.equal(cache16[1].float(), cache32[1])
+    q = torch.randn(t, heads, d, generator=gen)
+    args = (torch.tensor(tables, dtype=torch.int32),
+            torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32),
+            torch.tensor([b + n for b, n in reqs], dtype=torch.int32), 0.2)
+    workspace = torch_ops.Workspace()
+    want = torch_ops.paged_attention(q, *cache32, *args, workspace=workspace)
+    assert torch.equal(torch_ops.paged_attention(q, *cache16, *args, workspace=workspace), want)
+
+
+def _generate(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_pool_clean(llm.engine)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.engine
+def test_auto_keeps_the_bfloat16_arithmetics_values_at_half_the_bytes(tiny_model_dir, native_kernels):
+    """With the C kernels' bfloat16 arithmetic (--dtype auto on AVX512-BF16) every K and V value is
+    a bfloat16 one: auto keeps them in bfloat16, twice the blocks in the same memory, and the
+    tokens and logprobs are those of a float32 cache, to the bit (prompt chunks, decodes, prefix
+    hits). Elsewhere auto keeps the activations' dtype."""
+    kw = dict(kv_cache_memory=0.002, max_num_batched_tokens=64, max_model_len=512, debug_checks=True)
+    auto = LLM(str(tiny_model_dir), **kw)
+    cfg = auto.engine.config.model
+    if not native_kernels.has_bf16_dot:
+        assert not cfg.bf16_matmuls and cfg.kv_cache_dtype == cfg.dtype
+        pytest.skip("no AVX512-BF16 here: nothing else to compare")
+    assert cfg.bf16_matmuls and cfg.kv_cache_dtype == torch.bfloat16
+    wide = LLM(str(tiny_model_dir), kv_cache_dtype="float32", **kw)
+    assert wide.engine.config.model.kv_cache_dtype == torch.float32
+    assert auto.engine.config.cache.num_blocks == 2 * wide.engine.config.cache.num_blocks
+    prompts = random_prompts(384)[:6]
+    prompts += [prompts[0] + prompts[1][:20]]  # a prefix hit
+    assert _generate(auto, prompts) == _generate(wide, prompts)
+
+
+@pytest.mark.engine
+def test_a_bfloat16_cache_under_float32_arithmetic(tiny_model_dir, native_kernels):
+    """--dtype float32 --kv-cache-dtype bfloat16: the C path and torch's own (--enforce-eager)
+    round the same values into the cache and give the same greedy tokens, under preemption by
+    swap and by recompute as without."""
+    prompts = [p * 3 for p in random_prompts(384)[:8]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", max_model_len=512,
+                  max_num_batched_tokens=128, debug_checks=True, **kw)
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_pool_clean(llm.engine)
+        return outs, llm.engine.scheduler
+
+    expected, _ = run(kv_cache_memory=0.01, enforce_eager=True)
+    got, _ = run(kv_cache_memory=0.01)
+    assert got == expected
+    block = 2 * 2 * 2 * 16 * 16 * 2  # layers, K/V, KV heads, block size, head dim, bfloat16
+    for mode in ("swap", "recompute"):
+        tight, sched = run(kv_cache_memory=40 * block / 2 ** 30, swap_space=14 * block / 2 ** 30,
+                           preemption_mode=mode)
+        assert sched.num_preemptions > 0
+        assert tight == expected, mode
+
+
+def test_what_is_refused():
+    with pytest.raises(ValueError, match="float8 KV cache is not supported"):
+        EngineArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="must be one of auto, bfloat16, float32"):
+        EngineArgs(kv_cache_dtype="int8")
+    triton = EngineArgs(attention_backend="triton", kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="Triton attention keeps K and V in the model's dtype"):
+        triton.resolve_kv_cache_dtype(torch.device("cuda"), torch.bfloat16, False)
+    assert triton.resolve_kv_cache_dtype(torch.device("cuda"), torch.float32, False) == torch.float32
+    cpu = EngineArgs(kv_cache_dtype="bfloat16")
+    assert cpu.resolve_kv_cache_dtype(torch.device("cpu"), torch.float32, False) == torch.bfloat16
+    assert EngineArgs().resolve_kv_cache_dtype(torch.device("cpu"), torch.float32, True) == torch.bfloat16
+    assert EngineArgs().resolve_kv_cache_dtype(torch.device("cuda"), torch.bfloat16, False) == torch.bfloat16

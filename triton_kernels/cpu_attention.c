@@ -1,0 +1,793 @@
+/* Causal paged attention of any step on the CPU, straight from the cache blocks (cpu_kernels.py's
+   paged_attention, and the decoder stack's in cpu_kernels.c). Built twice, once for each format
+   the KV cache may hold: float32 (this file as it is) and bfloat16 (cpu_attention_bf16.c, which
+   defines KV_BF16 and includes it). The arithmetic is float32 either way: a bfloat16 K or V value
+   is widened exactly (its bits moved up 16 places) where it is read, and a new one is rounded to
+   nearest even where it is written, so a cache of values already bfloat16 (the C kernels'
+   bfloat16 arithmetic rounds every K and V so) gives the float32 cache's outputs to the bit at
+   half the bytes. */
+
+#include "cpu_kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+#endif
+
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+#define KV_NAME(name) name##_kv16
+static inline float kvf(kv_t h) { /* a bfloat16 value's float32: exact */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline kv_t to_kv(float f) { /* f rounded as round_bf16 rounds it, its upper half */
+    f = round_bf16(f);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (kv_t)(u >> 16);
+}
+#ifdef PS_AVX2
+static inline __m256 kv_load8(const kv_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+#ifdef PS_AVX512
+static inline __m512 kv_load16(const kv_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+static inline float dot_kv(const float *a, const kv_t *b, long n) {
+    long i = 0;
+    float s = 0.0f;
+#ifdef PS_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * kvf(b[i]);
+    return s;
+}
+static inline void axpy_kv(float *y, float a, const kv_t *x, long n) { /* y += a * x */
+    long i = 0;
+#ifdef PS_AVX2
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, kv_load8(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * kvf(x[i]);
+}
+#else
+typedef float kv_t;
+#define KV_NAME(name) name##_kv32
+#define kvf(h) (h)
+#define to_kv(f) (f)
+#define kv_load8 _mm256_loadu_ps
+#define kv_load16 _mm512_loadu_ps
+#define dot_kv dot
+#define axpy_kv axpy
+#endif
+
+/* the two builds' entries, for the exported one (in the float32 build) to choose from */
+int paged_attention_kv32(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                         float *k_cache, float *v_cache, const int64_t *slots, long T, const int32_t *block_tables,
+                         long ld_bt, const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H,
+                         long Hkv, long D, long block_size, float scale, float *out, int r16);
+int paged_attention_kv16(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                         uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, long T,
+                         const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
+                         float *out, int r16);
+
+/* ---- paged attention for decode-only steps: read K/V where they lie in the cache ---- */
+
+#ifdef PS_AVX2
+/* the dot products of NH <= 3 query heads (rows D apart) against four rows of k (k, k + D,
+   k + 2D, k + 3D; D a multiple of 8), one accumulator each, reduced together: each row loaded
+   once for the heads of its KV head, so GQA reads K once (docs/performance.md) */
+static inline __attribute__((always_inline)) void dot4_heads(const float *q, int NH, const kv_t *k, long D,
+                                                              __m128 out[3]) {
+    __m256 a[3][4];
+#ifdef PS_AVX512
+    if (D % 16 == 0) { /* 16 a register, the halves added before the reduction below */
+        __m512 z[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) z[h][r] = _mm512_setzero_ps();
+        for (long i = 0; i < D; i += 16) {
+            __m512 k0 = kv_load16(k + i), k1 = kv_load16(k + D + i), k2 = kv_load16(k + 2 * D + i),
+                   k3 = kv_load16(k + 3 * D + i);
+            for (int h = 0; h < NH; h++) {
+                __m512 qv = _mm512_loadu_ps(q + h * D + i);
+                z[h][0] = _mm512_fmadd_ps(qv, k0, z[h][0]);
+                z[h][1] = _mm512_fmadd_ps(qv, k1, z[h][1]);
+                z[h][2] = _mm512_fmadd_ps(qv, k2, z[h][2]);
+                z[h][3] = _mm512_fmadd_ps(qv, k3, z[h][3]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++)
+                a[h][r] = add_halves(z[h][r]);
+    } else
+#endif
+    {
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) a[h][r] = _mm256_setzero_ps();
+        for (long i = 0; i < D; i += 8) {
+            __m256 k0 = kv_load8(k + i), k1 = kv_load8(k + D + i), k2 = kv_load8(k + 2 * D + i),
+                   k3 = kv_load8(k + 3 * D + i);
+            for (int h = 0; h < NH; h++) {
+                __m256 qv = _mm256_loadu_ps(q + h * D + i);
+                a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
+                a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);
+                a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);
+            }
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+        out[h] = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    }
+}
+#endif
+
+/* The attention of one request's G query heads (q: G rows of D) over its cached positions
+   j0..j1-1, each GS of them sharing one KV head (k, v: the first KV head's rows in block 0 of
+   the cache, the next one's block_size * D floats on; a block is `tok` floats). s: scratch of
+   G * (j1 - j0) floats; acc: G rows of D out. With mx and sm NULL, acc is the attention
+   (the probabilities normalised before P V); else a piece of it: acc unnormalised (sum of
+   exp(s - mx) v), mx the largest score and sm the sum of the exponentials of each head, for
+   merge_pieces. Each head's sums are the same whatever G: an item of several KV heads only
+   reads a block's rows of all of them together, where they lie side by side in the cache. */
+static void attend_range(const float *q, const kv_t *k, const kv_t *v, const int32_t *bt, long j0, long j1,
+                         long G, long GS, long D, long block_size, long tok, float scale, float *s, float *acc,
+                         float *mx_out, float *sm_out, int r16) {
+    float mx[64], sum[64]; /* G <= 64 */
+    long L = j1 - j0;
+    float score_scale = scale;
+    if (r16) scale = 1.0f; /* each score rounded to bfloat16 before it is scaled, as torch's q k^T */
+    for (long g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.0f; }
+    for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time: s[g * L + j - j0] */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
+        const kv_t *kb0 = k + (long)bt[j / block_size] * tok + off * D;
+        for (long g = 0; g < G;) {
+            const float *qg = q + g * D;
+            const kv_t *kb = kb0 + g / GS * block_size * D;
+            long nh = GS - g % GS < 3 ? GS - g % GS : 3; /* heads of this KV head taken together */
+            float *sg = s + g * L + (j - j0);
+            long i = 0;
+#ifdef PS_AVX2
+            if (D % 8 == 0)
+                for (; i + 4 <= n; i += 4) {
+                    __m128 d[3];
+                    if (nh == 3) dot4_heads(qg, 3, kb + i * D, D, d);
+                    else if (nh == 2) dot4_heads(qg, 2, kb + i * D, D, d);
+                    else dot4_heads(qg, 1, kb + i * D, D, d);
+                    for (long h = 0; h < nh; h++) _mm_storeu_ps(sg + h * L + i, _mm_mul_ps(d[h], _mm_set1_ps(scale)));
+                }
+#endif
+            for (long h = 0; h < nh; h++)
+                for (long r = i; r < n; r++) sg[h * L + r] = dot_kv(qg + h * D, kb + r * D, D) * scale;
+            g += nh;
+        }
+        j += n;
+    }
+    if (r16)
+        for (long i = 0; i < G * L; i++) s[i] = round_bf16(s[i]) * score_scale;
+    for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
+        float *sg = s + g * L;
+        long j = 0;
+#ifdef PS_AVX2
+        if (L >= 8) { /* max_ps keeps its second operand where the first is NaN, as the loop below */
+            __m256 mv = _mm256_set1_ps(-INFINITY);
+            for (; j + 8 <= L; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sg + j), mv);
+            float t[8];
+            _mm256_storeu_ps(t, mv);
+            for (int e = 0; e < 8; e++) mx[g] = t[e] > mx[g] ? t[e] : mx[g];
+        }
+#endif
+        for (; j < L; j++) mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
+        j = 0;
+#ifdef PS_AVX2
+        __m256 m = _mm256_set1_ps(mx[g]), tot = _mm256_setzero_ps();
+#ifdef PS_AVX512
+        __m512 m16 = _mm512_set1_ps(mx[g]), tot16 = _mm512_setzero_ps();
+        for (; j + 16 <= L; j += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m16));
+            _mm512_storeu_ps(sg + j, e);
+            tot16 = _mm512_add_ps(tot16, e);
+        }
+        tot = add_halves(tot16);
+#endif
+        for (; j + 8 <= L; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
+            _mm256_storeu_ps(sg + j, e);
+            tot = _mm256_add_ps(tot, e);
+        }
+        sum[g] = hsum8(tot);
+#endif
+        for (; j < L; j++) {
+            sg[j] = expf(sg[j] - mx[g]);
+            sum[g] += sg[j];
+        }
+        if (mx_out != NULL) { /* a piece: merge_pieces normalises */
+            mx_out[g] = mx[g];
+            sm_out[g] = sum[g];
+            continue;
+        }
+        float inv = 1.0f / sum[g];
+        if (r16)
+            for (j = 0; j < L; j++) sg[j] = round_bf16(sg[j] * inv);
+        else
+            for (j = 0; j < L; j++) sg[j] *= inv;
+    }
+    for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
+    for (long j = j0; j < j1;) { /* out += P V, a run of one cache block at a time: each V row */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
+        const kv_t *vb0 = v + (long)bt[j / block_size] * tok + off * D; /* each row read from memory */
+        for (long g = 0; g < G; g++) { /* once for the GS heads that share it */
+            const float *pg = s + g * L + (j - j0);
+            const kv_t *vb = vb0 + g / GS * block_size * D;
+            float *ag = acc + g * D;
+            long d0 = 0;
+#ifdef PS_AVX2
+#ifdef PS_AVX512
+            for (; d0 + 64 <= D; d0 += 64) { /* the same chains over the run, 16 a register */
+                __m512 o[4];
+                for (int r = 0; r < 4; r++) o[r] = _mm512_loadu_ps(ag + d0 + 16 * r);
+                for (long i = 0; i < n; i++) {
+                    __m512 p = _mm512_set1_ps(pg[i]);
+                    const kv_t *vr = vb + i * D + d0;
+                    for (int r = 0; r < 4; r++) o[r] = _mm512_fmadd_ps(p, kv_load16(vr + 16 * r), o[r]);
+                }
+                for (int r = 0; r < 4; r++) _mm512_storeu_ps(ag + d0 + 16 * r, o[r]);
+            }
+#endif
+            for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the run */
+                __m256 o[8];
+                for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + d0 + 8 * r);
+                for (long i = 0; i < n; i++) {
+                    __m256 p = _mm256_set1_ps(pg[i]);
+                    const kv_t *vr = vb + i * D + d0;
+                    for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, kv_load8(vr + 8 * r), o[r]);
+                }
+                for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
+            }
+#endif
+            if (d0 < D) /* the rest of the head (all of it without AVX2) */
+                for (long i = 0; i < n; i++) axpy_kv(ag + d0, pg[i], vb + i * D + d0, D - d0);
+        }
+        j += n;
+    }
+}
+
+#define EMPTY_PIECE (-1.0f) /* the sum of an empty piece's exponentials (a real one is >= 0, or NaN) */
+
+/* One token's G heads from its P pieces (part: P records of G * D sums, G maxima, G sums of
+   exponentials, as attend_range leaves them; an empty piece's sum is EMPTY_PIECE) into out.
+   A NaN in a piece comes through, as in the whole-context item. */
+static void merge_heads(const float *part, long P, long rec, long NR, long h0, long G, long D, float *out);
+
+static void merge_pieces(const float *part, long P, long G, long D, float *out) {
+    merge_heads(part, P, G * D + 2 * G, G, 0, G, D, out);
+}
+
+/* merge_pieces of heads h0 .. h0 + G - 1 of records of NR heads each (rec floats apart) */
+static void merge_heads(const float *part, long P, long rec, long NR, long h0, long G, long D, float *out) {
+    for (long g = 0; g < G; g++) {
+        long h = h0 + g;
+        float m = -INFINITY, den = 0.0f;
+        for (long p = 0; p < P; p++) {
+            const float *r = part + p * rec;
+            if (r[NR * D + NR + h] != EMPTY_PIECE && r[NR * D + h] > m) m = r[NR * D + h];
+        }
+        for (long i = 0; i < D; i++) out[g * D + i] = 0.0f;
+        for (long p = 0; p < P; p++) {
+            const float *r = part + p * rec;
+            if (r[NR * D + NR + h] == EMPTY_PIECE) continue;
+            float c = expf(r[NR * D + h] - m);
+            den += c * r[NR * D + NR + h];
+            axpy(out + g * D, c, r + h * D, D);
+        }
+        float inv = den == 0.0f ? 0.0f : 1.0f / den; /* no position at all: zeros, as a whole item gives */
+        for (long i = 0; i < D; i++) out[g * D + i] *= inv;
+    }
+}
+
+/* A decode step of fewer (token, KV head) pairs than twice the threads (one stream of the
+   default model: 3 on 2 threads, one of them doing two thirds of the work): each context is
+   cut into P pieces, P chosen so that the pieces share out evenly, then each token's pieces
+   merged. An item is one piece of a token's every head, where attend_range takes them all (64
+   heads or fewer): a block's rows of every KV head are one read, and two pieces a thread, not
+   four, since each piece costs its start and its merge (docs/performance.md). Else a piece of
+   one KV head's. Returns 1 where scratch memory could not be had. */
+static int decode_pieces(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
+                         const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
+                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16) {
+    long G = H / Hkv, tok = Hkv * block_size * D, NK = H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
+    long rec = NG * D + 2 * NG, P = (2 * threads + B * per - 1) / (B * per);
+    while ((B * per * P) % threads) P++;
+    long max_piece = 1;
+    for (long b = 0; b < B; b++) max_piece = (seq_lens[b] + P - 1) / P > max_piece ? (seq_lens[b] + P - 1) / P : max_piece;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(B * per * P * rec));
+    if (part == NULL) return 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(max_piece * NG));
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < B * per * P; item++) {
+            long b = item / (per * P), hk = item / P % per * NK, L = seq_lens[b], len = (L + P - 1) / P;
+            long j0 = item % P * len, j1 = j0 + len < L ? j0 + len : L;
+            float *r = part + item * rec;
+            if (s == NULL) continue;
+            if (j0 >= j1) { /* past a short context: an empty piece */
+                for (long g = 0; g < NG; g++) r[NG * D + NG + g] = EMPTY_PIECE;
+                continue;
+            }
+            attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                         block_tables + b * ld_bt, j0, j1, NG, G, D, block_size, tok, scale, s, r, r + NG * D,
+                         r + NG * D + NG, r16);
+        }
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long bh = 0; bh < B * per; bh++)
+                merge_pieces(part + bh * P * rec, P, NG, D, out + bh / per * H * D + bh % per * NG * D);
+        }
+        free(s);
+    }
+    free(part);
+    return failed;
+}
+
+/* ---- verification rows: T consecutive positions of one sequence, each K/V row read once ---- */
+
+/* One vector of VW floats where the build has them (the scalar build: one float) */
+#if defined(PS_AVX512)
+typedef __m512 vf;
+#define VW 16
+#define VLOAD _mm512_loadu_ps
+#define VLOADKV kv_load16
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMAX _mm512_max_ps
+#define VEXP exp16
+#elif defined(PS_AVX2)
+typedef __m256 vf;
+#define VW 8
+#define VLOAD _mm256_loadu_ps
+#define VLOADKV kv_load8
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMAX _mm256_max_ps
+#define VEXP exp8
+#else
+typedef float vf;
+#define VW 1
+static inline vf VLOAD(const float *p) { return *p; }
+static inline vf VLOADKV(const kv_t *p) { return kvf(*p); }
+static inline void VSTORE(float *p, vf v) { *p = v; }
+static inline vf VSET1(float f) { return f; }
+static inline vf VZERO(void) { return 0.0f; }
+static inline vf VFMA(vf a, vf b, vf c) { return a * b + c; }
+static inline vf VMUL(vf a, vf b) { return a * b; }
+static inline vf VADD(vf a, vf b) { return a + b; }
+static inline vf VSUB(vf a, vf b) { return a - b; }
+static inline vf VMAX(vf a, vf b) { return a > b ? a : b; }
+static inline vf VEXP(vf a) { return expf(a); }
+#endif
+
+/* v kept in a register: a value loaded once for several FMAs, not folded into each as a load */
+#if VW > 1
+#define IN_REG(v) __asm__("" : "+v"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
+
+/* each lane rounded to bfloat16 (round_bf16's values) */
+static inline vf vround_bf16(vf v) {
+#if defined(PS_AVX512_BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+    float t[VW];
+    VSTORE(t, v);
+    for (int i = 0; i < VW; i++) t[i] = round_bf16(t[i]);
+    return VLOAD(t);
+#endif
+}
+
+/* The scores of NKEY keys (k: rows D apart) against NC * VW query heads (qt: [D] rows Mp apart,
+   the heads along each): s[a * Mp + h] = (q_h . k_a) * scale; r16: the dot product rounded to
+   bfloat16 first. The heads along the vector: no horizontal sums, each key's value broadcast. */
+static inline __attribute__((always_inline)) void score_tile(const kv_t *k, long D, const float *qt, long Mp,
+                                                             int NKEY, int NC, float scale, int r16, float *s) {
+    vf acc[4][3];
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) acc[a][c] = VZERO();
+    for (long d = 0; d < D; d++) {
+        vf qv[3];
+        for (int c = 0; c < NC; c++) {
+            qv[c] = VLOAD(qt + d * Mp + c * VW);
+            IN_REG(qv[c]);
+        }
+        for (int a = 0; a < NKEY; a++) {
+            vf kv = VSET1(kvf(k[a * D + d]));
+            for (int c = 0; c < NC; c++) acc[a][c] = VFMA(kv, qv[c], acc[a][c]);
+        }
+    }
+    vf sc = VSET1(scale);
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) VSTORE(s + a * Mp + c * VW, VMUL(r16 ? vround_bf16(acc[a][c]) : acc[a][c], sc));
+}
+
+/* score_tile over all Mp heads, three vectors of heads at a time */
+static inline __attribute__((always_inline)) void score_keys(const kv_t *k, int NKEY, long D, const float *qt,
+                                                             long Mp, float scale, int r16, float *s) {
+    long C = Mp / VW, c = 0;
+    for (; c + 3 <= C; c += 3) score_tile(k, D, qt + c * VW, Mp, NKEY, 3, scale, r16, s + c * VW);
+    if (C - c == 2) score_tile(k, D, qt + c * VW, Mp, NKEY, 2, scale, r16, s + c * VW);
+    if (C - c == 1) score_tile(k, D, qt + c * VW, Mp, NKEY, 1, scale, r16, s + c * VW);
+}
+
+/* acc[h * D + 0:D] += sum over i < n of p[i * Mp + h] v[i * D + 0:D], for NH heads: each V row
+   loaded once for them, the heads' sums in registers over the run */
+static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, const float *p, long Mp, int NH,
+                                                          const kv_t *v, long n) {
+    long d0 = 0;
+    for (; d0 + 4 * VW <= D; d0 += 4 * VW) {
+        vf o[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) o[h][r] = VLOAD(acc + h * D + d0 + r * VW);
+        for (long i = 0; i < n; i++) {
+            vf vv[4];
+            for (int r = 0; r < 4; r++) {
+                vv[r] = VLOADKV(v + i * D + d0 + r * VW);
+                IN_REG(vv[r]);
+            }
+            for (int h = 0; h < NH; h++) {
+                vf pv = VSET1(p[i * Mp + h]);
+                for (int r = 0; r < 4; r++) o[h][r] = VFMA(pv, vv[r], o[h][r]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int r = 0; r < 4; r++) VSTORE(acc + h * D + d0 + r * VW, o[h][r]);
+    }
+    for (; d0 + VW <= D; d0 += VW) {
+        vf o[3];
+        for (int h = 0; h < NH; h++) o[h] = VLOAD(acc + h * D + d0);
+        for (long i = 0; i < n; i++) {
+            vf vv = VLOADKV(v + i * D + d0);
+            for (int h = 0; h < NH; h++) o[h] = VFMA(VSET1(p[i * Mp + h]), vv, o[h]);
+        }
+        for (int h = 0; h < NH; h++) VSTORE(acc + h * D + d0, o[h]);
+    }
+    for (; d0 < D; d0++)
+        for (int h = 0; h < NH; h++) {
+            float o = acc[h * D + d0];
+            for (long i = 0; i < n; i++) o += p[i * Mp + h] * kvf(v[i * D + d0]);
+            acc[h * D + d0] = o;
+        }
+}
+
+/* One piece (positions j0..j1-1) of the M = T * G query heads of T rows that share one KV head:
+   rows q (ld_q apart) of consecutive positions of one sequence, row t seeing its first lens[t]
+   positions (the positions past a row's own masked out). k, v: this KV head's rows in block 0.
+   Leaves a piece record at rec as attend_range does: [M][D] unnormalised sums, M maxima, M sums
+   of exponentials (head t * G + g: row t's head g). qt: scratch of D * Mp floats, the rows'
+   heads gathered transposed; s: (j1 - j0) * Mp floats, the scores with the heads along a row. */
+static void group_piece(const float *q, long ld_q, long T, long G, long D, const kv_t *k, const kv_t *v,
+                        const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
+                        float scale, int r16, float *qt, float *s, float *rec) {
+    long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
+    for (long d = 0; d < D; d++)
+        for (long m = M; m < Mp; m++) qt[d * Mp + m] = 0.0f;
+    for (long t = 0; t < T; t++)
+        for (long g = 0; g < G; g++)
+            for (long d = 0; d < D; d++) qt[d * Mp + t * G + g] = q[t * ld_q + g * D + d];
+    for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
+        const kv_t *kb = k + (long)bt[j / block_size] * tok + off * D;
+        float *sj = s + (j - j0) * Mp;
+        for (; i + 4 <= n; i += 4) score_keys(kb + i * D, 4, D, qt, Mp, scale, r16, sj + i * Mp);
+        for (; i < n; i++) score_keys(kb + i * D, 1, D, qt, Mp, scale, r16, sj + i * Mp);
+        j += n;
+    }
+    for (long t = 0; t < T; t++) /* positions past a row's own: no weight */
+        for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = -INFINITY;
+    float *mx_out = rec + M * D, *sm_out = mx_out + M;
+    for (long c = 0; c < Mp; c += VW) { /* each head's max, exp(s - max) and its sum, VW heads at once */
+        vf mv = VSET1(-INFINITY), tot = VZERO();
+        for (long j = 0; j < L; j++) mv = VMAX(VLOAD(s + j * Mp + c), mv);
+        for (long j = 0; j < L; j++) {
+            vf e = VEXP(VSUB(VLOAD(s + j * Mp + c), mv));
+            VSTORE(s + j * Mp + c, e);
+            tot = VADD(tot, e);
+        }
+        float mxs[VW], sms[VW];
+        VSTORE(mxs, mv);
+        VSTORE(sms, tot);
+        for (long h = 0; h < VW && c + h < M; h++) mx_out[c + h] = mxs[h], sm_out[c + h] = sms[h];
+    }
+    for (long t = 0; t < T; t++) /* exp's floor left the masked positions a tiny weight: none */
+        for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = 0.0f;
+    for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
+    for (long j = j0; j < j1;) { /* P V, a run of one cache block at a time, three heads a pass */
+        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, m = 0;
+        const kv_t *vb = v + (long)bt[j / block_size] * tok + off * D;
+        const float *pj = s + (j - j0) * Mp;
+        for (; m + 3 <= M; m += 3) pv_tile(rec + m * D, D, pj + m, Mp, 3, vb, n);
+        if (M - m == 2) pv_tile(rec + m * D, D, pj + m, Mp, 2, vb, n);
+        if (M - m == 1) pv_tile(rec + m * D, D, pj + m, Mp, 1, vb, n);
+        j += n;
+    }
+}
+
+#define GROUP_PIECE 256 /* positions a piece at most: its scores stay in L2 */
+#define GROUP_ROWS 17 /* the longest chunk of a step that decode_groups takes (the decoder stack's rows) */
+
+/* A decode step whose rows come in groups (gstart[ng + 1]: group i is rows gstart[i] ..
+   gstart[i + 1] - 1), each group consecutive positions of one sequence (the rows of a
+   speculative verification; a row of its own is a group of one): a group's rows x G heads of
+   a KV head are one item over the positions its first row sees, cut into pieces of at most
+   GROUP_PIECE, so each K/V row is read once for all of them; the last piece also covers the
+   later rows' own positions, masked per row. Pieces merged per row as decode_pieces merges
+   them. seq_lens: per row; block_tables: per row, or (by_group) per group. Returns 1 where
+   scratch memory could not be had. */
+static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
+                         const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
+                         long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
+                         long ng, float *out, int r16) {
+    long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = 0, max_s = 0;
+    long *gp = (long *)malloc(sizeof(long) * (size_t)(3 * ng + B)); /* per group: pieces, length, offset */
+    if (gp == NULL) return 1;
+    long *row_group = gp + 3 * ng;
+    long want = (2 * threads + Hkv * ng - 1) / (Hkv * ng); /* pieces a group, for every thread two items */
+    for (long i = 0; i < ng; i++) {
+        long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16, L0 = seq_lens[gstart[i]];
+        long P = (L0 + GROUP_PIECE - 1) / GROUP_PIECE;
+        P = P > want ? P : want;
+        P = P < L0 ? P : L0;
+        long len = (L0 + P - 1) / P;
+        P = (L0 + len - 1) / len; /* none empty */
+        gp[3 * i] = P, gp[3 * i + 1] = len, gp[3 * i + 2] = total;
+        total += Hkv * P * (M * D + 2 * M);
+        nitems += Hkv * P;
+        max_qt = D * Mp > max_qt ? D * Mp : max_qt;
+        max_s = (len + T - 1) * Mp > max_s ? (len + T - 1) * Mp : max_s;
+        for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
+    }
+    float *part = (float *)malloc(sizeof(float) * (size_t)total);
+    if (part == NULL) {
+        free(gp);
+        return 1;
+    }
+    int failed = 0;
+#pragma omp parallel if (nitems > 1)
+    {
+        float *qt = (float *)malloc(sizeof(float) * (size_t)max_qt), *s = (float *)malloc(sizeof(float) * (size_t)max_s);
+        if (qt == NULL || s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < nitems; item++) {
+            if (qt == NULL || s == NULL) continue;
+            long i = 0, first = 0; /* the group: items run group by group, Hkv * P each */
+            while (item >= first + Hkv * gp[3 * i]) first += Hkv * gp[3 * i++];
+            long P = gp[3 * i], len = gp[3 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
+            long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
+            long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
+            group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
+                        v_cache + hk * block_size * D, block_tables + (by_group ? i : b) * ld_bt, block_size, tok, seq_lens + b, j0,
+                        j1, scale, r16, qt, s, part + gp[3 * i + 2] + (item - first) * (M * D + 2 * M));
+        }
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long bh = 0; bh < B * Hkv; bh++) {
+                long b = bh / Hkv, hk = bh % Hkv, i = row_group[b], T = gstart[i + 1] - gstart[i], M = T * G;
+                long rec = M * D + 2 * M, P = gp[3 * i];
+                merge_heads(part + gp[3 * i + 2] + hk * P * rec, P, rec, M, (b - gstart[i]) * G, G, D,
+                            out + b * H * D + hk * G * D);
+            }
+        }
+        free(qt);
+        free(s);
+    }
+    free(part);
+    free(gp);
+    return failed;
+}
+
+/* Rows of a decode step in groups of consecutive positions of one sequence: gstart[0..ng]
+   (gstart[ng] = B), each group rows whose seq_lens go up by one and whose block tables agree
+   over the blocks each row reads. Returns the number of groups. */
+static long find_groups(const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long block_size,
+                        long *gstart) {
+    long ng = 0;
+    for (long b = 0; b < B;) {
+        long e = b + 1;
+        if (seq_lens[b] >= 1)
+            while (e < B && seq_lens[e] == seq_lens[e - 1] + 1 &&
+                   !memcmp(block_tables + b * ld_bt, block_tables + e * ld_bt,
+                           sizeof(int32_t) * (size_t)((seq_lens[e] + block_size - 1) / block_size)))
+                e++;
+        gstart[ng++] = b;
+        b = e;
+    }
+    gstart[ng] = B;
+    return ng;
+}
+
+static int attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                     kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
+                     const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                     float scale, float *out, int r16);
+
+/* Paged attention of any step, straight from the cache blocks. First the step's new K/V
+   ([T, Hkv, D], token rows ld_kv apart) are written at their slots (a negative slot writes
+   nothing); then each query token attends, causally, to its own position and every one before
+   it: for token t of request b, softmax(q . K^T * scale) V over the first L positions of b's
+   context, L = its position + 1, in float32 (a max pass, an exp-and-sum pass, a normalising
+   pass, as torch's softmax, then the weighted sum; exp is exp8's polynomial, within 2 ulp;
+   scores four keys at a time). query_start_loc [B + 1]: request b's query tokens are rows
+   query_start_loc[b] .. query_start_loc[b + 1] - 1, the last of its seq_lens[b] positions;
+   NULL: one token per request (a decode step, T = B). Returns 1 if scratch memory for the
+   scores could not be had (the output is then not to be used), else 0.
+   q: [T, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
+   block_tables: [B, ld_bt] int32; out: [T, H, D] contiguous. A work item is one token's G =
+   H / Hkv query heads that share a KV head (their K/V rows are read once from memory), or,
+   with at least four tokens a thread, all of one token's heads. A prompt
+   chunk's tokens are items of their own, so the triangle above the causal diagonal is never
+   computed (torch's SDPA with a mask computes the whole square). A decode step of fewer items
+   than twice the threads cuts each context into pieces instead (decode_pieces): the same
+   arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
+   A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
+   most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces.
+   r16: the scores, the probabilities (of a whole item) and the output rounded to bfloat16, as
+   torch_ops.paged_attention's decode path rounds them in bfloat16. */
+int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                            kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
+                            const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                            const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                            float scale, float *out, int r16) {
+    int failed = attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
+                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+    if (r16 && !failed) /* the output rounded to bfloat16, as torch's P V */
+        for (long i = 0; i < T * H * D; i++) out[i] = round_bf16(out[i]);
+    return failed;
+}
+
+static int attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                     kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
+                     const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                     const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                     float scale, float *out, int r16) {
+    long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
+    long max_len = 1;
+    for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (long t = 0; t < T; t++) {
+        if (slots[t] < 0) continue; /* a padding row: writes nowhere */
+        long blk = slots[t] / block_size, off = slots[t] % block_size;
+        for (long h = 0; h < Hkv; h++) {
+            kv_t *kd = k_cache + blk * tok + (h * block_size + off) * D;
+            kv_t *vd = v_cache + blk * tok + (h * block_size + off) * D;
+            for (long i = 0; i < D; i++) {
+                kd[i] = to_kv(k_new[t * ld_kv + h * D + i]);
+                vd[i] = to_kv(v_new[t * ld_kv + h * D + i]);
+            }
+        }
+    }
+    long threads = omp_get_max_threads();
+    long longest = 0; /* a step of chunks of at most GROUP_ROWS rows: each chunk a group */
+    for (long b = 0; query_start_loc != NULL && b < B; b++)
+        if (query_start_loc[b + 1] - query_start_loc[b] > longest) longest = query_start_loc[b + 1] - query_start_loc[b];
+    if (T > 1 && (query_start_loc == NULL || longest <= GROUP_ROWS)) {
+        /* rows of one sequence's consecutive positions read its K/V once (decode_groups): the
+           decoder stack passes them as decodes, found here; a chunk of a step is one */
+        long *gstart = (long *)malloc(sizeof(long) * (size_t)(T + 1));
+        int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
+        int failed = gstart == NULL || lens == NULL;
+        if (!failed) {
+            long ng = B;
+            if (query_start_loc == NULL) {
+                ng = find_groups(block_tables, ld_bt, seq_lens, B, block_size, gstart);
+                memcpy(lens, seq_lens, sizeof(int32_t) * (size_t)T);
+            } else {
+                for (long r = 0; r < B; r++) {
+                    gstart[r] = query_start_loc[r];
+                    for (long t = query_start_loc[r]; t < query_start_loc[r + 1]; t++)
+                        lens[t] = seq_lens[r] - (query_start_loc[r + 1] - 1 - t);
+                }
+                gstart[B] = T;
+            }
+            failed = ng < T ? decode_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc != NULL,
+                                            lens, T, H, Hkv, D, block_size, scale, threads, gstart, ng, out, r16)
+                            : -1;
+        }
+        free(gstart);
+        free(lens);
+        if (failed >= 0) return failed;
+    }
+    if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
+        return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
+                             scale, threads, out, r16);
+    /* a work item: one token's heads of NK KV heads. All of them where the tokens alone share
+       out well, since a block's rows of every KV head lie together and are then one read
+       (docs/performance.md); else one KV head's */
+    long NK = T >= 4 * threads && H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
+    int failed = 0;
+#pragma omp parallel if (T * per > 1)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(max_len * NG)); /* this thread's scores */
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < T * per; item++) {
+            long t = item / per, hk = item % per * NK, b = t, L;
+            if (s == NULL) continue;
+            if (query_start_loc == NULL) {
+                L = seq_lens[b];
+            } else { /* the request whose rows hold t: the last b with query_start_loc[b] <= t */
+                long lo = 0, hi = B - 1;
+                while (lo < hi) {
+                    long mid = (lo + hi + 1) / 2;
+                    if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+                }
+                b = lo;
+                L = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);
+            }
+            attend_range(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                         block_tables + b * ld_bt, 0, L, NG, G, D, block_size, tok, scale, s,
+                         out + t * H * D + hk * G * D, NULL, NULL, r16);
+        }
+        free(s);
+    }
+    return failed;
+}
+
+#ifndef KV_BF16
+/* The exported entries: kv16 says the caches hold bfloat16 (uint16_t), else float32 */
+int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                              void *k_cache, void *v_cache, const int64_t *slots, long T,
+                              const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                              const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
+                              float scale, float *out, int r16, int kv16) {
+    return kv16 ? paged_attention_kv16(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
+                                       query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16)
+                : paged_attention_kv32(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
+                                       query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+}
+
+/* pageserve_paged_attention of a decode step: one query token per request (T = B) */
+int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
+                            long ld_kv, void *k_cache, void *v_cache, const int64_t *slots,
+                            const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
+                            long H, long Hkv, long D, long block_size, float scale, float *out, int r16, int kv16) {
+    return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv16);
+}
+#endif
