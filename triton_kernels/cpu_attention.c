@@ -136,6 +136,29 @@ static inline __attribute__((always_inline)) void dot4_heads(const float *q, int
 }
 #endif
 
+#ifdef PS_AVX512
+/* NH <= 3 heads' rows of acc (D apart) += sum over i < n of p_h[i] v[i] for floats d0..d0+63,
+   p_h: NH rows of probabilities L apart, v: rows D apart: each V row loaded (and widened) once
+   for the heads, each head's sums the same chains over the run as one head alone */
+static inline __attribute__((always_inline)) void pv64_heads(float *acc, long D, const float *p, long L, int NH,
+                                                             const kv_t *v, long n, long d0) {
+    __m512 o[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < 4; r++) o[h][r] = _mm512_loadu_ps(acc + h * D + d0 + 16 * r);
+    for (long i = 0; i < n; i++) {
+        const kv_t *vr = v + i * D + d0;
+        __m512 vv[4];
+        for (int r = 0; r < 4; r++) vv[r] = kv_load16(vr + 16 * r);
+        for (int h = 0; h < NH; h++) {
+            __m512 ph = _mm512_set1_ps(p[h * L + i]);
+            for (int r = 0; r < 4; r++) o[h][r] = _mm512_fmadd_ps(ph, vv[r], o[h][r]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(acc + h * D + d0 + 16 * r, o[h][r]);
+}
+#endif
+
 /* The attention of one request's G query heads (q: G rows of D) over its cached positions
    j0..j1-1, each GS of them sharing one KV head (k, v: the first KV head's rows in block 0 of
    the cache, the next one's block_size * D floats on; a block is `tok` floats). s: scratch of
@@ -230,37 +253,36 @@ static void attend_range(const float *q, const kv_t *k, const kv_t *v, const int
     for (long j = j0; j < j1;) { /* out += P V, a run of one cache block at a time: each V row */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
         const kv_t *vb0 = v + (long)bt[j / block_size] * tok + off * D; /* each row read from memory */
-        for (long g = 0; g < G; g++) { /* once for the GS heads that share it */
-            const float *pg = s + g * L + (j - j0);
+        for (long g = 0; g < G;) { /* once for the GS heads that share it */
+            long nh = GS - g % GS < 3 ? GS - g % GS : 3, d0 = 0; /* heads of this KV head taken together */
             const kv_t *vb = vb0 + g / GS * block_size * D;
-            float *ag = acc + g * D;
-            long d0 = 0;
-#ifdef PS_AVX2
+            const float *pg = s + g * L + (j - j0);
 #ifdef PS_AVX512
-            for (; d0 + 64 <= D; d0 += 64) { /* the same chains over the run, 16 a register */
-                __m512 o[4];
-                for (int r = 0; r < 4; r++) o[r] = _mm512_loadu_ps(ag + d0 + 16 * r);
-                for (long i = 0; i < n; i++) {
-                    __m512 p = _mm512_set1_ps(pg[i]);
-                    const kv_t *vr = vb + i * D + d0;
-                    for (int r = 0; r < 4; r++) o[r] = _mm512_fmadd_ps(p, kv_load16(vr + 16 * r), o[r]);
-                }
-                for (int r = 0; r < 4; r++) _mm512_storeu_ps(ag + d0 + 16 * r, o[r]);
-            }
+            for (; d0 + 64 <= D; d0 += 64) /* each V row loaded (and widened) once for the nh heads */
+                if (nh == 3) pv64_heads(acc + g * D, D, pg, L, 3, vb, n, d0);
+                else if (nh == 2) pv64_heads(acc + g * D, D, pg, L, 2, vb, n, d0);
+                else pv64_heads(acc + g * D, D, pg, L, 1, vb, n, d0);
 #endif
-            for (; d0 + 64 <= D; d0 += 64) { /* 64 floats of the head in registers over the run */
-                __m256 o[8];
-                for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + d0 + 8 * r);
-                for (long i = 0; i < n; i++) {
-                    __m256 p = _mm256_set1_ps(pg[i]);
-                    const kv_t *vr = vb + i * D + d0;
-                    for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, kv_load8(vr + 8 * r), o[r]);
+            for (long h = 0; h < nh; h++) {
+                float *ag = acc + (g + h) * D;
+                const float *ph = pg + h * L;
+                long e = d0;
+#if defined(PS_AVX2) && !defined(PS_AVX512)
+                for (; e + 64 <= D; e += 64) { /* 64 floats of the head in registers over the run */
+                    __m256 o[8];
+                    for (int r = 0; r < 8; r++) o[r] = _mm256_loadu_ps(ag + e + 8 * r);
+                    for (long i = 0; i < n; i++) {
+                        __m256 p = _mm256_set1_ps(ph[i]);
+                        const kv_t *vr = vb + i * D + e;
+                        for (int r = 0; r < 8; r++) o[r] = _mm256_fmadd_ps(p, kv_load8(vr + 8 * r), o[r]);
+                    }
+                    for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + e + 8 * r, o[r]);
                 }
-                for (int r = 0; r < 8; r++) _mm256_storeu_ps(ag + d0 + 8 * r, o[r]);
-            }
 #endif
-            if (d0 < D) /* the rest of the head (all of it without AVX2) */
-                for (long i = 0; i < n; i++) axpy_kv(ag + d0, pg[i], vb + i * D + d0, D - d0);
+                if (e < D) /* the rest of the head (all of it without AVX2) */
+                    for (long i = 0; i < n; i++) axpy_kv(ag + e, ph[i], vb + i * D + e, D - e);
+            }
+            g += nh;
         }
         j += n;
     }
