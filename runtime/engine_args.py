@@ -312,11 +312,16 @@ class EngineArgs:
 
     def resolve_kv_cache_dtype(self, device: torch.device, dtype: torch.dtype, bf16_matmuls: bool) -> torch.dtype:
         """--kv-cache-dtype. auto: bfloat16 where the C kernels multiply in bfloat16, since every K
-        and V value they make is then a bfloat16 value (half the bytes, the same outputs); else the
-        activations' dtype. The Triton kernels take only the activations' dtype."""
+        and V value they make is then a bfloat16 value (half the bytes, the same outputs), but for
+        LoRA (an adapter's delta is added unrounded); else the activations' dtype. The Triton
+        kernels take only the activations' dtype; float16 activations no bfloat16 cache (it
+        would drop three bits of theirs and overflow near their largest values)."""
         if self.kv_cache_dtype == "auto":
-            return torch.bfloat16 if bf16_matmuls else dtype
+            return torch.bfloat16 if bf16_matmuls and not self.enable_lora else dtype
         kv = parse_dtype(self.kv_cache_dtype)
+        if kv == torch.bfloat16 and dtype == torch.float16:
+            raise ValueError("--kv-cache-dtype bfloat16 under --dtype float16 would lose precision the "
+                             "activations have; leave it at auto")
         triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and device.type == "cuda")
         if triton and kv != dtype:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the Triton attention keeps K and V in the "

@@ -3,7 +3,7 @@
    the KV cache may hold: float32 (this file as it is) and bfloat16 (cpu_attention_bf16.c, which
    defines KV_BF16 and includes it). The arithmetic is float32 either way: a bfloat16 K or V value
    is widened exactly (its bits moved up 16 places) where it is read, and a new one is rounded to
-   nearest even where it is written, so a cache of values already bfloat16 (the C kernels'
+   nearest even where it is written (as torch rounds it, subnormals kept), so a cache of values already bfloat16 (the C kernels'
    bfloat16 arithmetic rounds every K and V so) gives the float32 cache's outputs to the bit at
    half the bytes. */
 
@@ -23,11 +23,11 @@ static inline float kvf(kv_t h) { /* a bfloat16 value's float32: exact */
     memcpy(&f, &u, 4);
     return f;
 }
-static inline kv_t to_kv(float f) { /* f rounded as round_bf16 rounds it, its upper half */
-    f = round_bf16(f);
+static inline kv_t to_kv(float f) { /* f rounded to nearest even, as torch's .bfloat16() rounds it */
     uint32_t u;
     memcpy(&u, &f, 4);
-    return (kv_t)(u >> 16);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0; /* a NaN: torch's one */
+    return (kv_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 #ifdef PS_AVX2
 static inline __m256 kv_load8(const kv_t *p) {
@@ -596,7 +596,9 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
         total += Hkv * P * (M * D + 2 * M);
         nitems += Hkv * P;
         max_qt = D * Mp > max_qt ? D * Mp : max_qt;
-        max_s = (len + T - 1) * Mp > max_s ? (len + T - 1) * Mp : max_s;
+        /* one row more than a piece's scores: GCC's vectorising of pv_tile in a build without
+           AVX2 (-march=x86-64) reads the row after a run */
+        max_s = (len + T) * Mp > max_s ? (len + T) * Mp : max_s;
         for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
     }
     float *part = (float *)malloc(sizeof(float) * (size_t)total);

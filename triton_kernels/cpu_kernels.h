@@ -1,6 +1,6 @@
-/* What the CPU kernels' two files share (cpu_linear.c: the linear layer in every weight format;
-   cpu_kernels.c: the small ops, paged attention, the decoder stack): the vector width, the
-   weight formats, and the linear's entry point. */
+/* What the CPU kernels' files share (cpu_linear.c: the linear layer in every weight format;
+   cpu_kernels.c: the small ops, the decoder stack; cpu_attention.c: paged attention): the vector
+   width, the weight formats, exp, and the entry points they call in one another. */
 
 #ifndef PAGESERVE_CPU_KERNELS_H
 #define PAGESERVE_CPU_KERNELS_H
