@@ -113,3 +113,24 @@ def test_a_failed_build_names_the_compiler_and_keeps_torch(cache, monkeypatch, c
         assert cpu_kernels.load(folder) is None
     assert "building the CPU kernels with" in caplog.text and "no such compiler" in caplog.text
     assert not name.exists() and not list(folder.glob("*.so"))
+
+
+def test_the_build_compiles_the_bytes_its_key_names(cache, tmp_path, monkeypatch):
+    """A source changed on disk between naming a build and compiling it (an upgrade, an edit)
+    cannot put one version's library under another's name: the compiler is given the bytes the
+    key hashed, not the files as they are by then."""
+    folder, _, runs = cache
+    files = cpu_build.source_files()
+    files["cpu_kernels.c"] += b"\n/* the version this key names */\n"
+    seen = tmp_path / "compiled.c"
+    script = tmp_path / "recording cc.py"
+    script.write_text("import shutil, sys\n"
+                      "src = next(a for a in sys.argv if a.endswith('cpu_kernels.c'))\n"
+                      f"shutil.copy(src, {str(seen)!r})\n"
+                      f"shutil.copy({str(cpu_kernels.load(cache_root() / 'kernels')._lib._name)!r}, "
+                      "sys.argv[sys.argv.index('-o') + 1])\n")
+    monkeypatch.setenv("CC", f"{sys.executable} '{script}'")
+    monkeypatch.setattr(cpu_kernels, "source_files", lambda: files)
+    assert cpu_kernels.load(folder) is not None
+    assert seen.read_bytes() == files["cpu_kernels.c"]
+    assert (folder / f"cpu_kernels-{cpu_build.build_key(cpu_kernels.FLAGS, files)}.so").is_file()

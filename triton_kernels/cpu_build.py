@@ -28,11 +28,18 @@ HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_wei
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
-def build_key(flags: list[str]) -> str:
-    """What names a build: the sources, the flags, and the machine and CPU model they target."""
+def source_files() -> dict[str, bytes]:
+    """The sources and headers as they are now, read once: a build compiles these bytes and its
+    key hashes the same ones, so a file changed in between cannot give a key another build."""
+    return {path.name: path.read_bytes() for path in (*SOURCES, *HEADERS)}
+
+
+def build_key(flags: list[str], files: dict[str, bytes] | None = None) -> str:
+    """What names a build: the sources (`files`, default: as they are now), the flags, and the
+    machine and CPU model they target."""
     h = hashlib.sha256()
-    for path in (*SOURCES, *HEADERS):
-        h.update(path.read_bytes())
+    for text in (files or source_files()).values():
+        h.update(text)
     h.update(" ".join(flags).encode())
     h.update(platform.machine().encode())
     try:  # -march=native: a different CPU model needs its own build
@@ -64,8 +71,9 @@ def untrusted(path: Path) -> str | None:
     return None
 
 
-def build(cache_dir: Path, path: Path, flags: list[str]) -> bool:
-    """Compile the library to `path`; False (logged) where there is no compiler or it fails."""
+def build(cache_dir: Path, path: Path, flags: list[str], files: dict[str, bytes] | None = None) -> bool:
+    """Compile the library (`files`, default: the sources as they are now) to `path`; False
+    (logged) where there is no compiler or it fails."""
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
     if not compiler:
         logger.info("no C compiler: the CPU path keeps torch's ops")
@@ -75,8 +83,11 @@ def build(cache_dir: Path, path: Path, flags: list[str]) -> bool:
         cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so")  # built aside, then renamed: no torn file
         os.close(fd)
-        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        with tempfile.TemporaryDirectory() as src:
+            for name, text in (files or source_files()).items():
+                (Path(src) / name).write_bytes(text)
+            subprocess.run([*compiler, *flags, *(str(Path(src) / p.name) for p in SOURCES), "-o", tmp, "-lm"],
+                           check=True, capture_output=True, text=True, timeout=120)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, path)
         return True

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS, blocks, in_features, weight_format
-from pageserve.triton_kernels.cpu_build import FLAGS, build, build_key, untrusted
+from pageserve.triton_kernels.cpu_build import FLAGS, build, build_key, source_files, untrusted
 
 __all__ = ["BLOCK_FORMATS", "blocks", "in_features", "weight_format", "CpuKernels", "DecodeStack", "load"]
 
@@ -346,10 +346,10 @@ def load(cache_dir: Path, bf16_dot: bool = False, extra_flags: tuple[str, ...] =
     with -mno-avx512f)."""
     if os.environ.get("PAGESERVE_NO_CPU_KERNELS") == "1":
         return None
-    flags = [*FLAGS, *extra_flags]
-    path = cache_dir / f"cpu_kernels-{build_key(flags)}.so"
+    flags, files = [*FLAGS, *extra_flags], source_files()
+    path = cache_dir / f"cpu_kernels-{build_key(flags, files)}.so"
     for attempt in range(2):
-        if not path.is_file() and not build(cache_dir, path, flags):
+        if not path.is_file() and not build(cache_dir, path, flags, files):
             return None
         if (why := untrusted(path)) is not None:
             logger.warning("not loading the CPU kernels from %s: %s; keeping torch's ops (remove it, or point "
