@@ -437,10 +437,26 @@ static inline vf vround_bf16(vf v) {
 #endif
 }
 
+/* n values of the cache as float32: themselves in a float32 cache, else widened into buf (so
+   that a run of rows read for many query heads is widened once) */
+static inline const float *rows_f32(const kv_t *src, long n, float *buf) {
+#ifdef KV_BF16
+    long i = 0;
+#ifdef PS_AVX512
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, kv_load16(src + i));
+#endif
+    for (; i < n; i++) buf[i] = kvf(src[i]);
+    return buf;
+#else
+    (void)n, (void)buf;
+    return src;
+#endif
+}
+
 /* The scores of NKEY keys (k: rows D apart) against NC * VW query heads (qt: [D] rows Mp apart,
    the heads along each): s[a * Mp + h] = (q_h . k_a) * scale; r16: the dot product rounded to
    bfloat16 first. The heads along the vector: no horizontal sums, each key's value broadcast. */
-static inline __attribute__((always_inline)) void score_tile(const kv_t *k, long D, const float *qt, long Mp,
+static inline __attribute__((always_inline)) void score_tile(const float *k, long D, const float *qt, long Mp,
                                                              int NKEY, int NC, float scale, int r16, float *s) {
     vf acc[4][3];
     for (int a = 0; a < NKEY; a++)
@@ -452,7 +468,7 @@ static inline __attribute__((always_inline)) void score_tile(const kv_t *k, long
             IN_REG(qv[c]);
         }
         for (int a = 0; a < NKEY; a++) {
-            vf kv = VSET1(kvf(k[a * D + d]));
+            vf kv = VSET1(k[a * D + d]);
             for (int c = 0; c < NC; c++) acc[a][c] = VFMA(kv, qv[c], acc[a][c]);
         }
     }
@@ -462,7 +478,7 @@ static inline __attribute__((always_inline)) void score_tile(const kv_t *k, long
 }
 
 /* score_tile over all Mp heads, three vectors of heads at a time */
-static inline __attribute__((always_inline)) void score_keys(const kv_t *k, int NKEY, long D, const float *qt,
+static inline __attribute__((always_inline)) void score_keys(const float *k, int NKEY, long D, const float *qt,
                                                              long Mp, float scale, int r16, float *s) {
     long C = Mp / VW, c = 0;
     for (; c + 3 <= C; c += 3) score_tile(k, D, qt + c * VW, Mp, NKEY, 3, scale, r16, s + c * VW);
@@ -473,7 +489,7 @@ static inline __attribute__((always_inline)) void score_keys(const kv_t *k, int 
 /* acc[h * D + 0:D] += sum over i < n of p[i * Mp + h] v[i * D + 0:D], for NH heads: each V row
    loaded once for them, the heads' sums in registers over the run */
 static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, const float *p, long Mp, int NH,
-                                                          const kv_t *v, long n) {
+                                                          const float *v, long n) {
     long d0 = 0;
     for (; d0 + 4 * VW <= D; d0 += 4 * VW) {
         vf o[3][4];
@@ -482,7 +498,7 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, co
         for (long i = 0; i < n; i++) {
             vf vv[4];
             for (int r = 0; r < 4; r++) {
-                vv[r] = VLOADKV(v + i * D + d0 + r * VW);
+                vv[r] = VLOAD(v + i * D + d0 + r * VW);
                 IN_REG(vv[r]);
             }
             for (int h = 0; h < NH; h++) {
@@ -497,7 +513,7 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, co
         vf o[3];
         for (int h = 0; h < NH; h++) o[h] = VLOAD(acc + h * D + d0);
         for (long i = 0; i < n; i++) {
-            vf vv = VLOADKV(v + i * D + d0);
+            vf vv = VLOAD(v + i * D + d0);
             for (int h = 0; h < NH; h++) o[h] = VFMA(VSET1(p[i * Mp + h]), vv, o[h]);
         }
         for (int h = 0; h < NH; h++) VSTORE(acc + h * D + d0, o[h]);
@@ -505,7 +521,7 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, co
     for (; d0 < D; d0++)
         for (int h = 0; h < NH; h++) {
             float o = acc[h * D + d0];
-            for (long i = 0; i < n; i++) o += p[i * Mp + h] * kvf(v[i * D + d0]);
+            for (long i = 0; i < n; i++) o += p[i * Mp + h] * v[i * D + d0];
             acc[h * D + d0] = o;
         }
 }
@@ -518,7 +534,7 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, co
    heads gathered transposed; s: (j1 - j0) * Mp floats, the scores with the heads along a row. */
 static void group_piece(const float *q, long ld_q, long T, long G, long D, const kv_t *k, const kv_t *v,
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
-                        float scale, int r16, float *qt, float *s, float *rec) {
+                        float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
     for (long d = 0; d < D; d++)
         for (long m = M; m < Mp; m++) qt[d * Mp + m] = 0.0f;
@@ -527,7 +543,7 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
             for (long d = 0; d < D; d++) qt[d * Mp + t * G + g] = q[t * ld_q + g * D + d];
     for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
-        const kv_t *kb = k + (long)bt[j / block_size] * tok + off * D;
+        const float *kb = rows_f32(k + (long)bt[j / block_size] * tok + off * D, n * D, kvw);
         float *sj = s + (j - j0) * Mp;
         for (; i + 4 <= n; i += 4) score_keys(kb + i * D, 4, D, qt, Mp, scale, r16, sj + i * Mp);
         for (; i < n; i++) score_keys(kb + i * D, 1, D, qt, Mp, scale, r16, sj + i * Mp);
@@ -556,7 +572,7 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
     for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
     for (long j = j0; j < j1;) { /* P V, a run of one cache block at a time, three heads a pass */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, m = 0;
-        const kv_t *vb = v + (long)bt[j / block_size] * tok + off * D;
+        const float *vb = rows_f32(v + (long)bt[j / block_size] * tok + off * D, n * D, kvw);
         const float *pj = s + (j - j0) * Mp;
         for (; m + 3 <= M; m += 3) pv_tile(rec + m * D, D, pj + m, Mp, 3, vb, n);
         if (M - m == 2) pv_tile(rec + m * D, D, pj + m, Mp, 2, vb, n);
@@ -610,13 +626,14 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
 #pragma omp parallel if (nitems > 1)
     {
         float *qt = (float *)malloc(sizeof(float) * (size_t)max_qt), *s = (float *)malloc(sizeof(float) * (size_t)max_s);
-        if (qt == NULL || s == NULL) {
+        float *kvw = (float *)malloc(sizeof(float) * (size_t)(block_size * D)); /* a run of K or V rows widened */
+        if (qt == NULL || s == NULL || kvw == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < nitems; item++) {
-            if (qt == NULL || s == NULL) continue;
+            if (qt == NULL || s == NULL || kvw == NULL) continue;
             long i = 0, first = 0; /* the group: items run group by group, Hkv * P each */
             while (item >= first + Hkv * gp[3 * i]) first += Hkv * gp[3 * i++];
             long P = gp[3 * i], len = gp[3 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
@@ -624,7 +641,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
             group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
                         v_cache + hk * block_size * D, block_tables + (by_group ? i : b) * ld_bt, block_size, tok, seq_lens + b, j0,
-                        j1, scale, r16, qt, s, part + gp[3 * i + 2] + (item - first) * (M * D + 2 * M));
+                        j1, scale, r16, qt, s, part + gp[3 * i + 2] + (item - first) * (M * D + 2 * M), kvw);
         }
         if (!failed) {
 #pragma omp for schedule(static)
@@ -637,9 +654,65 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
         }
         free(qt);
         free(s);
+        free(kvw);
     }
     free(part);
     free(gp);
+    return failed;
+}
+
+#define PROMPT_LANES 48 /* query heads (rows x the heads of a KV head) an item of a long chunk takes at most */
+
+/* A step with a chunk longer than GROUP_ROWS (a prompt): each request's rows cut into groups of
+   consecutive positions, PROMPT_LANES query heads at most (rows x the G heads of a KV head). An
+   item is one group's heads of one KV head over every position its last row sees, as one piece
+   of group_piece (the heads along the vector, so no sums across lanes; each K/V row read once
+   for all of them; each row's positions past its own masked), then normalised as merge_pieces
+   normalises a single piece. Returns 1 where scratch memory could not be had. */
+static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
+                         const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
+                         float *out, int r16) {
+    long G = H / Hkv, tok = Hkv * block_size * D, rows = PROMPT_LANES / G > 1 ? PROMPT_LANES / G : 1;
+    long ngroups = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16;
+    for (long b = 0; b < B; b++) {
+        ngroups += (query_start_loc[b + 1] - query_start_loc[b] + rows - 1) / rows;
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    }
+    long *first = (long *)malloc(sizeof(long) * (size_t)(2 * ngroups + 1)); /* per group: first row, request */
+    if (first == NULL) return 1;
+    for (long b = 0, i = 0; b < B; b++)
+        for (long t = query_start_loc[b]; t < query_start_loc[b + 1]; t += rows, i++) first[2 * i] = t, first[2 * i + 1] = b;
+    int failed = 0;
+#pragma omp parallel if (ngroups * Hkv > 1)
+    {
+        float *qt = (float *)malloc(sizeof(float) * (size_t)(D * Mp));
+        float *s = (float *)malloc(sizeof(float) * (size_t)((max_len + 1) * Mp)); /* a row more, as decode_groups */
+        float *rec = (float *)malloc(sizeof(float) * (size_t)(rows * G * (D + 2)));
+        float *kvw = (float *)malloc(sizeof(float) * (size_t)(block_size * D));
+        int32_t lens[PROMPT_LANES];
+        if (qt == NULL || s == NULL || rec == NULL || kvw == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < ngroups * Hkv; item++) {
+            if (qt == NULL || s == NULL || rec == NULL || kvw == NULL) continue;
+            long i = item / Hkv, hk = item % Hkv, t0 = first[2 * i], b = first[2 * i + 1];
+            long end = query_start_loc[b + 1], T = end - t0 < rows ? end - t0 : rows, M = T * G;
+            for (long t = 0; t < T; t++) lens[t] = seq_lens[b] - (int32_t)(end - 1 - (t0 + t));
+            group_piece(q + t0 * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
+                        v_cache + hk * block_size * D, block_tables + b * ld_bt, block_size, tok, lens, 0,
+                        lens[T - 1], scale, r16, qt, s, rec, kvw);
+            for (long t = 0; t < T; t++)
+                merge_heads(rec, 1, M * D + 2 * M, M, t * G, G, D, out + (t0 + t) * H * D + hk * G * D);
+        }
+        free(qt);
+        free(s);
+        free(rec);
+        free(kvw);
+    }
+    free(first);
     return failed;
 }
 
@@ -682,13 +755,14 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    q: [T, H, D] token rows ld_q apart; caches: [blocks, Hkv, block_size, D] contiguous;
    block_tables: [B, ld_bt] int32; out: [T, H, D] contiguous. A work item is one token's G =
    H / Hkv query heads that share a KV head (their K/V rows are read once from memory), or,
-   with at least four tokens a thread, all of one token's heads. A prompt
-   chunk's tokens are items of their own, so the triangle above the causal diagonal is never
-   computed (torch's SDPA with a mask computes the whole square). A decode step of fewer items
+   with at least four tokens a thread, all of one token's heads. A decode step of fewer items
    than twice the threads cuts each context into pieces instead (decode_pieces): the same
    arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
    A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
    most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces.
+   A step with a longer chunk (a prompt) goes by groups of up to PROMPT_LANES query heads
+   (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
+   is computed only within a group (torch's SDPA with a mask computes the whole square).
    r16: the scores, the probabilities (of a whole item) and the output rounded to bfloat16, as
    torch_ops.paged_attention's decode path rounds them in bfloat16. */
 int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
@@ -754,6 +828,9 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
         free(lens);
         if (failed >= 0) return failed;
     }
+    if (query_start_loc != NULL && longest > GROUP_ROWS)
+        return prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc, seq_lens, B, H, Hkv, D,
+                             block_size, scale, out, r16);
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
                              scale, threads, out, r16);
