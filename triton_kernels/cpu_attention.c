@@ -668,26 +668,37 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
    item is one group's heads of one KV head over every position its last row sees, as one piece
    of group_piece (the heads along the vector, so no sums across lanes; each K/V row read once
    for all of them; each row's positions past its own masked), then normalised as merge_pieces
-   normalises a single piece. Returns 1 where scratch memory could not be had. */
+   normalises a single piece. A request of one row (a decode in the step) is one item of all its
+   heads (64 or fewer) in attend_range, as without the chunk: a group of one row would work G
+   lanes of a vector. Returns 1 where scratch memory could not be had. */
 static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                          const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
                          float *out, int r16) {
     long G = H / Hkv, tok = Hkv * block_size * D, rows = PROMPT_LANES / G > 1 ? PROMPT_LANES / G : 1;
-    long ngroups = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16;
+    long nitems = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16, all = H <= 64; /* all: a decode's heads one item */
     for (long b = 0; b < B; b++) {
-        ngroups += (query_start_loc[b + 1] - query_start_loc[b] + rows - 1) / rows;
+        long n = query_start_loc[b + 1] - query_start_loc[b];
+        nitems += n == 1 && all ? 1 : (n + rows - 1) / rows * Hkv;
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     }
-    long *first = (long *)malloc(sizeof(long) * (size_t)(2 * ngroups + 1)); /* per group: first row, request */
-    if (first == NULL) return 1;
-    for (long b = 0, i = 0; b < B; b++)
-        for (long t = query_start_loc[b]; t < query_start_loc[b + 1]; t += rows, i++) first[2 * i] = t, first[2 * i + 1] = b;
+    long *items = (long *)malloc(sizeof(long) * (size_t)(3 * nitems + 1)); /* first row, request, KV head (-1: all) */
+    if (items == NULL) return 1;
+    for (long b = 0, i = 0; b < B; b++) {
+        long t0 = query_start_loc[b], end = query_start_loc[b + 1];
+        if (end - t0 == 1 && all) {
+            items[3 * i] = t0, items[3 * i + 1] = b, items[3 * i + 2] = -1, i++;
+            continue;
+        }
+        for (long t = t0; t < end; t += rows)
+            for (long hk = 0; hk < Hkv; hk++, i++) items[3 * i] = t, items[3 * i + 1] = b, items[3 * i + 2] = hk;
+    }
+    long lanes = Mp > H ? Mp : H; /* a score row: a group's heads, or a decode's every head */
     int failed = 0;
-#pragma omp parallel if (ngroups * Hkv > 1)
+#pragma omp parallel if (nitems > 1)
     {
         float *qt = (float *)malloc(sizeof(float) * (size_t)(D * Mp));
-        float *s = (float *)malloc(sizeof(float) * (size_t)((max_len + 1) * Mp)); /* a row more, as decode_groups */
+        float *s = (float *)malloc(sizeof(float) * (size_t)((max_len + 1) * lanes)); /* a row more, as decode_groups */
         float *rec = (float *)malloc(sizeof(float) * (size_t)(rows * G * (D + 2)));
         float *kvw = (float *)malloc(sizeof(float) * (size_t)(block_size * D));
         int32_t lens[PROMPT_LANES];
@@ -696,10 +707,15 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < ngroups * Hkv; item++) {
+        for (long item = 0; item < nitems; item++) {
             if (qt == NULL || s == NULL || rec == NULL || kvw == NULL) continue;
-            long i = item / Hkv, hk = item % Hkv, t0 = first[2 * i], b = first[2 * i + 1];
+            long t0 = items[3 * item], b = items[3 * item + 1], hk = items[3 * item + 2];
             long end = query_start_loc[b + 1], T = end - t0 < rows ? end - t0 : rows, M = T * G;
+            if (hk < 0) { /* a decode beside the chunks: a token's item of every head, as without them */
+                attend_range(q + t0 * ld_q, k_cache, v_cache, block_tables + b * ld_bt, 0, seq_lens[b], H, G, D,
+                             block_size, tok, scale, s, out + t0 * H * D, NULL, NULL, r16);
+                continue;
+            }
             for (long t = 0; t < T; t++) lens[t] = seq_lens[b] - (int32_t)(end - 1 - (t0 + t));
             group_piece(q + t0 * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
                         v_cache + hk * block_size * D, block_tables + b * ld_bt, block_size, tok, lens, 0,
@@ -712,7 +728,7 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
         free(rec);
         free(kvw);
     }
-    free(first);
+    free(items);
     return failed;
 }
 
@@ -763,8 +779,9 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    A step with a longer chunk (a prompt) goes by groups of up to PROMPT_LANES query heads
    (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
    is computed only within a group (torch's SDPA with a mask computes the whole square).
-   r16: the scores, the probabilities (of a whole item) and the output rounded to bfloat16, as
-   torch_ops.paged_attention's decode path rounds them in bfloat16. */
+   r16: the scores, the probabilities (of a token's item) and the output rounded to bfloat16, as
+   torch_ops.paged_attention's decode path rounds them in bfloat16; pieces and groups leave their
+   probabilities unrounded until normalised. */
 int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                             kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                             const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
