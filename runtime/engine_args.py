@@ -145,8 +145,8 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32], help="tokens in one KV cache block")
         g.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                        help="what the KV cache holds. auto: the model's dtype, and bfloat16 where the CPU kernels "
-                            "multiply in bfloat16 (the same outputs at half the bytes); bfloat16 under float32 "
-                            "arithmetic rounds each K and V value (half the bytes, not exact)")
+                            "multiply in bfloat16 without --enable-lora (the same outputs at half the bytes); "
+                            "bfloat16 under float32 arithmetic rounds each K and V value (half the bytes, not exact)")
         g.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV cache; on CUDA a cap on what --gpu-memory-utilization leaves "
                             f"(default: {CPU_KV_CACHE_GIB:g} on CPU)")
