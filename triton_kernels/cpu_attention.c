@@ -39,29 +39,7 @@ static inline __m512 kv_load16(const kv_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 #endif
-static inline float dot_kv(const float *a, const kv_t *b, long n) {
-    long i = 0;
-    float s = 0.0f;
-#ifdef PS_AVX2
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(b + i + 8), acc1);
-    }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b + i), acc0);
-    s = hsum8(_mm256_add_ps(acc0, acc1));
-#endif
-    for (; i < n; i++) s += a[i] * kvf(b[i]);
-    return s;
-}
-static inline void axpy_kv(float *y, float a, const kv_t *x, long n) { /* y += a * x */
-    long i = 0;
-#ifdef PS_AVX2
-    __m256 av = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, kv_load8(x + i), _mm256_loadu_ps(y + i)));
-#endif
-    for (; i < n; i++) y[i] += a * kvf(x[i]);
-}
+DEFINE_DOT_AXPY(dot_kv, axpy_kv, kv_t, kv_load8, kvf)
 #else
 typedef float kv_t;
 #define KV_NAME(name) name##_kv32

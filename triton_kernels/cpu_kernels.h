@@ -116,30 +116,37 @@ DEFINE_EXP(exp16, __m512, _mm512, 512, FLOOR16) /* the same values as exp8's, la
 #endif
 #endif
 
-static inline float dot(const float *a, const float *b, long n) {
-    long i = 0;
-    float s = 0.0f;
+/* dot (a . b) and axpy (y += a * x) with the second operand of element type T, read 8 at a time
+   by LOAD8 (where the build has AVX2) and one at a time by GET: float32 here, a bfloat16 KV
+   cache's in cpu_attention.c */
 #ifdef PS_AVX2
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+#define IF_AVX2(...) __VA_ARGS__
+#else
+#define IF_AVX2(...)
+#endif
+#define DEFINE_DOT_AXPY(DOT, AXPY, T, LOAD8, GET)                                                          \
+    static inline float DOT(const float *a, const T *b, long n) {                                          \
+        long i = 0;                                                                                        \
+        float s = 0.0f;                                                                                    \
+        IF_AVX2(__m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                            \
+                for (; i + 16 <= n; i += 16) {                                                             \
+                    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), LOAD8(b + i), acc0);                    \
+                    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), LOAD8(b + i + 8), acc1);            \
+                }                                                                                          \
+                for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), LOAD8(b + i), acc0); \
+                s = hsum8(_mm256_add_ps(acc0, acc1));)                                                     \
+        for (; i < n; i++) s += a[i] * GET(b[i]);                                                          \
+        return s;                                                                                          \
+    }                                                                                                      \
+    static inline void AXPY(float *y, float a, const T *x, long n) {                                       \
+        long i = 0;                                                                                        \
+        IF_AVX2(__m256 av = _mm256_set1_ps(a);                                                             \
+                for (; i + 8 <= n; i += 8)                                                                 \
+                    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, LOAD8(x + i), _mm256_loadu_ps(y + i)));)   \
+        for (; i < n; i++) y[i] += a * GET(x[i]);                                                          \
     }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    s = hsum8(_mm256_add_ps(acc0, acc1));
-#endif
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float *y, float a, const float *x, long n) { /* y += a * x */
-    long i = 0;
-#ifdef PS_AVX2
-    __m256 av = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-    for (; i < n; i++) y[i] += a * x[i];
-}
+#define AS_FLOAT(v) (v)
+DEFINE_DOT_AXPY(dot, axpy, float, _mm256_loadu_ps, AS_FLOAT)
 
 int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                            void *k_cache, void *v_cache, const int64_t *slots, const int32_t *block_tables,
