@@ -57,11 +57,39 @@ def test_a_bfloat16_cache_gives_the_float32_caches_bits(kernel, step, heads, kv_
     of 24, 40 and 72 floats take the 8-wide and scalar tails; 96 heads take one KV head an item;
     4, 2 and 1 query heads a KV head share V rows three, two and one at a time; 64 heads of 40
     floats in groups once read past their scores in the scalar build."""
-    gen = torch.Generator().manual_seed(heads * 7 + d)
-    reqs = STEPS[step]
+    q, k, v, caches32, bt, sl, lens, qsl = make_step(STEPS[step], heads, kv_heads, d,
+                                                     torch.Generator().manual_seed(heads * 7 + d))
+    caches16 = [c.bfloat16() for c in caches32]
+    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
+    torch.set_num_threads(2)
+    try:
+        if qsl is None:
+            want = kernel.paged_decode(q, k, v, *caches32, sl, bt, lens, 0.125)
+            got = kernel.paged_decode(q, k, v, *caches16, sl, bt, lens, 0.125)
+        else:
+            want = kernel.paged_attention(q, k, v, *caches32, sl, bt, lens, 0.125, qsl)
+            got = kernel.paged_attention(q, k, v, *caches16, sl, bt, lens, 0.125, qsl)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(caches16[0].float(), caches32[0]) and torch.equal(caches16[1].float(), caches32[1])
+    assert torch.equal(got, want), (got - want).abs().max()
+    # and the float32 outputs are attention's: torch's over the same cache
+    ref = torch_ops.paged_attention(q.contiguous(), *caches32, bt, query_starts(qsl, len(lens)), lens, 0.125)
+    tol = 2e-2 if kernel.bf16_dot else 1e-5  # bfloat16 arithmetic rounds the scores and the output
+    assert torch.allclose(got, ref, rtol=tol, atol=tol)
+
+
+def query_starts(qsl, b):
+    """query_start_loc, a decode step's too"""
+    return torch.arange(b + 1, dtype=torch.int32) if qsl is None else qsl
+
+
+def make_step(reqs, heads, kv_heads, d, gen):
+    """A step of requests (context before, rows) over a float32 cache of bfloat16 values: q (not
+    rounded), the step's new K and V (bfloat16 values, views of fused qkv rows), the caches,
+    block tables, slots, seq_lens and query_start_loc (None: a decode step)."""
     block_size, num_blocks = 16, 120
     caches32 = [_bf16(torch.randn(num_blocks, kv_heads, block_size, d, generator=gen)) for _ in range(2)]
-    caches16 = [c.bfloat16() for c in caches32]
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, slots = [], []
     for before, n in reqs:
@@ -77,24 +105,9 @@ def test_a_bfloat16_cache_gives_the_float32_caches_bits(kernel, step, heads, kv_
     bt = torch.tensor(tables, dtype=torch.int32)
     sl = torch.tensor(slots, dtype=torch.int64)
     lens = torch.tensor([before + n for before, n in reqs], dtype=torch.int32)
-    qsl = torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
-    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
-    torch.set_num_threads(2)
-    try:
-        if all(n == 1 for _, n in reqs):
-            want = kernel.paged_decode(q, k, v, *caches32, sl, bt, lens, 0.125)
-            got = kernel.paged_decode(q, k, v, *caches16, sl, bt, lens, 0.125)
-        else:
-            want = kernel.paged_attention(q, k, v, *caches32, sl, bt, lens, 0.125, qsl)
-            got = kernel.paged_attention(q, k, v, *caches16, sl, bt, lens, 0.125, qsl)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(caches16[0].float(), caches32[0]) and torch.equal(caches16[1].float(), caches32[1])
-    assert torch.equal(got, want), (got - want).abs().max()
-    # and the float32 outputs are attention's: torch's over the same cache
-    ref = torch_ops.paged_attention(q.contiguous(), *caches32, bt, qsl, lens, 0.125)
-    tol = 2e-2 if kernel.bf16_dot else 1e-5  # bfloat16 arithmetic rounds the scores and the output
-    assert torch.allclose(got, ref, rtol=tol, atol=tol)
+    qsl = None if all(n == 1 for _, n in reqs) else \
+        torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
+    return q, k, v, caches32, bt, sl, lens, qsl
 
 
 def test_new_values_are_rounded_as_torch_rounds_them(kernel):

@@ -1,11 +1,13 @@
 /* Causal paged attention of any step on the CPU, straight from the cache blocks (cpu_kernels.py's
    paged_attention, and the decoder stack's in cpu_kernels.c). Built twice, once for each format
    the KV cache may hold: float32 (this file as it is) and bfloat16 (cpu_attention_bf16.c, which
-   defines KV_BF16 and includes it). The arithmetic is float32 either way: a bfloat16 K or V value
-   is widened exactly (its bits moved up 16 places) where it is read, and a new one is rounded to
-   nearest even where it is written (as torch rounds it, subnormals kept), so a cache of values already bfloat16 (the C kernels'
-   bfloat16 arithmetic rounds every K and V so) gives the float32 cache's outputs to the bit at
-   half the bytes. */
+   defines KV_BF16 and includes it). The arithmetic does not depend on the format: a bfloat16 K or
+   V value is widened exactly (its bits moved up 16 places) where it is read, and a new one is
+   rounded to nearest even where it is written (as torch rounds it, subnormals kept), so a cache
+   of values already bfloat16 (the C kernels' bfloat16 arithmetic rounds every K and V so) gives
+   the float32 cache's outputs to the bit at half the bytes. The products are float32, except
+   under that bfloat16 arithmetic (r16) with AVX512-BF16, where groups of rows multiply Q K^T and
+   P V in bfloat16 (score_tile16, pv_run16). */
 
 #include "cpu_kernels.h"
 #ifdef _OPENMP
@@ -504,6 +506,131 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, long D, co
         }
 }
 
+#ifdef PS_AVX512_BF16
+/* Under bfloat16 arithmetic (r16) a group's Q K^T and P V multiply in bfloat16 where the head
+   is a multiple of 16 floats: vdpbf16ps sums two exact products a lane in float32, 32 products
+   an instruction where an FMA takes 16. Q, K and V are bfloat16 values there already (every op
+   rounds its output so); the probabilities are rounded to bfloat16 for P V, as torch's
+   bfloat16 softmax rounds them (here before they are normalised). */
+typedef uint32_t bf2; /* two bfloat16 values, the first in the low half: a pair vdpbf16ps takes */
+
+static inline __m512i pairs16(__m256i lo, __m256i hi) { /* lane i: (lo[i], hi[i]) */
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+static inline __m256i bf16x16(const kv_t *p) { /* 16 values of the cache as bfloat16 */
+#ifdef KV_BF16
+    return _mm256_loadu_si256((const __m256i *)p);
+#else
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p));
+#endif
+}
+
+/* n values of the cache (n a multiple of 16) as bfloat16: themselves, or rounded into buf */
+static inline const uint16_t *rows_bf16(const kv_t *src, long n, uint16_t *buf) {
+#ifdef KV_BF16
+    (void)n, (void)buf;
+    return src;
+#else
+    for (long i = 0; i < n; i += 16) _mm256_storeu_si256((__m256i *)(buf + i), bf16x16(src + i));
+    return buf;
+#endif
+}
+
+/* score_tile in bfloat16: qt [D / 2] rows of Mp pairs (each head's values 2e and 2e + 1),
+   each key's pair broadcast; the dot product rounded to bfloat16, then scaled */
+static inline __attribute__((always_inline)) void score_tile16(const uint16_t *k, long D, const bf2 *qt, long Mp,
+                                                               int NKEY, int NC, float scale, float *s) {
+    __m512 acc[4][3];
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) acc[a][c] = _mm512_setzero_ps();
+    for (long e = 0; e < D / 2; e++) {
+        __m512bh qv[3];
+        for (int c = 0; c < NC; c++) {
+            qv[c] = (__m512bh)_mm512_loadu_si512(qt + e * Mp + c * 16);
+            IN_REG(qv[c]);
+        }
+        for (int a = 0; a < NKEY; a++) {
+            bf2 kk;
+            memcpy(&kk, k + a * D + 2 * e, 4);
+            __m512bh kv = (__m512bh)_mm512_set1_epi32((int)kk);
+            for (int c = 0; c < NC; c++) acc[a][c] = _mm512_dpbf16_ps(acc[a][c], kv, qv[c]);
+        }
+    }
+    __m512 sc = _mm512_set1_ps(scale);
+    for (int a = 0; a < NKEY; a++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(s + a * Mp + c * 16, _mm512_mul_ps(vround_bf16(acc[a][c]), sc));
+}
+
+static inline __attribute__((always_inline)) void score_keys16(const uint16_t *k, int NKEY, long D, const bf2 *qt,
+                                                               long Mp, float scale, float *s) {
+    long C = Mp / 16, c = 0;
+    for (; c + 3 <= C; c += 3) score_tile16(k, D, qt + c * 16, Mp, NKEY, 3, scale, s + c * 16);
+    if (C - c == 2) score_tile16(k, D, qt + c * 16, Mp, NKEY, 2, scale, s + c * 16);
+    if (C - c == 1) score_tile16(k, D, qt + c * 16, Mp, NKEY, 1, scale, s + c * 16);
+}
+
+/* pv_tile in bfloat16 over np pairs of positions: vp [np] rows of D pairs (two V rows' values
+   d), pp [np] rows of Mp pairs (two probabilities of each head); R vectors of 16 a pass */
+static inline __attribute__((always_inline)) void pv_tile16(float *acc, long D, const bf2 *pp, long Mp, int NH,
+                                                            const bf2 *vp, long np, long d0, int R) {
+    __m512 o[3][4];
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < R; r++) o[h][r] = _mm512_loadu_ps(acc + h * D + d0 + r * 16);
+    for (long i = 0; i < np; i++) {
+        __m512bh vv[4];
+        for (int r = 0; r < R; r++) {
+            vv[r] = (__m512bh)_mm512_loadu_si512(vp + i * D + d0 + r * 16);
+            IN_REG(vv[r]);
+        }
+        for (int h = 0; h < NH; h++) {
+            __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[i * Mp + h]);
+            for (int r = 0; r < R; r++) o[h][r] = _mm512_dpbf16_ps(o[h][r], pb, vv[r]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + h * D + d0 + r * 16, o[h][r]);
+}
+
+static inline __attribute__((always_inline)) void pv_heads16(float *acc, long D, const bf2 *pp, long Mp, int NH,
+                                                             const bf2 *vp, long np) {
+    long d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pv_tile16(acc, D, pp, Mp, NH, vp, np, d0, 4);
+    for (; d0 < D; d0 += 16) pv_tile16(acc, D, pp, Mp, NH, vp, np, d0, 1);
+}
+
+/* acc[m * D + 0:D] += sum over i < n of p[i * Mp + m] v[i * D + 0:D] for the M heads, in
+   bfloat16 pairs of positions: the run's V rows paired into vp ([(n + 1) / 2] rows of D), the
+   probabilities rounded and paired into pp ([(n + 1) / 2] rows of Mp); a lone last row's
+   partner is a zero */
+static void pv_run16(float *acc, long D, const float *p, long Mp, long M, const kv_t *v, long n, bf2 *vp,
+                     bf2 *pp) {
+    long np = (n + 1) / 2, m = 0;
+    __m256i zero = _mm256_setzero_si256();
+    for (long i = 0; i < np; i++) {
+        const kv_t *v0 = v + 2 * i * D;
+        const float *p0 = p + 2 * i * Mp;
+        int two = 2 * i + 1 < n;
+        for (long d = 0; d < D; d += 16)
+            _mm512_storeu_si512(vp + i * D + d, pairs16(bf16x16(v0 + d), two ? bf16x16(v0 + D + d) : zero));
+        for (long c = 0; c < Mp; c += 16)
+            _mm512_storeu_si512(pp + i * Mp + c, pairs16((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + c)),
+                                                         two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + Mp + c))
+                                                             : zero));
+    }
+    for (; m + 3 <= M; m += 3) pv_heads16(acc + m * D, D, pp + m, Mp, 3, vp, np);
+    if (M - m == 2) pv_heads16(acc + m * D, D, pp + m, Mp, 2, vp, np);
+    if (M - m == 1) pv_heads16(acc + m * D, D, pp + m, Mp, 1, vp, np);
+}
+#endif
+
+/* floats of group_piece's kvw: a run of K or V rows widened, or (bfloat16 products) a run's
+   pairs of V rows and of probabilities */
+static inline long kvw_floats(long block_size, long D, long Mp) {
+    long wide = block_size * D, pairs = (block_size / 2 + 1) * (D + Mp);
+    return wide > pairs ? wide : pairs;
+}
+
 /* One piece (positions j0..j1-1) of the M = T * G query heads of T rows that share one KV head:
    rows q (ld_q apart) of consecutive positions of one sequence, row t seeing its first lens[t]
    positions (the positions past a row's own masked out). k, v: this KV head's rows in block 0.
@@ -514,18 +641,44 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
                         float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
-    for (long d = 0; d < D; d++)
-        for (long m = M; m < Mp; m++) qt[d * Mp + m] = 0.0f;
-    for (long t = 0; t < T; t++)
-        for (long g = 0; g < G; g++)
-            for (long d = 0; d < D; d++) qt[d * Mp + t * G + g] = q[t * ld_q + g * D + d];
-    for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
-        long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
-        const float *kb = rows_f32(k + (long)bt[j / block_size] * tok + off * D, n * D, kvw);
-        float *sj = s + (j - j0) * Mp;
-        for (; i + 4 <= n; i += 4) score_keys(kb + i * D, 4, D, qt, Mp, scale, r16, sj + i * Mp);
-        for (; i < n; i++) score_keys(kb + i * D, 1, D, qt, Mp, scale, r16, sj + i * Mp);
-        j += n;
+    int b16 = 0; /* bfloat16 products */
+#ifdef PS_AVX512_BF16
+    b16 = r16 && D % 16 == 0;
+    if (b16) { /* qt: [D / 2] rows of Mp pairs */
+        bf2 *qp = (bf2 *)qt;
+        for (long e = 0; e < D / 2; e++)
+            for (long m = 0; m < Mp; m++) {
+                const float *qm = q + m / G * ld_q + m % G * D + 2 * e;
+                bf2 lo, hi;
+                float a = m < M ? round_bf16(qm[0]) : 0.0f, b = m < M ? round_bf16(qm[1]) : 0.0f;
+                memcpy(&lo, &a, 4);
+                memcpy(&hi, &b, 4);
+                qp[e * Mp + m] = lo >> 16 | (hi & 0xFFFF0000u);
+            }
+        for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
+            long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
+            const uint16_t *kb = rows_bf16(k + (long)bt[j / block_size] * tok + off * D, n * D, (uint16_t *)kvw);
+            float *sj = s + (j - j0) * Mp;
+            for (; i + 4 <= n; i += 4) score_keys16(kb + i * D, 4, D, qp, Mp, scale, sj + i * Mp);
+            for (; i < n; i++) score_keys16(kb + i * D, 1, D, qp, Mp, scale, sj + i * Mp);
+            j += n;
+        }
+    }
+#endif
+    if (!b16) {
+        for (long d = 0; d < D; d++)
+            for (long m = M; m < Mp; m++) qt[d * Mp + m] = 0.0f;
+        for (long t = 0; t < T; t++)
+            for (long g = 0; g < G; g++)
+                for (long d = 0; d < D; d++) qt[d * Mp + t * G + g] = q[t * ld_q + g * D + d];
+        for (long j = j0; j < j1;) { /* scores, a run of one cache block at a time */
+            long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
+            const float *kb = rows_f32(k + (long)bt[j / block_size] * tok + off * D, n * D, kvw);
+            float *sj = s + (j - j0) * Mp;
+            for (; i + 4 <= n; i += 4) score_keys(kb + i * D, 4, D, qt, Mp, scale, r16, sj + i * Mp);
+            for (; i < n; i++) score_keys(kb + i * D, 1, D, qt, Mp, scale, r16, sj + i * Mp);
+            j += n;
+        }
     }
     for (long t = 0; t < T; t++) /* positions past a row's own: no weight */
         for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
@@ -550,8 +703,16 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
     for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
     for (long j = j0; j < j1;) { /* P V, a run of one cache block at a time, three heads a pass */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, m = 0;
-        const float *vb = rows_f32(v + (long)bt[j / block_size] * tok + off * D, n * D, kvw);
+        const kv_t *vr = v + (long)bt[j / block_size] * tok + off * D;
         const float *pj = s + (j - j0) * Mp;
+#ifdef PS_AVX512_BF16
+        if (b16) {
+            pv_run16(rec, D, pj, Mp, M, vr, n, (bf2 *)kvw, (bf2 *)kvw + (block_size / 2 + 1) * D);
+            j += n;
+            continue;
+        }
+#endif
+        const float *vb = rows_f32(vr, n * D, kvw);
         for (; m + 3 <= M; m += 3) pv_tile(rec + m * D, D, pj + m, Mp, 3, vb, n);
         if (M - m == 2) pv_tile(rec + m * D, D, pj + m, Mp, 2, vb, n);
         if (M - m == 1) pv_tile(rec + m * D, D, pj + m, Mp, 1, vb, n);
@@ -604,7 +765,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
 #pragma omp parallel if (nitems > 1)
     {
         float *qt = (float *)malloc(sizeof(float) * (size_t)max_qt), *s = (float *)malloc(sizeof(float) * (size_t)max_s);
-        float *kvw = (float *)malloc(sizeof(float) * (size_t)(block_size * D)); /* a run of K or V rows widened */
+        float *kvw = (float *)malloc(sizeof(float) * (size_t)kvw_floats(block_size, D, max_qt / D));
         if (qt == NULL || s == NULL || kvw == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -678,7 +839,7 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
         float *qt = (float *)malloc(sizeof(float) * (size_t)(D * Mp));
         float *s = (float *)malloc(sizeof(float) * (size_t)((max_len + 1) * lanes)); /* a row more, as decode_groups */
         float *rec = (float *)malloc(sizeof(float) * (size_t)(rows * G * (D + 2)));
-        float *kvw = (float *)malloc(sizeof(float) * (size_t)(block_size * D));
+        float *kvw = (float *)malloc(sizeof(float) * (size_t)kvw_floats(block_size, D, Mp));
         int32_t lens[PROMPT_LANES];
         if (qt == NULL || s == NULL || rec == NULL || kvw == NULL) {
 #pragma omp atomic write
@@ -758,8 +919,9 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
    is computed only within a group (torch's SDPA with a mask computes the whole square).
    r16: the scores, the probabilities (of a token's item) and the output rounded to bfloat16, as
-   torch_ops.paged_attention's decode path rounds them in bfloat16; pieces and groups leave their
-   probabilities unrounded until normalised. */
+   torch_ops.paged_attention's decode path rounds them in bfloat16; pieces leave their
+   probabilities unrounded until normalised, and groups (heads of 16n floats, with AVX512-BF16)
+   round them unnormalised for their bfloat16 P V. */
 int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                             kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                             const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
