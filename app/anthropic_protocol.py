@@ -127,7 +127,7 @@ class OutputFormat(_Body):
 
 class OutputConfig(_Body):
     format: OutputFormat | None = None  # structured output: the answer's text follows the schema
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # taken, and changes nothing
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # the template's reasoning_effort
 
 
 class MessagesRequest(Conversation):

@@ -52,6 +52,16 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
 
+def template_kwargs(body) -> dict | None:
+    """The chat template's extra variables: a request's reasoning effort as vLLM passes it
+    (`reasoning_effort`, and `enable_thinking`: false for "none", true for any other), under the
+    request's own chat_template_kwargs, which win."""
+    kwargs, effort = getattr(body, "chat_template_kwargs", None), getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return kwargs
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none", **(kwargs or {})}
+
+
 def _text_size(body) -> int:
     """About how many characters the template will write: every message's text, thinking and
     tool calls, and the tools' descriptions and schemas."""
@@ -72,7 +82,7 @@ async def chat_prompt(state: ServerState, body, param: str = "messages") -> tupl
     images = await load_images(state, body.messages, param)
     placeholder = state.engine.image_placeholder if images else ""
     args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-            getattr(body, "tools", None), getattr(body, "chat_template_kwargs", None),
+            getattr(body, "tools", None), template_kwargs(body),
             tool_format(state.settings.tool_call_parser), placeholder)
     # a big conversation renders off the loop, so that streams go on meanwhile
     if len(body.messages) > 64 or _text_size(body) > LONG_TEXT:

@@ -129,13 +129,20 @@ def _tools(state: ServerState, body: Conversation, plan: bool = True):
     return tools or None, plan
 
 
+def _effort(body: Conversation) -> str | None:
+    """output_config.effort: the template's reasoning_effort (thinking.type still decides
+    enable_thinking where given)"""
+    config = getattr(body, "output_config", None)
+    return config.effort if config is not None else None
+
+
 async def _prompt(state: ServerState, body: Conversation, plan: bool = True):
     tools, tool_plan = _tools(state, body, plan)
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking is not None else None
     messages = chat_messages(body)
     prefill = messages[-1].role == "assistant" and bool(messages[-1].content)  # the answer goes on from it
     view = SimpleNamespace(messages=messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                           tools=tools, chat_template_kwargs=kwargs)
+                           tools=tools, chat_template_kwargs=kwargs, reasoning_effort=_effort(body))
     return (*await chat_prompt(state, view), tool_plan)
 
 

@@ -200,6 +200,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # the template's reasoning_effort (and enable_thinking: false for "none"), as vLLM passes it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     thinking_token_budget: integer(ge=0) | None = None  # vLLM's: at most this many tokens of thinking
 
 

@@ -171,7 +171,8 @@ async def create_response(request: Request) -> Response:
         grammar = plan.grammar
     parse_tools = plan.format if plan is not None and plan.parse else None
     view = SimpleNamespace(messages=messages, add_generation_prompt=True, continue_final_message=False,
-                           tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+                           tools=tools, chat_template_kwargs=body.chat_template_kwargs,
+                           reasoning_effort=body.reasoning.effort if body.reasoning else None)
     prompt_text, prompt_ids, images = await chat_prompt(state, view, "input")
     thinking = None
     if state.reasoning is not None:  # the parser reads where the template left the think block

@@ -27,7 +27,9 @@ THINK_TAGS = ("<think>", "</think>")
 SCRIPT_BONUS = 1000.0  # beats any logit of the random model; a masked token stays -inf
 _TURNS = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 # as Qwen3's: the model opens <think> itself; enable_thinking false puts an empty block in the prompt
+# (and a reasoning_effort is written before the turn, as a template that reads one would)
 QWEN3_STYLE_TEMPLATE = _TURNS + (
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
     "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 # as DeepSeek-R1's: the prompt opens <think>, the model only closes it

@@ -148,6 +148,55 @@ def test_chat_grammars_apply_after_the_thinking(qwen3):
     qwen3.wait_idle()
 
 
+def test_reasoning_effort_reaches_the_template(qwen3):
+    """A reasoning effort (chat's reasoning_effort, the Responses API's reasoning.effort,
+    Messages' output_config.effort) reaches the template as reasoning_effort, with
+    enable_thinking false for "none" (this template then closes the think block: no reasoning,
+    the scripted tags are content) and true otherwise; chat_template_kwargs win."""
+    tok = qwen3.engine.tokenizer
+
+    def rendered(**variables) -> int:  # the prompt's tokens, rendered here with these variables
+        text = tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **variables)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    def chat(**fields) -> dict:
+        return post(qwen3, "chat/completions", {"messages": USER, "max_tokens": 40, **fields})
+
+    assert rendered(reasoning_effort="low") != rendered() != rendered(enable_thinking=False)
+    for effort in ("low", "xhigh", "max"):
+        r = chat(reasoning_effort=effort)
+        assert r["usage"]["prompt_tokens"] == rendered(reasoning_effort=effort, enable_thinking=True)
+        assert r["choices"][0]["message"]["reasoning_content"] == THOUGHT
+    r = chat(reasoning_effort="none")
+    assert r["usage"]["prompt_tokens"] == rendered(reasoning_effort="none", enable_thinking=False)
+    assert r["choices"][0]["message"]["reasoning_content"] is None
+    assert r["choices"][0]["message"]["content"] == SCRIPT
+    r = chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True, "reasoning_effort": "high"})
+    assert r["usage"]["prompt_tokens"] == rendered(reasoning_effort="high", enable_thinking=True)
+    assert r["choices"][0]["message"]["reasoning_content"] == THOUGHT
+
+    r = post(qwen3, "responses", {"input": "Is it?", "reasoning": {"effort": "none"}, "max_output_tokens": 40})
+    assert [item["type"] for item in r["output"]] == ["message"]
+    assert r["reasoning"]["effort"] == "none"
+    r = post(qwen3, "responses", {"input": "Is it?", "reasoning": {"effort": "medium"}, "max_output_tokens": 40})
+    assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+    assert r["usage"]["input_tokens"] == rendered(reasoning_effort="medium", enable_thinking=True)
+
+    def prompt(usage: dict) -> int:  # Messages counts the prefix cache's tokens apart
+        return usage["input_tokens"] + usage["cache_read_input_tokens"]
+
+    r = post(qwen3, "messages", {"messages": USER, "max_tokens": 40, "output_config": {"effort": "low"}})
+    assert prompt(r["usage"]) == rendered(reasoning_effort="low", enable_thinking=True)
+    r = post(qwen3, "messages", {"messages": USER, "max_tokens": 40, "output_config": {"effort": "high"},
+                                 "thinking": {"type": "disabled"}})
+    assert prompt(r["usage"]) == rendered(reasoning_effort="high", enable_thinking=False)
+    assert [b["type"] for b in r["content"]] == ["text"]
+    r = httpx.post(f"{qwen3.url}/v1/chat/completions", timeout=60,
+                   json={"model": qwen3.model, "messages": USER, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    qwen3.wait_idle()
+
+
 def test_r1_template_opens_the_thinking(r1):
     message = post(r1, "chat/completions", {"messages": USER})["choices"][0]["message"]
     assert message["reasoning_content"] == THOUGHT and message["content"] == ANSWER
@@ -298,5 +347,7 @@ def test_ai_sdk_reads_the_thinking(qwen3):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"streamedReasoning": THOUGHT, "streamedText": ANSWER, "reasoning": THOUGHT, "text": ANSWER}
+    # reasoningEffort "none": the template closed the think block, so the scripted tags are content
+    assert out == {"streamedReasoning": THOUGHT, "streamedText": ANSWER, "reasoning": THOUGHT, "text": ANSWER,
+                   "offReasoning": None, "offText": SCRIPT}
     qwen3.wait_idle()

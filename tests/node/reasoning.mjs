@@ -1,7 +1,8 @@
 // Usage: node reasoning.mjs BASE_URL MODEL
 // A reasoning model's thinking through the Vercel AI SDK's openai-compatible provider, which
-// reads delta.reasoning_content: streamText's reasoning and text, and generateText's. Prints
-// them as one JSON line (the test compares them with the script).
+// reads delta.reasoning_content: streamText's reasoning and text, and generateText's; and
+// generateText's with the provider option reasoningEffort "none" (sent as reasoning_effort).
+// Prints them as one JSON line (the test compares them with the script).
 import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
 import { generateText, streamText } from "ai";
 
@@ -17,4 +18,7 @@ for await (const part of stream.fullStream) {
 }
 if (errors.length) throw new Error(errors.join("; "));
 const whole = await generateText({ model: m, prompt: "Is it?", temperature: 0 });
-console.log(JSON.stringify({ streamedReasoning, streamedText, reasoning: whole.reasoningText, text: whole.text }));
+const off = await generateText({ model: m, prompt: "Is it?", temperature: 0,
+  providerOptions: { pageserve: { reasoningEffort: "none" } } });
+console.log(JSON.stringify({ streamedReasoning, streamedText, reasoning: whole.reasoningText, text: whole.text,
+  offReasoning: off.reasoningText ?? null, offText: off.text }));
