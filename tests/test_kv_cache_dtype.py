@@ -110,6 +110,27 @@ def make_step(reqs, heads, kv_heads, d, gen):
     return q, k, v, caches32, bt, sl, lens, qsl
 
 
+@pytest.mark.parametrize("chunks", [[(555, 9), (41, 17)], [(0, 2)], [(30, 40)]])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (64, 1, 16), (8, 2, 128)])
+def test_a_decode_beside_chunks_gives_its_bits_in_a_step_of_decodes(kernel, chunks, heads, kv_heads, d):
+    """A decode beside chunks of up to 17 rows (decode_groups) or longer (prompt_groups) is one
+    item of all its heads, as in a step of decodes only: the same bits."""
+    decodes = [(100, 1), (2, 1), (300, 1), (17, 1), (64, 1)]
+    reqs = decodes[:2] + chunks + decodes[2:]
+    q, k, v, caches, bt, sl, lens, qsl = make_step(reqs, heads, kv_heads, d, torch.Generator().manual_seed(d))
+    rows = [qsl[i].item() for i, (_, n) in enumerate(reqs) if n == 1]
+    which = [i for i, (_, n) in enumerate(reqs) if n == 1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # five decodes of 2+ KV heads: each an item, not pieces
+    try:
+        alone = kernel.paged_decode(q[rows], k[rows], v[rows], *(c.clone() for c in caches), sl[rows], bt[which],
+                                    lens[which], 0.125)
+        mixed = kernel.paged_attention(q, k, v, *caches, sl, bt, lens, 0.125, qsl)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(mixed[rows], alone)
+
+
 def test_new_values_are_rounded_as_torch_rounds_them(kernel):
     """float32 K/V written to a bfloat16 cache: torch's .bfloat16() of each (to nearest, ties to
     even), a tie and a NaN among them; and the attention reads what was written."""

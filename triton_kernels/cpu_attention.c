@@ -729,34 +729,43 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
    a KV head are one item over the positions its first row sees, cut into pieces of at most
    GROUP_PIECE, so each K/V row is read once for all of them; the last piece also covers the
    later rows' own positions, masked per row. Pieces merged per row as decode_pieces merges
-   them. seq_lens: per row; block_tables: per row, or (by_group) per group. Returns 1 where
-   scratch memory could not be had. */
+   them. A row alone (a decode beside short chunks) is one item of all its heads (64 or fewer)
+   in attend_range, as in a step of decodes only: in a group its G heads would work G lanes of
+   a vector. seq_lens: per row; block_tables: per row, or (by_group) per group. Returns 1
+   where scratch memory could not be had. */
 static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
                          long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
                          long ng, float *out, int r16) {
     long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = 0, max_s = 0;
-    long *gp = (long *)malloc(sizeof(long) * (size_t)(3 * ng + B)); /* per group: pieces, length, offset */
+    long *gp = (long *)malloc(sizeof(long) * (size_t)(4 * ng + B)); /* per group: pieces, length, offset, items */
     if (gp == NULL) return 1;
-    long *row_group = gp + 3 * ng;
+    long *row_group = gp + 4 * ng;
     long want = (2 * threads + Hkv * ng - 1) / (Hkv * ng); /* pieces a group, for every thread two items */
     for (long i = 0; i < ng; i++) {
         long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16, L0 = seq_lens[gstart[i]];
+        for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
+        if (T == 1 && H <= 64) { /* a row alone: one item, its output written there */
+            gp[4 * i] = 1, gp[4 * i + 1] = L0, gp[4 * i + 2] = total, gp[4 * i + 3] = 1;
+            nitems += 1;
+            max_s = (L0 + 1) * H > max_s ? (L0 + 1) * H : max_s;
+            continue;
+        }
         long P = (L0 + GROUP_PIECE - 1) / GROUP_PIECE;
         P = P > want ? P : want;
         P = P < L0 ? P : L0;
         long len = (L0 + P - 1) / P;
         P = (L0 + len - 1) / len; /* none empty */
-        gp[3 * i] = P, gp[3 * i + 1] = len, gp[3 * i + 2] = total;
+        gp[4 * i] = P, gp[4 * i + 1] = len, gp[4 * i + 2] = total, gp[4 * i + 3] = Hkv * P;
         total += Hkv * P * (M * D + 2 * M);
         nitems += Hkv * P;
         max_qt = D * Mp > max_qt ? D * Mp : max_qt;
         /* one row more than a piece's scores: GCC's vectorising of pv_tile in a build without
            AVX2 (-march=x86-64) reads the row after a run */
         max_s = (len + T) * Mp > max_s ? (len + T) * Mp : max_s;
-        for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
     }
-    float *part = (float *)malloc(sizeof(float) * (size_t)total);
+    max_qt = max_qt > D * 16 ? max_qt : D * 16;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
     if (part == NULL) {
         free(gp);
         return 1;
@@ -773,21 +782,28 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < nitems; item++) {
             if (qt == NULL || s == NULL || kvw == NULL) continue;
-            long i = 0, first = 0; /* the group: items run group by group, Hkv * P each */
-            while (item >= first + Hkv * gp[3 * i]) first += Hkv * gp[3 * i++];
-            long P = gp[3 * i], len = gp[3 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
+            long i = 0, first = 0; /* the group: items run group by group */
+            while (item >= first + gp[4 * i + 3]) first += gp[4 * i++ + 3];
+            long P = gp[4 * i], len = gp[4 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
+            const int32_t *bt = block_tables + (by_group ? i : b) * ld_bt;
+            if (T == 1 && H <= 64) { /* a row alone */
+                attend_range(q + b * ld_q, k_cache, v_cache, bt, 0, seq_lens[b], H, G, D, block_size, tok, scale, s,
+                             out + b * H * D, NULL, NULL, r16);
+                continue;
+            }
             long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
             long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
             group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
-                        v_cache + hk * block_size * D, block_tables + (by_group ? i : b) * ld_bt, block_size, tok, seq_lens + b, j0,
-                        j1, scale, r16, qt, s, part + gp[3 * i + 2] + (item - first) * (M * D + 2 * M), kvw);
+                        v_cache + hk * block_size * D, bt, block_size, tok, seq_lens + b, j0, j1, scale, r16, qt, s,
+                        part + gp[4 * i + 2] + (item - first) * (M * D + 2 * M), kvw);
         }
         if (!failed) {
 #pragma omp for schedule(static)
             for (long bh = 0; bh < B * Hkv; bh++) {
                 long b = bh / Hkv, hk = bh % Hkv, i = row_group[b], T = gstart[i + 1] - gstart[i], M = T * G;
-                long rec = M * D + 2 * M, P = gp[3 * i];
-                merge_heads(part + gp[3 * i + 2] + hk * P * rec, P, rec, M, (b - gstart[i]) * G, G, D,
+                long rec = M * D + 2 * M, P = gp[4 * i];
+                if (T == 1 && H <= 64) continue; /* written by its item */
+                merge_heads(part + gp[4 * i + 2] + hk * P * rec, P, rec, M, (b - gstart[i]) * G, G, D,
                             out + b * H * D + hk * G * D);
             }
         }
@@ -914,7 +930,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    than twice the threads cuts each context into pieces instead (decode_pieces): the same
    arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
    A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
-   most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces.
+   most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces,
+   and each row alone one item of its heads as above (the same bits as in a step of decodes).
    A step with a longer chunk (a prompt) goes by groups of up to PROMPT_LANES query heads
    (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
    is computed only within a group (torch's SDPA with a mask computes the whole square).
