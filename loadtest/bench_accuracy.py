@@ -36,7 +36,8 @@ QUESTIONS = [
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--dtypes", default="bfloat16,float32",
-                        help="the engine's --dtype values to score; the first writes the answers")
+                        help="the engine's --dtype values to score, each with a --kv-cache-dtype after a slash "
+                             "where it is not auto (bfloat16/fp8); the first writes the answers")
     parser.add_argument("--positions", type=int, default=2000, help="generated positions to score, at least")
     parser.add_argument("--max-tokens", type=int, default=160, help="per answer")
     parser.add_argument("--output-json", default=None, metavar="PATH")
@@ -44,9 +45,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _engine(model: str | None, dtype: str):
+    """dtype: a --dtype, or DTYPE/KV_CACHE_DTYPE"""
     from pageserve.runtime import LLM
 
-    return LLM(model=model, dtype=dtype, kv_cache_memory=0.5, max_model_len=1024)
+    dtype, _, kv = dtype.partition("/")
+    return LLM(model=model, dtype=dtype, kv_cache_dtype=kv or "auto", kv_cache_memory=0.5, max_model_len=1024)
 
 
 def answers(llm, positions: int, max_tokens: int) -> list[tuple[list[int], int]]:

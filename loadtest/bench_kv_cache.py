@@ -1,11 +1,11 @@
 """The KV cache's dtype on a CPU: --kv-cache-dtype auto (bfloat16 where the C kernels multiply in
-bfloat16) against float32. Two engines of the same model side by side in one process: the
-tokens each pool holds in the same memory, the decode step of N requests with long contexts,
-and the time to the first token of one long prompt, in alternated rounds (the machine drifts),
-medians. Both arms run the same arithmetic; only what the cache holds differs.
+bfloat16) against float32, or any two (`--arms`). Two engines of the same model side by side in
+one process: the tokens each pool holds in the same memory, the decode step of N requests with
+long contexts, and the time to the first token of one long prompt, in alternated rounds (the
+machine drifts), medians. Both arms run the same arithmetic; only what the cache holds differs.
 
-    python -m pageserve.loadtest.bench_kv_cache [--model M] [--requests 64] [--context 600]
-        [--rounds 5] [--steps 8] [--long-prompt 3000] [--output-json PATH]
+    python -m pageserve.loadtest.bench_kv_cache [--model M] [--arms auto,float32] [--requests 64]
+        [--context 600] [--rounds 5] [--steps 8] [--long-prompt 3000] [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def first_token(engine: LLMEngine, ids: list[int]) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--arms", default="auto,float32", help="two --kv-cache-dtype values; ratios are first / second")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=600, help="each decoding request's prompt, tokens")
     ap.add_argument("--rounds", type=int, default=5)
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-cache-memory", type=float, default=2.5, help="GiB for each engine's pool")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
-    arms = {name: engine_for(args.model, name, args) for name in ("auto", "float32")}
+    first, second = args.arms.split(",")
+    arms = {name: engine_for(args.model, name, args) for name in (first, second)}
     result = {"cpu": "avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512f" if "avx512f" in cpu_flags()
               else "avx2", "args": vars(args), "arms": {}}
     for name, engine in arms.items():
@@ -85,15 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name, engine in arms.items():  # the long prompt once each first: nothing is compiled or faulted in mid-round
         first_token(engine, long_ids)
     for round_ in range(args.rounds):
-        for name in (("auto", "float32") if round_ % 2 == 0 else ("float32", "auto")):
+        for name in ((first, second) if round_ % 2 == 0 else (second, first)):
             result["arms"][name]["first_token_ms"].append(first_token(arms[name], long_ids))
     for engine in arms.values():
         fill(engine, args)
         assert not engine.scheduler.num_preemptions, "the pool is too small for the decodes: raise --kv-cache-memory"
     for round_ in range(args.rounds):
-        for name in (("auto", "float32") if round_ % 2 == 0 else ("float32", "auto")):
+        for name in ((first, second) if round_ % 2 == 0 else (second, first)):
             result["arms"][name]["decode_ms"].append(decode_steps(arms[name], args.steps))
-    a, f = result["arms"]["auto"], result["arms"]["float32"]
+    a, f = result["arms"][first], result["arms"][second]
     for arm in (a, f):
         arm["decode_ms_median"] = statistics.median(arm["decode_ms"])
         arm["first_token_ms_median"] = statistics.median(arm["first_token_ms"])
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:8} KV {arm['kv_cache_dtype']:9} pool {arm['pool_tokens']:7} tokens  decode step "
               f"{arm['decode_ms_median']:7.1f} ms {[round(x, 1) for x in arm['decode_ms']]}  first token "
               f"{arm['first_token_ms_median']:7.0f} ms {[round(x) for x in arm['first_token_ms']]}")
-    print("auto / float32: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+    print(f"{first} / {second}: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -78,8 +78,9 @@ class ModelConfig:
     bf16_matmuls: bool = False
     # --quantization: the checkpoint's method forced, or "fp8" made at load time (None: config.json's)
     quantization: str | None = None
-    # what the KV cache holds (--kv-cache-dtype; None: `dtype`). bfloat16 under float32 activations
-    # rounds each new K and V value as it is written, and the attention widens it as it reads it
+    # what the KV cache holds (--kv-cache-dtype; None: `dtype`). bfloat16 or float8 e4m3fn under
+    # float32 activations rounds each new K and V value as it is written, and the attention widens
+    # it as it reads it
     kv_cache_dtype: torch.dtype | None = None
 
     def __post_init__(self):
@@ -89,8 +90,9 @@ class ModelConfig:
             raise ValueError("bf16_matmuls takes float32 activations")
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
-        elif self.kv_cache_dtype not in _DTYPES.values():
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_DTYPES)}; got {self.kv_cache_dtype}")
+        elif self.kv_cache_dtype not in (*_DTYPES.values(), torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_DTYPES)} or float8_e4m3fn; "
+                             f"got {self.kv_cache_dtype}")
         if self.max_model_len > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) is larger than the model's own limit "

@@ -36,7 +36,7 @@ CPU_KV_CACHE_GIB = 4.0
 SWAP_SPACE_GIB = {"cuda": 4.0, "cpu": 1.0}  # committed at start-up: less where it is the same RAM as the pool
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")  # fp8: e4m3, as vLLM's
 
 
 @dataclass
@@ -105,7 +105,7 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
-                             + (": a float8 KV cache is not supported" if self.kv_cache_dtype.startswith("fp8") else ""))
+                             + (": of the float8 formats only e4m3 is" if self.kv_cache_dtype.startswith("fp8") else ""))
         PreemptionMode(self.preemption_mode)  # their own checks, before anything loads
         SchedulingPolicy(self.scheduling_policy)
         self.parallel_config()
@@ -146,7 +146,9 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                        help="what the KV cache holds. auto: the model's dtype, and bfloat16 where the CPU kernels "
                             "multiply in bfloat16 without --enable-lora (the same outputs at half the bytes); "
-                            "bfloat16 under float32 arithmetic rounds each K and V value (half the bytes, not exact)")
+                            "bfloat16 under float32 arithmetic rounds each K and V value (half the bytes, not exact); "
+                            "fp8 (fp8_e4m3): float8 e4m3 with no scale, on a CPU (a quarter of float32's bytes, "
+                            "3 mantissa bits)")
         g.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV cache; on CUDA a cap on what --gpu-memory-utilization leaves "
                             f"(default: {CPU_KV_CACHE_GIB:g} on CPU)")
@@ -318,11 +320,16 @@ class EngineArgs:
         would drop three bits of theirs and overflow near their largest values)."""
         if self.kv_cache_dtype == "auto":
             return torch.bfloat16 if bf16_matmuls and not self.enable_lora else dtype
+        triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and device.type == "cuda")
+        if self.kv_cache_dtype.startswith("fp8"):
+            if triton or device.type != "cpu":
+                raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: a float8 KV cache is served on a CPU "
+                                 "only; the Triton attention keeps K and V in the model's dtype")
+            return torch.float8_e4m3fn
         kv = parse_dtype(self.kv_cache_dtype)
         if kv == torch.bfloat16 and dtype == torch.float16:
             raise ValueError("--kv-cache-dtype bfloat16 under --dtype float16 would lose precision the "
                              "activations have; leave it at auto")
-        triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and device.type == "cuda")
         if triton and kv != dtype:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the Triton attention keeps K and V in the "
                              f"model's dtype ({str(dtype).removeprefix('torch.')}); leave the flag at auto")

@@ -318,7 +318,8 @@ class ModelRunner:
         """Copy-on-write of forked requests' partial blocks, all layers at once."""
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self._kv_storage[:, :, dst] = self._kv_storage[:, :, src]
+        pool = self._kv_storage.view(torch.uint8) if self._kv_storage.element_size() == 1 else self._kv_storage
+        pool[:, :, dst] = pool[:, :, src]  # (float8: its bytes; torch has no float8 index_put)
         if self.draft is not None:
             self.draft.runner.copy_blocks(pairs)
 

@@ -173,8 +173,8 @@ def test_a_vllm_flag_pageserve_does_not_take_gets_its_line(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["pageserve serve: error: --trust-remote-code is vLLM's: " + NOT_TAKEN["--trust-remote-code"],
                    "--load-format is vLLM's: " + NOT_TAKEN["--load-format"]]
-    assert main(["serve", "--kv-cache-dtype=fp8", "--port", "1"]) == 1  # taken, but not that value
-    assert "a float8 KV cache is not supported" in capsys.readouterr().err
+    assert main(["serve", "--kv-cache-dtype=fp8_e5m2", "--port", "1"]) == 1  # taken, but not that value
+    assert "of the float8 formats only e4m3 is" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # any other flag: argparse's own answer
         main(["serve", "--no-such-flag"])
     assert exited.value.code == 2

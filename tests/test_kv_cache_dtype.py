@@ -59,24 +59,26 @@ def test_a_bfloat16_cache_gives_the_float32_caches_bits(kernel, step, heads, kv_
     floats in groups once read past their scores in the scalar build."""
     q, k, v, caches32, bt, sl, lens, qsl = make_step(STEPS[step], heads, kv_heads, d,
                                                      torch.Generator().manual_seed(heads * 7 + d))
-    caches16 = [c.bfloat16() for c in caches32]
-    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
-    torch.set_num_threads(2)
-    try:
-        if qsl is None:
-            want = kernel.paged_decode(q, k, v, *caches32, sl, bt, lens, 0.125)
-            got = kernel.paged_decode(q, k, v, *caches16, sl, bt, lens, 0.125)
-        else:
-            want = kernel.paged_attention(q, k, v, *caches32, sl, bt, lens, 0.125, qsl)
-            got = kernel.paged_attention(q, k, v, *caches16, sl, bt, lens, 0.125, qsl)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(caches16[0].float(), caches32[0]) and torch.equal(caches16[1].float(), caches32[1])
-    assert torch.equal(got, want), (got - want).abs().max()
+    got = _same_bits(kernel, q, k, v, [c.bfloat16() for c in caches32], caches32, sl, bt, lens, qsl)
     # and the float32 outputs are attention's: torch's over the same cache
     ref = torch_ops.paged_attention(q.contiguous(), *caches32, bt, query_starts(qsl, len(lens)), lens, 0.125)
     tol = 2e-2 if kernel.bf16_dot else 1e-5  # bfloat16 arithmetic rounds the scores and the output
     assert torch.allclose(got, ref, rtol=tol, atol=tol)
+
+
+def _same_bits(kernel, q, k, v, narrow, wide, sl, bt, lens, qsl):
+    """The step over a narrow cache and over a float32 one of the same values: the same outputs
+    and the same values written, to the bit. Returns the outputs."""
+    threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
+    torch.set_num_threads(2)
+    try:
+        want = kernel.paged_attention(q, k, v, *wide, sl, bt, lens, 0.125, qsl)
+        got = kernel.paged_attention(q, k, v, *narrow, sl, bt, lens, 0.125, qsl)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(narrow[0].float(), wide[0]) and torch.equal(narrow[1].float(), wide[1])
+    assert torch.equal(got, want), (got - want).abs().max()
+    return got
 
 
 def query_starts(qsl, b):
@@ -113,15 +115,16 @@ def make_step(reqs, heads, kv_heads, d, gen):
 @pytest.mark.parametrize("chunks", [[(555, 9), (41, 17)], [(0, 2)], [(30, 40)]])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (64, 1, 16), (8, 2, 128)])
 def test_a_decode_beside_chunks_gives_its_bits_in_a_step_of_decodes(kernel, chunks, heads, kv_heads, d):
-    """A decode beside chunks of up to 17 rows (decode_groups) or longer (prompt_groups) is one
-    item of all its heads, as in a step of decodes only: the same bits."""
-    decodes = [(100, 1), (2, 1), (300, 1), (17, 1), (64, 1)]
+    """A decode beside chunks of up to 17 rows (decode_groups, in a step of at least 4 groups a
+    thread) or longer (prompt_groups) is one item of all its heads, as in a step of decodes only:
+    the same bits."""
+    decodes = [(100, 1), (2, 1), (300, 1), (17, 1), (64, 1), (33, 1), (5, 1), (250, 1), (16, 1)]
     reqs = decodes[:2] + chunks + decodes[2:]
     q, k, v, caches, bt, sl, lens, qsl = make_step(reqs, heads, kv_heads, d, torch.Generator().manual_seed(d))
     rows = [qsl[i].item() for i, (_, n) in enumerate(reqs) if n == 1]
     which = [i for i, (_, n) in enumerate(reqs) if n == 1]
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # five decodes of 2+ KV heads: each an item, not pieces
+    torch.set_num_threads(2)  # nine decodes of 2+ KV heads: each an item, not pieces
     try:
         alone = kernel.paged_decode(q[rows], k[rows], v[rows], *(c.clone() for c in caches), sl[rows], bt[which],
                                     lens[which], 0.125)
@@ -129,6 +132,64 @@ def test_a_decode_beside_chunks_gives_its_bits_in_a_step_of_decodes(kernel, chun
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(mixed[rows], alone)
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 2, 40), (96, 2, 16), (8, 2, 128)])
+def test_a_float8_cache_gives_a_float32_cache_of_its_values_bits(kernel, step, heads, kv_heads, d):
+    """A float8 e4m3fn cache widens each value exactly where it is read: a float32 cache holding
+    the same values (and new K/V already float8 values) gives the same outputs to the bit, in
+    every way a step is cut; the new values are written as the same float8 values."""
+    q, k, v, caches32, bt, sl, lens, qsl = make_step(STEPS[step], heads, kv_heads, d,
+                                                     torch.Generator().manual_seed(heads * 5 + d))
+    caches8 = [(c * 8).to(torch.float8_e4m3fn) for c in caches32]  # x8: subnormals, ties and saturation among them
+    caches32 = [c.float() for c in caches8]
+    k.copy_((k * 8).to(torch.float8_e4m3fn).float())
+    v.copy_((v * 8).to(torch.float8_e4m3fn).float())
+    _same_bits(kernel, q, k, v, caches8, caches32, sl, bt, lens, qsl)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(96, 2), (8, 2)])
+def test_a_row_that_sees_nothing_and_a_request_of_no_rows(kernel, heads, kv_heads):
+    """Neither comes from the engine (it pads with a position of its own), but neither may crash:
+    a decode row of no positions beside a group gives zeros (it divided by zero with 96 heads); a
+    request with no rows in query_start_loc is skipped (it read before the seq_lens)."""
+    q, k, v, caches, bt, sl, lens, _ = make_step([(10, 3), (0, 1)], heads, kv_heads, 32,
+                                                 torch.Generator().manual_seed(0))
+    bt, lens = bt[[0, 0, 0, 1]], torch.tensor([11, 12, 13, 0], dtype=torch.int32)
+    sl[3] = -1
+    out = kernel.paged_decode(q, k, v, *caches, sl, bt, lens, 0.125)
+    assert not out.isnan().any() and not out[3].any()
+    q, k, v, caches, bt, sl, lens, qsl = make_step([(5, 1), (20, 3), (7, 1)], 9, 3, 64,
+                                                   torch.Generator().manual_seed(1))
+    want = kernel.paged_attention(q, k, v, *(c.clone() for c in caches), sl, bt, lens, 0.125, qsl)
+    empty_first = torch.tensor([0, 0, 3, 4], dtype=torch.int32)
+    got = kernel.paged_attention(q[1:], k[1:], v[1:], *caches, sl[1:], bt, lens, 0.125, empty_first)
+    assert torch.equal(got, want[1:])
+
+
+def test_new_float8_values_are_rounded_as_torch_rounds_them(kernel):
+    """float32 K/V written to a float8 e4m3fn cache: torch's .to(float8_e4m3fn) of each, bit for
+    bit (to nearest even, ties among them; subnormals; saturated at 448, infinities too; -0),
+    a NaN a NaN; over every magnitude the format holds."""
+    gen = torch.Generator().manual_seed(8)
+    vals = torch.cat([torch.randn(2048, generator=gen) * 2.0 ** e for e in range(-12, 11, 2)])
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # each code's value
+    mids = (every[1:127] + every[:126]) / 2  # the ties between neighbours
+    special = torch.tensor([448.0, 464.0, 465.0, 480.0, 1e6, float("inf"), -float("inf"), -0.0, float("nan")])
+    vals = torch.cat([vals, every[every.isfinite()], mids, -mids, special])
+    vals = torch.cat([vals, torch.zeros(-vals.numel() % 32)]).view(-1, 2, 16)
+    t = vals.shape[0]
+    caches = [torch.zeros(-(-t // 16), 2, 16, 16, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.arange(t)
+    kernel.paged_decode(torch.randn(t, 2, 16, generator=gen), vals, vals, *caches, slots,
+                        torch.arange(caches[0].shape[0], dtype=torch.int32).repeat(t, 1), (slots + 1).int(), 0.25)
+    written = caches[0].permute(0, 2, 1, 3).reshape(-1, 2, 16)[:t]
+    want = vals.to(torch.float8_e4m3fn)
+    nan = written.float().isnan()
+    assert torch.equal(nan, vals.isnan())
+    assert torch.equal(written.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
+    assert torch.equal(caches[1].view(torch.uint8), caches[0].view(torch.uint8))
 
 
 def test_new_values_are_rounded_as_torch_rounds_them(kernel):
@@ -222,37 +283,45 @@ def test_auto_keeps_the_bfloat16_arithmetics_values_at_half_the_bytes(tiny_model
 
 
 @pytest.mark.engine
-def test_a_bfloat16_cache_under_float32_arithmetic(tiny_model_dir, native_kernels):
-    """--dtype float32 --kv-cache-dtype bfloat16: the C path and torch's own (--enforce-eager)
-    round the same values into the cache and give the same greedy tokens, under preemption by
-    swap and by recompute as without."""
+@pytest.mark.parametrize("kv,dtype", [("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)])
+def test_a_narrow_cache_under_float32_arithmetic(tiny_model_dir, native_kernels, kv, dtype):
+    """--dtype float32 --kv-cache-dtype bfloat16 or fp8: the C path and torch's own
+    (--enforce-eager) round the same values into the cache and give the same greedy tokens, under
+    preemption by swap and by recompute as without; a float8 pool holds 4x float32's blocks."""
     prompts = [p * 3 for p in random_prompts(384)[:8]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-    def run(**kw):
-        llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", max_model_len=512,
+    def run(kv=kv, **kw):
+        llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype=kv, max_model_len=512,
                   max_num_batched_tokens=128, debug_checks=True, **kw)
-        assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+        assert llm.engine.runner.kv_caches[0][0].dtype == (dtype if kv != "float32" else torch.float32)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_pool_clean(llm.engine)
-        return outs, llm.engine.scheduler
+        return outs, llm.engine.scheduler, llm.engine.config.cache.num_blocks
 
-    expected, _ = run(kv_cache_memory=0.01, enforce_eager=True)
-    got, _ = run(kv_cache_memory=0.01)
+    expected, _, blocks = run(kv_cache_memory=0.01, enforce_eager=True)
+    ratio = 4 // dtype.itemsize
+    assert abs(blocks - ratio * run("float32", kv_cache_memory=0.01)[2]) < ratio  # (the pool's bytes in whole blocks)
+    got, _, _ = run(kv_cache_memory=0.01)
     assert got == expected
-    block = 2 * 2 * 2 * 16 * 16 * 2  # layers, K/V, KV heads, block size, head dim, bfloat16
+    block = 2 * 2 * 2 * 16 * 16 * dtype.itemsize  # layers, K/V, KV heads, block size, head dim, bytes
     for mode in ("swap", "recompute"):
-        tight, sched = run(kv_cache_memory=40 * block / 2 ** 30, swap_space=14 * block / 2 ** 30,
-                           preemption_mode=mode)
+        tight, sched, _ = run(kv_cache_memory=40 * block / 2 ** 30, swap_space=14 * block / 2 ** 30,
+                              preemption_mode=mode)
         assert sched.num_preemptions > 0
         assert tight == expected, mode
 
 
 def test_what_is_refused():
-    with pytest.raises(ValueError, match="float8 KV cache is not supported"):
-        EngineArgs(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="must be one of auto, bfloat16, float32"):
+    with pytest.raises(ValueError, match="of the float8 formats only e4m3 is"):
+        EngineArgs(kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="must be one of auto, bfloat16, float32, fp8, fp8_e4m3"):
         EngineArgs(kv_cache_dtype="int8")
+    for name in ("fp8", "fp8_e4m3"):
+        assert EngineArgs(kv_cache_dtype=name).resolve_kv_cache_dtype(torch.device("cpu"), torch.float32, True) \
+            == torch.float8_e4m3fn
+        with pytest.raises(ValueError, match="a float8 KV cache is served on a CPU only"):
+            EngineArgs(kv_cache_dtype=name).resolve_kv_cache_dtype(torch.device("cuda"), torch.bfloat16, False)
     triton = EngineArgs(attention_backend="triton", kv_cache_dtype="float32")
     with pytest.raises(ValueError, match="Triton attention keeps K and V in the model's dtype"):
         triton.resolve_kv_cache_dtype(torch.device("cuda"), torch.bfloat16, False)

@@ -1,13 +1,16 @@
 /* Causal paged attention of any step on the CPU, straight from the cache blocks (cpu_kernels.py's
    paged_attention, and the decoder stack's in cpu_kernels.c). Built twice, once for each format
-   the KV cache may hold: float32 (this file as it is) and bfloat16 (cpu_attention_bf16.c, which
-   defines KV_BF16 and includes it). The arithmetic does not depend on the format: a bfloat16 K or
-   V value is widened exactly (its bits moved up 16 places) where it is read, and a new one is
-   rounded to nearest even where it is written (as torch rounds it, subnormals kept), so a cache
-   of values already bfloat16 (the C kernels' bfloat16 arithmetic rounds every K and V so) gives
-   the float32 cache's outputs to the bit at half the bytes. The products are float32, except
-   under that bfloat16 arithmetic (r16) with AVX512-BF16, where groups of rows multiply Q K^T and
-   P V in bfloat16 (score_tile16, pv_run16). */
+   the KV cache may hold: float32 (this file as it is), bfloat16 (cpu_attention_bf16.c, which
+   defines KV_BF16 and includes it) and float8 e4m3fn (cpu_attention_fp8.c, KV_FP8). The
+   arithmetic does not depend on the format: a narrow K or V value is widened exactly where it is
+   read, and a new one is rounded to nearest even where it is written (as torch rounds it:
+   bfloat16 subnormals kept, float8 saturated at 448), so a cache of values already bfloat16
+   (the C kernels' bfloat16 arithmetic rounds every K and V so) gives the float32 cache's outputs
+   to the bit at half the bytes, and a float8 cache gives those of a float32 cache holding its
+   values. The products are float32, except
+   under that bfloat16 arithmetic (r16) with AVX512-BF16, where groups of rows with heads of 16n
+   floats multiply Q K^T and P V in bfloat16 (score_tile16, pv_run16; vdpbf16ps reads a
+   subnormal as zero). */
 
 #include "cpu_kernels.h"
 #ifdef _OPENMP
@@ -42,6 +45,65 @@ static inline __m512 kv_load16(const kv_t *p) {
 }
 #endif
 DEFINE_DOT_AXPY(dot_kv, axpy_kv, kv_t, kv_load8, kvf)
+#elif defined(KV_FP8)
+/* float8 e4m3fn (torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+   infinity, 0x7F and 0xFF NaN, 448 the largest. Its magnitude bits put at float32's bits
+   20-26 read as 2^-120 times the value (subnormals too), so a product with 2^120 widens it
+   exactly. */
+typedef uint8_t kv_t;
+#define KV_NAME(name) name##_kv8
+#define FP8_SCALE 1.329227995784916e36f /* 2^120 */
+static inline float kvf(kv_t h) {
+    if ((h & 0x7F) == 0x7F) return NAN;
+    uint32_t u = (uint32_t)(h & 0x7F) << 20;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= FP8_SCALE;
+    return h & 0x80 ? -f : f;
+}
+static inline kv_t to_kv(float f) { /* to nearest even, saturated at 448 (as torch's .to(float8_e4m3fn)) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    kv_t sign = (kv_t)(u >> 24 & 0x80);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return 0x7F;
+    float a = fabsf(f);
+    if (a >= 464.0f) return sign | 0x7E; /* past the midpoint of 448 and 480: saturated */
+    if (a < 0.015625f) { /* below 2^-6: subnormal steps of 2^-9, rounded to nearest even */
+        return sign | (kv_t)nearbyintf(a * 512.0f);
+    }
+    uint32_t b;
+    memcpy(&b, &a, 4);
+    b += 0x7FFFF + ((b >> 20) & 1); /* round the 23-bit mantissa to 3 */
+    return sign | (kv_t)(((b >> 20) - (120u << 3)) & 0x7F);
+}
+/* vectors of codes: each code c moved to the top byte of a 16-bit lane (c << 8), shifted right one
+   place arithmetically and bit 14 cleared, is float16's sign | 0eeee | mmm0000000: 2^-8 times the
+   value (subnormals too), widened by vcvtph2ps and scaled back; a NaN code put back by a mask */
+#if defined(PS_AVX2) && !defined(__F16C__) /* (every AVX2 CPU known has F16C) */
+static inline __m256 kv_load8(const kv_t *p) {
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = kvf(p[i]);
+    return _mm256_loadu_ps(f);
+}
+#elif defined(PS_AVX2)
+static inline __m256 kv_load8(const kv_t *p) {
+    __m128i c = _mm_loadl_epi64((const __m128i *)p);
+    __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), c), 1), _mm_set1_epi16((short)0xBFFF));
+    __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x3F80));
+    return _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+}
+#endif
+#ifdef PS_AVX512
+static inline __m512 kv_load16(const kv_t *p) {
+    __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(
+                                     _mm_loadu_si128((const __m128i *)p)), 8), 1), _mm256_set1_epi16((short)0xBFFF));
+    __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80));
+    return _mm512_mask_blend_ps(nan, f, _mm512_set1_ps(NAN));
+}
+#endif
+DEFINE_DOT_AXPY(dot_kv, axpy_kv, kv_t, kv_load8, kvf)
 #else
 typedef float kv_t;
 #define KV_NAME(name) name##_kv32
@@ -63,6 +125,11 @@ int paged_attention_kv16(const float *q, long ld_q, const float *k_new, const fl
                          const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                          const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
                          float *out, int r16);
+int paged_attention_kv8(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
+                        uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, long T,
+                        const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
+                        float *out, int r16);
 
 /* ---- paged attention for decode-only steps: read K/V where they lie in the cache ---- */
 
@@ -289,7 +356,7 @@ static void merge_heads(const float *part, long P, long rec, long NR, long h0, l
             if (r[NR * D + NR + h] != EMPTY_PIECE && r[NR * D + h] > m) m = r[NR * D + h];
         }
         for (long i = 0; i < D; i++) out[g * D + i] = 0.0f;
-        for (long p = 0; p < P; p++) {
+        for (long p = 0; p < P && m != -INFINITY; p++) { /* (no piece saw a position: zeros) */
             const float *r = part + p * rec;
             if (r[NR * D + NR + h] == EMPTY_PIECE) continue;
             float c = expf(r[NR * D + h] - m);
@@ -420,7 +487,7 @@ static inline vf vround_bf16(vf v) {
 /* n values of the cache as float32: themselves in a float32 cache, else widened into buf (so
    that a run of rows read for many query heads is widened once) */
 static inline const float *rows_f32(const kv_t *src, long n, float *buf) {
-#ifdef KV_BF16
+#if defined(KV_BF16) || defined(KV_FP8)
     long i = 0;
 #ifdef PS_AVX512
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, kv_load16(src + i));
@@ -518,11 +585,11 @@ static inline __m512i pairs16(__m256i lo, __m256i hi) { /* lane i: (lo[i], hi[i]
     return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
 }
 
-static inline __m256i bf16x16(const kv_t *p) { /* 16 values of the cache as bfloat16 */
+static inline __m256i bf16x16(const kv_t *p) { /* 16 values of the cache as bfloat16 (a float8 one exactly) */
 #ifdef KV_BF16
     return _mm256_loadu_si256((const __m256i *)p);
 #else
-    return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p));
+    return (__m256i)_mm512_cvtneps_pbh(kv_load16(p));
 #endif
 }
 
@@ -636,7 +703,9 @@ static inline long kvw_floats(long block_size, long D, long Mp) {
    positions (the positions past a row's own masked out). k, v: this KV head's rows in block 0.
    Leaves a piece record at rec as attend_range does: [M][D] unnormalised sums, M maxima, M sums
    of exponentials (head t * G + g: row t's head g). qt: scratch of D * Mp floats, the rows'
-   heads gathered transposed; s: (j1 - j0) * Mp floats, the scores with the heads along a row. */
+   heads gathered transposed (with bfloat16 products: D / 2 rows of Mp pairs); s: (j1 - j0) * Mp
+   floats, the scores with the heads along a row; kvw: kvw_floats(block_size, D, Mp) floats, a
+   run of K or V rows widened, or a run's pairs. */
 static void group_piece(const float *q, long ld_q, long T, long G, long D, const kv_t *k, const kv_t *v,
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
                         float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
@@ -729,33 +798,40 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
    a KV head are one item over the positions its first row sees, cut into pieces of at most
    GROUP_PIECE, so each K/V row is read once for all of them; the last piece also covers the
    later rows' own positions, masked per row. Pieces merged per row as decode_pieces merges
-   them. A row alone (a decode beside short chunks) is one item of all its heads (64 or fewer)
-   in attend_range, as in a step of decodes only: in a group its G heads would work G lanes of
-   a vector. seq_lens: per row; block_tables: per row, or (by_group) per group. Returns 1
-   where scratch memory could not be had. */
+   them. A row alone (a decode beside short chunks) would work G lanes of a vector there: in a
+   step of at least 4 groups a thread it is one item of all its heads (64 or fewer), as a step
+   of as many decodes only takes it (the same bits), else attend_range's pieces of each KV head's
+   heads, which the threads share. seq_lens: per row; block_tables: per row, or (by_group) per
+   group. Returns 1 where scratch memory could not be had. */
 static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
                          long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
                          long ng, float *out, int r16) {
-    long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = 0, max_s = 0;
+    long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = D * 16, max_s = 0;
     long *gp = (long *)malloc(sizeof(long) * (size_t)(4 * ng + B)); /* per group: pieces, length, offset, items */
     if (gp == NULL) return 1;
     long *row_group = gp + 4 * ng;
-    long want = (2 * threads + Hkv * ng - 1) / (Hkv * ng); /* pieces a group, for every thread two items */
+    int whole = ng >= 4 * threads && H <= 64; /* a row alone: one item of all its heads */
+    long split = 0; /* groups cut into items of a KV head */
+    for (long i = 0; i < ng; i++)
+        split += !(whole && gstart[i + 1] - gstart[i] == 1) && gstart[i + 1] > gstart[i];
+    long want = split ? (2 * threads + Hkv * split - 1) / (Hkv * split) : 1; /* pieces a group: two items a thread */
     for (long i = 0; i < ng; i++) {
-        long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16, L0 = seq_lens[gstart[i]];
+        long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16;
+        long L0 = T > 0 ? seq_lens[gstart[i]] : 0;
         for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
-        if (T == 1 && H <= 64) { /* a row alone: one item, its output written there */
-            gp[4 * i] = 1, gp[4 * i + 1] = L0, gp[4 * i + 2] = total, gp[4 * i + 3] = 1;
-            nitems += 1;
+        if (T == 0 || (whole && T == 1)) { /* no rows; or one item, its output written there */
+            gp[4 * i] = 1, gp[4 * i + 1] = L0, gp[4 * i + 2] = total, gp[4 * i + 3] = T;
+            nitems += T;
             max_s = (L0 + 1) * H > max_s ? (L0 + 1) * H : max_s;
             continue;
         }
         long P = (L0 + GROUP_PIECE - 1) / GROUP_PIECE;
         P = P > want ? P : want;
         P = P < L0 ? P : L0;
-        long len = (L0 + P - 1) / P;
-        P = (L0 + len - 1) / len; /* none empty */
+        P = P > 1 ? P : 1; /* (a row that sees nothing: one empty piece) */
+        long len = L0 > 0 ? (L0 + P - 1) / P : 0;
+        P = L0 > 0 ? (L0 + len - 1) / len : 1; /* none empty */
         gp[4 * i] = P, gp[4 * i + 1] = len, gp[4 * i + 2] = total, gp[4 * i + 3] = Hkv * P;
         total += Hkv * P * (M * D + 2 * M);
         nitems += Hkv * P;
@@ -764,7 +840,6 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
            AVX2 (-march=x86-64) reads the row after a run */
         max_s = (len + T) * Mp > max_s ? (len + T) * Mp : max_s;
     }
-    max_qt = max_qt > D * 16 ? max_qt : D * 16;
     float *part = (float *)malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
     if (part == NULL) {
         free(gp);
@@ -786,23 +861,28 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             while (item >= first + gp[4 * i + 3]) first += gp[4 * i++ + 3];
             long P = gp[4 * i], len = gp[4 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
             const int32_t *bt = block_tables + (by_group ? i : b) * ld_bt;
-            if (T == 1 && H <= 64) { /* a row alone */
+            if (whole && T == 1) {
                 attend_range(q + b * ld_q, k_cache, v_cache, bt, 0, seq_lens[b], H, G, D, block_size, tok, scale, s,
                              out + b * H * D, NULL, NULL, r16);
                 continue;
             }
             long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
             long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
-            group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
-                        v_cache + hk * block_size * D, bt, block_size, tok, seq_lens + b, j0, j1, scale, r16, qt, s,
-                        part + gp[4 * i + 2] + (item - first) * (M * D + 2 * M), kvw);
+            float *rec = part + gp[4 * i + 2] + (item - first) * (M * D + 2 * M);
+            if (T == 1) /* attend_range's piece: the same record */
+                attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
+                             bt, j0, j1, G, G, D, block_size, tok, scale, s, rec, rec + M * D, rec + M * D + M, r16);
+            else
+                group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
+                            v_cache + hk * block_size * D, bt, block_size, tok, seq_lens + b, j0, j1, scale, r16, qt,
+                            s, rec, kvw);
         }
         if (!failed) {
 #pragma omp for schedule(static)
             for (long bh = 0; bh < B * Hkv; bh++) {
                 long b = bh / Hkv, hk = bh % Hkv, i = row_group[b], T = gstart[i + 1] - gstart[i], M = T * G;
                 long rec = M * D + 2 * M, P = gp[4 * i];
-                if (T == 1 && H <= 64) continue; /* written by its item */
+                if (whole && T == 1) continue; /* written by its item */
                 merge_heads(part + gp[4 * i + 2] + hk * P * rec, P, rec, M, (b - gstart[i]) * G, G, D,
                             out + b * H * D + hk * G * D);
             }
@@ -931,7 +1011,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    arithmetic per piece, the pieces merged by their maxima, so not the same bits as one item.
    A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
    most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces,
-   and each row alone one item of its heads as above (the same bits as in a step of decodes).
+   and each row alone, in a step of many groups, one item of its heads as above.
    A step with a longer chunk (a prompt) goes by groups of up to PROMPT_LANES query heads
    (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
    is computed only within a group (torch's SDPA with a mask computes the whole square).
@@ -1044,25 +1124,30 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
     return failed;
 }
 
-#ifndef KV_BF16
-/* The exported entries: kv16 says the caches hold bfloat16 (uint16_t), else float32 */
+#if !defined(KV_BF16) && !defined(KV_FP8)
+/* The exported entries: kv_format says what the caches hold: 0 float32, 1 bfloat16 (uint16_t),
+   2 float8 e4m3fn (uint8_t) */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                               void *k_cache, void *v_cache, const int64_t *slots, long T,
                               const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                               const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                              float scale, float *out, int r16, int kv16) {
-    return kv16 ? paged_attention_kv16(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                                       query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16)
-                : paged_attention_kv32(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                                       query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+                              float scale, float *out, int r16, int kv_format) {
+    if (kv_format == 2)
+        return paged_attention_kv8(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
+                                   query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+    return kv_format ? paged_attention_kv16(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
+                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16)
+                     : paged_attention_kv32(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
+                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
 }
 
 /* pageserve_paged_attention of a decode step: one query token per request (T = B) */
 int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new,
                             long ld_kv, void *k_cache, void *v_cache, const int64_t *slots,
                             const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B,
-                            long H, long Hkv, long D, long block_size, float scale, float *out, int r16, int kv16) {
+                            long H, long Hkv, long D, long block_size, float scale, float *out, int r16,
+                            int kv_format) {
     return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
-                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv16);
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv_format);
 }
 #endif

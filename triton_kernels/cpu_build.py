@@ -21,7 +21,8 @@ from pathlib import Path
 logger = logging.getLogger("pageserve.triton_kernels.cpu_kernels.build")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.c", "cpu_linear_bf16.c", "cpu_kernels.c",
-                                                             "cpu_attention.c", "cpu_attention_bf16.c")]
+                                                             "cpu_attention.c", "cpu_attention_bf16.c",
+                                                             "cpu_attention_fp8.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_weights.h")]
 # -ffp-contract=off: no fused a * b + c that the source does not write (GCC fused a scalar
 # tail in one inlining and not another: one rounding, whatever the inlining)

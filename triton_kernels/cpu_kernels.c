@@ -253,12 +253,12 @@ void pageserve_lora(const float *x, long ldx, long K, float *out, long ldo, long
    x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
    hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
    post-attention norm, gate_up, down), the norms and the bias float32; wtypes: per layer the
-   formats of the four matrices (contiguous rows); kv: per layer the K and V caches (bfloat16 where
-   kv16, else float32); cs: [T, D]
+   formats of the four matrices (contiguous rows); kv: per layer the K and V caches (kv_format:
+   0 float32, 1 bfloat16, 2 float8 e4m3fn); cs: [T, D]
    rows ld_cs apart (cos then sin). Returns 1 if scratch memory (the attention's, a block
    format's widening) could not be had, else 0. */
 int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void *const *w, const int *wtypes,
-                            void *const *kv, int kv16, const float *final_norm, float eps, const float *cs,
+                            void *const *kv, int kv_format, const float *final_norm, float eps, const float *cs,
                             long ld_cs, const int64_t *slots, const int32_t *block_tables, long ld_bt,
                             const int32_t *seq_lens, long H, long Hkv, long D, long I, long block_size,
                             float scale, float *scratch, float *out) {
@@ -281,7 +281,7 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
         pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs, r16);
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs, r16);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
-                                        slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn, r16, kv16);
+                                        slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn, r16, kv_format);
         failed = failed || pageserve_linear(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D), NULL,
                                             y, Hd);
         if (failed) break;

@@ -151,7 +151,7 @@ DEFINE_DOT_AXPY(dot, axpy, float, _mm256_loadu_ps, AS_FLOAT)
 int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                            void *k_cache, void *v_cache, const int64_t *slots, const int32_t *block_tables,
                            long ld_bt, const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                           float scale, float *out, int r16, int kv16);
+                           float scale, float *out, int r16, int kv_format);
 int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                      const float *bias, float *y, long ldy);
 int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,

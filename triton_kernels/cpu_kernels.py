@@ -40,7 +40,8 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention's KV cache may hold
+# what the attention's KV cache may hold, in the order of the C kernels' kv_format codes
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 DOT16 = 8  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
 
 
@@ -193,9 +194,9 @@ class CpuKernels:
         seq_lens[b] positions; None: one token per request (a decode step). The block tables
         must cover each request's seq_lens (the engine's invariant; not checked here, it would
         cost a pass over the tables a layer). q: [T, H, D]; k, v: [T, Hkv, D] (views of the
-        fused qkv rows are fine); caches [N, Hkv, block_size, D], float32 or bfloat16 (a new
-        K or V value rounded to nearest even as it is written, an old one widened exactly as it
-        is read: the arithmetic is float32 either way)."""
+        fused qkv rows are fine); caches [N, Hkv, block_size, D], float32, bfloat16 or float8
+        e4m3fn (a new K or V value rounded to nearest even as it is written, as torch rounds it,
+        an old one widened exactly as it is read: the arithmetic does not depend on it)."""
         t, h, d = q.shape
         b = block_tables.shape[0]
         hkv, bs = k_cache.shape[1], k_cache.shape[2]
@@ -219,7 +220,7 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slot_mapping.data_ptr(), t, block_tables.data_ptr(), block_tables.stride(0),
             None if query_start_loc is None else query_start_loc.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d,
-            bs, scale, out.data_ptr(), self.bf16_dot, k_cache.dtype == torch.bfloat16)
+            bs, scale, out.data_ptr(), self.bf16_dot, KV_DTYPES.index(k_cache.dtype))
         if failed:
             raise MemoryError("paged_attention: no memory for the attention scores")
         return out
@@ -251,7 +252,7 @@ class CpuKernels:
         if len(kv_caches) != len(layers) or any(c.dtype != caches[0].dtype or not c.is_contiguous() or c.dim() != 4
                                                 or c.shape != caches[0].shape for c in caches) \
                 or caches[0].dtype not in KV_DTYPES:
-            raise ValueError("decode_stack: one pair of contiguous caches per layer, all float32 or all bfloat16")
+            raise ValueError("decode_stack: one pair of contiguous caches per layer, all of one dtype of KV_DTYPES")
         _, hkv, block_size, head_dim = caches[0].shape
         heads = qkv // head_dim - 2 * hkv
         if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 or shapes[1][1] != hidden \
@@ -273,7 +274,7 @@ class CpuKernels:
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
         formats = (ctypes.c_int * len(formats))(*(f | self._dot for f in formats))
-        return DecodeStack(weights, formats, kv, caches[0].dtype == torch.bfloat16, final_norm, eps, hidden,
+        return DecodeStack(weights, formats, kv, KV_DTYPES.index(caches[0].dtype), final_norm, eps, hidden,
                            len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -298,7 +299,7 @@ class CpuKernels:
         if stack.scratch.numel() < need:
             stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
-            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv, stack.kv16,
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv, stack.kv_format,
             stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
@@ -322,7 +323,7 @@ class DecodeStack:
     weights: ctypes.Array
     formats: ctypes.Array  # per layer the four matrices' format codes (weight_format)
     kv: ctypes.Array
-    kv16: bool  # the caches hold bfloat16
+    kv_format: int  # what the caches hold: its index in KV_DTYPES
     final_norm: torch.Tensor
     eps: float
     hidden: int

@@ -29,8 +29,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     cache's dtype where it is narrower (a bfloat16 cache under float32 activations)."""
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+    for cache, new in ((k_cache, key), (v_cache, value)):
+        new = new.to(cache.dtype)
+        if cache.element_size() == 1:  # float8: torch has no float8 index_put; its bytes are written
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache[blocks, :, offsets] = new
 
 
 @dataclass(slots=True)
