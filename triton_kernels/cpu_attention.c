@@ -65,7 +65,7 @@ static inline kv_t to_kv(float f) { /* to nearest even, saturated at 448 (as tor
     uint32_t u;
     memcpy(&u, &f, 4);
     kv_t sign = (kv_t)(u >> 24 & 0x80);
-    if ((u & 0x7FFFFFFF) > 0x7F800000) return 0x7F;
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return sign | 0x7F; /* a NaN, its sign kept */
     float a = fabsf(f);
     if (a >= 464.0f) return sign | 0x7E; /* past the midpoint of 448 and 480: saturated */
     if (a < 0.015625f) { /* below 2^-6: subnormal steps of 2^-9, rounded to nearest even */
