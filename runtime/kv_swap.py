@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pageserve.runtime.device import CudaDevice, HostDevice
+from pageserve.triton_kernels.torch_ops import indexable
 
 
 def runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -29,8 +30,7 @@ class KVSwapper:
     def __init__(self, kv_storage: torch.Tensor, num_swap_blocks: int, dev: CudaDevice | HostDevice):
         """kv_storage: the pool, [layers, K/V, blocks, KV heads, block size, head dim]."""
         self.dev = dev
-        if kv_storage.element_size() == 1:  # float8: torch indexes its bytes, not its values
-            kv_storage = kv_storage.view(torch.uint8)
+        kv_storage = indexable(kv_storage)
         self.blocks = kv_storage.movedim(2, 0)  # block-major view of the pool (no copy)
         # the whole --swap-space, committed now (pinned on CUDA)
         self.storage = dev.host_buffer((num_swap_blocks,) + self.blocks.shape[1:], kv_storage.dtype)

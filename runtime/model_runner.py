@@ -32,7 +32,7 @@ from pageserve.runtime.step_inputs import BlockTables, step_inputs
 from pageserve.runtime.step_sampler import StepSampler
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
 from pageserve.sampling.sampler import TokenLogprobs, topk_logprobs
-from pageserve.triton_kernels import cpu_kernels
+from pageserve.triton_kernels import cpu_kernels, torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +318,8 @@ class ModelRunner:
         """Copy-on-write of forked requests' partial blocks, all layers at once."""
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        pool = self._kv_storage.view(torch.uint8) if self._kv_storage.element_size() == 1 else self._kv_storage
-        pool[:, :, dst] = pool[:, :, src]  # (float8: its bytes; torch has no float8 index_put)
+        pool = torch_ops.indexable(self._kv_storage)
+        pool[:, :, dst] = pool[:, :, src]
         if self.draft is not None:
             self.draft.runner.copy_blocks(pairs)
 

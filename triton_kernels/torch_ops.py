@@ -23,6 +23,12 @@ MIN_DECODE_GROUP = 8
 GROUP_COST_SLOTS = 1024
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """t, or a float8 tensor's bytes: torch has no float8 index_put, and a copy of bytes is the
+    same copy (the KV cache's writes, swap-in, copy-on-write)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write the step's new K and V ([T, Hkv, D]) into the cache at their slots, rounded to the
@@ -30,10 +36,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     for cache, new in ((k_cache, key), (v_cache, value)):
-        new = new.to(cache.dtype)
-        if cache.element_size() == 1:  # float8: torch has no float8 index_put; its bytes are written
-            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
-        cache[blocks, :, offsets] = new
+        indexable(cache)[blocks, :, offsets] = indexable(new.to(cache.dtype))
 
 
 @dataclass(slots=True)
