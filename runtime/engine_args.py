@@ -147,8 +147,8 @@ class EngineArgs:
                        help="what the KV cache holds. auto: the model's dtype, and bfloat16 where the CPU kernels "
                             "multiply in bfloat16 without --enable-lora (the same outputs at half the bytes); "
                             "bfloat16 under float32 arithmetic rounds each K and V value (half the bytes, not exact); "
-                            "fp8 (fp8_e4m3): float8 e4m3 with no scale, on a CPU (a quarter of float32's bytes, "
-                            "3 mantissa bits)")
+                            "fp8 (fp8_e4m3): float8 e4m3, on a CPU, with the checkpoint's KV-cache scales where it "
+                            "has them, else none (a quarter of float32's bytes, 3 mantissa bits)")
         g.add_argument("--kv-cache-memory", type=float, default=None,
                        help="GiB for the KV cache; on CUDA a cap on what --gpu-memory-utilization leaves "
                             f"(default: {CPU_KV_CACHE_GIB:g} on CPU)")

@@ -24,6 +24,7 @@ from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.multimodal import EncoderOutputs
+from pageserve.runtime.quantization.kv_scales import KVScales
 from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
 from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.request import child_id
@@ -122,10 +123,14 @@ class ModelRunner:
         c_kernels = self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None)
         quant = quantized_load(cfg.hf_config, cfg.quantization, model, path,
                                BlockStorage() if c_kernels else PackedStorage())
+        kv_scales = KVScales.for_checkpoint(cfg.hf_config, model)
         model = model.to_empty(device=self.device)
         try:
             weights = iter_safetensors(path)
+            weights = weights if kv_scales is None else kv_scales.stream(weights)
             model.load_weights(weights if quant is None else quant.stream(weights))
+            if kv_scales is not None:
+                kv_scales.apply(cfg.kv_cache_dtype)
         except ModelLoadError:
             raise
         except ValueError as e:

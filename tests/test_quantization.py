@@ -129,7 +129,7 @@ def test_online_fp8(tmp_path, source, prompts):
 @pytest.mark.parametrize("change,message", [
     ({"config_groups": {"g": {"weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 32},
                               "format": "pack-quantized"}}}, "2-bit int weights"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "KV-cache quantization"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "KV-cache quantization .* 8-bit int"),
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
      "block-wise FP8"),
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},

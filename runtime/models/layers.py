@@ -101,6 +101,7 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
         self.sliding_window = 0  # this layer's window (0: full attention); an architecture sets it
         self.softcap = 0.0  # attention logit soft-capping (Gemma 2)
+        self.kv_scales = None  # a float8 cache's scales from the checkpoint (quantization/kv_scales.py)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
@@ -123,7 +124,12 @@ class Attention(nn.Module):
             q.copy_(self._head_norm(q, self.q_norm))  # with the token stride the kernels
             k.copy_(self._head_norm(k, self.k_norm))  # expect of all three
         self.ops.rotary_embedding(q, k, *rope)
+        scales = self.kv_scales
+        if scales is not None:  # the cache keeps K / k_scale and V / v_scale
+            q, k, v = q * scales.query, k / scales.key, v / scales.value
         attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
+        if scales is not None:
+            attn = attn * scales.output
         return parallel.all_reduce(linear(attn.reshape(t, self.q_size), self.o_proj.weight), cfg.tp_size)
 
 
@@ -299,9 +305,9 @@ class CausalLM(nn.Module):
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
         gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
-        no q/k norm, window, soft cap or other attention scale than head_dim ** -0.5, on one
-        rank, and the model runs this class's forward: the layers a backend may run as one
-        decoder stack (Kernels.decoder_stack). Else None."""
+        no q/k norm, window, soft cap, KV-cache scales or other attention scale than
+        head_dim ** -0.5, on one rank, and the model runs this class's forward: the layers a
+        backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1 or self.cfg.pp_size != 1 \
                 or type(self).layer_ropes is not CausalLM.layer_ropes:
             return None
@@ -309,7 +315,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(layer) is not DecoderLayer or type(mlp) is not GatedMLP or type(attn) is not Attention \
-                    or attn.q_norm is not None or attn.sliding_window or attn.softcap \
+                    or attn.q_norm is not None or attn.sliding_window or attn.softcap or attn.kv_scales is not None \
                     or attn.scale != self.cfg.head_dim ** -0.5:  # the stack's scale
                 return None
             out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,

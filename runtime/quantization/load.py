@@ -203,9 +203,10 @@ class QuantizedLoad:
             self.storage.finish(layer)
             stored += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p is not m.bias)
             dense += 2 * m.out_features * layer.in_features
-        logger.info("quantized weights: %s, %d layers stored as %s: %.1f MB (%.1f MB in 16 bits, %.1f MB saved)",
-                    self.method.describe(), len(self.layers), self.storage.name, stored / 1e6, dense / 1e6,
-                    (dense - stored) / 1e6)
+        if self.layers:
+            logger.info("quantized weights: %s, %d layers stored as %s: %.1f MB (%.1f MB in 16 bits, %.1f MB saved)",
+                        self.method.describe(), len(self.layers), self.storage.name, stored / 1e6, dense / 1e6,
+                        (dense - stored) / 1e6)
         return stored, dense
 
 

@@ -66,6 +66,26 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
+_KV_STRATEGIES = ("tensor", "attn_head")
+
+
+def kv_cache_scheme(qcfg: dict | None) -> dict | None:
+    """The checkpoint's kv_cache_scheme (None: none); one that is not static symmetric float8
+    per tensor or per KV head is refused in one line."""
+    scheme = (qcfg or {}).get("kv_cache_scheme")
+    if not scheme:
+        return None
+    kind = (scheme.get("type"), scheme.get("num_bits"))
+    if kind != ("float", 8) or not scheme.get("symmetric", True) or scheme.get("dynamic", False) \
+            or scheme.get("strategy", "tensor") not in _KV_STRATEGIES:
+        raise UnsupportedQuantization(
+            f"KV-cache quantization (kv_cache_scheme) {scheme.get('num_bits')}-bit {scheme.get('type')} "
+            f"{'dynamic' if scheme.get('dynamic') else 'static'} "
+            f"{'symmetric' if scheme.get('symmetric', True) else 'asymmetric'} by {scheme.get('strategy', 'tensor')} is not "
+            "supported (static symmetric float8 per tensor or per attention head is)")
+    return scheme
+
+
 class CompressedTensors(QuantMethod):
     """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`, per channel or per
     tensor), INT8 weights (`int-quantized`/`naive-quantized`, per channel, symmetric) with or
@@ -75,19 +95,19 @@ class CompressedTensors(QuantMethod):
     marker = "weight_scale"
 
     def __init__(self, cfg: dict):
-        if cfg.get("kv_cache_scheme"):
-            raise UnsupportedQuantization("compressed-tensors: KV-cache quantization (kv_cache_scheme) is not "
-                                          "supported")
+        kv = kv_cache_scheme(cfg)
         fmt = cfg.get("format")
         groups = cfg.get("config_groups") or {}
-        if not groups:
+        if not groups and kv is None:
             raise UnsupportedQuantization("compressed-tensors: the config has no config_groups")
-        self.schemes = []
+        self.schemes = [] if kv is None else ["FP8 KV-cache scales"]
         for name, group in groups.items():
             w, act = group.get("weights") or {}, group.get("input_activations")
             kind = (w.get("type"), w.get("num_bits"))
             gfmt = group.get("format") or fmt
             where = f"compressed-tensors group {name}"
+            if not w and kv is not None:  # the attention's query quantized (for FP8 attention): not here
+                continue
             if kind == ("float", 8):
                 if w.get("strategy") not in ("tensor", "channel"):
                     raise UnsupportedQuantization(f"{where}: FP8 weights by {w.get('strategy')} (block-wise FP8) "

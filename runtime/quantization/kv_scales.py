@@ -1,0 +1,99 @@
+"""A checkpoint's KV-cache scales: compressed-tensors' `kv_cache_scheme` (float8, per tensor or
+per KV head, as llm-compressor writes them), one `k_scale` and `v_scale` tensor per attention
+layer. Under a float8 cache (`--kv-cache-dtype fp8`) the cache keeps K / k_scale and V / v_scale,
+read back times the scales, as vLLM reads them; under any other cache the values are kept
+unscaled and the scales go unused, as in vLLM. A `q_scale` (the query quantized for FP8
+attention) is read and dropped: the query is not quantized here."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pageserve.runtime.quantization.methods import kv_cache_scheme
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"(.+)\.([kvq])_scale")
+
+
+@dataclass(frozen=True)
+class AttentionScales:
+    """What one attention layer multiplies by, in this rank's heads: the query [H, 1] and the
+    output [H, 1] by their KV head's k_scale and v_scale, the new K and V [Hkv, 1] by their
+    reciprocals. q . (K / k_scale) is (q k_scale) . K / k_scale, so the kernels need not know."""
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+
+    @classmethod
+    def of(cls, k_scale: torch.Tensor, v_scale: torch.Tensor, group: int, dtype: torch.dtype) -> "AttentionScales":
+        k, v = k_scale[:, None].to(dtype), v_scale[:, None].to(dtype)
+        return cls(k.repeat_interleave(group, 0), k, v, v.repeat_interleave(group, 0))
+
+
+class KVScales:
+    """The scale tensors of one checkpoint for one model: taken out of the stream of weights,
+    then given to the attention layers (`apply`)."""
+
+    def __init__(self, model: nn.Module, scheme: dict):
+        self.model, self.scheme = model, scheme
+        self.found: dict[str, dict[str, torch.Tensor]] = {}  # our attention module -> "k"/"v" -> scale
+
+    @classmethod
+    def for_checkpoint(cls, hf_config: dict, model: nn.Module) -> "KVScales | None":
+        qcfg = hf_config.get("quantization_config") or hf_config.get("compression_config")
+        scheme = kv_cache_scheme(qcfg)
+        return None if scheme is None else cls(model, scheme)
+
+    def stream(self, weights):
+        """The checkpoint's (name, tensor) pairs without the scales, which are kept."""
+        for name, tensor in weights:
+            m = _NAME.fullmatch(name)
+            module = None if m is None else self._attention(m.group(1))
+            if module is None:
+                yield name, tensor
+                continue
+            if m.group(2) != "q" and module:  # "": another pipeline stage's layer
+                self.found.setdefault(module, {})[m.group(2)] = tensor.detach().to(torch.float32).reshape(-1)
+
+    def _attention(self, prefix: str) -> str | None:
+        """Our attention module under the checkpoint's prefix (its q/k/v projections'), "" for
+        another pipeline stage's, None where the prefix names no attention of ours."""
+        name = prefix + ".k_proj.weight"
+        target = self.model.checkpoint_target(name)
+        if target is None or not target.endswith(".qkv_proj.weight"):
+            return None
+        return target.removesuffix(".qkv_proj.weight") if self.model.checkpoint_held(name) else ""
+
+    def apply(self, cache_dtype: torch.dtype) -> None:
+        """Each attention layer's scales where the cache holds float8; checks that every layer
+        of this stage has both, of one value or one a KV head, finite and positive."""
+        cfg = self.model.cfg
+        layers = [n for n, m in self.model.named_modules() if hasattr(m, "kv_scales")]
+        strategy = self.scheme.get("strategy", "tensor")
+        if cache_dtype != torch.float8_e4m3fn:
+            logger.info("the checkpoint's float8 KV-cache scales (by %s) are not used: the KV cache holds %s "
+                        "(--kv-cache-dtype fp8 uses them)", strategy, str(cache_dtype).removeprefix("torch."))
+            return
+        first, count = cfg.tp_rank * cfg.num_kv_heads // cfg.tp_size, cfg.kv_heads_per_rank
+        for name in layers:
+            found = self.found.get(name, {})
+            if set(found) != {"k", "v"}:
+                raise ValueError(f"the checkpoint has a kv_cache_scheme but no "
+                                 f"{' or '.join(p + '_scale' for p in 'kv' if p not in found)} for {name}")
+            per_head = []
+            for part in "kv":
+                s = found[part]
+                if s.numel() not in (1, cfg.num_kv_heads) or not bool(torch.isfinite(s).all() and (s > 0).all()):
+                    raise ValueError(f"{name}.{part}_scale: {s.numel()} values, expected 1 or "
+                                     f"{cfg.num_kv_heads} (one a KV head), each finite and positive")
+                per_head.append(s.expand(cfg.num_kv_heads)[first:first + count].contiguous())
+            module = self.model.get_submodule(name)
+            module.kv_scales = AttentionScales.of(*per_head, module.num_heads // module.num_kv_heads, cfg.dtype)
+        logger.info("float8 KV cache with the checkpoint's scales (by %s) in %d layers", strategy, len(layers))
