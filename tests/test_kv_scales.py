@@ -187,3 +187,29 @@ def test_calibrated_scales(source, prompts):
         for h, w in zip(heads[i], whole[i]):
             assert h.shape == (2,) and w.shape == (1,) and bool((h > 0.001).all())
             assert torch.equal(h.max().reshape(1), w)
+
+
+def test_a_vision_language_checkpoints_scales(tmp_path, caplog):
+    """A vision-language model's quantization_config lives in its whole config, beside the text
+    part the language model reads: its language layers' scales are found there and used."""
+    from pageserve.loadtest.tiny_vlm import build_llava
+
+    out = build_llava(tmp_path / "llava")
+    layers = json.loads((out / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    add_kv_scales(out, {i: (torch.tensor([0.5]), torch.tensor([0.25])) for i in range(layers)}, "tensor")
+    with caplog.at_level(logging.INFO, logger="pageserve.runtime.quantization.kv_scales"):
+        llm = LLM(str(out), dtype="float32", kv_cache_memory=0.01, max_model_len=256, kv_cache_dtype="fp8")
+    assert f"float8 KV cache with the checkpoint's scales (by tensor) in {layers} layers" in caplog.text
+    found = [m.kv_scales for m in llm.engine.runner.model.modules() if getattr(m, "kv_scales", None) is not None]
+    assert len(found) == layers
+    assert set(found[0].key.flatten().tolist()) == {0.5} and set(found[0].output.flatten().tolist()) == {0.25}
+    llm.engine.shutdown()
+
+
+def test_a_scheme_that_is_no_object_is_refused(tmp_path, source):
+    out = checkpoint(source, tmp_path / "kv", "tensor")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = "fp8"
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="kv_cache_scheme 'fp8' is not a scheme"):
+        LLM(str(out), dtype="float32")

@@ -47,7 +47,10 @@ class KVScales:
 
     @classmethod
     def for_checkpoint(cls, hf_config: dict, model: nn.Module) -> "KVScales | None":
-        qcfg = hf_config.get("quantization_config") or hf_config.get("compression_config")
+        """None where the checkpoint has no kv_cache_scheme (a vision-language model's is in its
+        whole config, beside the text part the model reads)."""
+        whole = hf_config.get("_multimodal") or hf_config
+        qcfg = whole.get("quantization_config") or whole.get("compression_config")
         scheme = kv_cache_scheme(qcfg)
         return None if scheme is None else cls(model, scheme)
 

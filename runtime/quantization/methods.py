@@ -75,6 +75,8 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     scheme = (qcfg or {}).get("kv_cache_scheme")
     if not scheme:
         return None
+    if not isinstance(scheme, dict):
+        raise UnsupportedQuantization(f"kv_cache_scheme {scheme!r} is not a scheme (an object of num_bits, type, ...)")
     kind = (scheme.get("type"), scheme.get("num_bits"))
     if kind != ("float", 8) or not scheme.get("symmetric", True) or scheme.get("dynamic", False) \
             or scheme.get("strategy", "tensor") not in _KV_STRATEGIES:
