@@ -169,8 +169,8 @@ class ServerState:
         """Many texts (a completions or embeddings list), in a worker thread when together they
         are long (2,048 short ones held the event loop up to 3.4 s)."""
         if sum(map(len, texts)) > LONG_TEXT:
-            return await asyncio.to_thread(lambda: [self.engine.tokenize(t) for t in texts])
-        return [self.engine.tokenize(t) for t in texts]
+            return await asyncio.to_thread(self.engine.tokenize_all, texts)
+        return self.engine.tokenize_all(texts)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

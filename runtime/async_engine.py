@@ -174,6 +174,10 @@ class AsyncEngine:
         """Thread-safe."""
         return self.engine.tokenize(text, add_special_tokens)
 
+    def tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        """Thread-safe."""
+        return self.engine.tokenize_all(texts)
+
     @property
     def image_placeholder(self) -> str | None:
         """The text a prompt holds for each of its images; None: the model takes text only."""

@@ -212,7 +212,12 @@ class LLMEngine:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Thread-safe: the Rust tokenizer is only read."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenize_all([text], add_special_tokens)[0]
+
+    def tokenize_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode_batch lets go of the GIL while it works (encode holds it: 20 MB of text in a
+        worker thread held the event loop 20 s)."""
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
