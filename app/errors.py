@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from pageserve.app.json_out import dumps
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
           499: "invalid_request_error",
           503: "server_error"}
@@ -26,7 +26,8 @@ class APIError(Exception):
         self.headers = headers
 
     def envelope(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+        kind = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
     def response(self) -> Response:

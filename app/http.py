@@ -97,6 +97,7 @@ async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body
     """The body, parsed and validated into `model`. A body of many values is checked first by
     the app's BodyChecker, in its own process, and then parsed in a worker thread: the event
     loop never holds still for it."""
+    _check_json_media(request)
     raw = await read_body(request, max_bytes)
     checker: BodyChecker | None = getattr(request.app.state, "body_checker", None)
     max_tokens = checker.max_tokens if checker is not None else sys.maxsize
@@ -107,6 +108,18 @@ async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body
         return await asyncio.to_thread(lambda: _validate(model, parse(raw, max_tokens)))
     except BodyError as e:
         raise bad_request(str(e), e.param) from None
+
+
+def _check_json_media(request: Request) -> None:
+    """A body is JSON, named so or not named (a form's or text/plain, which a web page may send
+    anywhere unasked, is refused as vLLM refuses it)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the body must be JSON (Content-Type: application/json), not {media or declared!r}",
+                       code="unsupported_media_type")
 
 
 def _validate(model: type[Body], obj: dict) -> Body:

@@ -1,5 +1,5 @@
-"""The Starlette application: routes, API-key check, CORS, error envelopes, and the engine
-task started and stopped with the app."""
+"""The Starlette application: routes, API-key check, CORS and the refusal of other sites'
+pages, error envelopes, and the engine task started and stopped with the app."""
 
 from __future__ import annotations
 
@@ -31,6 +31,36 @@ logger = logging.getLogger(__name__)
 _OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 
 
+class CrossSiteMiddleware:
+    """A browser's request from another site that changes state (any method but GET, HEAD and
+    OPTIONS) is refused unless its origin is allowed (--allowed-origins): a form or a text/plain
+    fetch from any web page would otherwise reach a server on localhost with no CORS preflight.
+    Browsers name the request's site in Sec-Fetch-Site; other clients send none."""
+
+    def __init__(self, app, allowed_origins: tuple[str, ...]):
+        self.app = app
+        self.allowed = set(allowed_origins)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            if headers.get(b"sec-fetch-site") in (b"cross-site", b"same-site") \
+                    and "*" not in self.allowed and origin not in self.allowed:
+                await _refusal(scope, APIError(
+                    403, f"a request from the web page at {origin or 'another site'} is refused: start the server "
+                         "with --allowed-origins naming it to allow it", code="origin_not_allowed"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refusal(scope, err: APIError) -> Response:
+    """The error in the shape the route's clients read: Anthropic's on /v1/messages."""
+    if scope["path"].startswith("/v1/messages"):
+        return json_response(anthropic_error(err), err.status, err.headers)
+    return err.response()
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`, on every route but the
     open ones of the route table, compared in constant time against every key. The request's scope then names its owner (a
@@ -47,10 +77,7 @@ class APIKeyMiddleware:
                 err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
                                     "(or 'x-api-key: <key>').",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                response = err.response()
-                if scope["path"].startswith("/v1/messages"):  # Anthropic's clients read their own shape
-                    response = json_response(anthropic_error(err), 401, err.headers)
-                await response(scope, receive, send)
+                await _refusal(scope, err)(scope, receive, send)
                 return
             scope[OWNER] = who
         await self.app(scope, receive, send)
@@ -116,6 +143,7 @@ def build_app(state: ServerState) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
                                      allow_methods=["*"], allow_headers=["*"],
                                      expose_headers=["Retry-After", "X-Request-Id"]))
+    middleware.append(Middleware(CrossSiteMiddleware, allowed_origins=state.settings.allowed_origins))
     if state.settings.api_keys:
         middleware.append(Middleware(APIKeyMiddleware, api_keys=state.settings.api_keys))
 

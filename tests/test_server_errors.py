@@ -99,7 +99,8 @@ def _assert_envelope(r: httpx.Response, status: int, param=None, words=None) -> 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    assert err["type"] == {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
+    assert err["type"] == {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                           408: "timeout_error",
                            503: "server_error"}.get(status, "invalid_request_error")
     if param is not None:
         assert err["param"] == param, err
@@ -191,6 +192,34 @@ def test_cors_only_for_allowed_origins(guarded):
     assert ok.headers.get("access-control-allow-origin") == "http://good.example"
     bad = httpx.options(f"{guarded.url}/v1/completions", headers={"Origin": "http://evil.example", **pre})
     assert "access-control-allow-origin" not in bad.headers
+
+
+def test_other_sites_pages_and_bodies_that_are_not_json_are_refused(guarded):
+    """A web page may send a form or text/plain to any server, a local one included, with no
+    CORS preflight: a browser's request from another site (Sec-Fetch-Site) is refused unless
+    its origin is allowed, and a body declared as anything but JSON is refused (as vLLM does)."""
+    url, raw = f"{guarded.url}/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    for site, origin, status in (("cross-site", "http://evil.example", 403), ("same-site", "http://localhost:3000", 403),
+                                 ("cross-site", "http://good.example", 200), ("same-origin", guarded.url, 200)):
+        r = httpx.post(url, content=raw, headers={**_auth("key-one"), "Origin": origin, "Sec-Fetch-Site": site,
+                                                  "Content-Type": "application/json"})
+        if status == 403:
+            assert _assert_envelope(r, 403)["code"] == "origin_not_allowed" and origin in r.text
+        else:
+            assert r.status_code == 200, (site, origin, r.text)
+    assert httpx.post(f"{guarded.url}/v1/responses/x/cancel", headers={**_auth("key-one"), "Sec-Fetch-Site": "cross-site",
+                                                                       "Origin": "http://evil.example"}).status_code == 403
+    r = httpx.post(f"{guarded.url}/v1/messages", json={}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"  # Anthropic's shape
+    for media, status in (("text/plain;charset=UTF-8", 415), ("application/x-www-form-urlencoded", 415),
+                          ("multipart/form-data; boundary=x", 415), ("application/json; charset=utf-8", 200),
+                          ("application/vnd.api+json", 200), (None, 200)):
+        headers = _auth("key-one") | ({} if media is None else {"Content-Type": media})
+        r = httpx.post(url, content=raw, headers=headers)
+        if status == 415:
+            assert _assert_envelope(r, 415)["code"] == "unsupported_media_type" and media.split(";")[0] in r.text
+        else:
+            assert r.status_code == 200, (media, r.text)
 
 
 def test_body_too_large_is_413(guarded):
