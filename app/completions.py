@@ -11,7 +11,7 @@ from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
 from pageserve.app.http import api_route, many_logprobs, read_json, reply, until_disconnected
-from pageserve.app.logprobs import completion_logprobs
+from pageserve.app.logprobs import completion_logprobs, prompt_logprobs
 from pageserve.app.protocol import CompletionRequest
 from pageserve.app.state import ServerState
 from pageserve.app.structured import structured_outputs
@@ -52,7 +52,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     num_prompt = sum(len(p) for p in ids)
-    job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None)
+    job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None, body.prompt_logprobs is not None)
     if body.stream:
         return sse_response(_chunks(job, stream, head, num_prompt, stream_usage(body)), stream)
     try:
@@ -67,7 +67,7 @@ async def completions(request: Request) -> Response:
         choices.sort(key=lambda c: c["index"])
         return {**head, "choices": choices,
                 "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
-    large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, echo_logprobs)
+    large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, params.prompt_logprobs)
     return await reply(build, large)
 
 
@@ -75,9 +75,10 @@ class _Job:
     """One completions request's prompts and how its choices are numbered and echoed."""
 
     def __init__(self, state: ServerState, index: dict[str, int], prompt_ids: list[list[int]], n: int,
-                 echo: list[str] | None, echo_logprobs: bool):
+                 echo: list[str] | None, echo_logprobs: bool, prompt_logprobs: bool = False):
+        """prompt_logprobs: vLLM's field asked for, given on each choice's first piece."""
         self.state, self.index, self.prompt_ids, self.n = state, index, prompt_ids, n
-        self.echo, self.echo_logprobs = echo, echo_logprobs
+        self.echo, self.echo_logprobs, self.prompt_logprobs = echo, echo_logprobs, prompt_logprobs
         self.offsets: dict[int, int] = {}  # choice -> characters streamed so far (text_offset)
 
     def choice(self, out, c, first: bool, final: bool) -> dict:
@@ -92,8 +93,11 @@ class _Job:
                                            self.prompt_ids[p], self.offsets.get(i, 0))
             if not final:
                 self.offsets[i] = self.offsets.get(i, 0) + len(echo) + len(c.text)
-        return {"index": i, "text": echo + c.text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": i, "text": echo + c.text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if first and self.prompt_logprobs and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs, self.prompt_ids[p], self.state.token_text)
+        return choice
 
 
 async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tuple[bool, bool]):

@@ -1,6 +1,6 @@
 """Log-probabilities in OpenAI's two shapes: chat (`content[]` of token, logprob, bytes and
 top_logprobs) and completions (parallel `tokens`, `token_logprobs`, `top_logprobs` maps and
-`text_offset` lists)."""
+`text_offset` lists), and vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
@@ -58,3 +58,18 @@ def completion_logprobs(entries, tt: TokenText, prompt_entries=None, prompt_ids=
         top.setdefault(text, e.logprob)  # OpenAI's map always holds the chosen token
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(entries, prompt_ids, tt: TokenText) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each a map of token id
+    -> {logprob, rank, decoded_token}: the prompt's own token first, then the most likely ones."""
+    out = []
+    for tid, e in zip(prompt_ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        m = {str(tid): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tt.text(tid)}}
+        for rank, (t, lp) in enumerate(e.top, 1):  # (JSON's keys are strings)
+            m.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": tt.text(t)})
+        out.append(m)
+    return out

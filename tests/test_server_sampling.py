@@ -76,6 +76,32 @@ def test_completion_logprobs_with_echo(server):
     assert all(len(top) >= 2 for top in lp.top_logprobs[n_prompt:])
 
 
+def test_prompt_logprobs_as_vllm_gives_them(server):
+    """vLLM's prompt_logprobs on completions: None for the first prompt token, then a map of
+    token id -> logprob, rank and text, the prompt's own token first; the same values echo's
+    logprobs give, whole and on each choice's first streamed piece."""
+    client = _client(server)
+    prompt = "The capital of France is"
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    echo = client.completions.create(model=server.model, prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                     echo=True).choices[0].logprobs
+    for choice in r.choices:
+        plp = choice.model_extra["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for i, (tid, entry) in enumerate(zip(ids[1:], plp[1:]), 1):
+            own = entry[str(tid)]
+            assert next(iter(entry)) == str(tid) and len(entry) == (2 if own["rank"] <= 2 else 3)
+            assert {1, 2} <= {e["rank"] for e in entry.values()}
+            assert own["logprob"] == pytest.approx(echo.token_logprobs[i], abs=1e-5)
+            assert own["decoded_token"] == echo.tokens[i]
+    chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
+                                            stream=True, extra_body={"prompt_logprobs": 1}))
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert firsts[0] is not None and len(firsts[0]) == len(ids) and all(f is None for f in firsts[1:])
+
+
 def test_seed_penalties_and_bias_through_the_api(server):
     client = _client(server)
 
