@@ -188,7 +188,16 @@ class SamplingFields(_Body):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
 
 
+def _not_both_prompts(cls, data):
+    """vLLM's rule: a template cannot both continue the last message and open a new one."""
+    if isinstance(data, dict) and data.get("continue_final_message") is True \
+            and data.get("add_generation_prompt") is True:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    return data
+
+
 class ChatCompletionRequest(SamplingFields):
+    _prompts = model_validator(mode="before")(classmethod(_not_both_prompts))
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: integer(ge=1) | None = None
     max_completion_tokens: integer(ge=1) | None = None
@@ -212,6 +221,17 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: integer(ge=0, le=20) | None = None
     suffix: str | None = None
+    best_of: integer(ge=1) | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of, info):
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of must be at least n ({n})" if best_of < n else
+                             f"best_of {best_of} > n {n} is not supported: the server does not rank sequences "
+                             "(ask for n and pick)")
+        return best_of
 
 
 class EmbeddingRequest(_Body):
@@ -235,6 +255,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    _prompts = model_validator(mode="before")(classmethod(_not_both_prompts))
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -383,6 +404,11 @@ class ReasoningConfig(_Body):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+IncludeValue = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+                       "web_search_call.action.sources", "code_interpreter_call.outputs",
+                       "computer_call_output.output.image_url", "file_search_call.results"]  # OpenAI's
+
+
 class ResponsesRequest(_Body):
     """OpenAI's Responses API request; the sampling fields vLLM accepts beyond OpenAI's too."""
 
@@ -395,7 +421,7 @@ class ResponsesRequest(_Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: integer(ge=0, le=20) | None = None
-    include: Annotated[list[str], Field(max_length=16)] | None = None
+    include: Annotated[list[IncludeValue], Field(max_length=16)] | None = None  # logprobs served, the rest ignored
     tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
     parallel_tool_calls: bool = True

@@ -86,6 +86,13 @@ BAD = [
     (CHAT, {"messages": MSG, "repetition_penalty": 0}, 400, "repetition_penalty", None),
     (CHAT, {"messages": MSG, "seed": 2 ** 70}, 400, "seed", None),
     (EMB, {"input": [[1]] * 3000}, 400, "input", "at most 2048"),
+    (COMP, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", "at least n (3)"),
+    (COMP, {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "does not rank"),
+    (CHAT, {"messages": MSG, "continue_final_message": True, "add_generation_prompt": True}, 400, None,
+     "cannot both be true"),
+    ("/tokenize", {"messages": MSG, "continue_final_message": True, "add_generation_prompt": True}, 400, None,
+     "cannot both be true"),
+    ("/v1/responses", {"input": "hi", "include": ["foo.bar"]}, 400, "include.0", "message.output_text.logprobs"),
 ]
 
 
