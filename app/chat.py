@@ -119,7 +119,7 @@ async def chat_completions(request: Request) -> Response:
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs is served by /v1/completions (with echo)", "prompt_logprobs")
+        raise bad_request("prompt_logprobs is served by /v1/completions", "prompt_logprobs")
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                       state.settings.enable_auto_tool_choice, tool_format(state.settings.tool_call_parser))
     grammar, source = structured_outputs(body)

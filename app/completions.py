@@ -40,7 +40,8 @@ async def completions(request: Request) -> Response:
     prompts = split_prompts(body.prompt)
     ids = await prompt_token_ids(state, prompts)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = sampling_params(body, body.max_tokens, body.logprobs, echo_logprobs,
+    params = sampling_params(body, body.max_tokens, body.logprobs,
+                             body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,
                              structured=structured_outputs(body)[0], defaults=state.sampling_defaults)
     rid = request_id("cmpl", request)
     stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model, priority=body.priority)
@@ -120,8 +121,8 @@ async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tu
             num_generated += len(c.token_ids)
             i = job.index[out.request_id] * job.n + c.index
             choice = job.choice(out, c, first=i not in started, final=False)
-            started.add(i)
-            if choice["text"] or choice["logprobs"] or c.finish_reason is not None:
+            if choice["text"] or choice["logprobs"] or c.finish_reason is not None or "prompt_logprobs" in choice:
+                started.add(i)  # (a piece held back, by a stop string, is no first piece)
                 yield chunk(choice)
     if include_usage:
         yield {**head, "choices": [], "usage": usage(num_prompt, num_generated, sum(cached.values()))}

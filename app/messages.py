@@ -25,14 +25,15 @@ from pageserve.app.state import ServerState
 from pageserve.sampling.params import StructuredOutputsParams
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 
-# Anthropic's error types by status (the others: api_error)
+# Anthropic's error types by status (the others: invalid_request_error for a 4xx, else api_error)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error"}
 
 
 def anthropic_error(error: APIError) -> dict:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message}}
+    kind = _ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def _anthropic_route(handler):

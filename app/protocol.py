@@ -226,8 +226,8 @@ class CompletionRequest(SamplingFields):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, best_of, info):
-        n = info.data.get("n", 1)
-        if best_of is not None and best_of != n:
+        n = info.data.get("n")
+        if best_of is not None and n is not None and best_of != n:  # (n None: n's own error is reported)
             raise ValueError(f"best_of must be at least n ({n})" if best_of < n else
                              f"best_of {best_of} > n {n} is not supported: the server does not rank sequences "
                              "(ask for n and pick)")
@@ -405,7 +405,7 @@ class ReasoningConfig(_Body):
 
 
 IncludeValue = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
-                       "web_search_call.action.sources", "code_interpreter_call.outputs",
+                       "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
                        "computer_call_output.output.image_url", "file_search_call.results"]  # OpenAI's
 
 

@@ -47,9 +47,9 @@ class CrossSiteMiddleware:
             origin = headers.get(b"origin", b"").decode("latin-1")
             if headers.get(b"sec-fetch-site") in (b"cross-site", b"same-site") \
                     and "*" not in self.allowed and origin not in self.allowed:
-                await _refusal(scope, APIError(
-                    403, f"a request from the web page at {origin or 'another site'} is refused: start the server "
-                         "with --allowed-origins naming it to allow it", code="origin_not_allowed"))(scope, receive, send)
+                err = APIError(403, f"a request from the web page at {origin or 'another site'} is refused: start "
+                                    "the server with --allowed-origins naming it to allow it", code="origin_not_allowed")
+                await _refusal(scope, err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

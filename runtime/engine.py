@@ -10,6 +10,7 @@ import logging
 import time
 
 import torch
+from tokenizers import Tokenizer
 
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.matcher import Matcher, reasoning_end_position
@@ -63,11 +64,20 @@ class RequestFailedError(RuntimeError):
     other requests go on."""
 
 
+def _plain_copy(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of the Rust tokenizer that neither pads nor truncates (a tokenizer.json may turn
+    either on, and transformers sets them on the shared one per call): a text's ids, whole."""
+    plain = Tokenizer.from_str(tokenizer.to_str())
+    plain.no_padding()
+    plain.no_truncation()
+    return plain
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, executor: UniProcExecutor | MultiprocExecutor):
         self.config = config
         self.tokenizer = tokenizer
-        self._tokenizer = backend_tokenizer(tokenizer)
+        self._tokenizer = _plain_copy(backend_tokenizer(tokenizer))
         self.executor = executor
         self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, config.cache.sliding_window)

@@ -232,3 +232,29 @@ def test_stop_strings_seen_before_min_tokens_stay_ignored(tokenizer):
     for t in second:
         assert detok.add_token(t, check_stop=True) is None  # the old "\n" is not matched now
     assert detok.take_delta(finished=True) == "hello\n world"
+
+
+def test_the_engine_tokenizes_whole_texts_whatever_tokenizer_json_turns_on(tiny_model_dir, tmp_path):
+    """A tokenizer.json may turn padding or truncation on (transformers also sets them on the
+    shared tokenizer per call): the engine's texts are tokenized by a copy with neither, each
+    text alone, several at once or in threads."""
+    import concurrent.futures
+    import json
+    import shutil
+
+    from pageserve.runtime import LLM
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    spec = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(spec))
+    plain = backend_tokenizer(LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01).engine.tokenizer)
+    engine = LLM(str(tmp_path / "m"), dtype="float32", kv_cache_memory=0.01).engine
+    texts = ["hi", "hello there, how are you today?" * 4, "", "x<|endoftext|>y \u00e9 \U0001F642"]
+    want = [plain.encode(t).ids for t in texts]
+    assert len(want[1]) > 8 and engine.tokenize_all(texts) == want
+    assert [engine.tokenize(t) for t in texts] == want
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(engine.tokenize, texts * 8)) == want * 8

@@ -88,6 +88,7 @@ BAD = [
     (EMB, {"input": [[1]] * 3000}, 400, "input", "at most 2048"),
     (COMP, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", "at least n (3)"),
     (COMP, {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "does not rank"),
+    (COMP, {"prompt": "hi", "n": 200, "best_of": 200}, 400, "n", "less than or equal"),
     (CHAT, {"messages": MSG, "continue_final_message": True, "add_generation_prompt": True}, 400, None,
      "cannot both be true"),
     ("/tokenize", {"messages": MSG, "continue_final_message": True, "add_generation_prompt": True}, 400, None,
@@ -206,7 +207,8 @@ def test_other_sites_pages_and_bodies_that_are_not_json_are_refused(guarded):
     CORS preflight: a browser's request from another site (Sec-Fetch-Site) is refused unless
     its origin is allowed, and a body declared as anything but JSON is refused (as vLLM does)."""
     url, raw = f"{guarded.url}/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
-    for site, origin, status in (("cross-site", "http://evil.example", 403), ("same-site", "http://localhost:3000", 403),
+    for site, origin, status in (("cross-site", "http://evil.example", 403),
+                                 ("same-site", "http://localhost:3000", 403),
                                  ("cross-site", "http://good.example", 200), ("same-origin", guarded.url, 200)):
         r = httpx.post(url, content=raw, headers={**_auth("key-one"), "Origin": origin, "Sec-Fetch-Site": site,
                                                   "Content-Type": "application/json"})
@@ -214,10 +216,12 @@ def test_other_sites_pages_and_bodies_that_are_not_json_are_refused(guarded):
             assert _assert_envelope(r, 403)["code"] == "origin_not_allowed" and origin in r.text
         else:
             assert r.status_code == 200, (site, origin, r.text)
-    assert httpx.post(f"{guarded.url}/v1/responses/x/cancel", headers={**_auth("key-one"), "Sec-Fetch-Site": "cross-site",
-                                                                       "Origin": "http://evil.example"}).status_code == 403
+    cross = {"Sec-Fetch-Site": "cross-site", "Origin": "http://evil.example"}
+    assert httpx.post(f"{guarded.url}/v1/responses/x/cancel", headers={**_auth("key-one"), **cross}).status_code == 403
     r = httpx.post(f"{guarded.url}/v1/messages", json={}, headers={"Sec-Fetch-Site": "cross-site"})
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"  # Anthropic's shape
+    r = httpx.post(f"{guarded.url}/v1/messages", content=b"{}", headers={**_auth("key-one"), "Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
     for media, status in (("text/plain;charset=UTF-8", 415), ("application/x-www-form-urlencoded", 415),
                           ("multipart/form-data; boundary=x", 415), ("application/json; charset=utf-8", 200),
                           ("application/vnd.api+json", 200), (None, 200)):

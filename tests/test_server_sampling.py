@@ -96,10 +96,19 @@ def test_prompt_logprobs_as_vllm_gives_them(server):
             assert {1, 2} <= {e["rank"] for e in entry.values()}
             assert own["logprob"] == pytest.approx(echo.token_logprobs[i], abs=1e-5)
             assert own["decoded_token"] == echo.tokens[i]
-    chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
-                                            stream=True, extra_body={"prompt_logprobs": 1}))
-    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
-    assert firsts[0] is not None and len(firsts[0]) == len(ids) and all(f is None for f in firsts[1:])
+    # asked for beside echo's logprobs, prompt_logprobs' own count wins (as in vLLM)
+    both = client.completions.create(model=server.model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                     echo=True, extra_body={"prompt_logprobs": 3}).choices[0].model_extra
+    assert all(len(e) in (3, 4) for e in both["prompt_logprobs"][1:])
+    # streamed: on the first piece sent, also where a stop string holds the first text back
+    forced = ids[-1]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": [forced]}).json()["prompt"]
+    for stop in (None, [text * 3 + "\u00a7"]):
+        chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0,
+                                                stream=True, stop=stop, logit_bias={str(forced): 100},
+                                                extra_body={"prompt_logprobs": 1}))
+        firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+        assert firsts[0] is not None and len(firsts[0]) == len(ids) and all(f is None for f in firsts[1:]), stop
 
 
 def test_seed_penalties_and_bias_through_the_api(server):

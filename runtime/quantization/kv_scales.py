@@ -25,7 +25,8 @@ _NAME = re.compile(r"(.+)\.([kvq])_scale")
 class AttentionScales:
     """What one attention layer multiplies by, in this rank's heads: the query [H, 1] and the
     output [H, 1] by their KV head's k_scale and v_scale, the new K and V [Hkv, 1] by their
-    reciprocals. q . (K / k_scale) is (q k_scale) . K / k_scale, so the kernels need not know."""
+    reciprocals. The cache keeps K' = K / k_scale, read as q . (K' k_scale), which is
+    (q k_scale) . K': the kernels need not know."""
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor

@@ -80,11 +80,11 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     kind = (scheme.get("type"), scheme.get("num_bits"))
     if kind != ("float", 8) or not scheme.get("symmetric", True) or scheme.get("dynamic", False) \
             or scheme.get("strategy", "tensor") not in _KV_STRATEGIES:
+        symmetric = "symmetric" if scheme.get("symmetric", True) else "asymmetric"
         raise UnsupportedQuantization(
             f"KV-cache quantization (kv_cache_scheme) {scheme.get('num_bits')}-bit {scheme.get('type')} "
-            f"{'dynamic' if scheme.get('dynamic') else 'static'} "
-            f"{'symmetric' if scheme.get('symmetric', True) else 'asymmetric'} by {scheme.get('strategy', 'tensor')} is not "
-            "supported (static symmetric float8 per tensor or per attention head is)")
+            f"{'dynamic' if scheme.get('dynamic') else 'static'} {symmetric} by {scheme.get('strategy', 'tensor')} "
+            "is not supported (static symmetric float8 per tensor or per attention head is)")
     return scheme
 
 
