@@ -213,3 +213,16 @@ def test_a_scheme_that_is_no_object_is_refused(tmp_path, source):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="kv_cache_scheme 'fp8' is not a scheme"):
         LLM(str(out), dtype="float32")
+
+
+def test_new_values_are_divided_in_float32_whatever_the_activations():
+    """Under bfloat16 or float16 activations K / k_scale is made in float32, so that it is rounded
+    once, to float8, as vLLM divides (rounding it to bfloat16 first moves some values)."""
+    from pageserve.runtime.quantization.kv_scales import AttentionScales
+
+    k = torch.randn(64, 2, 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    s = AttentionScales.of(torch.tensor([3.0, 0.7]), torch.tensor([5.0, 0.3]), 2, torch.bfloat16)
+    assert s.query.dtype == s.output.dtype == torch.bfloat16 and s.key.dtype == s.value.dtype == torch.float32
+    once = (k / s.key).to(torch.float8_e4m3fn)
+    assert torch.equal(once.float(), (k.float() / torch.tensor([3.0, 0.7])[:, None]).to(torch.float8_e4m3fn).float())
+    assert not torch.equal(once.float(), (k / s.key.bfloat16()).to(torch.float8_e4m3fn).float())  # twice

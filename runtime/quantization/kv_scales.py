@@ -26,7 +26,8 @@ class AttentionScales:
     """What one attention layer multiplies by, in this rank's heads: the query [H, 1] and the
     output [H, 1] by their KV head's k_scale and v_scale, the new K and V [Hkv, 1] by their
     reciprocals. The cache keeps K' = K / k_scale, read as q . (K' k_scale), which is
-    (q k_scale) . K': the kernels need not know."""
+    (q k_scale) . K': the kernels need not know. The divisors are float32, so that K / k_scale
+    is rounded once, to float8, whatever the activations' dtype (as vLLM divides)."""
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
@@ -34,8 +35,8 @@ class AttentionScales:
 
     @classmethod
     def of(cls, k_scale: torch.Tensor, v_scale: torch.Tensor, group: int, dtype: torch.dtype) -> "AttentionScales":
-        k, v = k_scale[:, None].to(dtype), v_scale[:, None].to(dtype)
-        return cls(k.repeat_interleave(group, 0), k, v, v.repeat_interleave(group, 0))
+        k, v = k_scale[:, None], v_scale[:, None]
+        return cls(k.repeat_interleave(group, 0).to(dtype), k, v, v.repeat_interleave(group, 0).to(dtype))
 
 
 class KVScales:
