@@ -9,7 +9,10 @@ by hand from each format's specification, with the config's `quantization_config
 - ct-w4a16 / ct-w4a16-asym: compressed-tensors `pack-quantized`, 4-bit in groups, symmetric /
   with zero points (eight values an int32 word along the row, signed values plus 8);
 - awq: AutoAWQ's GEMM packing (qweight [K, N/8], columns in the order 0 2 4 6 1 3 5 7);
-- gptq: AutoGPTQ's packing (qweight [K/8, N], zero points stored minus one).
+- gptq: AutoGPTQ's packing (qweight [K/8, N], zero points stored minus one);
+- fp8-tensor / fp8-block: vLLM's own `fp8` method, FP8 E4M3 weights with one `weight_scale` a
+  tensor (AutoFP8's) / one `weight_scale_inv` a block of group_size x group_size (Qwen's and
+  DeepSeek's `-FP8` models; 128 there), dynamic activations.
 
 `reference`: also a plain float32 copy whose weights are the quantized values, dequantized
 here from the codes (value = (code - zero) * scale): what a correct reader of the quantized
@@ -31,7 +34,7 @@ import torch
 from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
-FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq")
+FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-block")
 LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
 
@@ -83,6 +86,17 @@ def _ct_config(fmt: str, group: int) -> dict:
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
     n, k = w.shape
+    if fmt.startswith("fp8-"):
+        b = group if fmt == "fp8-block" else max(n, k)  # one block: the whole tensor
+        pad = torch.zeros(-(-n // b) * b, -(-k // b) * b)
+        pad[:n, :k] = w.abs()
+        amax = pad.view(pad.shape[0] // b, b, pad.shape[1] // b, b).amax(dim=(1, 3))
+        scale = (amax / 448.0).clamp(min=1e-8).to(scale_dtype).float()
+        full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
+        codes = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+        return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt == "fp8-block" else scale.reshape(())}, \
+            codes.float() * full
     if fmt.startswith("ct-fp8") or fmt == "ct-int8":
         top = 448.0 if fmt != "ct-int8" else 127.0
         amax = w.abs().amax() if fmt == "ct-fp8-tensor" else w.abs().amax(dim=1)
@@ -147,6 +161,9 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
     cfg = json.loads((out / "config.json").read_text())
     if fmt.startswith("ct-"):
         cfg["quantization_config"] = _ct_config(fmt, group_size)
+    elif fmt.startswith("fp8-"):
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      **({"weight_block_size": [group_size, group_size]} if fmt == "fp8-block" else {})}
     elif fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm"}

@@ -60,7 +60,7 @@ def quantized(fmt: str, rows: int, cols: int, group: int | None, seed: int, edge
         scales = scales_of(gen, (rows, cols // group), edges)
         per_value = (codes.int() - zeros.int().repeat_interleave(group, 1)).float()
         return int4_blocks(codes, scales, zeros, group), per_value * scales.repeat_interleave(group, 1)
-    scales = scales_of(gen, (rows,), edges)
+    scales = scales_of(gen, (rows,) if group is None or fmt == "i8" else (rows, cols // group), edges)
     if fmt == "i8":
         codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
         return int8_blocks(codes, scales), codes.float() * scales[:, None]
@@ -68,6 +68,8 @@ def quantized(fmt: str, rows: int, cols: int, group: int | None, seed: int, edge
     if not nan:
         raw[(raw == F8_NAN[0]) | (raw == F8_NAN[1])] = 0x3C
     codes = raw.view(torch.float8_e4m3fn)
+    if group is not None:  # block-wise: each group of columns its scale
+        return fp8_blocks(codes, scales, group), codes.float() * scales.repeat_interleave(group, 1)
     return fp8_blocks(codes, scales), codes.float() * scales[:, None]
 
 
@@ -77,8 +79,8 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
-SHAPES = [("i8", 96, None), ("i8", 192, None), ("f8", 96, None), ("f8", 192, None), ("i4", 96, 32),
-          ("i4", 128, 128), ("i4", 192, 64)]
+SHAPES = [("i8", 96, None), ("i8", 192, None), ("f8", 96, None), ("f8", 192, None), ("f8", 192, 64),
+          ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64)]
 
 
 @pytest.mark.parametrize("fmt,cols,group", SHAPES)

@@ -2,9 +2,11 @@
 by hand from the format's specification), served with greedy tokens identical to HF
 transformers in float32, through both storages (the C linear's blocks, and the packed tensors of
 the torch/Triton path). compressed-tensors checkpoints are loaded by transformers itself (through
-the compressed-tensors library, dequantized); transformers cannot load AWQ or GPTQ without GPU
-packages, so those are checked against our own dequantized float32 copy of the same codes
-(quantized_copy's `reference`), loaded by transformers as a plain model."""
+the compressed-tensors library, dequantized), as are vLLM's block-wise `fp8` ones (dequantized by
+transformers' own FP8 reader); transformers cannot load AWQ or GPTQ without GPU packages, and
+reads per-tensor `fp8` scales (AutoFP8's) not at all, so those are checked against our own
+dequantized float32 copy of the same codes (quantized_copy's `reference`), loaded by
+transformers as a plain model."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.engine
 
-GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128}
+GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 64}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,8 @@ def prompts():
 
 
 def hf_expected(fmt: str, out, ref, prompts, n: int = 16):
+    if fmt == "fp8-block":  # transformers dequantizes block-wise FP8 itself on a CPU
+        return hf_greedy(out, prompts, n)
     if fmt.startswith("ct-"):  # transformers + compressed-tensors read the quantized files themselves
         from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -73,7 +77,8 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
-    kept = {"ct-fp8": {"f8"}, "ct-fp8-tensor": {"f8"}, "ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
+    kept = {"ct-fp8": {"f8"}, "ct-fp8-tensor": {"f8"}, "ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"},
+            "fp8-tensor": {"f8"}, "fp8-block": {"f8"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"i4"})
 
 
@@ -89,7 +94,7 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.block_format == block
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -98,8 +103,9 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     got, llm = ours(out, prompts, enforce_eager=True)
     assert got == hf_expected(fmt, out, ref, prompts)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    assert weight.dtype == {"ct-fp8": torch.float8_e4m3fn, "ct-int8": torch.int8}.get(fmt, torch.int32)
-    assert weight.quant.kind == {"ct-fp8": "fp8", "ct-int8": "int8"}.get(fmt, "int4")
+    fp8 = fmt in ("ct-fp8", "fp8-tensor")
+    assert weight.dtype == (torch.float8_e4m3fn if fp8 else {"ct-int8": torch.int8}.get(fmt, torch.int32))
+    assert weight.quant.kind == ("fp8" if fp8 else {"ct-int8": "int8"}.get(fmt, "int4"))
 
 
 def test_online_fp8(tmp_path, source, prompts):
@@ -139,6 +145,9 @@ def test_online_fp8(tmp_path, source, prompts):
     ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
     ({"quant_method": "gptq", "bits": 8}, "8-bit weights"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "Marlin-only"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "static activation scales"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 48]}, "weight_block_size \\[128, 48\\]"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
 ])
 def test_refused_at_start_up(tmp_path, source, change, message):
     """What is not served is refused before any weight loads, in one line naming it."""
@@ -178,6 +187,19 @@ def test_forced_method_must_match(tmp_path, source):
         LLM(str(out), dtype="float32", quantization="gptq")
     with pytest.raises(ModelLoadError, match="Marlin kernels are not part of pageserve"):
         LLM(str(out), dtype="float32", quantization="awq_marlin")
+
+
+def test_block_wise_fp8_on_tensor_parallel_ranks_and_refused_off_the_c_kernels(tmp_path, source, prompts):
+    """Block-wise FP8 (Qwen's -FP8 layout): TP 2 cuts the row-parallel matrices on block
+    boundaries and gives the reference's tokens; without the C kernels it is refused by name."""
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(source, out, "fp8-block", group_size=64, reference=ref)
+    got, llm = ours(out, prompts, tensor_parallel_size=2)
+    llm.engine.shutdown()
+    assert got == hf_greedy(ref, prompts, 16)
+    with pytest.raises(ModelLoadError, match="block-wise FP8 weights are served by the CPU's C kernels only") as e:
+        LLM(str(out), dtype="float32", enforce_eager=True)
+    assert "\n" not in str(e.value)
 
 
 def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):

@@ -56,11 +56,19 @@ def int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return blocks(torch.cat([s, codes.view(torch.uint8).reshape(n, k // 32, 32)], 2).view(n, -1), "i8", k)
 
 
-def fp8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn codes [N, K] with one scale a row ([N], each below 2**120 in size) as `f8`
-    blocks."""
+def fp8_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 0) -> torch.Tensor:
+    """float8_e4m3fn codes [N, K] with one scale a row ([N]), or one a group of `group_size`
+    columns ([N, K / group_size], group_size a multiple of 32), each below 2**120 in size, as
+    `f8` blocks."""
     n, k = _codes_shape(codes, torch.float8_e4m3fn, "fp8_blocks")
-    scales = _row_scales(scales, n, "fp8_blocks")
+    if group_size:
+        if group_size % 32 or k % group_size or scales.shape != (n, k // group_size) \
+                or not scales.dtype.is_floating_point:
+            raise ValueError(f"fp8_blocks: scales {tuple(scales.shape)} do not make groups of {group_size} "
+                             f"(a multiple of 32) of a {n}x{k} matrix")
+        scales = scales.to(torch.float32).repeat_interleave(group_size // 32, 1)
+    else:
+        scales = _row_scales(scales, n, "fp8_blocks")
     if not bool((scales.abs() < F8_SCALE_LIMIT).all()):
         raise ValueError(f"fp8_blocks: scales must be finite and below 2**120 in size, got max "
                          f"{scales.abs().max().item()}")

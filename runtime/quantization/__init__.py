@@ -4,12 +4,12 @@ are stored for the device's kernels (storage.py, load.py)."""
 
 from __future__ import annotations
 
-from pageserve.runtime.quantization.methods import (AWQ, GPTQ, CompressedTensors, OnlineFP8, QuantMethod,
-                                                    UnsupportedQuantization)
+from pageserve.runtime.quantization.methods import (AWQ, GPTQ, CompressedTensors, FP8Checkpoint, OnlineFP8,
+                                                    QuantMethod, UnsupportedQuantization)
 from pageserve.runtime.quantization.qtensor import QuantTensor
 
 # quant_method of a checkpoint -> its reader
-CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ}
+CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ, "fp8": FP8Checkpoint}
 # what --quantization takes: a checkpoint's own method by name, or fp8 made at load time
 CHOICES = ("compressed-tensors", "awq", "gptq", "fp8")
 # names vLLM users may type, and why they are not served here

@@ -57,7 +57,7 @@ class BlockStorage:
 
     def allocate(self, layer: Layer, rows: int) -> None:
         k, g = layer.in_features, layer.group_size
-        if k % 32 or (layer.kind == "int4" and g % 32):
+        if k % 32 or g % 32:
             raise UnsupportedQuantization(f"the CPU kernels take 4-bit groups and rows in multiples of 32 values; "
                                           f"a layer has {k} columns in groups of {g}")
         width = k // 32 * cpu_blocks.BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
@@ -69,7 +69,7 @@ class BlockStorage:
         elif qt.kind == "int8":
             raw = cpu_blocks.int8_blocks(qt.codes, qt.scales)
         else:
-            raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales)
+            raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales, qt.group_size)
         layer.module.weight[rows].copy_(raw)
 
     def finish(self, layer: Layer) -> None:
@@ -100,6 +100,9 @@ class PackedStorage:
 
     def allocate(self, layer: Layer, rows: int) -> None:
         m, k, g = layer.module, layer.in_features, layer.group_size
+        if layer.kind == "fp8" and g:
+            raise UnsupportedQuantization("block-wise FP8 weights are served by the CPU's C kernels only (a CPU with "
+                                          "--dtype float32 or auto), not on CUDA or torch's CPU path")
         if layer.kind == "int4":
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
@@ -135,7 +138,7 @@ class QuantizedLoad:
         self.method, self.storage = method, storage
         self.prefixes: dict[str, set[str]] = {}  # checkpoint layer -> its tensors' suffixes
         self.layers: dict[str, Layer] = {}  # our parameter -> its layer
-        optional = method.name == "fp8"  # made at load time: only the decoder layers' matrices
+        optional = method.online  # made at load time: only the decoder layers' matrices
         for prefix, suffixes in method.layers(names).items():
             if not model.checkpoint_held(prefix + ".weight"):  # another pipeline stage's layer
                 continue

@@ -23,6 +23,7 @@ class QuantMethod:
     a QuantTensor."""
     name = ""
     marker = ""
+    online = False  # quantized as the checkpoint loads (--quantization fp8), not stored so
 
     def describe(self) -> str:
         return self.name
@@ -255,11 +256,58 @@ class GPTQ(QuantMethod):
         return _int4(prefix, codes, scales.t(), zeros.to(torch.uint8))
 
 
+class FP8Checkpoint(QuantMethod):
+    """vLLM's own `fp8` checkpoints: FP8 E4M3 weights with one scale per tensor (AutoFP8's
+    `weight_scale`) or per block of `weight_block_size` (Qwen's and DeepSeek's `-FP8` models,
+    `weight_scale_inv`, which multiplies despite its name), activations quantized dynamically.
+    Block-wise weights are served by the C linear (each 32 values of a row take their block's
+    scale); static activation scales are refused, as for compressed-tensors."""
+    name = "fp8"
+
+    def __init__(self, cfg: dict):
+        if cfg.get("activation_scheme", "dynamic") != "dynamic":
+            raise UnsupportedQuantization(f"fp8 checkpoint with {cfg.get('activation_scheme')} activation scales is "
+                                          "not supported (dynamic is)")
+        if cfg.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedQuantization(f"fp8 checkpoint in {cfg.get('fmt')} is not supported (e4m3 is)")
+        block = cfg.get("weight_block_size")
+        if block is not None and (not isinstance(block, list) or len(block) != 2
+                                  or not all(isinstance(b, int) and b > 0 for b in block) or block[1] % 32):
+            raise UnsupportedQuantization(f"fp8 checkpoint with weight_block_size {block!r}: two positive sizes, "
+                                          "the second (columns) a multiple of 32, are needed")
+        self.block = None if block is None else tuple(block)
+        self.marker = "weight_scale_inv" if block is not None else "weight_scale"
+
+    def describe(self) -> str:
+        return f"fp8 ({'blocks of %dx%d' % self.block if self.block else 'per-tensor scales'})"
+
+    def layout(self, tensors):
+        return "fp8", 0 if self.block is None else self.block[1]
+
+    def read(self, prefix, tensors):
+        codes, scale = _need(tensors, prefix, "weight", self.marker)
+        n, k = codes.shape
+        if codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{prefix}.weight is {codes.dtype}, not float8_e4m3fn")
+        if self.block is None:
+            if scale.numel() != 1:
+                raise ValueError(f"{prefix}.weight_scale: {scale.numel()} values, expected one")
+            return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous())
+        bn, bk = self.block
+        want = (-(-n // bn), -(-k // bk))
+        if k % bk or tuple(scale.shape) != want:
+            raise ValueError(f"{prefix}: a {n}x{k} matrix in blocks of {bn}x{bk} needs K a multiple of {bk} and "
+                             f"scales {want}, got {tuple(scale.shape)}")
+        rows = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()
+        return QuantTensor("fp8", codes, rows, group_size=bk)
+
+
 class OnlineFP8(QuantMethod):
     """`--quantization fp8` on an unquantized checkpoint: each decoder layer's matrices in FP8
     with one scale per output row, made as they load."""
     name = "fp8"
     marker = "weight"
+    online = True
     # the layers quantized: the attention's and the MLP's matrices (our names, after fusing)
     TARGETS = re.compile(r".*\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.weight")
 

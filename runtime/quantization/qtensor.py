@@ -26,7 +26,7 @@ class QuantTensor:
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None = None  # int4 only
-    group_size: int = 0  # int4 only: columns that share a scale and a zero
+    group_size: int = 0  # int4, and block-wise fp8: columns that share a scale (and a zero)
 
     def __post_init__(self):
         n, k = self.codes.shape
@@ -37,6 +37,10 @@ class QuantTensor:
                 raise ValueError(f"int4 matrix {n}x{k}: scales {tuple(self.scales.shape)} and zeros "
                                  f"{None if self.zeros is None else tuple(self.zeros.shape)} do not make "
                                  f"groups of {g}")
+        elif self.kind == "fp8" and self.group_size:  # a scale for each group of columns of a row
+            g = self.group_size
+            if k % g or self.scales.shape != (n, k // g):
+                raise ValueError(f"fp8 matrix {n}x{k}: scales {tuple(self.scales.shape)} do not make groups of {g}")
         elif self.kind in ("int8", "fp8"):
             if self.scales.shape != (n,):
                 raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)}, want ({n},)")
@@ -55,14 +59,15 @@ class QuantTensor:
         if dim == 0:
             return QuantTensor(self.kind, self.codes.narrow(0, start, length), self.scales.narrow(0, start, length),
                                None if self.zeros is None else self.zeros.narrow(0, start, length), self.group_size)
-        if self.kind != "int4":
+        if not self.group_size:
             return QuantTensor(self.kind, self.codes.narrow(1, start, length), self.scales)
         g = self.group_size
         if start % g or length % g:
             raise ValueError(f"columns {start}..{start + length} of a matrix quantized in groups of {g} "
                              "do not fall on group boundaries")
-        return QuantTensor("int4", self.codes.narrow(1, start, length), self.scales.narrow(1, start // g, length // g),
-                           self.zeros.narrow(1, start // g, length // g), g)
+        zeros = None if self.zeros is None else self.zeros.narrow(1, start // g, length // g)
+        return QuantTensor(self.kind, self.codes.narrow(1, start, length),
+                           self.scales.narrow(1, start // g, length // g), zeros, g)
 
     def split(self, sizes: list[int]) -> list[QuantTensor]:
         out, at = [], 0
@@ -97,6 +102,8 @@ class QuantTensor:
             g = self.group_size
             centred = self.codes.to(torch.float32) - self.zeros.to(torch.float32).repeat_interleave(g, dim=1)
             return centred * self.scales.repeat_interleave(g, dim=1)
+        if self.group_size:
+            return self.codes.to(torch.float32) * self.scales.repeat_interleave(self.group_size, dim=1)
         return self.codes.to(torch.float32) * self.scales[:, None]
 
     def nbytes(self) -> int:
