@@ -26,7 +26,7 @@ from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.engine
 
-GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 64}
+GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128}
 
 
 @pytest.fixture(scope="module")
@@ -190,16 +190,35 @@ def test_forced_method_must_match(tmp_path, source):
 
 
 def test_block_wise_fp8_on_tensor_parallel_ranks_and_refused_off_the_c_kernels(tmp_path, source, prompts):
-    """Block-wise FP8 (Qwen's -FP8 layout): TP 2 cuts the row-parallel matrices on block
-    boundaries and gives the reference's tokens; without the C kernels it is refused by name."""
+    """Block-wise FP8 (Qwen's -FP8 layout, 128x128): TP 2 cuts the row-parallel matrices inside a
+    block (64 columns of 128 a rank: each 32 columns keep their block's scale) and gives the
+    reference's tokens; without the C kernels it is refused by name."""
     out, ref = tmp_path / "q", tmp_path / "ref"
-    quantized_copy(source, out, "fp8-block", group_size=64, reference=ref)
+    quantized_copy(source, out, "fp8-block", group_size=128, reference=ref)
     got, llm = ours(out, prompts, tensor_parallel_size=2)
     llm.engine.shutdown()
     assert got == hf_greedy(ref, prompts, 16)
     with pytest.raises(ModelLoadError, match="block-wise FP8 weights are served by the CPU's C kernels only") as e:
         LLM(str(out), dtype="float32", enforce_eager=True)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "ct-fp8", "fp8-block"])
+def test_quantized_layers_with_a_bias(tmp_path, prompts, fmt):
+    """Qwen2's q/k/v have a bias beside their quantized weights: it loads as a dense tensor (it
+    was taken for one of the quantized layer's tensors, and the checkpoint refused)."""
+    from safetensors.torch import load_file, save_file
+
+    src = build_tiny_model(tmp_path / "src", "qwen2", hidden_size=128, intermediate_size=256)
+    tensors, gen = load_file(src / "model.safetensors"), torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.endswith("_proj.bias")]:  # (transformers starts them at zero)
+        tensors[name] = torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(src, out, fmt, group_size=GROUP.get(fmt, 128), reference=ref)
+    got, llm = ours(out, prompts)
+    assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.bias.abs().sum() > 0
+    assert got == hf_expected(fmt, out, ref, prompts)
 
 
 def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):

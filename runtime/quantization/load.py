@@ -58,7 +58,7 @@ class BlockStorage:
     def allocate(self, layer: Layer, rows: int) -> None:
         k, g = layer.in_features, layer.group_size
         if k % 32 or g % 32:
-            raise UnsupportedQuantization(f"the CPU kernels take 4-bit groups and rows in multiples of 32 values; "
+            raise UnsupportedQuantization(f"the CPU kernels take quantized rows and groups in multiples of 32 values; "
                                           f"a layer has {k} columns in groups of {g}")
         width = k // 32 * cpu_blocks.BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
         layer.module.weight = nn.Parameter(torch.empty(rows, width, dtype=torch.uint8), requires_grad=False)
@@ -101,8 +101,8 @@ class PackedStorage:
     def allocate(self, layer: Layer, rows: int) -> None:
         m, k, g = layer.module, layer.in_features, layer.group_size
         if layer.kind == "fp8" and g:
-            raise UnsupportedQuantization("block-wise FP8 weights are served by the CPU's C kernels only (a CPU with "
-                                          "--dtype float32 or auto), not on CUDA or torch's CPU path")
+            raise UnsupportedQuantization("block-wise FP8 weights are served by the CPU's C kernels only, not on CUDA "
+                                          "or torch's CPU path (--enforce-eager)")
         if layer.kind == "int4":
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")

@@ -36,7 +36,7 @@ class QuantMethod:
         out: dict[str, set[str]] = {p: set() for p in prefixes}
         for n in names:
             prefix, _, last = n.rpartition(".")
-            if prefix in out:
+            if prefix in out and last != "bias":  # a bias loads as any dense tensor (Qwen2's q/k/v)
                 out[prefix].add(last)
         return out
 
@@ -282,7 +282,7 @@ class FP8Checkpoint(QuantMethod):
         return f"fp8 ({'blocks of %dx%d' % self.block if self.block else 'per-tensor scales'})"
 
     def layout(self, tensors):
-        return "fp8", 0 if self.block is None else self.block[1]
+        return "fp8", 0 if self.block is None else 32  # a block's scale for each 32 columns of its rows
 
     def read(self, prefix, tensors):
         codes, scale = _need(tensors, prefix, "weight", self.marker)
@@ -295,11 +295,13 @@ class FP8Checkpoint(QuantMethod):
             return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous())
         bn, bk = self.block
         want = (-(-n // bn), -(-k // bk))
-        if k % bk or tuple(scale.shape) != want:
-            raise ValueError(f"{prefix}: a {n}x{k} matrix in blocks of {bn}x{bk} needs K a multiple of {bk} and "
-                             f"scales {want}, got {tuple(scale.shape)}")
-        rows = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].contiguous()
-        return QuantTensor("fp8", codes, rows, group_size=bk)
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{prefix}.weight_scale_inv: {tuple(scale.shape)} scales, expected {want} for a "
+                             f"{n}x{k} matrix in blocks of {bn}x{bk}")
+        if k % 32:
+            raise ValueError(f"{prefix}: {k} columns, not a multiple of 32 (the C kernels' blocks)")
+        per32 = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk // 32, 1)[:, :k // 32]
+        return QuantTensor("fp8", codes, per32.contiguous(), group_size=32)
 
 
 class OnlineFP8(QuantMethod):
