@@ -2,7 +2,8 @@
 Llama-3-8B's MLP shapes (4096 -> 14336 and 14336 -> 4096) for 1, 16 and 256 tokens in bf16.
 
 One random W4A16 layer (groups of 128) is the weight; its dequantized bf16 copy w is the
-reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channel. Each
+reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channel, and
+"fp8 block" w in FP8 blocks of 128x128 (Qwen's -FP8 layout, weight-only: the grouped GEMM). Each
 method's largest error relative to the reference's largest value, and its median time against
 the bf16 matmul's (CUDA events, after warm-up), launched and replayed from a CUDA graph (as the
 engine's decode steps run them, without the host's launch costs). fp8 and int8 run twice: gemm="auto" (torch's
@@ -85,12 +86,20 @@ def make_layers(n: int, k: int, device, generator) -> dict:
         wq = (w / w_scale[:, None]).clamp(-qmax, qmax)
         layers[kind] = ((wq if kind == "fp8" else wq.round()).to(dtype), w_scale)
         del wq
+    rows = -(-n // GROUP) * GROUP  # the last row block partial (K is a multiple of GROUP)
+    padded = torch.zeros(rows, k, device=device)
+    padded[:n] = w.abs()
+    blocks = padded.view(rows // GROUP, GROUP, k // GROUP, GROUP).amax(dim=(1, 3)) / torch_ops.QUANT_MAX["fp8"]
+    del padded
+    per32 = blocks.repeat_interleave(GROUP, 0)[:n].repeat_interleave(GROUP // 32, 1)  # [N, K / 32]
+    codes = (w / per32.repeat_interleave(32, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    layers["fp8 block"] = (codes, per32.contiguous())
     layers["bf16"] = w.to(torch.bfloat16)
     return layers
 
 
 def section_quant(args, report, device):
-    from pageserve.triton_kernels.int4_linear import int4_linear
+    from pageserve.triton_kernels.grouped_linear import fp8_group_linear, int4_linear
     from pageserve.triton_kernels.scaled_linear import auto_gemm, scaled_linear
 
     if args.smoke:
@@ -110,7 +119,8 @@ def section_quant(args, report, device):
             scale = want.abs().max().item()
             t_bf16 = median_time(lambda: F.linear(x, w), iters)
             g_bf16 = median_time(graphed(lambda: F.linear(x, w)), iters)
-            methods = {"int4": ("int4", "triton", lambda: int4_linear(x, *layers["int4"], GROUP))}
+            methods = {"int4": ("int4", "triton", lambda: int4_linear(x, *layers["int4"], GROUP)),
+                       "fp8 block": ("fp8", "triton", lambda: fp8_group_linear(x, *layers["fp8 block"], 32))}
             for kind in ("fp8", "int8"):
                 wq, w_scale = layers[kind]
                 methods[kind] = (kind, "auto", lambda wq=wq, ws=w_scale, kind=kind: scaled_linear(x, wq, ws, kind))
@@ -138,8 +148,8 @@ def section_quant(args, report, device):
 def int4_tile_sweep(layers: dict, k: int, n: int, w: torch.Tensor, device, generator, smoke: bool) -> list[dict]:
     """The W4A16 GEMM at decode sizes (1 and 16 tokens) over a grid of tiles, warps and K
     splits, replayed from a CUDA graph, against the default configuration and the bf16 matmul:
-    what to change in int4_linear.default_config if its choice is far from the best."""
-    from pageserve.triton_kernels.int4_linear import default_config, int4_linear
+    what to change in grouped_linear.default_config if its choice is far from the best."""
+    from pageserve.triton_kernels.grouped_linear import default_config, int4_linear
 
     if smoke:
         grid = [dict(block_n=32, block_k=32, num_warps=2, split_k=2)]

@@ -4,6 +4,8 @@ by hand from each format's specification, with the config's `quantization_config
 
 - ct-fp8 / ct-fp8-tensor: compressed-tensors `float-quantized`, FP8 E4M3 weights with a scale per
   output channel / per tensor, dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC);
+- ct-fp8-block: compressed-tensors `float-quantized`, a scale per block of group_size x
+  group_size, dynamic FP8 activations per group of group_size columns (llm-compressor's FP8_BLOCK);
 - ct-int8: compressed-tensors `int-quantized`, INT8 weights per channel, dynamic per-token INT8
   activations (W8A8);
 - ct-w4a16 / ct-w4a16-asym: compressed-tensors `pack-quantized`, 4-bit in groups, symmetric /
@@ -34,7 +36,7 @@ import torch
 from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
-FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-block")
+FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-block", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-block")
 LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
 
@@ -66,7 +68,11 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
 
 def _ct_config(fmt: str, group: int) -> dict:
     dyn = lambda t: {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token", "dynamic": True}  # noqa: E731
-    if fmt.startswith("ct-fp8"):
+    if fmt == "ct-fp8-block":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                   "block_structure": [group, group], "dynamic": False}
+        form, act = "float-quantized", {**dyn("float"), "strategy": "group", "group_size": group}
+    elif fmt.startswith("ct-fp8"):
         weights = {"num_bits": 8, "type": "float", "symmetric": True,
                    "strategy": "tensor" if fmt == "ct-fp8-tensor" else "channel", "dynamic": False}
         form, act = "float-quantized", dyn("float")
@@ -86,8 +92,8 @@ def _ct_config(fmt: str, group: int) -> dict:
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
     n, k = w.shape
-    if fmt.startswith("fp8-"):
-        b = group if fmt == "fp8-block" else max(n, k)  # one block: the whole tensor
+    if fmt in ("fp8-tensor", "fp8-block", "ct-fp8-block"):
+        b = max(n, k) if fmt == "fp8-tensor" else group  # one block: the whole tensor
         pad = torch.zeros(-(-n // b) * b, -(-k // b) * b)
         pad[:n, :k] = w.abs()
         amax = pad.view(pad.shape[0] // b, b, pad.shape[1] // b, b).amax(dim=(1, 3))
@@ -95,7 +101,7 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
         full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
         codes = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
         name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
-        return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt == "fp8-block" else scale.reshape(())}, \
+        return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt != "fp8-tensor" else scale.reshape(())}, \
             codes.float() * full
     if fmt.startswith("ct-fp8") or fmt == "ct-int8":
         top = 448.0 if fmt != "ct-int8" else 127.0

@@ -26,7 +26,7 @@ from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.engine
 
-GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128}
+GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128, "ct-fp8-block": 64}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
     kept = {"ct-fp8": {"f8"}, "ct-fp8-tensor": {"f8"}, "ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"},
-            "fp8-tensor": {"f8"}, "fp8-block": {"f8"}}
+            "fp8-tensor": {"f8"}, "fp8-block": {"f8"}, "ct-fp8-block": {"f8"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"i4"})
 
 
@@ -94,7 +94,7 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.block_format == block
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block", "ct-fp8-block"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -103,9 +103,11 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     got, llm = ours(out, prompts, enforce_eager=True)
     assert got == hf_expected(fmt, out, ref, prompts)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    fp8 = fmt in ("ct-fp8", "fp8-tensor")
+    fp8 = fmt in ("ct-fp8", "fp8-tensor", "fp8-block", "ct-fp8-block")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else {"ct-int8": torch.int8}.get(fmt, torch.int32))
     assert weight.quant.kind == ("fp8" if fp8 else {"ct-int8": "int8"}.get(fmt, "int4"))
+    if fmt.endswith("fp8-block"):  # each 32 of a row's 128 columns their block's scale
+        assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
 
 def test_online_fp8(tmp_path, source, prompts):
@@ -136,8 +138,10 @@ def test_online_fp8(tmp_path, source, prompts):
     ({"config_groups": {"g": {"weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 32},
                               "format": "pack-quantized"}}}, "2-bit int weights"),
     ({"kv_cache_scheme": {"num_bits": 8, "type": "int"}}, "KV-cache quantization .* 8-bit int"),
-    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
-     "block-wise FP8"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                          "block_structure": [128, 48]}}}}, "FP8 weights in blocks of \\[128, 48\\]"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor_group"}}}},
+     "FP8 weights by tensor_group"),
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
                               "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                     "dynamic": False}}}}, "static"),
@@ -189,18 +193,16 @@ def test_forced_method_must_match(tmp_path, source):
         LLM(str(out), dtype="float32", quantization="awq_marlin")
 
 
-def test_block_wise_fp8_on_tensor_parallel_ranks_and_refused_off_the_c_kernels(tmp_path, source, prompts):
+@pytest.mark.parametrize("eager", [False, True])
+def test_block_wise_fp8_on_tensor_parallel_ranks(tmp_path, source, prompts, eager):
     """Block-wise FP8 (Qwen's -FP8 layout, 128x128): TP 2 cuts the row-parallel matrices inside a
     block (64 columns of 128 a rank: each 32 columns keep their block's scale) and gives the
-    reference's tokens; without the C kernels it is refused by name."""
+    reference's tokens, in the C linear's blocks and in the packed tensors."""
     out, ref = tmp_path / "q", tmp_path / "ref"
     quantized_copy(source, out, "fp8-block", group_size=128, reference=ref)
-    got, llm = ours(out, prompts, tensor_parallel_size=2)
+    got, llm = ours(out, prompts, tensor_parallel_size=2, enforce_eager=eager)
     llm.engine.shutdown()
     assert got == hf_greedy(ref, prompts, 16)
-    with pytest.raises(ModelLoadError, match="block-wise FP8 weights are served by the CPU's C kernels only") as e:
-        LLM(str(out), dtype="float32", enforce_eager=True)
-    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("fmt", ["awq", "ct-fp8", "fp8-block"])

@@ -299,6 +299,19 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
+def dequantize_fp8_groups(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight of a block-wise FP8 layer: weight float8_e4m3fn [N, K], scales
+    float32 [N, K / G]; w = float(code) * s."""
+    return weight.float() * scales.repeat_interleave(group_size, dim=1)
+
+
+def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
+    w = dequantize_fp8_groups(weight, scales, group_size)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
 QUANT_EPS = 1e-10  # the smallest row maximum a per-token scale is taken from (all-zero rows)
 QUANT_MAX = {"fp8": 448.0, "int8": 127.0}  # float8_e4m3fn's largest finite value; int8's, symmetric
 

@@ -8,7 +8,8 @@ parallel shards cut by parallel.shard as for dense weights). Two storages:
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
   smaller Q4_0 / Q4_1 / Q8_0 blocks where those hold the same values).
 - packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
-  int4 eight codes an int32 word along K, int8 / FP8 as they are; `weight.quant` says how."""
+  int4 eight codes an int32 word along K, int8 / FP8 as they are (FP8 with a scale per row or
+  per group of columns); `weight.quant` says how."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class BlockStorage:
 class PackedQuant:
     """How a packed weight is multiplied (attached to it as `weight.quant`)."""
     kind: str
-    scales: torch.Tensor  # float32 [N, K / G] (int4) or [N]
+    scales: torch.Tensor  # float32 [N, K / G] (int4, block-wise fp8) or [N]
     zeros: torch.Tensor | None  # uint8 [N, K / G] (int4)
     group_size: int
     in_features: int
@@ -91,6 +92,8 @@ class PackedQuant:
         kernels)."""
         if self.kind == "int4":
             return torch_ops.dequantize_int4(weight, self.scales, self.zeros, self.group_size)
+        if self.group_size:
+            return torch_ops.dequantize_fp8_groups(weight, self.scales, self.group_size)
         return weight.to(torch.float32) * self.scales[:, None]
 
 
@@ -100,9 +103,6 @@ class PackedStorage:
 
     def allocate(self, layer: Layer, rows: int) -> None:
         m, k, g = layer.module, layer.in_features, layer.group_size
-        if layer.kind == "fp8" and g:
-            raise UnsupportedQuantization("block-wise FP8 weights are served by the CPU's C kernels only, not on CUDA "
-                                          "or torch's CPU path (--enforce-eager)")
         if layer.kind == "int4":
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
@@ -112,7 +112,7 @@ class PackedStorage:
         else:
             dtype = torch.int8 if layer.kind == "int8" else torch.float8_e4m3fn
             m.weight = nn.Parameter(torch.empty(rows, k, dtype=dtype), requires_grad=False)
-            m.weight_scale = nn.Parameter(torch.empty(rows), requires_grad=False)
+            m.weight_scale = nn.Parameter(torch.empty((rows, k // g) if g else rows), requires_grad=False)
 
     def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
         m = layer.module

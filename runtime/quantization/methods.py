@@ -67,6 +67,36 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
+def _block_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
+    """The scales of an n x k matrix in blocks of `block` (rows, columns), the last ones partial."""
+    return -(-n // block[0]), -(-k // block[1])
+
+
+def _fp8_blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> QuantTensor:
+    """FP8 codes [N, K] with a scale per block of `block`, as a QuantTensor in groups of 32
+    columns: each 32 values of a row take their block's scale (the C kernels' block; a column
+    block must be a multiple of 32, a tensor-parallel shard may cut inside one)."""
+    n, k = codes.shape
+    want = _block_grid(n, k, block)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}: {tuple(scale.shape)} scales, expected {want} for a {n}x{k} matrix in blocks of "
+                         f"{block[0]}x{block[1]}")
+    if k % 32:
+        raise ValueError(f"{name}: {k} columns, not a multiple of 32 (the C kernels' blocks)")
+    bn, bk = block
+    per32 = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk // 32, 1)[:, :k // 32]
+    return QuantTensor("fp8", codes, per32.contiguous(), group_size=32)
+
+
+def _fp8_block_size(block, where: str) -> tuple[int, int]:
+    """A block size as a config gives it ([rows, columns]), checked: the columns a multiple of 32."""
+    if not isinstance(block, (list, tuple)) or len(block) != 2 \
+            or not all(isinstance(b, int) and b > 0 for b in block) or block[1] % 32:
+        raise UnsupportedQuantization(f"{where} {block!r}: two positive sizes, the second (columns) a multiple "
+                                      "of 32, are needed")
+    return tuple(block)
+
+
 _KV_STRATEGIES = ("tensor", "attn_head")
 
 
@@ -90,8 +120,8 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
 
 
 class CompressedTensors(QuantMethod):
-    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`, per channel or per
-    tensor), INT8 weights (`int-quantized`/`naive-quantized`, per channel, symmetric) with or
+    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`, per channel, per
+    tensor, or per block as the C linear's FP8 groups, its activations unquantized), INT8 weights (`int-quantized`/`naive-quantized`, per channel, symmetric) with or
     without dynamic per-token activations, and 4-bit weights `pack-quantized` in groups or per
     channel, symmetric or with zero points."""
     name = "compressed-tensors"
@@ -104,6 +134,7 @@ class CompressedTensors(QuantMethod):
         if not groups and kv is None:
             raise UnsupportedQuantization("compressed-tensors: the config has no config_groups")
         self.schemes = [] if kv is None else ["FP8 KV-cache scales"]
+        self.block: tuple[int, int] | None = None  # block-wise FP8 weights' block (rows, columns)
         for name, group in groups.items():
             w, act = group.get("weights") or {}, group.get("input_activations")
             kind = (w.get("type"), w.get("num_bits"))
@@ -112,9 +143,15 @@ class CompressedTensors(QuantMethod):
             if not w and kv is not None:  # the attention's query quantized (for FP8 attention): not here
                 continue
             if kind == ("float", 8):
-                if w.get("strategy") not in ("tensor", "channel"):
-                    raise UnsupportedQuantization(f"{where}: FP8 weights by {w.get('strategy')} (block-wise FP8) "
-                                                  "are not supported")
+                if w.get("strategy") == "block":
+                    block = _fp8_block_size(w.get("block_structure"), f"{where}: FP8 weights in blocks of")
+                    if self.block not in (None, block):
+                        raise UnsupportedQuantization(f"compressed-tensors: FP8 weights in blocks of {self.block} "
+                                                      f"and of {block} in one checkpoint are not supported")
+                    self.block = block
+                elif w.get("strategy") not in ("tensor", "channel"):
+                    raise UnsupportedQuantization(f"{where}: FP8 weights by {w.get('strategy')} are not supported "
+                                                  "(by tensor, channel or block are)")
             elif kind == ("int", 8):
                 if not w.get("symmetric", True):
                     raise UnsupportedQuantization(f"{where}: asymmetric INT8 weights are not supported")
@@ -139,6 +176,9 @@ class CompressedTensors(QuantMethod):
                         f"{where}: input activations {act.get('num_bits')}-bit {act.get('type')} "
                         f"{'dynamic' if act.get('dynamic') else 'static'} by {act.get('strategy')} are not supported "
                         "(dynamic per-token FP8 or INT8 are)")
+            if w.get("strategy") == "block":  # its activations (per group of columns) stay unquantized here
+                self.schemes.append("FP8 in blocks of %dx%d" % self.block)
+                continue
             self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
                                 f"{'' if kind[1] == 4 or act else ' weight-only'}")
 
@@ -149,11 +189,15 @@ class CompressedTensors(QuantMethod):
         if "weight_packed" in tensors:
             (_, words), scale = tensors["weight_packed"][0], tensors["weight_scale"][0]
             return "int4", 8 * words // (scale[1] if len(scale) == 2 else 1)
-        kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(tensors.get("weight", ((), "?"))[1])
+        shape, dtype = tensors.get("weight", ((), "?"))
+        kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(dtype)
         if kind is None:
-            raise UnsupportedQuantization(f"compressed-tensors: weights of dtype {tensors.get('weight', ((), '?'))[1]} "
-                                          "are not supported")
-        return kind, 0
+            raise UnsupportedQuantization(f"compressed-tensors: weights of dtype {dtype} are not supported")
+        return kind, 32 if self._blocks(shape, tensors["weight_scale"][0]) else 0
+
+    def _blocks(self, shape, scale_shape) -> bool:
+        """Whether a matrix of `shape` with scales of `scale_shape` is quantized block-wise."""
+        return self.block is not None and len(shape) == 2 and tuple(scale_shape) == _block_grid(*shape, self.block)
 
     def read(self, prefix, tensors):
         scale = tensors["weight_scale"]
@@ -170,6 +214,8 @@ class CompressedTensors(QuantMethod):
             return _int4(prefix, codes, scale.reshape(n, -1), zeros)
         weight, = _need(tensors, prefix, "weight")
         n = weight.shape[0]
+        if weight.dtype == torch.float8_e4m3fn and self._blocks(weight.shape, scale.shape):
+            return _fp8_blocks(f"{prefix}.weight_scale", weight, scale, self.block)
         if scale.numel() not in (1, n):
             raise ValueError(f"{prefix}: a scale of shape {tuple(scale.shape)} for {n} rows")
         scales = scale.to(torch.float32).reshape(-1).expand(n).contiguous()
@@ -271,11 +317,7 @@ class FP8Checkpoint(QuantMethod):
         if cfg.get("fmt", "e4m3") != "e4m3":
             raise UnsupportedQuantization(f"fp8 checkpoint in {cfg.get('fmt')} is not supported (e4m3 is)")
         block = cfg.get("weight_block_size")
-        if block is not None and (not isinstance(block, list) or len(block) != 2
-                                  or not all(isinstance(b, int) and b > 0 for b in block) or block[1] % 32):
-            raise UnsupportedQuantization(f"fp8 checkpoint with weight_block_size {block!r}: two positive sizes, "
-                                          "the second (columns) a multiple of 32, are needed")
-        self.block = None if block is None else tuple(block)
+        self.block = None if block is None else _fp8_block_size(block, "fp8 checkpoint with weight_block_size")
         self.marker = "weight_scale_inv" if block is not None else "weight_scale"
 
     def describe(self) -> str:
@@ -293,15 +335,7 @@ class FP8Checkpoint(QuantMethod):
             if scale.numel() != 1:
                 raise ValueError(f"{prefix}.weight_scale: {scale.numel()} values, expected one")
             return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous())
-        bn, bk = self.block
-        want = (-(-n // bn), -(-k // bk))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"{prefix}.weight_scale_inv: {tuple(scale.shape)} scales, expected {want} for a "
-                             f"{n}x{k} matrix in blocks of {bn}x{bk}")
-        if k % 32:
-            raise ValueError(f"{prefix}: {k} columns, not a multiple of 32 (the C kernels' blocks)")
-        per32 = scale.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk // 32, 1)[:, :k // 32]
-        return QuantTensor("fp8", codes, per32.contiguous(), group_size=32)
+        return _fp8_blocks(f"{prefix}.weight_scale_inv", codes, scale, self.block)
 
 
 class OnlineFP8(QuantMethod):

@@ -1,6 +1,7 @@
 """The quantized linear kernels against their torch references (torch_ops): int4_linear (W4A16)
-at K not a multiple of the K tile, groups of 32, 64 and K, N not a multiple of the column tile,
-1, 3 and 17 rows, split-K on and off, with and without bias; quantize_per_token bit for bit
+and fp8_group_linear (block-wise FP8, weight-only) at K not a multiple of the K tile, groups of
+32, 64 and K, N not a multiple of the column tile, 1, 3 and 17 rows, split-K on and off, with
+and without bias; quantize_per_token bit for bit
 (ties and the fp8 grid's binade carries included); scaled_linear and its GEMM for fp8 and int8;
 and the launchers' refusals. The references themselves are checked against the layout (an
 independent packer) and hand-computed codes.
@@ -10,8 +11,8 @@ another order: 1e-5 (int8: the products are summed exactly in int32 and scaled i
 reference's order, so only an FMA contraction on the GPU may move a last bit: 1e-6). bfloat16
 outputs: two bfloat16 ulps (rtol 2^-6), since float32 results that differ in their last bits
 round once to bfloat16 (and Triton's interpreter truncates where torch rounds to nearest); where
-a K tile spans several groups, int4_linear rounds each scaled weight to bfloat16 before the
-product: 2e-2 of the output's scale."""
+a K tile spans several groups, the grouped kernels round each scaled weight to bfloat16 before
+the product: 2e-2 of the output's scale."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.int4_linear import default_config, int4_linear
+from pageserve.triton_kernels.grouped_linear import default_config, fp8_group_linear, int4_linear
 from pageserve.triton_kernels.scaled_linear import KINDS, quantize_per_token, scaled_linear, scaled_mm
 
 pytestmark = pytest.mark.unit
@@ -94,6 +95,43 @@ def test_int4_linear(device, dtype, m, k, group, n, launch):
         assert_near(out, want, BF16_ULPS, 1e-5)
     else:
         assert_near(out, want, 2e-2)
+
+
+def fp8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
+    """Random FP8 codes over the whole e4m3 range (subnormals and +-448 included), a scale per
+    group of each row."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # not NaN
+    codes[0, :4] = torch.tensor([0x7E, 0xFE, 0x01, 0x81], dtype=torch.uint8)  # +-448, +-2^-9
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.005
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
+    return x, codes.view(torch.float8_e4m3fn).to(device), scales.to(device), group, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES)
+def test_fp8_group_linear(device, dtype, m, k, group, n, launch):
+    args = fp8_group_case(m, k, group, n, dtype, device, with_bias=m != 17)
+    out = fp8_group_linear(*args, **launch)
+    want = torch_ops.fp8_group_linear(*args)
+    assert out.dtype == dtype and out.shape == (m, n)
+    block_k = launch.get("block_k") or default_config(m, n, k, group, dtype, args[0].device)["block_k"]
+    if dtype == torch.float32:
+        assert_near(out, want, 1e-5)
+    elif group % block_k == 0:
+        assert_near(out, want, BF16_ULPS, 1e-5)
+    else:
+        assert_near(out, want, 2e-2)
+
+
+def test_dequantize_fp8_groups():
+    """Each value is its e4m3 value times its group's scale: codes written by hand."""
+    codes = torch.tensor([[0x38, 0x40, 0xB8, 0x01], [0x7E, 0x00, 0x08, 0x30]], dtype=torch.uint8)
+    scales = torch.tensor([[2.0, 0.5], [1.0, 4.0]])
+    got = torch_ops.dequantize_fp8_groups(codes.view(torch.float8_e4m3fn), scales, 2)
+    assert got.tolist() == [[2.0, 4.0, -0.5, 2.0 ** -10], [448.0, 0.0, 4 * 2.0 ** -6, 4 * 0.5]]
 
 
 def test_int4_split_heuristic():
@@ -240,6 +278,25 @@ def test_int4_refusals(device):
         launch = {key: a.pop(key) for key in ("split_k", "block_k") if key in a}
         with pytest.raises(ValueError, match=message):
             int4_linear(a["x"], a["qweight"], a["scales"], a["zeros"], a["group"], a["bias"], **launch)
+
+
+def test_fp8_group_refusals(device):
+    x, weight, scales, group, bias = fp8_group_case(3, 96, 32, 40, torch.bfloat16, device, True)
+    bad = [
+        (dict(x=x.int()), {}, "x must be 2-D float"),
+        (dict(x=x[:, :64]), {}, "x has 64 columns but weight has 96"),
+        (dict(weight=weight.view(torch.uint8)), {}, "weight must be 2-D float8_e4m3fn"),
+        (dict(group=40), {}, "group_size must be a positive multiple of 8 dividing K"),
+        (dict(scales=scales[:, :2]), {}, r"scales must be float32 \[40, 3\]"),
+        (dict(bias=bias.float()), {}, "bias must be contiguous"),
+        ({}, dict(block_k=24), "block_k must be a power of two"),
+        ({}, dict(tile=3), "unknown launch settings"),
+    ]
+    base = dict(x=x, weight=weight, scales=scales, group=group, bias=bias)
+    for change, launch, message in bad:
+        a = {**base, **change}
+        with pytest.raises(ValueError, match=message):
+            fp8_group_linear(a["x"], a["weight"], a["scales"], a["group"], a["bias"], **launch)
 
 
 def test_scaled_refusals(device):

@@ -67,13 +67,13 @@ def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
     assert got == want
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block"])
 def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
-    """A quantized checkpoint's linear layers through the Triton W4A16 GEMM and the FP8 / INT8
-    scaled GEMM (activations quantized per token), in the engine: W4A16 multiplies the same
-    values as the torch backend (the same tokens); W8A8 also rounds each token's activations to
-    8 bits, which the weight-only torch backend does not, so only each prompt's first token is
-    held to the torch backend's."""
+    """A quantized checkpoint's linear layers through the Triton grouped GEMM (W4A16, block-wise
+    FP8) and the FP8 / INT8 scaled GEMM (activations quantized per token), in the engine: the
+    grouped GEMM multiplies the same values as the torch backend (the same tokens); W8A8 also
+    rounds each token's activations to 8 bits, which the weight-only torch backend does not, so
+    only each prompt's first token is held to the torch backend's."""
     from pageserve.loadtest.quantized_copy import quantized_copy
     from pageserve.loadtest.tiny_model import build_tiny_model
 
@@ -83,8 +83,9 @@ def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
     want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
     got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
-    assert weight.quant.kind == {"ct-fp8": "fp8", "ct-int8": "int8"}.get(fmt, "int4")
-    if fmt == "ct-w4a16-asym":
+    assert weight.quant.kind == {"ct-fp8": "fp8", "fp8-block": "fp8"}.get(fmt, "int4")
+    assert weight.quant.group_size == (0 if fmt == "ct-fp8" else 32)
+    if fmt != "ct-fp8":
         assert got == want
     else:
         assert [t[0] for t in got] == [t[0] for t in want]
