@@ -4,6 +4,8 @@ by hand from each format's specification, with the config's `quantization_config
 
 - ct-fp8 / ct-fp8-tensor: compressed-tensors `float-quantized`, FP8 E4M3 weights with a scale per
   output channel / per tensor, dynamic per-token FP8 activations (llm-compressor's FP8_DYNAMIC);
+- ct-fp8-static: compressed-tensors `float-quantized`, FP8 weights per tensor, static FP8
+  activations per tensor (an `input_scale` a layer: llm-compressor's FP8 preset);
 - ct-fp8-block: compressed-tensors `float-quantized`, a scale per block of group_size x
   group_size, dynamic FP8 activations per group of group_size columns (llm-compressor's FP8_BLOCK);
 - ct-int8: compressed-tensors `int-quantized`, INT8 weights per channel, dynamic per-token INT8
@@ -14,7 +16,11 @@ by hand from each format's specification, with the config's `quantization_config
 - gptq: AutoGPTQ's packing (qweight [K/8, N], zero points stored minus one);
 - fp8-tensor / fp8-block: vLLM's own `fp8` method, FP8 E4M3 weights with one `weight_scale` a
   tensor (AutoFP8's) / one `weight_scale_inv` a block of group_size x group_size (Qwen's and
-  DeepSeek's `-FP8` models; 128 there), dynamic activations.
+  DeepSeek's `-FP8` models; 128 there), dynamic activations; fp8-static: per tensor with
+  AutoFP8's static activations (an `input_scale` a layer).
+
+Static activation scales are not calibrated: each layer's is 1/56, 2/56 or 3/56 by its letter
+(inputs up to 8, 16 or 24; q, k and v differ, so that a fused layer must take the largest).
 
 `reference`: also a plain float32 copy whose weights are the quantized values, dequantized
 here from the codes (value = (code - zero) * scale): what a correct reader of the quantized
@@ -36,8 +42,10 @@ import torch
 from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
-FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-block", "ct-int8", "ct-w4a16", "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-block")
+FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-w4a16", "ct-w4a16-asym",
+           "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block")
 LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
+_PROJ = "qkvogud"  # the first letters of q, k, v, o, gate, up and down_proj
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
 
 
@@ -74,8 +82,10 @@ def _ct_config(fmt: str, group: int) -> dict:
         form, act = "float-quantized", {**dyn("float"), "strategy": "group", "group_size": group}
     elif fmt.startswith("ct-fp8"):
         weights = {"num_bits": 8, "type": "float", "symmetric": True,
-                   "strategy": "tensor" if fmt == "ct-fp8-tensor" else "channel", "dynamic": False}
+                   "strategy": "channel" if fmt == "ct-fp8" else "tensor", "dynamic": False}
         form, act = "float-quantized", dyn("float")
+        if fmt == "ct-fp8-static":
+            act.update(strategy="tensor", dynamic=False)
     elif fmt == "ct-int8":
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
         form, act = "int-quantized", dyn("int")
@@ -92,8 +102,9 @@ def _ct_config(fmt: str, group: int) -> dict:
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
     n, k = w.shape
-    if fmt in ("fp8-tensor", "fp8-block", "ct-fp8-block"):
-        b = max(n, k) if fmt == "fp8-tensor" else group  # one block: the whole tensor
+    static = {f"{prefix}.input_scale": torch.tensor([(1 + _PROJ.index(prefix.rpartition(".")[2][0]) % 3) / 56.0])}
+    if fmt in ("fp8-tensor", "fp8-static", "fp8-block", "ct-fp8-block"):
+        b = group if fmt.endswith("block") else max(n, k)  # one block: the whole tensor
         pad = torch.zeros(-(-n // b) * b, -(-k // b) * b)
         pad[:n, :k] = w.abs()
         amax = pad.view(pad.shape[0] // b, b, pad.shape[1] // b, b).amax(dim=(1, 3))
@@ -101,11 +112,11 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
         full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
         codes = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
         name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
-        return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt != "fp8-tensor" else scale.reshape(())}, \
-            codes.float() * full
+        return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt.endswith("block") else scale.reshape(()),
+                **(static if fmt == "fp8-static" else {})}, codes.float() * full
     if fmt.startswith("ct-fp8") or fmt == "ct-int8":
         top = 448.0 if fmt != "ct-int8" else 127.0
-        amax = w.abs().amax() if fmt == "ct-fp8-tensor" else w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1) if fmt in ("ct-fp8", "ct-int8") else w.abs().amax()
         scale = (amax / top).clamp(min=1e-8).to(scale_dtype).float()
         ratio = w / (scale if scale.dim() == 0 else scale[:, None])
         if fmt == "ct-int8":
@@ -113,8 +124,9 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
         else:
             codes = ratio.clamp(-top, top).to(torch.float8_e4m3fn)
         deq = codes.float() * (scale if scale.dim() == 0 else scale[:, None])
-        stored = scale.reshape(1) if fmt == "ct-fp8-tensor" else scale[:, None]
-        return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": stored.to(scale_dtype)}, deq
+        stored = scale.reshape(1) if scale.dim() == 0 else scale[:, None]
+        return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": stored.to(scale_dtype),
+                **(static if fmt == "ct-fp8-static" else {})}, deq
     codes, scales, zeros = rtn_int4(w, group, fmt in ("ct-w4a16", "gptq"), scale_dtype)
     deq = dequant_int4(codes, scales, zeros, group)
     if fmt.startswith("ct-"):
@@ -168,7 +180,8 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
     if fmt.startswith("ct-"):
         cfg["quantization_config"] = _ct_config(fmt, group_size)
     elif fmt.startswith("fp8-"):
-        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "static" if fmt == "fp8-static" else "dynamic",
                                       **({"weight_block_size": [group_size, group_size]} if fmt == "fp8-block" else {})}
     elif fmt == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,

@@ -290,8 +290,8 @@ class TritonKernels(Kernels):
 
     def quant_linear(self, x, weight, quant, bias):
         """W4A16 and block-wise FP8 through the Triton GEMM that unpacks and scales in its inner
-        loop; per-channel FP8 and INT8 with the activations quantized per token (torch's scaled
-        matmul where the device has it)."""
+        loop; per-channel FP8 and INT8 with the activations quantized per token, or with the
+        checkpoint's static scale (torch's scaled matmul where the device has it)."""
         if quant.kind == "int4":
             from pageserve.triton_kernels.grouped_linear import int4_linear
 
@@ -302,7 +302,7 @@ class TritonKernels(Kernels):
             return fp8_group_linear(x, weight, quant.scales, quant.group_size, bias)
         from pageserve.triton_kernels.scaled_linear import scaled_linear
 
-        return scaled_linear(x, weight, quant.scales, quant.kind, bias)
+        return scaled_linear(x, weight, quant.scales, quant.kind, bias, quant.input_scale)
 
     def decode_shapes(self, max_seq_len, device):
         shapes = [(1, 1)]  # the one-pass decode

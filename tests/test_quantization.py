@@ -74,12 +74,12 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert got == expected
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized weights"))
     assert "8 layers stored as blocks" in line and "saved" in line, line
+    assert ("static activation scales are not used" in caplog.text) == fmt.endswith("static")
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
-    kept = {"ct-fp8": {"f8"}, "ct-fp8-tensor": {"f8"}, "ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"},
-            "fp8-tensor": {"f8"}, "fp8-block": {"f8"}, "ct-fp8-block": {"f8"}}
-    assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"i4"})
+    kept = {"ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
+    assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
 
 @pytest.mark.parametrize("fmt,block", [("ct-w4a16", "q4_0"), ("ct-int8", "q8_0")])
@@ -94,7 +94,8 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
     assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.weight.block_format == block
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block", "ct-fp8-block"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
+                                 "ct-fp8-block", "ct-fp8-static"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -103,9 +104,14 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt):
     got, llm = ours(out, prompts, enforce_eager=True)
     assert got == hf_expected(fmt, out, ref, prompts)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    fp8 = fmt in ("ct-fp8", "fp8-tensor", "fp8-block", "ct-fp8-block")
+    fp8 = fmt in ("ct-fp8", "fp8-tensor", "fp8-block", "ct-fp8-block", "ct-fp8-static")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else {"ct-int8": torch.int8}.get(fmt, torch.int32))
     assert weight.quant.kind == ("fp8" if fp8 else {"ct-int8": "int8"}.get(fmt, "int4"))
+    if fmt == "ct-fp8-static":  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
+        assert weight.quant.input_scale == pytest.approx(3 / 56)
+        assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
+    else:
+        assert weight.quant.input_scale is None
     if fmt.endswith("fp8-block"):  # each 32 of a row's 128 columns their block's scale
         assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
@@ -143,13 +149,17 @@ def test_online_fp8(tmp_path, source, prompts):
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor_group"}}}},
      "FP8 weights by tensor_group"),
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                    "dynamic": False}}}}, "static"),
+                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                    "dynamic": False}}}}, "static symmetric by token"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                              "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor",
+                                                    "symmetric": False, "dynamic": False}}}}, "static asymmetric"),
     ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
     ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
     ({"quant_method": "gptq", "bits": 8}, "8-bit weights"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "Marlin-only"),
-    ({"quant_method": "fp8", "activation_scheme": "static"}, "static activation scales"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "static activation scales and block-wise weights"),
     ({"quant_method": "fp8", "weight_block_size": [128, 48]}, "weight_block_size \\[128, 48\\]"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
 ])

@@ -252,18 +252,25 @@ def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
 
 
 def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind: str,
-                  bias: torch.Tensor | None = None, *, gemm: str = "auto", **launch) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, input_scale: float | None = None, *, gemm: str = "auto",
+                  **launch) -> torch.Tensor:
     """Same contract as torch_ops.scaled_linear: x [M, K] float16/bfloat16/float32 quantized
-    per token, wq [N, K] (float8_e4m3fn for kind "fp8", int8 for "int8"), w_scale [N] float32,
-    bias [N] in x's dtype or None; returns [M, N] in x's dtype. gemm and launch: scaled_mm's.
-    The torch path where there is neither CUDA nor the interpreter."""
+    per token (or with the checkpoint's static input_scale: torch's elementwise ops), wq [N, K]
+    (float8_e4m3fn for kind "fp8", int8 for "int8"), w_scale [N] float32, bias [N] in x's dtype
+    or None; returns [M, N] in x's dtype. gemm and launch: scaled_mm's. The torch path where
+    there is neither CUDA nor the interpreter."""
     _check_x(x, kind, "scaled_linear")
     _check(wq.dtype == KINDS[kind], f"scaled_linear: kind {kind!r} wants wq in {KINDS[kind]}, got {wq.dtype}")
     _check(wq.dim() == 2 and wq.shape[1] == x.shape[1],
            f"scaled_linear: wq must be [N, {x.shape[1]}] (x is {tuple(x.shape)}), got {tuple(wq.shape)}")
     _check(wq.stride(1) == 1 or wq.shape[1] <= 1, "scaled_linear: wq's rows must be contiguous (stride 1)")
     _check_weight(wq, w_scale, bias, x.dtype, (x,), "scaled_linear")
+    _check(input_scale is None or 0 < input_scale < float("inf"),
+           f"scaled_linear: input_scale must be finite and positive, got {input_scale}")
     if not _use_triton(x):
-        return torch_ops.scaled_linear(x, wq, w_scale, kind, bias)
-    xq, x_scale = quantize_per_token(x, kind)
+        return torch_ops.scaled_linear(x, wq, w_scale, kind, bias, input_scale)
+    if input_scale is None:
+        xq, x_scale = quantize_per_token(x, kind)
+    else:
+        xq, x_scale = torch_ops.quantize_static(x, kind, input_scale)
     return scaled_mm(xq, x_scale, wq, w_scale, x.dtype, bias, gemm=gemm, **launch)

@@ -330,12 +330,23 @@ def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
     return (y.to(torch.float8_e4m3fn) if kind == "fp8" else y.round().to(torch.int8)), x_scale
 
 
+def quantize_static(x: torch.Tensor, kind: str, input_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized with one fixed scale (a checkpoint's static `input_scale`): xq = x /
+    input_scale clamped to +-QUANT_MAX[kind] and rounded to nearest even; x_scale [M, 1] float32
+    holds input_scale. Returns (xq, x_scale), as quantize_per_token."""
+    qmax = QUANT_MAX[kind]
+    x_scale = torch.full((x.shape[0], 1), input_scale, dtype=torch.float32, device=x.device)
+    y = (x.float() / x_scale).clamp(-qmax, qmax)
+    return (y.to(torch.float8_e4m3fn) if kind == "fp8" else y.round().to(torch.int8)), x_scale
+
+
 def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind: str,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8: x [M, K] quantized per token, times wq [N, K] (float8_e4m3fn for "fp8", int8 for
-    "int8") with w_scale [N] float32 per output channel: (xq @ wq^T) * x_scale * w_scale
-    (+ bias), in float32 (exact for int8 while partial sums stay under 2^24), in x's dtype."""
-    xq, x_scale = quantize_per_token(x, kind)
+                  bias: torch.Tensor | None = None, input_scale: float | None = None) -> torch.Tensor:
+    """W8A8: x [M, K] quantized per token (or with the static input_scale), times wq [N, K]
+    (float8_e4m3fn for "fp8", int8 for "int8") with w_scale [N] float32 per output channel:
+    (xq @ wq^T) * x_scale * w_scale (+ bias), in float32 (exact for int8 while partial sums
+    stay under 2^24), in x's dtype."""
+    xq, x_scale = quantize_per_token(x, kind) if input_scale is None else quantize_static(x, kind, input_scale)
     y = (xq.float() @ wq.float().t()) * x_scale * w_scale
     if bias is not None:
         y = y + bias.float()

@@ -14,7 +14,7 @@ parallel shards cut by parallel.shard as for dense weights). Two storages:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,18 @@ class Layer:
     kind: str
     group_size: int
     in_features: int
+    input_scales: list = field(default_factory=list)  # each written part's static activation scale (or None)
+
+    def input_scale(self) -> float | None:
+        """The static activation scale of the whole layer: the largest of its parts', as vLLM
+        takes for fused layers (None: activations quantized per token, or not at all)."""
+        if not self.input_scales or self.input_scales[0] is None:
+            if any(s is not None for s in self.input_scales):
+                raise ValueError("the parts of a fused layer have static activation scales and dynamic ones")
+            return None
+        if any(s is None for s in self.input_scales):
+            raise ValueError("the parts of a fused layer have static activation scales and dynamic ones")
+        return max(self.input_scales)
 
 
 class BlockStorage:
@@ -86,6 +98,7 @@ class PackedQuant:
     zeros: torch.Tensor | None  # uint8 [N, K / G] (int4)
     group_size: int
     in_features: int
+    input_scale: float | None = None  # static activations: x quantized as x / input_scale (CUDA's W8A8)
 
     def dequantize(self, weight: torch.Tensor) -> torch.Tensor:
         """The float32 values [N, K] of `weight` (the torch path's matmul: CPU without the C
@@ -128,7 +141,7 @@ class PackedStorage:
     def finish(self, layer: Layer) -> None:
         m = layer.module
         m.weight.quant = PackedQuant(layer.kind, m.weight_scale, getattr(m, "weight_zero", None), layer.group_size,
-                                     layer.in_features)
+                                     layer.in_features, layer.input_scale())
 
 
 class QuantizedLoad:
@@ -194,6 +207,7 @@ class QuantizedLoad:
             raise ValueError(f"quantized weight for {target} is {qt.kind} {tuple(qt.shape)} in groups of "
                              f"{qt.group_size}, expected {layer.kind} {want} in groups of {layer.group_size}")
         self.storage.write(layer, rows, qt)
+        layer.input_scales.append(qt.input_scale)
         return {name: p[rows].numel() for name, p in layer.module.named_parameters() if name != "bias"}
 
     def finish(self) -> tuple[int, int]:
@@ -210,6 +224,9 @@ class QuantizedLoad:
             logger.info("quantized weights: %s, %d layers stored as %s: %.1f MB (%.1f MB in 16 bits, %.1f MB saved)",
                         self.method.describe(), len(self.layers), self.storage.name, stored / 1e6, dense / 1e6,
                         (dense - stored) / 1e6)
+        if any(layer.input_scale() is not None for layer in self.layers.values()) and self.storage.name == "blocks":
+            logger.info("the checkpoint's static activation scales are not used: the C linear multiplies "
+                        "unquantized activations (weight-only)")
         return stored, dense
 
 

@@ -67,6 +67,24 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
+def _input_scale(prefix: str, tensors: dict, static: bool) -> float | None:
+    """A layer's static activation scale (`input_scale`, one value), where its config says the
+    activations are static; None where they are dynamic."""
+    scale = tensors.get("input_scale")
+    if not static:
+        if scale is not None:
+            raise ValueError(f"{prefix}.input_scale: a static activation scale, but the config's activations "
+                             "are dynamic")
+        return None
+    if scale is None or scale.numel() != 1:
+        raise ValueError(f"{prefix}.input_scale: {'missing' if scale is None else f'{scale.numel()} values'}, "
+                         "expected one (static activations)")
+    value = float(scale.float().reshape(()))
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{prefix}.input_scale is {value}, not a finite positive scale")
+    return value
+
+
 def _block_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
     """The scales of an n x k matrix in blocks of `block` (rows, columns), the last ones partial."""
     return -(-n // block[0]), -(-k // block[1])
@@ -120,10 +138,11 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
 
 
 class CompressedTensors(QuantMethod):
-    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`, per channel, per
-    tensor, or per block as the C linear's FP8 groups, its activations unquantized), INT8 weights (`int-quantized`/`naive-quantized`, per channel, symmetric) with or
-    without dynamic per-token activations, and 4-bit weights `pack-quantized` in groups or per
-    channel, symmetric or with zero points."""
+    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`) per channel, per
+    tensor, or per block (as the C linear's FP8 groups, activations unquantized); INT8 weights
+    (`int-quantized`/`naive-quantized`) per channel, symmetric; either with dynamic per-token
+    activations, static per-tensor ones (`input_scale`) or none; and 4-bit weights
+    `pack-quantized` in groups or per channel, symmetric or with zero points."""
     name = "compressed-tensors"
     marker = "weight_scale"
 
@@ -135,6 +154,7 @@ class CompressedTensors(QuantMethod):
             raise UnsupportedQuantization("compressed-tensors: the config has no config_groups")
         self.schemes = [] if kv is None else ["FP8 KV-cache scales"]
         self.block: tuple[int, int] | None = None  # block-wise FP8 weights' block (rows, columns)
+        self.static: bool | None = None  # activations quantized with the checkpoint's input_scale
         for name, group in groups.items():
             w, act = group.get("weights") or {}, group.get("input_activations")
             kind = (w.get("type"), w.get("num_bits"))
@@ -169,18 +189,27 @@ class CompressedTensors(QuantMethod):
                 raise UnsupportedQuantization(f"{where}: {w.get('num_bits')}-bit {w.get('type')} weights "
                                               f"(format {gfmt}) are not supported; FP8, INT8 and 4-bit integer "
                                               "weights are")
+            static = act is not None and not act.get("dynamic", False)
             if act is not None:
-                if (act.get("type"), act.get("num_bits")) not in (("float", 8), ("int", 8)) \
-                        or not act.get("dynamic", False):
+                # static: one scale a tensor, symmetric, beside per-row (not block-wise) 8-bit weights
+                if (act.get("type"), act.get("num_bits")) not in (("float", 8), ("int", 8)) or static and (
+                        act.get("strategy") != "tensor" or not act.get("symmetric", True)
+                        or kind[1] != 8 or w.get("strategy") == "block"):
+                    symmetric = "symmetric" if act.get("symmetric", True) else "asymmetric"
                     raise UnsupportedQuantization(
                         f"{where}: input activations {act.get('num_bits')}-bit {act.get('type')} "
-                        f"{'dynamic' if act.get('dynamic') else 'static'} by {act.get('strategy')} are not supported "
-                        "(dynamic per-token FP8 or INT8 are)")
+                        f"{'static' if static else 'dynamic'} {symmetric} by {act.get('strategy')} beside "
+                        f"{kind[1]}-bit weights by {w.get('strategy')} are not supported (dynamic FP8 or INT8 are, "
+                        "and static symmetric by tensor beside 8-bit weights by tensor or channel)")
+                if self.static not in (None, static):
+                    raise UnsupportedQuantization("compressed-tensors: static activation scales in some groups and "
+                                                  "dynamic ones in others are not supported")
+                self.static = static
             if w.get("strategy") == "block":  # its activations (per group of columns) stay unquantized here
                 self.schemes.append("FP8 in blocks of %dx%d" % self.block)
                 continue
             self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
-                                f"{'' if kind[1] == 4 or act else ' weight-only'}")
+                                f"{'' if kind[1] == 4 or act else ' weight-only'}{' static' if static else ''}")
 
     def describe(self) -> str:
         return f"{self.name} ({', '.join(sorted(set(self.schemes)))})"
@@ -219,13 +248,14 @@ class CompressedTensors(QuantMethod):
         if scale.numel() not in (1, n):
             raise ValueError(f"{prefix}: a scale of shape {tuple(scale.shape)} for {n} rows")
         scales = scale.to(torch.float32).reshape(-1).expand(n).contiguous()
+        for zero in ("weight_zero_point", "input_zero_point"):
+            if tensors.get(zero) is not None and tensors[zero].any():
+                raise ValueError(f"{prefix}.{zero}: non-zero zero points are not supported")
+        static = _input_scale(prefix, tensors, bool(self.static))
         if weight.dtype == torch.float8_e4m3fn:
-            return QuantTensor("fp8", weight, scales)
+            return QuantTensor("fp8", weight, scales, input_scale=static)
         if weight.dtype == torch.int8:
-            zp = tensors.get("weight_zero_point")
-            if zp is not None and zp.any():
-                raise ValueError(f"{prefix}: INT8 weights with non-zero zero points are not supported")
-            return QuantTensor("int8", weight, scales)
+            return QuantTensor("int8", weight, scales, input_scale=static)
         raise ValueError(f"{prefix}: quantized weight of dtype {weight.dtype}")
 
 
@@ -305,23 +335,27 @@ class GPTQ(QuantMethod):
 class FP8Checkpoint(QuantMethod):
     """vLLM's own `fp8` checkpoints: FP8 E4M3 weights with one scale per tensor (AutoFP8's
     `weight_scale`) or per block of `weight_block_size` (Qwen's and DeepSeek's `-FP8` models,
-    `weight_scale_inv`, which multiplies despite its name), activations quantized dynamically.
-    Block-wise weights are served by the C linear (each 32 values of a row take their block's
-    scale); static activation scales are refused, as for compressed-tensors."""
+    `weight_scale_inv`, which multiplies despite its name), activations quantized dynamically,
+    or with a static `input_scale` a layer (AutoFP8's static scheme, per-tensor weights only).
+    Block-wise weights keep a scale for each 32 values of a row (their block's)."""
     name = "fp8"
 
     def __init__(self, cfg: dict):
-        if cfg.get("activation_scheme", "dynamic") != "dynamic":
-            raise UnsupportedQuantization(f"fp8 checkpoint with {cfg.get('activation_scheme')} activation scales is "
-                                          "not supported (dynamic is)")
+        scheme = cfg.get("activation_scheme", "dynamic")
+        block = cfg.get("weight_block_size")
+        if scheme not in ("dynamic", "static") or scheme == "static" and block is not None:
+            raise UnsupportedQuantization(f"fp8 checkpoint with {scheme} activation scales"
+                                          f"{' and block-wise weights' if block is not None else ''} is not supported "
+                                          "(dynamic is, and static beside per-tensor weights)")
         if cfg.get("fmt", "e4m3") != "e4m3":
             raise UnsupportedQuantization(f"fp8 checkpoint in {cfg.get('fmt')} is not supported (e4m3 is)")
-        block = cfg.get("weight_block_size")
         self.block = None if block is None else _fp8_block_size(block, "fp8 checkpoint with weight_block_size")
+        self.static = scheme == "static"
         self.marker = "weight_scale_inv" if block is not None else "weight_scale"
 
     def describe(self) -> str:
-        return f"fp8 ({'blocks of %dx%d' % self.block if self.block else 'per-tensor scales'})"
+        return (f"fp8 ({'blocks of %dx%d' % self.block if self.block else 'per-tensor scales'}"
+                f"{', static activations' if self.static else ''})")
 
     def layout(self, tensors):
         return "fp8", 0 if self.block is None else 32  # a block's scale for each 32 columns of its rows
@@ -334,7 +368,8 @@ class FP8Checkpoint(QuantMethod):
         if self.block is None:
             if scale.numel() != 1:
                 raise ValueError(f"{prefix}.weight_scale: {scale.numel()} values, expected one")
-            return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous())
+            return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous(),
+                               input_scale=_input_scale(prefix, tensors, self.static))
         return _fp8_blocks(f"{prefix}.weight_scale_inv", codes, scale, self.block)
 
 

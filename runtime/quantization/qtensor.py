@@ -9,7 +9,9 @@ parallelism a slice of rows or of whole groups of columns.
 - fp8: codes float8_e4m3fn [N, K], scales float32 [N]; value = float(code) * scale.
 
 Each value is one float32 product of exact operands, rounded once: what `dequantize` gives, and
-what every kernel widens a weight to."""
+what every kernel widens a weight to. int8 and fp8 matrices may carry a static activation scale
+(the checkpoint's `input_scale`, one a tensor): fused matrices take the largest of theirs, as in
+vLLM."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class QuantTensor:
     scales: torch.Tensor
     zeros: torch.Tensor | None = None  # int4 only
     group_size: int = 0  # int4, and block-wise fp8: columns that share a scale (and a zero)
+    input_scale: float | None = None  # int8 / fp8 with static activations: x is quantized as x / input_scale
 
     def __post_init__(self):
         n, k = self.codes.shape
@@ -46,6 +49,10 @@ class QuantTensor:
                 raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)}, want ({n},)")
         else:
             raise ValueError(f"unknown quantized kind {self.kind!r}")
+        if self.input_scale is not None and (self.kind == "int4" or self.group_size
+                                             or not 0 < self.input_scale < float("inf")):
+            raise ValueError(f"{self.kind} matrix {n}x{k}: a static activation scale {self.input_scale} (one finite "
+                             "positive scale, for int8 or per-row fp8 weights only)")
 
     @property
     def shape(self) -> torch.Size:
@@ -58,9 +65,11 @@ class QuantTensor:
         """Rows (dim 0), or columns in whole groups (dim 1: a row-parallel shard)."""
         if dim == 0:
             return QuantTensor(self.kind, self.codes.narrow(0, start, length), self.scales.narrow(0, start, length),
-                               None if self.zeros is None else self.zeros.narrow(0, start, length), self.group_size)
+                               None if self.zeros is None else self.zeros.narrow(0, start, length), self.group_size,
+                               self.input_scale)
         if not self.group_size:
-            return QuantTensor(self.kind, self.codes.narrow(1, start, length), self.scales)
+            return QuantTensor(self.kind, self.codes.narrow(1, start, length), self.scales,
+                               input_scale=self.input_scale)
         g = self.group_size
         if start % g or length % g:
             raise ValueError(f"columns {start}..{start + length} of a matrix quantized in groups of {g} "
@@ -81,14 +90,17 @@ class QuantTensor:
 
     @staticmethod
     def cat(parts: list[QuantTensor]) -> QuantTensor:
-        """Rows of several matrices of one kind (and group size) as one."""
+        """Rows of several matrices of one kind (and group size) as one; a static activation
+        scale, the largest of the parts' (each part's x / scale then stays in range)."""
         first = parts[0]
-        if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
-            raise ValueError("fused matrices quantized differently: " +
-                             ", ".join(f"{p.kind}/{p.group_size}" for p in parts))
+        if any(p.kind != first.kind or p.group_size != first.group_size
+               or (p.input_scale is None) != (first.input_scale is None) for p in parts):
+            raise ValueError("fused matrices quantized differently: " + ", ".join(
+                f"{p.kind}/{p.group_size}{'' if p.input_scale is None else '/static'}" for p in parts))
         zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+        static = None if first.input_scale is None else max(p.input_scale for p in parts)
         return QuantTensor(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           zeros, first.group_size)
+                           zeros, first.group_size, static)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

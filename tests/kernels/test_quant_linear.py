@@ -242,6 +242,27 @@ def test_scaled_linear(device, kind, dtype, m, k, n, launch):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_static_activation_scale(device, kind):
+    """A checkpoint's static input_scale: x / input_scale clamped to the code range and rounded
+    to nearest even (codes checked by hand), every row's x_scale that scale; scaled_linear with
+    it is the GEMM on those codes."""
+    x = torch.tensor([[1.0, -2.5, 1000.0, -1000.0, 0.0, 0.3]])
+    xq, x_scale = torch_ops.quantize_static(x, kind, 0.5)
+    want = {"fp8": [2.0, -5.0, 448.0, -448.0, 0.0, 0.625], "int8": [2.0, -5.0, 127.0, -127.0, 0.0, 1.0]}[kind]
+    assert xq.float().tolist() == [want] and x_scale.tolist() == [[0.5]]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 96, generator=g).to(device)
+    wq, w_scale = weight_case(40, 96, kind, device)
+    out = scaled_linear(x, wq, w_scale, kind, input_scale=2 / 448)
+    xq, x_scale = torch_ops.quantize_static(x, kind, 2 / 448)
+    assert_near(out, (xq.float() @ wq.float().t()) * x_scale * w_scale, *scaled_tol(kind, torch.float32, device))
+    assert_near(torch_ops.scaled_linear(x.cpu(), wq.cpu(), w_scale.cpu(), kind, input_scale=2 / 448), out.cpu(),
+                *scaled_tol(kind, torch.float32, device))
+    with pytest.raises(ValueError, match="input_scale must be finite and positive"):
+        scaled_linear(x, wq, w_scale, kind, input_scale=0.0)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_scaled_mm_given_the_codes(device, kind):
     """The GEMM alone, fed the reference's codes: the same products as the reference's float32
     matmul (int8: exactly, the partial sums being integers under 2^24)."""

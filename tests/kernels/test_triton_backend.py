@@ -5,9 +5,11 @@ prefix-cache hits."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.engine_args import EngineArgs
+from pageserve.triton_kernels import torch_ops
 from tests.conftest import assert_pool_clean
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -67,13 +69,14 @@ def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
     assert got == want
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block", "fp8-static"])
 def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
     """A quantized checkpoint's linear layers through the Triton grouped GEMM (W4A16, block-wise
     FP8) and the FP8 / INT8 scaled GEMM (activations quantized per token), in the engine: the
     grouped GEMM multiplies the same values as the torch backend (the same tokens); W8A8 also
-    rounds each token's activations to 8 bits, which the weight-only torch backend does not, so
-    only each prompt's first token is held to the torch backend's."""
+    rounds each token's activations to 8 bits (per token, or with AutoFP8's static scales),
+    which the weight-only torch backend does not, so only each prompt's first token is held to
+    the torch backend's."""
     from pageserve.loadtest.quantized_copy import quantized_copy
     from pageserve.loadtest.tiny_model import build_tiny_model
 
@@ -83,9 +86,16 @@ def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
     want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
     got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
-    assert weight.quant.kind == {"ct-fp8": "fp8", "fp8-block": "fp8"}.get(fmt, "int4")
-    assert weight.quant.group_size == (0 if fmt == "ct-fp8" else 32)
-    if fmt != "ct-fp8":
+    assert weight.quant.kind == ("int4" if fmt == "ct-w4a16-asym" else "fp8")
+    assert weight.quant.group_size == (0 if fmt in ("ct-fp8", "fp8-static") else 32)
+    assert weight.quant.input_scale == (pytest.approx(1 / 56) if fmt == "fp8-static" else None)  # down_proj's
+    if fmt == "fp8-static":  # the backend quantizes x with the layer's static scale: inputs past 8 clamp
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device) * 20
+        y = llm.engine.runner.kernels.matmul(x, weight)
+        static = torch_ops.scaled_linear(x, weight, weight.quant.scales, "fp8", None, weight.quant.input_scale)
+        assert torch.allclose(y, static, rtol=1e-4, atol=1e-4 * static.abs().max().item())
+        assert not torch.allclose(y, torch_ops.scaled_linear(x, weight, weight.quant.scales, "fp8"), rtol=0.05)
+    if fmt in ("ct-w4a16-asym", "fp8-block"):
         assert got == want
     else:
         assert [t[0] for t in got] == [t[0] for t in want]
