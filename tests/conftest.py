@@ -9,6 +9,21 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PAGESERVE_CACHE", str(ROOT / ".cache" / "pageserve"))
 
 from pageserve.loadtest.tiny_model import build_tiny_model  # noqa: E402
+from pageserve.runtime.engine_args import EngineArgs  # noqa: E402
+
+_swap_space_gib = EngineArgs.swap_space_gib
+
+
+def _test_swap_space_gib(self, device):
+    """In-process engines on a CPU: 64 MiB of swap space unless a test asks for more. Each
+    engine zero-fills its swap space at start-up, and 1 GiB took seconds an engine late in the
+    suite, when dropped engines' memory still waits for the collector."""
+    if self.swap_space is None and device.type == "cpu":
+        return 1 / 16
+    return _swap_space_gib(self, device)
+
+
+EngineArgs.swap_space_gib = _test_swap_space_gib
 
 
 @pytest.fixture(scope="session")
