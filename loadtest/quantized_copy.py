@@ -9,7 +9,7 @@ by hand from each format's specification, with the config's `quantization_config
 - ct-fp8-block: compressed-tensors `float-quantized`, a scale per block of group_size x
   group_size, dynamic FP8 activations per group of group_size columns (llm-compressor's FP8_BLOCK);
 - ct-int8: compressed-tensors `int-quantized`, INT8 weights per channel, dynamic per-token INT8
-  activations (W8A8);
+  activations (W8A8); ct-int8-static: static INT8 activations per tensor;
 - ct-w4a16 / ct-w4a16-asym: compressed-tensors `pack-quantized`, 4-bit in groups, symmetric /
   with zero points (eight values an int32 word along the row, signed values plus 8);
 - awq: AutoAWQ's GEMM packing (qweight [K, N/8], columns in the order 0 2 4 6 1 3 5 7);
@@ -42,10 +42,11 @@ import torch
 from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
-FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-w4a16", "ct-w4a16-asym",
-           "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block")
-LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
-_PROJ = "qkvogud"  # the first letters of q, k, v, o, gate, up and down_proj
+FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
+           "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block")
+# the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3)
+LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:(?:q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123]))\.weight")
+_PROJ = "qkvogud"  # the first letters of q, k, v, o, gate, up and down_proj (Mixtral's w1..w3: none)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
 
 
@@ -86,9 +87,11 @@ def _ct_config(fmt: str, group: int) -> dict:
         form, act = "float-quantized", dyn("float")
         if fmt == "ct-fp8-static":
             act.update(strategy="tensor", dynamic=False)
-    elif fmt == "ct-int8":
+    elif fmt.startswith("ct-int8"):
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
         form, act = "int-quantized", dyn("int")
+        if fmt == "ct-int8-static":
+            act.update(strategy="tensor", dynamic=False)
     else:
         weights = {"num_bits": 4, "type": "int", "symmetric": fmt == "ct-w4a16", "strategy": "group",
                    "group_size": group, "dynamic": False}
@@ -102,7 +105,7 @@ def _ct_config(fmt: str, group: int) -> dict:
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
     n, k = w.shape
-    static = {f"{prefix}.input_scale": torch.tensor([(1 + _PROJ.index(prefix.rpartition(".")[2][0]) % 3) / 56.0])}
+    static = {f"{prefix}.input_scale": torch.tensor([(1 + _PROJ.find(prefix.rpartition(".")[2][0]) % 3) / 56.0])}
     if fmt in ("fp8-tensor", "fp8-static", "fp8-block", "ct-fp8-block"):
         b = group if fmt.endswith("block") else max(n, k)  # one block: the whole tensor
         pad = torch.zeros(-(-n // b) * b, -(-k // b) * b)
@@ -114,19 +117,19 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
         name = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
         return {f"{prefix}.weight": codes, f"{prefix}.{name}": scale if fmt.endswith("block") else scale.reshape(()),
                 **(static if fmt == "fp8-static" else {})}, codes.float() * full
-    if fmt.startswith("ct-fp8") or fmt == "ct-int8":
-        top = 448.0 if fmt != "ct-int8" else 127.0
-        amax = w.abs().amax(dim=1) if fmt in ("ct-fp8", "ct-int8") else w.abs().amax()
+    if fmt.startswith("ct-fp8") or fmt.startswith("ct-int8"):
+        top = 127.0 if fmt.startswith("ct-int8") else 448.0
+        amax = w.abs().amax(dim=1) if fmt in ("ct-fp8", "ct-int8", "ct-int8-static") else w.abs().amax()
         scale = (amax / top).clamp(min=1e-8).to(scale_dtype).float()
         ratio = w / (scale if scale.dim() == 0 else scale[:, None])
-        if fmt == "ct-int8":
+        if fmt.startswith("ct-int8"):
             codes = ratio.round().clamp(-127, 127).to(torch.int8)
         else:
             codes = ratio.clamp(-top, top).to(torch.float8_e4m3fn)
         deq = codes.float() * (scale if scale.dim() == 0 else scale[:, None])
         stored = scale.reshape(1) if scale.dim() == 0 else scale[:, None]
         return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": stored.to(scale_dtype),
-                **(static if fmt == "ct-fp8-static" else {})}, deq
+                **(static if fmt.endswith("static") else {})}, deq
     codes, scales, zeros = rtn_int4(w, group, fmt in ("ct-w4a16", "gptq"), scale_dtype)
     deq = dequant_int4(codes, scales, zeros, group)
     if fmt.startswith("ct-"):

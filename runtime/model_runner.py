@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pageserve.runtime.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
+from pageserve.runtime.config import Backend, CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pageserve.runtime.cpu_env import huge_page_bytes, release_freed_memory, resident_kib, weights_in_huge_pages
 from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from pageserve.runtime.device import CudaDevice, HostDevice, device_for
@@ -20,7 +20,7 @@ from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kern
 from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.lora.manager import LoRAManager
 from pageserve.runtime.models import parallel, registry
-from pageserve.runtime.models.layers import CausalLM, rope_cos_sin_cache
+from pageserve.runtime.models.layers import CausalLM, Experts, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.multimodal import EncoderOutputs
@@ -121,8 +121,8 @@ class ModelRunner:
         parallel.check_supported(model, cfg)
         model = model.to(cfg.dtype)  # on the meta device: nothing is allocated in any other dtype
         c_kernels = self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None)
-        quant = quantized_load(cfg.hf_config, cfg.quantization, model, path,
-                               BlockStorage() if c_kernels else PackedStorage())
+        storage = BlockStorage() if c_kernels else PackedStorage(self.kernels.name == Backend.TRITON)
+        quant = quantized_load(cfg.hf_config, cfg.quantization, model, path, storage)
         kv_scales = KVScales.for_checkpoint(cfg.hf_config, model)
         model = model.to_empty(device=self.device)
         try:
@@ -217,13 +217,16 @@ class ModelRunner:
 
     def graph_sizes(self, max_num_seqs: int) -> list[int]:
         """The decode batch sizes captured as CUDA graphs; none on CPU, with --enforce-eager,
-        with kernels that cannot be captured (the torch backend reads plans on the host), or
-        under tensor or pipeline parallelism (for now)."""
+        with kernels that cannot be captured (the torch backend reads plans on the host; the
+        loop over quantized experts reads their token counts), or under tensor or pipeline
+        parallelism (for now)."""
         if self.dev.type != "cuda" or self.device_cfg.enforce_eager or not self.kernels.graph_safe:
             return []
         if self.model_cfg.tp_size > 1 or self.model_cfg.pp_size > 1:  # NCCL inside graphs: not checked on GPUs yet
             return []
         if getattr(self.model, "mrope_section", None):  # the graphs take 1-D positions
+            return []
+        if any(isinstance(m, Experts) and m.parts for m in self.model.modules()):  # a loop that reads counts
             return []
         return capture_sizes(self.device_cfg.cuda_graph_sizes or None, max_num_seqs)
 

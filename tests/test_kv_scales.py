@@ -226,3 +226,32 @@ def test_new_values_are_divided_in_float32_whatever_the_activations():
     once = (k / s.key).to(torch.float8_e4m3fn)
     assert torch.equal(once.float(), (k.float() / torch.tensor([3.0, 0.7])[:, None]).to(torch.float8_e4m3fn).float())
     assert not torch.equal(once.float(), (k / s.key.bfloat16()).to(torch.float8_e4m3fn).float())  # twice
+
+
+@pytest.mark.parametrize("layout", ["output_scale", "proj_scale", "kv_scale"])
+def test_older_layouts_of_autofp8_and_modelopt(tmp_path, source, prompts, layout):
+    """AutoFP8's FP8-KV checkpoints (static activations, `"kv_cache_scheme": "static"`, the
+    scales as k_proj / v_proj's output_scale), ModelOpt's k_proj.k_scale / v_proj.v_scale, and the
+    deprecated single kv_scale (for K and V alike): the reference's logprobs at those scales."""
+    from safetensors.torch import load_file, save_file
+
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(source, out, "fp8-static", reference=ref)
+    scales = _scales("tensor")
+    if layout == "kv_scale":
+        scales = {i: (k, k) for i, (k, _) in scales.items()}
+    tensors = load_file(out / "model.safetensors")
+    for i, (k, v) in scales.items():
+        attn = f"model.layers.{i}.self_attn"
+        if layout == "kv_scale":
+            tensors[f"{attn}.kv_scale"] = k
+        else:
+            tensors[f"{attn}.k_proj.{'output_scale' if layout == 'output_scale' else 'k_scale'}"] = k
+            tensors[f"{attn}.v_proj.{'output_scale' if layout == 'output_scale' else 'v_scale'}"] = v
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = "static"
+    (out / "config.json").write_text(json.dumps(cfg))
+    seqs, lps = ours(out, prompts, kv_cache_dtype="fp8")  # the C linear: weight-only, as the reference
+    assert gap(hf_float8_kv(ref, scales), seqs, lps) < TOL
+    assert gap(hf_float8_kv(ref, {i: (torch.ones(1), torch.ones(1)) for i in scales}), seqs, lps) > 20 * TOL

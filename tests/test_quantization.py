@@ -78,7 +78,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
-    kept = {"ct-int8": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
+    kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
 
@@ -95,19 +95,22 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
-                                 "ct-fp8-block", "ct-fp8-static"])
-def test_packed_storage_parity(tmp_path, source, prompts, fmt):
+                                 "ct-fp8-block", "ct-fp8-static", "ct-int8-static"])
+def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
     out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
     quantized_copy(source, out, fmt, group_size=GROUP.get(fmt, 128), reference=ref)
-    got, llm = ours(out, prompts, enforce_eager=True)
+    with caplog.at_level(logging.INFO, logger="pageserve.runtime.quantization.load"):
+        got, llm = ours(out, prompts, enforce_eager=True)
     assert got == hf_expected(fmt, out, ref, prompts)
+    assert ("static activation scales are not used" in caplog.text) == fmt.endswith("static")  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
     fp8 = fmt in ("ct-fp8", "fp8-tensor", "fp8-block", "ct-fp8-block", "ct-fp8-static")
-    assert weight.dtype == (torch.float8_e4m3fn if fp8 else {"ct-int8": torch.int8}.get(fmt, torch.int32))
-    assert weight.quant.kind == ("fp8" if fp8 else {"ct-int8": "int8"}.get(fmt, "int4"))
-    if fmt == "ct-fp8-static":  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
+    int8 = fmt.startswith("ct-int8")
+    assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
+    assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "int4")
+    if fmt.endswith("static"):  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
         assert weight.quant.input_scale == pytest.approx(3 / 56)
         assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
     else:
@@ -154,6 +157,10 @@ def test_online_fp8(tmp_path, source, prompts):
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
                               "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor",
                                                     "symmetric": False, "dynamic": False}}}}, "static asymmetric"),
+    ({"config_groups": {"static": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+                                   "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+                        "weight-only": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     "8-bit groups with static activation scales beside 8-bit groups without"),
     ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
     ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
     ({"quant_method": "gptq", "bits": 8}, "8-bit weights"),
@@ -244,3 +251,34 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
     quantized_copy(source, tmp_path / "g128", "ct-w4a16", group_size=128)
     with pytest.raises(Exception, match="group boundaries"):
         LLM(str(tmp_path / "g128"), dtype="float32", tensor_parallel_size=2)
+
+
+MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 64, "head_dim": 32},  # rows of multiples of 32, also per rank
+              "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}, "mixtral": {}}
+
+
+@pytest.mark.parametrize("arch,fmt,kw", [("qwen3_moe", "ct-w4a16", {}), ("mixtral", "awq", {"enforce_eager": True}),
+                                         ("qwen2_moe", "fp8-block", {}), ("mixtral", "ct-int8", {}),
+                                         ("qwen3_moe", "ct-w4a16", {"tensor_parallel_size": 2})])
+def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
+    """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral AWQ...): each expert kept
+    compact, in the C linear's blocks or the packed tensors, stacked, and multiplied as a linear
+    layer is; the same tokens as HF on the dequantized copy (transformers' own MoE quantized
+    readers need a GPU). TP 2 splits each expert as its dense weights."""
+    src = build_tiny_model(tmp_path / "src", arch, hidden_size=128, intermediate_size=256, **MOE_SHAPES[arch])
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(src, out, fmt, group_size=32, reference=ref)
+    with caplog.at_level(logging.INFO, logger="pageserve.runtime.quantization.load"):
+        got, llm = ours(out, prompts, **kw)
+    if kw.get("tensor_parallel_size"):
+        llm.engine.shutdown()
+    else:
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        packed = kw.get("enforce_eager", False)
+        want = {"ct-w4a16": torch.int32, "awq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8}
+        assert experts.w13.dtype == (want[fmt] if packed else torch.uint8) and experts.w13.dim() == 3
+        assert len(experts.parts["w13"]) == len(experts.parts["w2"]) == experts.w13.shape[0]
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized weights"))
+        # a layer's q/k/v, o, the experts' w13 and w2 (and the shared expert's gate/up and down)
+        assert f"{2 * (4 + 2 * (arch == 'qwen2_moe'))} layers stored as {'packed' if packed else 'blocks'}" in line
+    assert got == hf_greedy(ref, prompts, 16)

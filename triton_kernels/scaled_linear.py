@@ -52,15 +52,20 @@ def _e4m3_to_f16(code):
 
 # the token count and the input's row stride change every step
 @triton.jit(do_not_specialize=["rows", "stride_xm"])
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, cols, stride_xm, eps, qmax,
-                          IS_FP8: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, rows, cols, stride_xm, eps, qmin, qmax, static_scale,
+                          IS_FP8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Each row's codes and scale: the row's largest magnitude over qmax, or (STATIC) the given
+    scale for every row; x / scale clamped to [qmin, qmax]."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
     inside = (row < rows) & (offs < cols)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=inside, other=0.0).to(tl.float32)
     # IEEE divisions, as torch's: the codes must match the torch path's bit for bit
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), qmax)[:, None]
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
+    if STATIC:
+        scale = tl.zeros([ROWS, 1], tl.float32) + static_scale
+    else:
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), qmax)[:, None]
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), qmin), qmax)
     if IS_FP8:
         code = _e4m3_code(y)
     else:
@@ -96,23 +101,31 @@ def _check_weight(wq, w_scale, bias, out_dtype, others, who: str) -> None:
     _check(len(devices) == 1, f"{who}: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as torch_ops.quantize_per_token: (xq [M, K] float8_e4m3fn or int8,
-    x_scale [M, 1] float32), the same bits. The Triton kernel on CUDA (and under the
-    interpreter), the torch version elsewhere."""
+def quantize_per_token(x: torch.Tensor, kind: str,
+                       input_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as torch_ops.quantize_per_token (or, given a checkpoint's static
+    input_scale, torch_ops.quantize_static): (xq [M, K] float8_e4m3fn or int8, x_scale [M, 1]
+    float32), the same bits. The Triton kernel on CUDA (and under the interpreter), the torch
+    version elsewhere."""
     _check_x(x, kind, "quantize_per_token")
     if not _use_triton(x):
-        return torch_ops.quantize_per_token(x, kind)
+        if input_scale is None:
+            return torch_ops.quantize_per_token(x, kind)
+        return torch_ops.quantize_static(x, kind, input_scale)
     rows, cols = x.shape
     xq = torch.empty((rows, cols), dtype=KINDS[kind], device=x.device)
     x_scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0 or cols == 0:
-        return xq, x_scale.fill_(torch_ops.QUANT_EPS / torch_ops.QUANT_MAX[kind])
+        empty = torch_ops.QUANT_EPS / torch_ops.QUANT_MAX[kind] if input_scale is None else input_scale
+        return xq, x_scale.fill_(empty)
     block = triton.next_power_of_2(cols)
     per_program = rows_per_program(block)
+    qmax = torch_ops.QUANT_MAX[kind]
+    qmin = -qmax if input_scale is None else torch_ops.STATIC_MIN[kind]
     _quantize_rows_kernel[(triton.cdiv(rows, per_program),)](
         x, xq.view(torch.uint8) if kind == "fp8" else xq, x_scale, rows, cols, x.stride(0),
-        torch_ops.QUANT_EPS, torch_ops.QUANT_MAX[kind], IS_FP8=kind == "fp8", BLOCK=block,
+        torch_ops.QUANT_EPS, qmin, qmax, 1.0 if input_scale is None else input_scale,
+        IS_FP8=kind == "fp8", STATIC=input_scale is not None, BLOCK=block,
         ROWS=per_program, num_warps=min(16, max(4, block // 1024)))
     return xq, x_scale
 
@@ -255,7 +268,7 @@ def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind
                   bias: torch.Tensor | None = None, input_scale: float | None = None, *, gemm: str = "auto",
                   **launch) -> torch.Tensor:
     """Same contract as torch_ops.scaled_linear: x [M, K] float16/bfloat16/float32 quantized
-    per token (or with the checkpoint's static input_scale: torch's elementwise ops), wq [N, K]
+    per token (or with the checkpoint's static input_scale), wq [N, K]
     (float8_e4m3fn for kind "fp8", int8 for "int8"), w_scale [N] float32, bias [N] in x's dtype
     or None; returns [M, N] in x's dtype. gemm and launch: scaled_mm's. The torch path where
     there is neither CUDA nor the interpreter."""
@@ -269,8 +282,5 @@ def scaled_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, kind
            f"scaled_linear: input_scale must be finite and positive, got {input_scale}")
     if not _use_triton(x):
         return torch_ops.scaled_linear(x, wq, w_scale, kind, bias, input_scale)
-    if input_scale is None:
-        xq, x_scale = quantize_per_token(x, kind)
-    else:
-        xq, x_scale = torch_ops.quantize_static(x, kind, input_scale)
+    xq, x_scale = quantize_per_token(x, kind, input_scale)
     return scaled_mm(xq, x_scale, wq, w_scale, x.dtype, bias, gemm=gemm, **launch)

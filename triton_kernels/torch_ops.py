@@ -252,11 +252,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              linear=F.linear) -> torch.Tensor:
     """Mixture-of-experts feed-forward. x [T, H]; w13 [E, 2 * I, H] (gate rows then up rows, as
-    nn.Linear weights), w2 [E, H, I], same dtype as x; topk_weights [T, K] float32, topk_ids
-    [T, K] int32 or int64 in [0, E). Returns [T, H] in x's dtype:
+    nn.Linear weights), w2 [E, H, I], same dtype as x, or a list of E matrices each that
+    `linear(x, w)` takes (quantized experts); topk_weights [T, K] float32, topk_ids [T, K] int32
+    or int64 in [0, E). Returns [T, H] in x's dtype:
     out[t] = sum_k topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ x[t]), e = topk_ids[t, k],
     summed in float32."""
     num_tokens, hidden = x.shape
@@ -267,7 +268,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # (token, k) pairs grouped by expert: each expert runs one matmul over all its rows
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one sync: the split sizes
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # one sync: the split sizes
     tokens = order // top_k
     weights = topk_weights.reshape(-1)[order]
     start = 0
@@ -275,8 +276,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        h = silu_and_mul(F.linear(x.index_select(0, rows), w13[expert]))
-        y = F.linear(h, w2[expert]).float().mul_(weights[start:start + n, None])
+        h = silu_and_mul(linear(x.index_select(0, rows), w13[expert]))
+        y = linear(h, w2[expert]).float().mul_(weights[start:start + n, None])
         out.index_add_(0, rows, y)
         start += n
     return out.to(x.dtype)
@@ -314,6 +315,7 @@ def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
 
 QUANT_EPS = 1e-10  # the smallest row maximum a per-token scale is taken from (all-zero rows)
 QUANT_MAX = {"fp8": 448.0, "int8": 127.0}  # float8_e4m3fn's largest finite value; int8's, symmetric
+STATIC_MIN = {"fp8": -448.0, "int8": -128.0}  # static scales take int8's whole range, as vLLM clamps
 
 
 def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,11 +334,10 @@ def quantize_per_token(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
 
 def quantize_static(x: torch.Tensor, kind: str, input_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] quantized with one fixed scale (a checkpoint's static `input_scale`): xq = x /
-    input_scale clamped to +-QUANT_MAX[kind] and rounded to nearest even; x_scale [M, 1] float32
-    holds input_scale. Returns (xq, x_scale), as quantize_per_token."""
-    qmax = QUANT_MAX[kind]
+    input_scale clamped to [STATIC_MIN[kind], QUANT_MAX[kind]] and rounded to nearest even;
+    x_scale [M, 1] float32 holds input_scale. Returns (xq, x_scale), as quantize_per_token."""
     x_scale = torch.full((x.shape[0], 1), input_scale, dtype=torch.float32, device=x.device)
-    y = (x.float() / x_scale).clamp(-qmax, qmax)
+    y = (x.float() / x_scale).clamp(STATIC_MIN[kind], QUANT_MAX[kind])
     return (y.to(torch.float8_e4m3fn) if kind == "fp8" else y.round().to(torch.int8)), x_scale
 
 

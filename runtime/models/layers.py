@@ -20,6 +20,7 @@ from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import AttentionMetadata, Kernels
 from pageserve.runtime.models import parallel
 from pageserve.runtime.quantization.qtensor import QuantTensor
+from pageserve.triton_kernels import torch_ops
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -158,8 +159,17 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
+        self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # a quantized checkpoint's experts: "w13" / "w2" -> each expert's matrix as the kernels'
+        # matmul takes it (runtime/quantization/load.py), the stacked parameters holding them
+        self.parts: dict[str, list[torch.Tensor]] = {}
+
+    def weights(self) -> tuple:
+        """(w13, w2) as fused_moe indexes them by expert: the stacked tensors, or the lists of
+        quantized matrices."""
+        return self.parts.get("w13", self.w13), self.parts.get("w2", self.w2)
 
 
 class SparseMoE(nn.Module):
@@ -189,7 +199,10 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.experts.parts:  # quantized experts: one matmul an expert, as each kernel path takes the matrix
+            out = torch_ops.fused_moe(x, *self.experts.weights(), weights, ids, linear=self.kernels.matmul)
+        else:
+            out = self.ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return parallel.all_reduce(out, self.tp_size)
@@ -343,7 +356,7 @@ class CausalLM(nn.Module):
         """Our parameter and the index inside it that a checkpoint tensor fills."""
         if m := _EXPERT.fullmatch(name):
             prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
-            inter = self.get_submodule(f"{prefix}.experts").w2.shape[2]
+            inter = self.get_submodule(f"{prefix}.experts").intermediate_size
             if part == "down":
                 return f"{prefix}.experts.w2", (e,)
             return f"{prefix}.experts.w13", (e, slice(0, inter) if part == "gate" else slice(inter, 2 * inter))

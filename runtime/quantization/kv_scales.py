@@ -1,9 +1,12 @@
-"""A checkpoint's KV-cache scales: compressed-tensors' `kv_cache_scheme` (float8, per tensor or
-per KV head, as llm-compressor writes them), one `k_scale` and `v_scale` tensor per attention
-layer. Under a float8 cache (`--kv-cache-dtype fp8`) the cache keeps K / k_scale and V / v_scale,
-read back times the scales, as vLLM reads them; under any other cache the values are kept
-unscaled and the scales go unused, as in vLLM. A `q_scale` (the query quantized for FP8
-attention) is read and dropped: the query is not quantized here."""
+"""A checkpoint's KV-cache scales: compressed-tensors' `kv_cache_scheme` (float8, per tensor or per
+KV head, as llm-compressor writes them), one `k_scale` and `v_scale` tensor per attention layer;
+also the older layouts vLLM reads, with AutoFP8's `"kv_cache_scheme": "static"`:
+`k_proj.output_scale` / `v_proj.output_scale` (AutoFP8, older compressed-tensors),
+`k_proj.k_scale` / `v_proj.v_scale` (ModelOpt) and one `kv_scale` for both (deprecated). Under a
+float8 cache (`--kv-cache-dtype fp8`) the cache keeps K / k_scale and V / v_scale, read back
+times the scales, as vLLM reads them; under any other cache the values are kept unscaled and the
+scales go unused, as in vLLM. A `q_scale` (the query quantized for FP8 attention) is read and
+dropped: the query is not quantized here."""
 
 from __future__ import annotations
 
@@ -18,7 +21,17 @@ from pageserve.runtime.quantization.methods import kv_cache_scheme
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"(.+)\.([kvq])_scale")
+# (attention prefix, part): a projection's scale first, as "self_attn.k_proj.k_scale" would
+# also read as the attention-level name of a module "self_attn.k_proj"
+_PROJ_SCALE = re.compile(r"(.+)\.([kvq])_proj\.(?:output_scale|[kvq]_scale)")
+_ATTN_SCALE = re.compile(r"(.+)\.(kv|[kvq])_scale")
+
+
+def scale_name(name: str) -> tuple[str, str] | None:
+    """(attention prefix, "k", "v", "q" or "kv" for both) of a KV-cache scale tensor's name in
+    any of the layouts above; None for another tensor."""
+    m = _PROJ_SCALE.fullmatch(name) or _ATTN_SCALE.fullmatch(name)
+    return None if m is None else (m.group(1), m.group(2))
 
 
 @dataclass(frozen=True)
@@ -59,13 +72,14 @@ class KVScales:
     def stream(self, weights):
         """The checkpoint's (name, tensor) pairs without the scales, which are kept."""
         for name, tensor in weights:
-            m = _NAME.fullmatch(name)
-            module = None if m is None else self._attention(m.group(1))
+            scale = scale_name(name)
+            module = None if scale is None else self._attention(scale[0])
             if module is None:
                 yield name, tensor
                 continue
-            if m.group(2) != "q" and module:  # "": another pipeline stage's layer
-                self.found.setdefault(module, {})[m.group(2)] = tensor.detach().to(torch.float32).reshape(-1)
+            if scale[1] != "q" and module:  # "": another pipeline stage's layer
+                for part in scale[1]:
+                    self.found.setdefault(module, {})[part] = tensor.detach().to(torch.float32).reshape(-1)
 
     def _attention(self, prefix: str) -> str | None:
         """Our attention module under the checkpoint's prefix (its q/k/v projections'), "" for

@@ -1,8 +1,10 @@
 """Loading a quantized checkpoint into our model. Before any memory is allocated (the model is on
 the meta device), each linear layer the checkpoint quantizes gets compact storage in place of
-its dense weight; the checkpoint's tensors of each such layer are read into one QuantTensor as
-they stream past, and written into that storage's rows (q/k/v and gate/up fused, tensor
-parallel shards cut by parallel.shard as for dense weights). Two storages:
+its dense weight, and a mixture of experts' stacked w13 / w2 one stacked storage, expert by
+expert; the checkpoint's tensors of each such layer are read into one QuantTensor as they stream
+past, and written into that storage's rows (q/k/v, gate/up and each expert's gate/up fused,
+tensor parallel shards cut by parallel.shard as for dense weights). Each expert's matrix is then
+listed in its module's `parts`, a 2-D weight the kernels' matmul takes. Two storages:
 
 - blocks: the C linear's block formats (CPU with the C kernels): one uint8 matrix a layer,
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
@@ -14,6 +16,7 @@ parallel shards cut by parallel.shard as for dense weights). Two storages:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,50 +47,75 @@ def checkpoint_names(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 @dataclass
 class Layer:
-    """One quantized linear layer of ours (several checkpoint layers where fused)."""
-    module: nn.Linear
+    """One quantized matrix of ours (several checkpoint layers where fused): a linear layer's
+    `weight`, or an Experts module's `w13` / `w2`, one matrix an expert (`experts` of them)."""
+    module: nn.Module
+    param: str  # the parameter's name in `module`; its scales and zeros are param_scale, param_zero
     kind: str
     group_size: int
+    rows: int  # out features (of one expert)
     in_features: int
+    experts: int = 0  # 0: a linear layer
     input_scales: list = field(default_factory=list)  # each written part's static activation scale (or None)
 
+    def shape(self, *tail: int) -> tuple[int, ...]:
+        """A stored tensor's shape: `tail` after the rows (and the experts)."""
+        return ((self.experts,) if self.experts else ()) + (self.rows, *tail)
+
+    def tensor(self, suffix: str = "") -> nn.Parameter:
+        return getattr(self.module, self.param + suffix)
+
+    def store(self, suffix: str, value: torch.Tensor) -> None:
+        setattr(self.module, self.param + suffix, nn.Parameter(value, requires_grad=False))
+
+    def stored(self) -> dict[str, nn.Parameter]:
+        """The parameters that hold this matrix (codes, scales, zeros), by name in the module."""
+        return {n: p for n, p in self.module.named_parameters(recurse=False)
+                if n == self.param or n.startswith(self.param + "_")}
+
     def input_scale(self) -> float | None:
-        """The static activation scale of the whole layer: the largest of its parts', as vLLM
-        takes for fused layers (None: activations quantized per token, or not at all)."""
-        if not self.input_scales or self.input_scales[0] is None:
-            if any(s is not None for s in self.input_scales):
-                raise ValueError("the parts of a fused layer have static activation scales and dynamic ones")
-            return None
-        if any(s is None for s in self.input_scales):
-            raise ValueError("the parts of a fused layer have static activation scales and dynamic ones")
-        return max(self.input_scales)
+        """The static activation scale of the whole layer: the largest of its parts' (and of its
+        experts'), as vLLM takes for fused layers (None: activations quantized per token, or
+        not at all)."""
+        if any(s is None for s in self.input_scales) and any(s is not None for s in self.input_scales):
+            raise ValueError(f"the parts of {self.param} have static activation scales and dynamic ones")
+        return None if not self.input_scales or self.input_scales[0] is None else max(self.input_scales)
+
+    def expert_parts(self, make) -> None:
+        """Experts: each expert's matrix as a 2-D weight the kernels' matmul takes, `make(e)`,
+        listed in the module's `parts` under the parameter's name."""
+        self.module.parts[self.param] = [make(e) for e in range(self.experts)]
 
 
 class BlockStorage:
     """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8."""
     name = "blocks"
+    quantizes_activations = False  # the C linear multiplies float32 activations
     FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8"}
 
-    def allocate(self, layer: Layer, rows: int) -> None:
+    def allocate(self, layer: Layer) -> None:
         k, g = layer.in_features, layer.group_size
         if k % 32 or g % 32:
             raise UnsupportedQuantization(f"the CPU kernels take quantized rows and groups in multiples of 32 values; "
                                           f"a layer has {k} columns in groups of {g}")
         width = k // 32 * cpu_blocks.BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
-        layer.module.weight = nn.Parameter(torch.empty(rows, width, dtype=torch.uint8), requires_grad=False)
+        layer.store("", torch.empty(layer.shape(width), dtype=torch.uint8))
 
-    def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
+    def write(self, layer: Layer, index: tuple, qt: QuantTensor) -> None:
         if qt.kind == "int4":
             raw = cpu_blocks.int4_blocks(qt.codes, qt.scales, qt.zeros, qt.group_size)
         elif qt.kind == "int8":
             raw = cpu_blocks.int8_blocks(qt.codes, qt.scales)
         else:
             raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales, qt.group_size)
-        layer.module.weight[rows].copy_(raw)
+        layer.tensor()[index].copy_(raw)
 
     def finish(self, layer: Layer) -> None:
-        layer.module.weight = cpu_blocks.smallest_blocks(
-            cpu_blocks.blocks(layer.module.weight.data, self.FORMATS[layer.kind], layer.in_features))
+        fmt, k, w = self.FORMATS[layer.kind], layer.in_features, layer.tensor().data
+        if layer.experts:  # one format for all (GGUF's smaller blocks could differ by expert)
+            layer.expert_parts(lambda e: cpu_blocks.blocks(w[e], fmt, k))
+        else:
+            setattr(layer.module, layer.param, cpu_blocks.smallest_blocks(cpu_blocks.blocks(w, fmt, k)))
 
 
 @dataclass(frozen=True)
@@ -111,37 +139,50 @@ class PackedQuant:
 
 
 class PackedStorage:
-    """Codes, scales and zeros as separate tensors of the layer."""
+    """Codes, scales and zeros as separate tensors of the layer. quantizes_activations: whether
+    the kernels that multiply them quantize 8-bit layers' activations (the Triton backend's W8A8)
+    or dequantize the weight (torch's path)."""
     name = "packed"
 
-    def allocate(self, layer: Layer, rows: int) -> None:
-        m, k, g = layer.module, layer.in_features, layer.group_size
+    def __init__(self, quantizes_activations: bool = False):
+        self.quantizes_activations = quantizes_activations
+
+    def allocate(self, layer: Layer) -> None:
+        k, g = layer.in_features, layer.group_size
         if layer.kind == "int4":
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
-            m.weight = nn.Parameter(torch.empty(rows, k // 8, dtype=torch.int32), requires_grad=False)
-            m.weight_scale = nn.Parameter(torch.empty(rows, k // g), requires_grad=False)
-            m.weight_zero = nn.Parameter(torch.empty(rows, k // g, dtype=torch.uint8), requires_grad=False)
+            layer.store("", torch.empty(layer.shape(k // 8), dtype=torch.int32))
+            layer.store("_scale", torch.empty(layer.shape(k // g)))
+            layer.store("_zero", torch.empty(layer.shape(k // g), dtype=torch.uint8))
         else:
             dtype = torch.int8 if layer.kind == "int8" else torch.float8_e4m3fn
-            m.weight = nn.Parameter(torch.empty(rows, k, dtype=dtype), requires_grad=False)
-            m.weight_scale = nn.Parameter(torch.empty((rows, k // g) if g else rows), requires_grad=False)
+            layer.store("", torch.empty(layer.shape(k), dtype=dtype))
+            layer.store("_scale", torch.empty(layer.shape(k // g) if g else layer.shape()))
 
-    def write(self, layer: Layer, rows: slice, qt: QuantTensor) -> None:
-        m = layer.module
+    def write(self, layer: Layer, index: tuple, qt: QuantTensor) -> None:
         if qt.kind == "int4":
             c = qt.codes.to(torch.int32).view(qt.shape[0], -1, 8)
             words = sum(c[:, :, j] << (4 * j) for j in range(8))  # wraps into the sign bit as int32 does
-            m.weight[rows].copy_(words)
-            m.weight_zero[rows].copy_(qt.zeros)
+            layer.tensor()[index].copy_(words)
+            layer.tensor("_zero")[index].copy_(qt.zeros)
         else:
-            m.weight[rows].copy_(qt.codes)
-        m.weight_scale[rows].copy_(qt.scales)
+            layer.tensor()[index].copy_(qt.codes)
+        layer.tensor("_scale")[index].copy_(qt.scales)
 
     def finish(self, layer: Layer) -> None:
-        m = layer.module
-        m.weight.quant = PackedQuant(layer.kind, m.weight_scale, getattr(m, "weight_zero", None), layer.group_size,
-                                     layer.in_features, layer.input_scale())
+        zeros = getattr(layer.module, layer.param + "_zero", None)
+        scale, static = layer.tensor("_scale"), layer.input_scale()
+
+        def quant(w, scales, zeros):
+            w.quant = PackedQuant(layer.kind, scales, zeros, layer.group_size, layer.in_features, static)
+            return w
+
+        if layer.experts:
+            w = layer.tensor().data
+            layer.expert_parts(lambda e: quant(w[e], scale[e], None if zeros is None else zeros[e]))
+        else:
+            quant(layer.tensor(), scale, zeros)
 
 
 class QuantizedLoad:
@@ -155,28 +196,33 @@ class QuantizedLoad:
         for prefix, suffixes in method.layers(names).items():
             if not model.checkpoint_held(prefix + ".weight"):  # another pipeline stage's layer
                 continue
-            target = model.checkpoint_target(prefix + ".weight")
-            module_name = (target or "").removesuffix(".weight")
-            module = model.get_submodule(module_name) if target and target.endswith(".weight") else None
-            if not isinstance(module, nn.Linear) or (optional and not method.TARGETS.fullmatch(target)) \
-                    or module_name.split(".")[-1] in ("lm_head", "gate"):
-                if optional:
-                    continue
-                raise UnsupportedQuantization(f"{method.name}: the quantized weights of {prefix} (a "
-                                              f"{'router' if module_name.endswith('gate') else type(module).__name__ if module is not None else 'tensor'}"
-                                              " of ours) are not supported; only the decoder layers' linear "
-                                              "layers may be quantized")
+            target = model.checkpoint_target(prefix + ".weight") or ""
+            module_name, _, param = target.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else None
+            experts = param in ("w13", "w2") and type(module).__name__ == "Experts"
+            linear = isinstance(module, nn.Linear) and param == "weight" and module_name.split(".")[-1] not in (
+                "lm_head", "gate")
+            if optional and not (linear and method.TARGETS.fullmatch(target)):
+                continue
+            if not (linear or experts):
+                what = "router" if module_name.endswith("gate") else type(module).__name__ if module else "tensor"
+                raise UnsupportedQuantization(f"{method.name}: the quantized weights of {prefix} (a {what} of ours) "
+                                              "are not supported; only the decoder layers' linear layers and experts "
+                                              "may be quantized")
             kind, group = method.layout({s: names[f"{prefix}.{s}"] for s in suffixes})
             layer = self.layers.get(target)
             if layer is not None and (layer.kind, layer.group_size) != (kind, group):
                 raise UnsupportedQuantization(f"{method.name}: the parts of {target} are quantized differently")
-            self.layers[target] = Layer(module, kind, group, module.in_features)
+            if layer is None:
+                shape = getattr(module, param).shape
+                self.layers[target] = Layer(module, param, kind, group, shape[-2], shape[-1],
+                                            shape[0] if experts else 0)
             self.prefixes[prefix] = suffixes
 
     def prepare(self) -> None:
         """Each quantized layer's storage in place of its dense weight (on the meta device)."""
         for layer in self.layers.values():
-            self.storage.allocate(layer, layer.module.out_features)
+            self.storage.allocate(layer)
             layer.module.quant_load = self
 
     def stream(self, weights):
@@ -198,34 +244,34 @@ class QuantizedLoad:
             raise ValueError(f"quantized layer {next(iter(pending))} is missing some of its tensors")
 
     def write(self, target: str, index: tuple, qt: QuantTensor) -> dict[str, int]:
-        """Rows `index` of our parameter `target`; returns the elements written in each of the
-        layer's parameters, by name."""
+        """`index` of our parameter `target` (rows; an expert, and its rows); returns the elements
+        written in each of the layer's parameters, by name."""
         layer = self.layers[target]
-        rows = index[0] if index else slice(0, layer.module.out_features)
+        rows = index[-1] if index and isinstance(index[-1], slice) else slice(0, layer.rows)
         want = (rows.stop - rows.start, layer.in_features)
         if tuple(qt.shape) != want or (qt.kind, qt.group_size) != (layer.kind, layer.group_size):
             raise ValueError(f"quantized weight for {target} is {qt.kind} {tuple(qt.shape)} in groups of "
                              f"{qt.group_size}, expected {layer.kind} {want} in groups of {layer.group_size}")
-        self.storage.write(layer, rows, qt)
+        self.storage.write(layer, index, qt)
         layer.input_scales.append(qt.input_scale)
-        return {name: p[rows].numel() for name, p in layer.module.named_parameters() if name != "bias"}
+        return {name: p[index].numel() for name, p in layer.stored().items()}
 
     def finish(self) -> tuple[int, int]:
         """Marks each layer's storage for the kernels and logs what was saved; returns (bytes of
         the quantized layers, bytes the same layers take in 16 bits)."""
         stored = dense = 0
         for layer in self.layers.values():
-            m = layer.module
-            del m.quant_load
+            layer.module.__dict__.pop("quant_load", None)  # (an Experts module holds two layers)
             self.storage.finish(layer)
-            stored += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p is not m.bias)
-            dense += 2 * m.out_features * layer.in_features
+            stored += sum(p.numel() * p.element_size() for p in layer.stored().values())
+            dense += 2 * math.prod(layer.shape(layer.in_features))
         if self.layers:
             logger.info("quantized weights: %s, %d layers stored as %s: %.1f MB (%.1f MB in 16 bits, %.1f MB saved)",
                         self.method.describe(), len(self.layers), self.storage.name, stored / 1e6, dense / 1e6,
                         (dense - stored) / 1e6)
-        if any(layer.input_scale() is not None for layer in self.layers.values()) and self.storage.name == "blocks":
-            logger.info("the checkpoint's static activation scales are not used: the C linear multiplies "
+        if any(layer.input_scale() is not None for layer in self.layers.values()) \
+                and not self.storage.quantizes_activations:
+            logger.info("the checkpoint's static activation scales are not used: these kernels multiply "
                         "unquantized activations (weight-only)")
         return stored, dense
 

@@ -13,6 +13,9 @@ from pageserve.runtime.models.loader import ModelLoadError
 from pageserve.runtime.quantization.qtensor import QuantTensor, quantize_fp8, unpack_nibbles
 
 
+_KV_SCALE_SUFFIXES = ("output_scale", "k_scale", "v_scale", "q_scale")
+
+
 class UnsupportedQuantization(ModelLoadError):
     """A quantized checkpoint (or --quantization) pageserve does not serve; one line for the user."""
 
@@ -36,7 +39,9 @@ class QuantMethod:
         out: dict[str, set[str]] = {p: set() for p in prefixes}
         for n in names:
             prefix, _, last = n.rpartition(".")
-            if prefix in out and last != "bias":  # a bias loads as any dense tensor (Qwen2's q/k/v)
+            # a bias loads as any dense tensor (Qwen2's q/k/v); k_proj's output_scale (or k_scale)
+            # is a KV-cache scale (kv_scales.py)
+            if prefix in out and last != "bias" and last not in _KV_SCALE_SUFFIXES:
                 out[prefix].add(last)
         return out
 
@@ -120,10 +125,12 @@ _KV_STRATEGIES = ("tensor", "attn_head")
 
 def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     """The checkpoint's kv_cache_scheme (None: none); one that is not static symmetric float8
-    per tensor or per KV head is refused in one line."""
+    per tensor or per KV head is refused in one line. AutoFP8's "static" is float8 per tensor."""
     scheme = (qcfg or {}).get("kv_cache_scheme")
     if not scheme:
         return None
+    if scheme == "static":
+        return {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
     if not isinstance(scheme, dict):
         raise UnsupportedQuantization(f"kv_cache_scheme {scheme!r} is not a scheme (an object of num_bits, type, ...)")
     kind = (scheme.get("type"), scheme.get("num_bits"))
@@ -201,9 +208,10 @@ class CompressedTensors(QuantMethod):
                         f"{'static' if static else 'dynamic'} {symmetric} by {act.get('strategy')} beside "
                         f"{kind[1]}-bit weights by {w.get('strategy')} are not supported (dynamic FP8 or INT8 are, "
                         "and static symmetric by tensor beside 8-bit weights by tensor or channel)")
+            if kind[1] == 8 and w.get("strategy") != "block":  # the layers that read an input_scale, or not
                 if self.static not in (None, static):
-                    raise UnsupportedQuantization("compressed-tensors: static activation scales in some groups and "
-                                                  "dynamic ones in others are not supported")
+                    raise UnsupportedQuantization("compressed-tensors: 8-bit groups with static activation scales "
+                                                  "beside 8-bit groups without are not supported")
                 self.static = static
             if w.get("strategy") == "block":  # its activations (per group of columns) stay unquantized here
                 self.schemes.append("FP8 in blocks of %dx%d" % self.block)

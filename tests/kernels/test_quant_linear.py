@@ -248,8 +248,10 @@ def test_static_activation_scale(device, kind):
     it is the GEMM on those codes."""
     x = torch.tensor([[1.0, -2.5, 1000.0, -1000.0, 0.0, 0.3]])
     xq, x_scale = torch_ops.quantize_static(x, kind, 0.5)
-    want = {"fp8": [2.0, -5.0, 448.0, -448.0, 0.0, 0.625], "int8": [2.0, -5.0, 127.0, -127.0, 0.0, 1.0]}[kind]
+    want = {"fp8": [2.0, -5.0, 448.0, -448.0, 0.0, 0.625], "int8": [2.0, -5.0, 127.0, -128.0, 0.0, 1.0]}[kind]
     assert xq.float().tolist() == [want] and x_scale.tolist() == [[0.5]]
+    got = quantize_per_token(x.to(device), kind, 0.5)  # the Triton kernel's static mode: the same bits
+    assert got[0].cpu().view(torch.uint8).equal(xq.view(torch.uint8)) and got[1].cpu().equal(x_scale)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 96, generator=g).to(device)
     wq, w_scale = weight_case(40, 96, kind, device)

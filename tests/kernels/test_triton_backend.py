@@ -9,8 +9,10 @@ import torch
 
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.engine_args import EngineArgs
+from pageserve.runtime.models.layers import Experts
 from pageserve.triton_kernels import torch_ops
 from tests.conftest import assert_pool_clean
+from tests.fake_cuda import FakeCuda
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -67,6 +69,30 @@ def test_moe_models_on_the_triton_backend(tmp_path, device, arch):
     got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     assert llm.engine.runner.kernels.ops.fused_moe.__module__ == "pageserve.triton_kernels.fused_moe"
     assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["ct-w4a16", "fp8-block"])
+def test_quantized_experts_on_the_triton_backend(tmp_path, device, fmt, monkeypatch):
+    """Quantized experts: one grouped GEMM an expert with tokens (the Triton fused_moe takes
+    dense experts only), the torch backend's tokens; no CUDA graphs (the loop reads the
+    experts' token counts)."""
+    from pageserve.loadtest.quantized_copy import quantized_copy
+    from pageserve.loadtest.tiny_model import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src", "qwen3_moe", moe_intermediate_size=64, head_dim=32)
+    model_dir = quantized_copy(src, tmp_path / fmt, fmt, group_size=32)
+    prompts = PROMPTS[:2]
+    want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
+    got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
+    assert llm.engine.runner.model.layers[0].mlp.experts.parts["w2"][0].quant.group_size == 32
+    assert got == want
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "dev", FakeCuda())  # a GPU would capture this model's decode steps...
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert runner.graph_sizes(8) == []  # ...but for the quantized experts
+    monkeypatch.setattr(experts[0], "parts", {})
+    monkeypatch.setattr(experts[1], "parts", {})
+    assert runner.graph_sizes(8) == [1, 2, 4, 8]
 
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block", "fp8-static"])
