@@ -127,10 +127,9 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         try:
             weights = iter_safetensors(path)
-            weights = weights if kv_scales is None else kv_scales.stream(weights)
+            weights = kv_scales.stream(weights)
             model.load_weights(weights if quant is None else quant.stream(weights))
-            if kv_scales is not None:
-                kv_scales.apply(cfg.kv_cache_dtype)
+            kv_scales.apply(cfg.kv_cache_dtype)
         except ModelLoadError:
             raise
         except ValueError as e:
@@ -142,6 +141,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             weights_in_huge_pages(model)
             release_freed_memory()
+        if quant is not None:
+            quant.bind_experts()  # views of the weights where they now lie
         # the RoPE table stays float32 (it was lost on the meta device)
         model.cos_sin_cache = rope_cos_sin_cache(cfg).to(self.device)
         return model.eval()

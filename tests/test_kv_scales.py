@@ -228,30 +228,39 @@ def test_new_values_are_divided_in_float32_whatever_the_activations():
     assert not torch.equal(once.float(), (k / s.key.bfloat16()).to(torch.float8_e4m3fn).float())  # twice
 
 
-@pytest.mark.parametrize("layout", ["output_scale", "proj_scale", "kv_scale"])
-def test_older_layouts_of_autofp8_and_modelopt(tmp_path, source, prompts, layout):
+@pytest.mark.parametrize("layout", ["output_scale", "proj_scale", "kv_scale", "kv_scale, no scheme",
+                                    "output_scale, no scheme"])
+def test_older_layouts_of_autofp8_and_others(tmp_path, source, prompts, layout):
     """AutoFP8's FP8-KV checkpoints (static activations, `"kv_cache_scheme": "static"`, the
-    scales as k_proj / v_proj's output_scale), ModelOpt's k_proj.k_scale / v_proj.v_scale, and the
-    deprecated single kv_scale (for K and V alike): the reference's logprobs at those scales."""
+    scales as k_proj / v_proj's output_scale), k_proj.k_scale / v_proj.v_scale, and the single
+    kv_scale (for K and V alike) of vLLM's and TGI's older tools, which an unquantized
+    checkpoint carries without any scheme: the reference's logprobs at those scales."""
     from safetensors.torch import load_file, save_file
 
     out, ref = tmp_path / "q", tmp_path / "ref"
-    quantized_copy(source, out, "fp8-static", reference=ref)
+    if layout == "kv_scale, no scheme":
+        ref = checkpoint(source, out, "tensor")  # (its scales are replaced below)
+        cfg = json.loads((out / "config.json").read_text())
+        del cfg["quantization_config"]
+        (out / "config.json").write_text(json.dumps(cfg))
+    else:
+        quantized_copy(source, out, "fp8-static", reference=ref)
     scales = _scales("tensor")
-    if layout == "kv_scale":
+    if layout.startswith("kv_scale"):
         scales = {i: (k, k) for i, (k, _) in scales.items()}
-    tensors = load_file(out / "model.safetensors")
+    tensors = {n: t for n, t in load_file(out / "model.safetensors").items() if not n.endswith(("k_scale", "v_scale"))}
     for i, (k, v) in scales.items():
         attn = f"model.layers.{i}.self_attn"
-        if layout == "kv_scale":
+        if layout.startswith("kv_scale"):
             tensors[f"{attn}.kv_scale"] = k
         else:
-            tensors[f"{attn}.k_proj.{'output_scale' if layout == 'output_scale' else 'k_scale'}"] = k
-            tensors[f"{attn}.v_proj.{'output_scale' if layout == 'output_scale' else 'v_scale'}"] = v
+            tensors[f"{attn}.k_proj.{'k_scale' if layout == 'proj_scale' else 'output_scale'}"] = k
+            tensors[f"{attn}.v_proj.{'v_scale' if layout == 'proj_scale' else 'output_scale'}"] = v
     save_file(tensors, out / "model.safetensors")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"]["kv_cache_scheme"] = "static"
-    (out / "config.json").write_text(json.dumps(cfg))
+    if "no scheme" not in layout:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["kv_cache_scheme"] = "static"
+        (out / "config.json").write_text(json.dumps(cfg))
     seqs, lps = ours(out, prompts, kv_cache_dtype="fp8")  # the C linear: weight-only, as the reference
     assert gap(hf_float8_kv(ref, scales), seqs, lps) < TOL
     assert gap(hf_float8_kv(ref, {i: (torch.ones(1), torch.ones(1)) for i in scales}), seqs, lps) > 20 * TOL

@@ -253,15 +253,18 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
         LLM(str(tmp_path / "g128"), dtype="float32", tensor_parallel_size=2)
 
 
-MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 64, "head_dim": 32},  # rows of multiples of 32, also per rank
+# rows of multiples of 32, also per rank; qwen3's and mixtral's stacked w13 past 64 KiB, so that
+# the CPU moves them into huge pages (and the experts' views must follow)
+MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32},
               "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}, "mixtral": {}}
 
 
-@pytest.mark.parametrize("arch,fmt,kw", [("qwen3_moe", "ct-w4a16", {}), ("mixtral", "awq", {"enforce_eager": True}),
-                                         ("qwen2_moe", "fp8-block", {}), ("mixtral", "ct-int8", {}),
+@pytest.mark.parametrize("arch,fmt,kw", [("qwen3_moe", "ct-w4a16", {}), ("mixtral", "gptq", {}),
+                                         ("qwen2_moe", "fp8-block", {}),
+                                         ("mixtral", "ct-int8", {"enforce_eager": True}),
                                          ("qwen3_moe", "ct-w4a16", {"tensor_parallel_size": 2})])
 def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
-    """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral AWQ...): each expert kept
+    """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral GPTQ...): each expert kept
     compact, in the C linear's blocks or the packed tensors, stacked, and multiplied as a linear
     layer is; the same tokens as HF on the dequantized copy (transformers' own MoE quantized
     readers need a GPU). TP 2 splits each expert as its dense weights."""
@@ -275,9 +278,13 @@ def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
     else:
         experts = llm.engine.runner.model.layers[0].mlp.experts
         packed = kw.get("enforce_eager", False)
-        want = {"ct-w4a16": torch.int32, "awq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8}
+        want = {"ct-w4a16": torch.int32, "gptq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8}
         assert experts.w13.dtype == (want[fmt] if packed else torch.uint8) and experts.w13.dim() == 3
         assert len(experts.parts["w13"]) == len(experts.parts["w2"]) == experts.w13.shape[0]
+        for e, part in enumerate(experts.parts["w13"]):  # views of the stack where it lies now
+            assert part.data_ptr() == experts.w13[e].data_ptr()
+        if fmt == "gptq":  # symmetric, float16 scales: every expert in GGUF's Q4_0 blocks, as linear layers
+            assert experts.w13.block_format == experts.parts["w2"][1].block_format == "q4_0"
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized weights"))
         # a layer's q/k/v, o, the experts' w13 and w2 (and the shared expert's gate/up and down)
         assert f"{2 * (4 + 2 * (arch == 'qwen2_moe'))} layers stored as {'packed' if packed else 'blocks'}" in line

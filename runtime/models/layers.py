@@ -416,6 +416,10 @@ class CausalLM(nn.Module):
                 for part, count in loader.write(target, index, tensor).items():
                     written[f"{module}.{part}"] += count
                 continue
+            owner = getattr(self.get_submodule(target.rpartition(".")[0]), "quant_load", None)
+            if owner is not None and target in owner.layers:
+                raise ValueError(f"weight {name} is not quantized, but other parts of {target} are: a layer "
+                                 "(or a block of experts) quantized in part is not supported")
             dst = params[target][index]
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -56,18 +56,19 @@ class KVScales:
     """The scale tensors of one checkpoint for one model: taken out of the stream of weights,
     then given to the attention layers (`apply`)."""
 
-    def __init__(self, model: nn.Module, scheme: dict):
-        self.model, self.scheme = model, scheme
+    def __init__(self, model: nn.Module, scheme: dict | None):
+        self.model, self.scheme = model, scheme  # None: scales taken where the checkpoint has them
         self.found: dict[str, dict[str, torch.Tensor]] = {}  # our attention module -> "k"/"v" -> scale
 
     @classmethod
-    def for_checkpoint(cls, hf_config: dict, model: nn.Module) -> "KVScales | None":
-        """None where the checkpoint has no kv_cache_scheme (a vision-language model's is in its
-        whole config, beside the text part the model reads)."""
+    def for_checkpoint(cls, hf_config: dict, model: nn.Module) -> "KVScales":
+        """The checkpoint's kv_cache_scheme (a vision-language model's is in its whole config,
+        beside the text part the model reads): every attention layer must have its scales.
+        Without one, the scales some checkpoints carry anyway (a `kv_scale` a layer, as vLLM's
+        and TGI's tools write them) are taken where they are."""
         whole = hf_config.get("_multimodal") or hf_config
         qcfg = whole.get("quantization_config") or whole.get("compression_config")
-        scheme = kv_cache_scheme(qcfg)
-        return None if scheme is None else cls(model, scheme)
+        return cls(model, kv_cache_scheme(qcfg))
 
     def stream(self, weights):
         """The checkpoint's (name, tensor) pairs without the scales, which are kept."""
@@ -92,10 +93,15 @@ class KVScales:
 
     def apply(self, cache_dtype: torch.dtype) -> None:
         """Each attention layer's scales where the cache holds float8; checks that every layer
-        of this stage has both, of one value or one a KV head, finite and positive."""
+        of this stage (without a kv_cache_scheme: every layer with a scale) has both, of one
+        value or one a KV head, finite and positive."""
         cfg = self.model.cfg
         layers = [n for n, m in self.model.named_modules() if hasattr(m, "kv_scales")]
-        strategy = self.scheme.get("strategy", "tensor")
+        if self.scheme is None:
+            if not self.found:
+                return
+            layers = [n for n in layers if n in self.found]
+        strategy = "the checkpoint's layout" if self.scheme is None else self.scheme.get("strategy", "tensor")
         if cache_dtype != torch.float8_e4m3fn:
             logger.info("the checkpoint's float8 KV-cache scales (by %s) are not used: the KV cache holds %s "
                         "(--kv-cache-dtype fp8 uses them)", strategy, str(cache_dtype).removeprefix("torch."))
@@ -104,7 +110,8 @@ class KVScales:
         for name in layers:
             found = self.found.get(name, {})
             if set(found) != {"k", "v"}:
-                raise ValueError(f"the checkpoint has a kv_cache_scheme but no "
+                has = "KV-cache scales" if self.scheme is None else "a kv_cache_scheme"
+                raise ValueError(f"the checkpoint has {has} but no "
                                  f"{' or '.join(p + '_scale' for p in 'kv' if p not in found)} for {name}")
             per_head = []
             for part in "kv":

@@ -3,8 +3,9 @@ the meta device), each linear layer the checkpoint quantizes gets compact storag
 its dense weight, and a mixture of experts' stacked w13 / w2 one stacked storage, expert by
 expert; the checkpoint's tensors of each such layer are read into one QuantTensor as they stream
 past, and written into that storage's rows (q/k/v, gate/up and each expert's gate/up fused,
-tensor parallel shards cut by parallel.shard as for dense weights). Each expert's matrix is then
-listed in its module's `parts`, a 2-D weight the kernels' matmul takes. Two storages:
+tensor parallel shards cut by parallel.shard as for dense weights). Once the weights no longer
+move, each expert's matrix is listed in its module's `parts`, a 2-D view the kernels' matmul
+takes (bind_experts). Two storages:
 
 - blocks: the C linear's block formats (CPU with the C kernels): one uint8 matrix a layer,
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
@@ -81,10 +82,6 @@ class Layer:
             raise ValueError(f"the parts of {self.param} have static activation scales and dynamic ones")
         return None if not self.input_scales or self.input_scales[0] is None else max(self.input_scales)
 
-    def expert_parts(self, make) -> None:
-        """Experts: each expert's matrix as a 2-D weight the kernels' matmul takes, `make(e)`,
-        listed in the module's `parts` under the parameter's name."""
-        self.module.parts[self.param] = [make(e) for e in range(self.experts)]
 
 
 class BlockStorage:
@@ -112,10 +109,18 @@ class BlockStorage:
 
     def finish(self, layer: Layer) -> None:
         fmt, k, w = self.FORMATS[layer.kind], layer.in_features, layer.tensor().data
-        if layer.experts:  # one format for all (GGUF's smaller blocks could differ by expert)
-            layer.expert_parts(lambda e: cpu_blocks.blocks(w[e], fmt, k))
-        else:
+        if not layer.experts:
             setattr(layer.module, layer.param, cpu_blocks.smallest_blocks(cpu_blocks.blocks(w, fmt, k)))
+            return
+        # every expert's rows as one matrix: one block format for all of them
+        small = cpu_blocks.smallest_blocks(cpu_blocks.blocks(w.view(-1, w.shape[-1]), fmt, k))
+        layer.store("", small.data.view(layer.experts, layer.rows, -1))
+        layer.tensor().block_format = small.block_format
+
+    def expert(self, layer: Layer, e: int) -> torch.Tensor:
+        """Expert e's matrix as the C linear takes it: a view of the stacked blocks."""
+        stacked = layer.tensor()
+        return cpu_blocks.blocks(stacked.data[e], stacked.block_format, layer.in_features)
 
 
 @dataclass(frozen=True)
@@ -171,18 +176,19 @@ class PackedStorage:
         layer.tensor("_scale")[index].copy_(qt.scales)
 
     def finish(self, layer: Layer) -> None:
-        zeros = getattr(layer.module, layer.param + "_zero", None)
-        scale, static = layer.tensor("_scale"), layer.input_scale()
+        if not layer.experts:
+            zeros = getattr(layer.module, layer.param + "_zero", None)
+            layer.tensor().quant = self._quant(layer, layer.tensor("_scale"), zeros)
 
-        def quant(w, scales, zeros):
-            w.quant = PackedQuant(layer.kind, scales, zeros, layer.group_size, layer.in_features, static)
-            return w
+    def expert(self, layer: Layer, e: int) -> torch.Tensor:
+        """Expert e's matrix: a view of the stacked codes that carries its scales' views."""
+        w, zeros = layer.tensor().data[e], getattr(layer.module, layer.param + "_zero", None)
+        w.quant = self._quant(layer, layer.tensor("_scale").data[e], None if zeros is None else zeros.data[e])
+        return w
 
-        if layer.experts:
-            w = layer.tensor().data
-            layer.expert_parts(lambda e: quant(w[e], scale[e], None if zeros is None else zeros[e]))
-        else:
-            quant(layer.tensor(), scale, zeros)
+    @staticmethod
+    def _quant(layer: Layer, scales: torch.Tensor, zeros: torch.Tensor | None) -> PackedQuant:
+        return PackedQuant(layer.kind, scales, zeros, layer.group_size, layer.in_features, layer.input_scale())
 
 
 class QuantizedLoad:
@@ -255,6 +261,14 @@ class QuantizedLoad:
         self.storage.write(layer, index, qt)
         layer.input_scales.append(qt.input_scale)
         return {name: p[index].numel() for name, p in layer.stored().items()}
+
+    def bind_experts(self) -> None:
+        """Each quantized Experts module's `parts`: every expert's matrix, a view of the stacked
+        storage as the kernels' matmul takes it. Made once the weights no longer move (the CPU
+        moves them into huge pages after finish)."""
+        for layer in self.layers.values():
+            if layer.experts:
+                layer.module.parts[layer.param] = [self.storage.expert(layer, e) for e in range(layer.experts)]
 
     def finish(self) -> tuple[int, int]:
         """Marks each layer's storage for the kernels and logs what was saved; returns (bytes of
