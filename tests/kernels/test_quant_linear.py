@@ -81,22 +81,6 @@ INT4_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES)
-def test_int4_linear(device, dtype, m, k, group, n, launch):
-    args, _ = int4_case(m, k, group, n, dtype, device, with_bias=m != 17)
-    out = int4_linear(*args, **launch)
-    want = torch_ops.int4_linear(*args)
-    assert out.dtype == dtype and out.shape == (m, n)
-    block_k = launch.get("block_k") or default_config(m, n, k, group, dtype, args[0].device)["block_k"]
-    if dtype == torch.float32:
-        assert_near(out, want, 1e-5)
-    elif group % block_k == 0:
-        assert_near(out, want, BF16_ULPS, 1e-5)
-    else:
-        assert_near(out, want, 2e-2)
-
-
 def fp8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
     """Random FP8 codes over the whole e4m3 range (subnormals and +-448 included), a scale per
     group of each row."""
@@ -110,12 +94,17 @@ def fp8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
     return x, codes.view(torch.float8_e4m3fn).to(device), scales.to(device), group, bias
 
 
+@pytest.mark.parametrize("kernel", ["int4", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES)
-def test_fp8_group_linear(device, dtype, m, k, group, n, launch):
-    args = fp8_group_case(m, k, group, n, dtype, device, with_bias=m != 17)
-    out = fp8_group_linear(*args, **launch)
-    want = torch_ops.fp8_group_linear(*args)
+def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
+    """int4_linear and fp8_group_linear (one kernel) against their torch references."""
+    if kernel == "int4":
+        args, fn, ref = int4_case(m, k, group, n, dtype, device, m != 17)[0], int4_linear, torch_ops.int4_linear
+    else:
+        args = fp8_group_case(m, k, group, n, dtype, device, m != 17)
+        fn, ref = fp8_group_linear, torch_ops.fp8_group_linear
+    out, want = fn(*args, **launch), ref(*args)
     assert out.dtype == dtype and out.shape == (m, n)
     block_k = launch.get("block_k") or default_config(m, n, k, group, dtype, args[0].device)["block_k"]
     if dtype == torch.float32:
