@@ -2,7 +2,8 @@
 KV head, as llm-compressor writes them), one `k_scale` and `v_scale` tensor per attention layer;
 also the older layouts vLLM reads, with AutoFP8's `"kv_cache_scheme": "static"`:
 `k_proj.output_scale` / `v_proj.output_scale` (AutoFP8, older compressed-tensors),
-`k_proj.k_scale` / `v_proj.v_scale` (ModelOpt) and one `kv_scale` for both (deprecated). Under a
+`k_proj.k_scale` / `v_proj.v_scale` (ModelOpt's names) and one `kv_scale` for both (deprecated);
+without a scheme, the scales a checkpoint holds are taken for the layers that have them. Under a
 float8 cache (`--kv-cache-dtype fp8`) the cache keeps K / k_scale and V / v_scale, read back
 times the scales, as vLLM reads them; under any other cache the values are kept unscaled and the
 scales go unused, as in vLLM. A `q_scale` (the query quantized for FP8 attention) is read and
