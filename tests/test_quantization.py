@@ -27,6 +27,10 @@ from tests.hf_reference import hf_greedy
 pytestmark = pytest.mark.engine
 
 GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128, "ct-fp8-block": 64}
+# rows of multiples of 32, also per rank; qwen3's and mixtral's stacked w13 past 64 KiB, so that
+# the CPU moves them into huge pages (and the experts' views must follow)
+MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32},
+              "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}, "mixtral": {}}
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +123,15 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
         assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
 
-def test_online_fp8(tmp_path, source, prompts):
-    """--quantization fp8 on an unquantized checkpoint: the decoder layers' matrices in FP8 with a
-    scale per output row (amax / 448), the embedding and lm_head as they are; against HF on those
-    values, computed here."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_online_fp8(tmp_path, source, prompts, arch):
+    """--quantization fp8 on an unquantized checkpoint: the decoder layers' matrices (and every
+    expert's) in FP8 with a scale per output row (amax / 448), the embedding, lm_head and router
+    as they are; against HF on those values, computed here."""
     from safetensors.torch import load_file, save_file
 
+    if arch != "llama":
+        source = build_tiny_model(tmp_path / "src", arch, hidden_size=128, intermediate_size=256, **MOE_SHAPES[arch])
     ref = tmp_path / "ref"
     ref.mkdir()
     for f in source.iterdir():
@@ -141,6 +148,10 @@ def test_online_fp8(tmp_path, source, prompts):
     model = llm.engine.runner.model
     assert model.layers[0].self_attn.o_proj.weight.block_format == "f8"
     assert model.lm_head.weight.dtype != torch.uint8
+    if arch != "llama":
+        experts = model.layers[1].mlp.experts
+        assert experts.w2.block_format == "f8" and len(experts.parts["w13"]) == experts.w13.shape[0]
+        assert model.layers[1].mlp.gate.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("change,message", [
@@ -251,12 +262,6 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
     quantized_copy(source, tmp_path / "g128", "ct-w4a16", group_size=128)
     with pytest.raises(Exception, match="group boundaries"):
         LLM(str(tmp_path / "g128"), dtype="float32", tensor_parallel_size=2)
-
-
-# rows of multiples of 32, also per rank; qwen3's and mixtral's stacked w13 past 64 KiB, so that
-# the CPU moves them into huge pages (and the experts' views must follow)
-MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32},
-              "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}, "mixtral": {}}
 
 
 @pytest.mark.parametrize("arch,fmt,kw", [("qwen3_moe", "ct-w4a16", {}), ("mixtral", "gptq", {}),

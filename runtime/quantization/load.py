@@ -198,7 +198,7 @@ class QuantizedLoad:
         self.method, self.storage = method, storage
         self.prefixes: dict[str, set[str]] = {}  # checkpoint layer -> its tensors' suffixes
         self.layers: dict[str, Layer] = {}  # our parameter -> its layer
-        optional = method.online  # made at load time: only the decoder layers' matrices
+        optional = method.online  # made at load time: only the decoder layers' matrices and experts
         for prefix, suffixes in method.layers(names).items():
             if not model.checkpoint_held(prefix + ".weight"):  # another pipeline stage's layer
                 continue
@@ -208,7 +208,7 @@ class QuantizedLoad:
             experts = param in ("w13", "w2") and type(module).__name__ == "Experts"
             linear = isinstance(module, nn.Linear) and param == "weight" and module_name.split(".")[-1] not in (
                 "lm_head", "gate")
-            if optional and not (linear and method.TARGETS.fullmatch(target)):
+            if optional and not (linear and method.TARGETS.fullmatch(target) or experts):
                 continue
             if not (linear or experts):
                 what = "router" if module_name.endswith("gate") else type(module).__name__ if module else "tensor"

@@ -382,8 +382,8 @@ class FP8Checkpoint(QuantMethod):
 
 
 class OnlineFP8(QuantMethod):
-    """`--quantization fp8` on an unquantized checkpoint: each decoder layer's matrices in FP8
-    with one scale per output row, made as they load."""
+    """`--quantization fp8` on an unquantized checkpoint: each decoder layer's matrices (and
+    experts) in FP8 with one scale per output row, made as they load."""
     name = "fp8"
     marker = "weight"
     online = True
