@@ -83,7 +83,6 @@ class Layer:
         return None if not self.input_scales or self.input_scales[0] is None else max(self.input_scales)
 
 
-
 class BlockStorage:
     """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8."""
     name = "blocks"
