@@ -17,7 +17,11 @@ by hand from each format's specification, with the config's `quantization_config
 - fp8-tensor / fp8-block: vLLM's own `fp8` method, FP8 E4M3 weights with one `weight_scale` a
   tensor (AutoFP8's) / one `weight_scale_inv` a block of group_size x group_size (Qwen's and
   DeepSeek's `-FP8` models; 128 there), dynamic activations; fp8-static: per tensor with
-  AutoFP8's static activations (an `input_scale` a layer).
+  AutoFP8's static activations (an `input_scale` a layer);
+- modelopt-fp8: NVIDIA ModelOpt's FP8 (a legacy hf_quant_config.json): per-tensor weights, static
+  activations, FP8 KV-cache scales (`k_proj.k_scale`, `v_proj.v_scale`, uncalibrated: 1/8);
+  modelopt-fp8-pcpt: FP8_PER_CHANNEL_PER_TOKEN (config.json); modelopt-fp8-pb-wo: FP8_PB_WO,
+  a `weight_scale` [N/128, 1, K/128, 1] a block of 128x128 (group_size is ignored).
 
 Static activation scales are not calibrated: each layer's is 1/56, 2/56 or 3/56 by its letter
 (inputs up to 8, 16 or 24; q, k and v differ, so that a fused layer must take the largest).
@@ -43,7 +47,10 @@ from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
-           "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block")
+           "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block", "modelopt-fp8",
+           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo")
+# the modelopt formats, as the others they share their tensors with
+_MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
 # the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3)
 LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:(?:q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123]))\.weight")
 _PROJ = "qkvogud"  # the first letters of q, k, v, o, gate, up and down_proj (Mixtral's w1..w3: none)
@@ -104,6 +111,8 @@ def _ct_config(fmt: str, group: int) -> dict:
 
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
+    if fmt in _MODELOPT_AS:
+        return _modelopt_layer(prefix, w, fmt, scale_dtype)
     n, k = w.shape
     static = {f"{prefix}.input_scale": torch.tensor([(1 + _PROJ.find(prefix.rpartition(".")[2][0]) % 3) / 56.0])}
     if fmt in ("fp8-tensor", "fp8-static", "fp8-block", "ct-fp8-block"):
@@ -150,6 +159,33 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
             f"{prefix}.g_idx": torch.arange(k, dtype=torch.int32) // group}, deq
 
 
+def _modelopt_layer(prefix: str, w: torch.Tensor, fmt: str, scale_dtype: torch.dtype):
+    """ModelOpt's tensors: those of the format with the same scales, a weight_scale of one value
+    (FP8), one a row (FP8_PER_CHANNEL_PER_TOKEN) or [N/128, 1, K/128, 1] (FP8_PB_WO); the KV
+    cache's scales beside k_proj and v_proj (FP8)."""
+    block = fmt == "modelopt-fp8-pb-wo"
+    parts, deq = quantize_layer(prefix, w, _MODELOPT_AS[fmt], 128 if block else 0, scale_dtype)
+    scale = parts.pop(f"{prefix}.{'weight_scale_inv' if block else 'weight_scale'}")
+    parts[f"{prefix}.weight_scale"] = (scale[:, None, :, None] if block
+                                       else scale.reshape(-1 if scale.numel() > 1 else ()))
+    last = prefix.rpartition(".")[2]
+    if fmt == "modelopt-fp8" and last in ("k_proj", "v_proj"):
+        parts[f"{prefix}.{last[0]}_scale"] = torch.tensor(0.125)
+    return parts, deq
+
+
+def _modelopt_config(fmt: str) -> tuple[str, dict]:
+    """(the file, its content): the legacy hf_quant_config.json for FP8, config.json's
+    quantization_config for the others."""
+    algo = {"modelopt-fp8": "FP8", "modelopt-fp8-pcpt": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt-fp8-pb-wo": "FP8_PB_WO"}
+    producer = {"name": "modelopt", "version": "0.37.0"}
+    if fmt == "modelopt-fp8":
+        return "hf_quant_config.json", {"producer": producer, "quantization": {
+            "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+    return "config.json", {"quant_method": "modelopt", "quant_algo": algo[fmt], "ignore": ["lm_head"],
+                           "producer": producer}
+
+
 def _gptq_qweight(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes -> int32 [K / 8, N]: input rows 8i..8i+7 of column n in word [i, n], row 8i + j
     at bits 4j."""
@@ -180,7 +216,13 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
             dense[name] = deq.contiguous()
     save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    if fmt.startswith("ct-"):
+    if fmt.startswith("modelopt"):
+        where, quant = _modelopt_config(fmt)
+        if where == "config.json":
+            cfg["quantization_config"] = quant
+        else:
+            (out / where).write_text(json.dumps(quant, indent=1))
+    elif fmt.startswith("ct-"):
         cfg["quantization_config"] = _ct_config(fmt, group_size)
     elif fmt.startswith("fp8-"):
         cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",

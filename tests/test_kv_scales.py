@@ -229,12 +229,13 @@ def test_new_values_are_divided_in_float32_whatever_the_activations():
 
 
 @pytest.mark.parametrize("layout", ["output_scale", "proj_scale", "kv_scale", "kv_scale, no scheme",
-                                    "output_scale, no scheme"])
+                                    "output_scale, no scheme", "modelopt"])
 def test_older_layouts_of_autofp8_and_others(tmp_path, source, prompts, layout):
     """AutoFP8's FP8-KV checkpoints (static activations, `"kv_cache_scheme": "static"`, the
     scales as k_proj / v_proj's output_scale), k_proj.k_scale / v_proj.v_scale, and the single
     kv_scale (for K and V alike) of vLLM's and TGI's older tools, which an unquantized
-    checkpoint carries without any scheme: the reference's logprobs at those scales."""
+    checkpoint carries without any scheme, and ModelOpt's (k_proj.k_scale / v_proj.v_scale with
+    hf_quant_config.json's kv_cache_quant_algo): the reference's logprobs at those scales."""
     from safetensors.torch import load_file, save_file
 
     out, ref = tmp_path / "q", tmp_path / "ref"
@@ -244,7 +245,7 @@ def test_older_layouts_of_autofp8_and_others(tmp_path, source, prompts, layout):
         del cfg["quantization_config"]
         (out / "config.json").write_text(json.dumps(cfg))
     else:
-        quantized_copy(source, out, "fp8-static", reference=ref)
+        quantized_copy(source, out, "modelopt-fp8" if layout == "modelopt" else "fp8-static", reference=ref)
     scales = _scales("tensor")
     if layout.startswith("kv_scale"):
         scales = {i: (k, k) for i, (k, _) in scales.items()}
@@ -254,10 +255,11 @@ def test_older_layouts_of_autofp8_and_others(tmp_path, source, prompts, layout):
         if layout.startswith("kv_scale"):
             tensors[f"{attn}.kv_scale"] = k
         else:
-            tensors[f"{attn}.k_proj.{'k_scale' if layout == 'proj_scale' else 'output_scale'}"] = k
-            tensors[f"{attn}.v_proj.{'v_scale' if layout == 'proj_scale' else 'output_scale'}"] = v
+            proj = layout in ("proj_scale", "modelopt")
+            tensors[f"{attn}.k_proj.{'k_scale' if proj else 'output_scale'}"] = k
+            tensors[f"{attn}.v_proj.{'v_scale' if proj else 'output_scale'}"] = v
     save_file(tensors, out / "model.safetensors")
-    if "no scheme" not in layout:
+    if "no scheme" not in layout and layout != "modelopt":
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"]["kv_cache_scheme"] = "static"
         (out / "config.json").write_text(json.dumps(cfg))

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.engine
 GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128, "ct-fp8-block": 64}
 # rows of multiples of 32, also per rank; qwen3's and mixtral's stacked w13 past 64 KiB, so that
 # the CPU moves them into huge pages (and the experts' views must follow)
+STATIC = ("ct-fp8-static", "ct-int8-static", "fp8-static", "modelopt-fp8")  # with an input_scale a layer
 MOE_SHAPES = {"qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32},
               "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}, "mixtral": {}}
 
@@ -78,7 +79,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert got == expected
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized weights"))
     assert "8 layers stored as blocks" in line and "saved" in line, line
-    assert ("static activation scales are not used" in caplog.text) == fmt.endswith("static")
+    assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
@@ -99,7 +100,8 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
-                                 "ct-fp8-block", "ct-fp8-static", "ct-int8-static"])
+                                 "ct-fp8-block", "ct-fp8-static", "ct-int8-static", "modelopt-fp8",
+                                 "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -108,18 +110,18 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     with caplog.at_level(logging.INFO, logger="pageserve.runtime.quantization.load"):
         got, llm = ours(out, prompts, enforce_eager=True)
     assert got == hf_expected(fmt, out, ref, prompts)
-    assert ("static activation scales are not used" in caplog.text) == fmt.endswith("static")  # (torch's path)
+    assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    fp8 = fmt in ("ct-fp8", "fp8-tensor", "fp8-block", "ct-fp8-block", "ct-fp8-static")
+    fp8 = "fp8" in fmt
     int8 = fmt.startswith("ct-int8")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
     assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "int4")
-    if fmt.endswith("static"):  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
+    if fmt in STATIC:  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
         assert weight.quant.input_scale == pytest.approx(3 / 56)
         assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
     else:
         assert weight.quant.input_scale is None
-    if fmt.endswith("fp8-block"):  # each 32 of a row's 128 columns their block's scale
+    if fmt.endswith("block") or fmt.endswith("pb-wo"):  # each 32 of a row's 128 columns their block's scale
         assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
 
@@ -180,6 +182,12 @@ def test_online_fp8(tmp_path, source, prompts, arch):
      "static activation scales and block-wise weights"),
     ({"quant_method": "fp8", "weight_block_size": [128, 48]}, "weight_block_size \\[128, 48\\]"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt: quant_algo NVFP4"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "W4A8_AWQ"}}, "modelopt: quant_algo W4A8_AWQ"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
+     "kv_cache_quant_algo NVFP4"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"num_bits": 4, "type": "float"}},
+     "KV-cache quantization .* 4-bit float"),
 ])
 def test_refused_at_start_up(tmp_path, source, change, message):
     """What is not served is refused before any weight loads, in one line naming it."""
@@ -191,6 +199,30 @@ def test_refused_at_start_up(tmp_path, source, change, message):
     with pytest.raises(ModelLoadError, match=message) as e:
         LLM(str(out), dtype="float32")
     assert "\n" not in str(e.value)
+
+
+def test_modelopt_kv_cache_algo_is_a_scheme():
+    """ModelOpt's kv_cache_quant_algo FP8 (hf_quant_config.json's layout) is a float8 scheme per
+    tensor, as a kv_cache_scheme: every attention layer must then have its scales."""
+    from pageserve.runtime.quantization.methods import kv_cache_scheme
+
+    legacy = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "fp8"}}
+    assert kv_cache_scheme(legacy) == kv_cache_scheme({"kv_cache_scheme": "static"})
+    assert kv_cache_scheme(legacy)["strategy"] == "tensor"
+    assert kv_cache_scheme({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8"}}) is None
+
+
+def test_modelopt_legacy_config_file(tmp_path, source):
+    """hf_quant_config.json is read where config.json has no quantization_config, and not
+    where it has one."""
+    out = tmp_path / "q"
+    quantized_copy(source, out, "modelopt-fp8")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    from pageserve.runtime.models.loader import read_config
+    assert read_config(out)["quantization_config"]["quantization"]["quant_algo"] == "FP8"
+    (out / "hf_quant_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="hf_quant_config.json"):
+        read_config(out)
 
 
 def test_gptq_act_order_refused(tmp_path, source):
@@ -267,6 +299,7 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
 @pytest.mark.parametrize("arch,fmt,kw", [("qwen3_moe", "ct-w4a16", {}), ("mixtral", "gptq", {}),
                                          ("qwen2_moe", "fp8-block", {}),
                                          ("mixtral", "ct-int8", {"enforce_eager": True}),
+                                         ("mixtral", "modelopt-fp8", {"enforce_eager": True}),
                                          ("qwen3_moe", "ct-w4a16", {"tensor_parallel_size": 2})])
 def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
     """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral GPTQ...): each expert kept
@@ -283,7 +316,8 @@ def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
     else:
         experts = llm.engine.runner.model.layers[0].mlp.experts
         packed = kw.get("enforce_eager", False)
-        want = {"ct-w4a16": torch.int32, "gptq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8}
+        want = {"ct-w4a16": torch.int32, "gptq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8,
+                "modelopt-fp8": torch.float8_e4m3fn}
         assert experts.w13.dtype == (want[fmt] if packed else torch.uint8) and experts.w13.dim() == 3
         assert len(experts.parts["w13"]) == len(experts.parts["w2"]) == experts.w13.shape[0]
         for e, part in enumerate(experts.parts["w13"]):  # views of the stack where it lies now

@@ -186,6 +186,15 @@ def read_config(path: Path) -> dict:
             f"architecture {arch} is not supported (supported: {', '.join(registry.supported())})")
     if registry.entry(arch).text_config:
         cfg = text_part_config(path, cfg)
+    legacy = path / "hf_quant_config.json"  # ModelOpt's quantization, where config.json has none
+    if not cfg.get("quantization_config") and legacy.is_file():
+        try:
+            quant = {**json.loads(legacy.read_text()), "quant_method": "modelopt"}
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"cannot read {legacy}: {e}") from None
+        cfg["quantization_config"] = quant
+        if "_multimodal" in cfg:
+            cfg["_multimodal"]["quantization_config"] = quant
     gen = path / "generation_config.json"
     if gen.is_file():
         try:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from pageserve.runtime.quantization.methods import (AWQ, GPTQ, CompressedTensors, FP8Checkpoint, OnlineFP8,
                                                     QuantMethod, UnsupportedQuantization)
+from pageserve.runtime.quantization.modelopt import ModelOpt
 from pageserve.runtime.quantization.qtensor import QuantTensor
 
 # quant_method of a checkpoint -> its reader
-CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ, "fp8": FP8Checkpoint}
+CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ, "fp8": FP8Checkpoint,
+                      "modelopt": ModelOpt}
 # what --quantization takes: a checkpoint's own method by name, or fp8 made at load time
-CHOICES = ("compressed-tensors", "awq", "gptq", "fp8")
+CHOICES = ("compressed-tensors", "awq", "gptq", "fp8", "modelopt")
 # names vLLM users may type, and why they are not served here
 _REFUSED = {
     "awq_marlin": "Marlin kernels are not part of pageserve; an AWQ GEMM checkpoint loads with --quantization awq",
@@ -19,6 +21,7 @@ _REFUSED = {
     "marlin": "Marlin-only layouts are not supported",
     "bitsandbytes": "bitsandbytes checkpoints are not supported",
     "gguf": "give the .gguf file itself as --model",
+    "modelopt_fp4": "NVFP4 weights are not supported (ModelOpt's FP8 checkpoints are)",
 }
 
 

@@ -58,7 +58,7 @@ class QuantMethod:
         raise NotImplementedError
 
 
-def _need(tensors: dict, prefix: str, *names: str) -> list[torch.Tensor]:
+def need_tensors(tensors: dict, prefix: str, *names: str) -> list[torch.Tensor]:
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ValueError(f"quantized layer {prefix} lacks {', '.join(f'{prefix}.{n}' for n in missing)}")
@@ -72,7 +72,7 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
-def _input_scale(prefix: str, tensors: dict, static: bool) -> float | None:
+def static_input_scale(prefix: str, tensors: dict, static: bool) -> float | None:
     """A layer's static activation scale (`input_scale`, one value), where its config says the
     activations are static; None where they are dynamic."""
     scale = tensors.get("input_scale")
@@ -95,7 +95,7 @@ def _block_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
     return -(-n // block[0]), -(-k // block[1])
 
 
-def _fp8_blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> QuantTensor:
+def fp8_blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> QuantTensor:
     """FP8 codes [N, K] with a scale per block of `block`, as a QuantTensor in groups of 32
     columns: each 32 values of a row take their block's scale (the C kernels' block; a column
     block must be a multiple of 32, a tensor-parallel shard may cut inside one)."""
@@ -123,10 +123,28 @@ def _fp8_block_size(block, where: str) -> tuple[int, int]:
 _KV_STRATEGIES = ("tensor", "attn_head")
 
 
+def modelopt_fields(qcfg: dict) -> tuple[str, object]:
+    """(quant_algo, the KV cache's quantization) of a ModelOpt config in either layout: the
+    legacy hf_quant_config.json's {"quantization": {"quant_algo", "kv_cache_quant_algo"}}, or
+    config.json's {"quant_algo", "kv_cache_scheme"}."""
+    inner = qcfg.get("quantization")
+    if isinstance(inner, dict):
+        return str(inner.get("quant_algo") or "").upper(), inner.get("kv_cache_quant_algo")
+    return str(qcfg.get("quant_algo") or "").upper(), qcfg.get("kv_cache_scheme")
+
+
 def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     """The checkpoint's kv_cache_scheme (None: none); one that is not static symmetric float8
-    per tensor or per KV head is refused in one line. AutoFP8's "static" is float8 per tensor."""
-    scheme = (qcfg or {}).get("kv_cache_scheme")
+    per tensor or per KV head is refused in one line. AutoFP8's "static", and ModelOpt's
+    kv_cache_quant_algo FP8, are float8 per tensor."""
+    qcfg = qcfg or {}
+    scheme = qcfg.get("kv_cache_scheme")
+    if str(qcfg.get("quant_method", "")).lower() == "modelopt":
+        scheme = modelopt_fields(qcfg)[1]
+        if isinstance(scheme, str):  # kv_cache_quant_algo
+            if scheme.upper() != "FP8":
+                raise UnsupportedQuantization(f"modelopt: kv_cache_quant_algo {scheme} is not supported (FP8 is)")
+            scheme = "static"
     if not scheme:
         return None
     if scheme == "static":
@@ -239,7 +257,7 @@ class CompressedTensors(QuantMethod):
     def read(self, prefix, tensors):
         scale = tensors["weight_scale"]
         if "weight_packed" in tensors:
-            packed, shape = _need(tensors, prefix, "weight_packed", "weight_shape")
+            packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())
             codes = unpack_nibbles(packed, dim=1)[:, :k]  # signed values stored plus 8
             zp = tensors.get("weight_zero_point")
@@ -249,17 +267,17 @@ class CompressedTensors(QuantMethod):
             else:  # packed along the rows, plus 8 as well
                 zeros = unpack_nibbles(zp, dim=0)[:n]
             return _int4(prefix, codes, scale.reshape(n, -1), zeros)
-        weight, = _need(tensors, prefix, "weight")
+        weight, = need_tensors(tensors, prefix, "weight")
         n = weight.shape[0]
         if weight.dtype == torch.float8_e4m3fn and self._blocks(weight.shape, scale.shape):
-            return _fp8_blocks(f"{prefix}.weight_scale", weight, scale, self.block)
+            return fp8_blocks(f"{prefix}.weight_scale", weight, scale, self.block)
         if scale.numel() not in (1, n):
             raise ValueError(f"{prefix}: a scale of shape {tuple(scale.shape)} for {n} rows")
         scales = scale.to(torch.float32).reshape(-1).expand(n).contiguous()
         for zero in ("weight_zero_point", "input_zero_point"):
             if tensors.get(zero) is not None and tensors[zero].any():
                 raise ValueError(f"{prefix}.{zero}: non-zero zero points are not supported")
-        static = _input_scale(prefix, tensors, bool(self.static))
+        static = static_input_scale(prefix, tensors, bool(self.static))
         if weight.dtype == torch.float8_e4m3fn:
             return QuantTensor("fp8", weight, scales, input_scale=static)
         if weight.dtype == torch.int8:
@@ -294,10 +312,10 @@ class AWQ(QuantMethod):
         return values.view(r, c // 8, 8)[:, :, self._ORDER].reshape(r, c)
 
     def read(self, prefix, tensors):
-        qweight, scales = _need(tensors, prefix, "qweight", "scales")
+        qweight, scales = need_tensors(tensors, prefix, "qweight", "scales")
         codes = self._columns(qweight).t().contiguous()  # [N, K]
         if self.zero_point:
-            zeros = self._columns(_need(tensors, prefix, "qzeros")[0]).t()
+            zeros = self._columns(need_tensors(tensors, prefix, "qzeros")[0]).t()
         else:
             zeros = torch.full((codes.shape[0], scales.shape[0]), 8, dtype=torch.uint8)
         return _int4(prefix, codes, scales.t(), zeros)
@@ -327,11 +345,12 @@ class GPTQ(QuantMethod):
         return 8 * tensors["qweight"][0][0] // tensors["scales"][0][0]
 
     def read(self, prefix, tensors):
-        qweight, qzeros, scales = _need(tensors, prefix, "qweight", "qzeros", "scales")
+        qweight, qzeros, scales = need_tensors(tensors, prefix, "qweight", "qzeros", "scales")
         codes = unpack_nibbles(qweight, dim=0).t().contiguous()  # [N, K]
         k = codes.shape[1]
         g_idx = tensors.get("g_idx")
-        if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(k) // (k // scales.shape[0])):
+        plain = torch.arange(k) // (k // scales.shape[0])
+        if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), plain):
             raise UnsupportedQuantization(f"gptq: {prefix} reorders its input channels (desc_act / act-order "
                                           "with a g_idx other than k // group_size), which is not supported")
         zeros = (unpack_nibbles(qzeros, dim=1).to(torch.int16) + self.zero_offset).t()
@@ -369,7 +388,7 @@ class FP8Checkpoint(QuantMethod):
         return "fp8", 0 if self.block is None else 32  # a block's scale for each 32 columns of its rows
 
     def read(self, prefix, tensors):
-        codes, scale = _need(tensors, prefix, "weight", self.marker)
+        codes, scale = need_tensors(tensors, prefix, "weight", self.marker)
         n, k = codes.shape
         if codes.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{prefix}.weight is {codes.dtype}, not float8_e4m3fn")
@@ -377,8 +396,8 @@ class FP8Checkpoint(QuantMethod):
             if scale.numel() != 1:
                 raise ValueError(f"{prefix}.weight_scale: {scale.numel()} values, expected one")
             return QuantTensor("fp8", codes, scale.to(torch.float32).reshape(1).expand(n).contiguous(),
-                               input_scale=_input_scale(prefix, tensors, self.static))
-        return _fp8_blocks(f"{prefix}.weight_scale_inv", codes, scale, self.block)
+                               input_scale=static_input_scale(prefix, tensors, self.static))
+        return fp8_blocks(f"{prefix}.weight_scale_inv", codes, scale, self.block)
 
 
 class OnlineFP8(QuantMethod):
