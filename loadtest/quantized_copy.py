@@ -21,7 +21,11 @@ by hand from each format's specification, with the config's `quantization_config
 - modelopt-fp8: NVIDIA ModelOpt's FP8 (a legacy hf_quant_config.json): per-tensor weights, static
   activations, FP8 KV-cache scales (`k_proj.k_scale`, `v_proj.v_scale`, uncalibrated: 1/8);
   modelopt-fp8-pcpt: FP8_PER_CHANNEL_PER_TOKEN (config.json); modelopt-fp8-pb-wo: FP8_PB_WO,
-  a `weight_scale` [N/128, 1, K/128, 1] a block of 128x128 (group_size is ignored).
+  a `weight_scale` [N/128, 1, K/128, 1] a block of 128x128 (group_size is ignored);
+- ct-nvfp4 / modelopt-nvfp4: NVFP4 (FP4 e2m1 codes two a byte, an FP8 scale a group of 16, and
+  a global scale a layer: compressed-tensors' `nvfp4-pack-quantized` divides by its
+  `weight_global_scale`, ModelOpt's NVFP4 multiplies by its `weight_scale_2`), with the W4A4
+  activation scales those tools write (group_size is ignored).
 
 Static activation scales are not calibrated: each layer's is 1/56, 2/56 or 3/56 by its letter
 (inputs up to 8, 16 or 24; q, k and v differ, so that a fused layer must take the largest).
@@ -48,7 +52,7 @@ from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
            "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block", "modelopt-fp8",
-           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo")
+           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4")
 # the modelopt formats, as the others they share their tensors with
 _MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
 # the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3)
@@ -82,9 +86,40 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return sum(v[:, :, j] << (4 * j) for j in range(8)).to(torch.int32)
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4's magnitudes; bit 3 is the sign
+
+
+def nvfp4_layer(prefix: str, w: torch.Tensor, modelopt: bool):
+    """NVFP4 round to nearest: a global scale amax / (6 * 448), each group of 16 an FP8 scale of
+    its amax / 6 in units of it, each value the nearest e2m1 value of w / its group's scale."""
+    n, k = w.shape
+    global_scale = (w.abs().amax() / (6 * 448)).clamp(min=1e-12)
+    groups = w.view(n, k // 16, 16)
+    s8 = (groups.abs().amax(dim=2) / 6 / global_scale).clamp(max=448).to(torch.float8_e4m3fn)
+    if modelopt:  # weight_scale_2 multiplies
+        scale = s8.float() * global_scale
+        extra = {"weight_scale_2": global_scale.reshape(()), "input_scale": torch.tensor(0.01)}
+    else:  # weight_global_scale divides
+        inverse = (1 / global_scale).reshape(1)
+        scale = s8.float() / inverse
+        extra = {"weight_global_scale": inverse, "input_global_scale": torch.tensor([100.0])}
+    ratio = groups / torch.where(scale == 0, 1.0, scale)[:, :, None]
+    codes = (ratio.abs()[..., None] - E2M1).abs().argmin(dim=-1).to(torch.uint8) | ((ratio < 0).to(torch.uint8) << 3)
+    values = E2M1[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+    deq = (values * scale[:, :, None]).view(n, k)
+    codes = codes.view(n, k)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    parts = {"weight" if modelopt else "weight_packed": packed, "weight_scale": s8, **extra}
+    return {f"{prefix}.{name}": t for name, t in parts.items()}, deq
+
+
 def _ct_config(fmt: str, group: int) -> dict:
     dyn = lambda t: {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token", "dynamic": True}  # noqa: E731
-    if fmt == "ct-fp8-block":
+    if fmt == "ct-nvfp4":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+                   "dynamic": False}
+        form, act = "nvfp4-pack-quantized", {**weights, "dynamic": "local"}
+    elif fmt == "ct-fp8-block":
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
                    "block_structure": [group, group], "dynamic": False}
         form, act = "float-quantized", {**dyn("float"), "strategy": "group", "group_size": group}
@@ -111,6 +146,8 @@ def _ct_config(fmt: str, group: int) -> dict:
 
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
+    if fmt.endswith("nvfp4"):
+        return nvfp4_layer(prefix, w, fmt.startswith("modelopt"))
     if fmt in _MODELOPT_AS:
         return _modelopt_layer(prefix, w, fmt, scale_dtype)
     n, k = w.shape
@@ -177,13 +214,14 @@ def _modelopt_layer(prefix: str, w: torch.Tensor, fmt: str, scale_dtype: torch.d
 def _modelopt_config(fmt: str) -> tuple[str, dict]:
     """(the file, its content): the legacy hf_quant_config.json for FP8, config.json's
     quantization_config for the others."""
-    algo = {"modelopt-fp8": "FP8", "modelopt-fp8-pcpt": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt-fp8-pb-wo": "FP8_PB_WO"}
+    algo = {"modelopt-fp8": "FP8", "modelopt-fp8-pcpt": "FP8_PER_CHANNEL_PER_TOKEN", "modelopt-fp8-pb-wo": "FP8_PB_WO",
+            "modelopt-nvfp4": "NVFP4"}
     producer = {"name": "modelopt", "version": "0.37.0"}
     if fmt == "modelopt-fp8":
         return "hf_quant_config.json", {"producer": producer, "quantization": {
             "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
     return "config.json", {"quant_method": "modelopt", "quant_algo": algo[fmt], "ignore": ["lm_head"],
-                           "producer": producer}
+                           "producer": producer, **({"group_size": 16} if fmt.endswith("nvfp4") else {})}
 
 
 def _gptq_qweight(codes: torch.Tensor) -> torch.Tensor:

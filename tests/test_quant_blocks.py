@@ -1,9 +1,10 @@
-"""A quantized checkpoint's codes in the C linear's blocks (triton_kernels/cpu_blocks.py: i8, f8 and
-i4 with group scales and zero points): the packers lay the bytes out as documented; the kernels
-widen every block to the float32 product of its code and scale (checked against a dequantizer
-written here, bit for bit); the linear on blocks is the linear on those values to the bit, in
-float32 and in bfloat16 arithmetic; and the decoder stack takes layers in these formats. Each
-for the build of this CPU, the AVX2 one, and the portable scalar one."""
+"""A quantized checkpoint's codes in the C linear's blocks (triton_kernels/cpu_blocks.py: i8, f8,
+i4 with group scales and zero points, and f4: FP4 e2m1 codes in groups of 16): the packers lay
+the bytes out as documented; the kernels widen every block to the float32 product of its code
+and scale (checked against a dequantizer written here, bit for bit); the linear on blocks is the
+linear on those values to the bit, in float32 and in bfloat16 arithmetic; and the decoder stack
+takes layers in these formats. Each for the build of this CPU, the AVX2 one, and the portable
+scalar one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.triton_kernels import cpu_kernels
-from pageserve.triton_kernels.cpu_blocks import fp8_blocks, int4_blocks, int8_blocks, smallest_blocks
+from pageserve.triton_kernels.cpu_blocks import fp4_blocks, fp8_blocks, int4_blocks, int8_blocks, smallest_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -60,6 +61,12 @@ def quantized(fmt: str, rows: int, cols: int, group: int | None, seed: int, edge
         scales = scales_of(gen, (rows, cols // group), edges)
         per_value = (codes.int() - zeros.int().repeat_interleave(group, 1)).float()
         return int4_blocks(codes, scales, zeros, group), per_value * scales.repeat_interleave(group, 1)
+    if fmt == "f4":  # sign, two exponent bits, one mantissa bit: 0.5 * m below exponent 1, else 2^(e-1) (1 + m / 2)
+        codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+        e, m = (codes >> 1 & 3).float(), (codes & 1).float()
+        value = torch.where(e == 0, 0.5 * m, 2 ** (e - 1) * (1 + m / 2)) * torch.where(codes >= 8, -1.0, 1.0)
+        scales = scales_of(gen, (rows, cols // group), edges)
+        return fp4_blocks(codes, scales, group), value * scales.repeat_interleave(group, 1)
     scales = scales_of(gen, (rows,) if group is None or fmt == "i8" else (rows, cols // group), edges)
     if fmt == "i8":
         codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
@@ -80,7 +87,7 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 SHAPES = [("i8", 96, None), ("i8", 192, None), ("f8", 96, None), ("f8", 192, None), ("f8", 192, 64),
-          ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64)]
+          ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64), ("f4", 96, 16), ("f4", 128, 64)]
 
 
 @pytest.mark.parametrize("fmt,cols,group", SHAPES)
@@ -133,6 +140,8 @@ def test_blocks_are_the_documented_bytes():
     q = torch.arange(32, dtype=torch.uint8)[None] // 2  # values i and i + 16 differ
     raw = bytes(int4_blocks(q, torch.tensor([[0.75]]), torch.tensor([[9]]), 32).view(-1).tolist())
     assert raw == scale + bytes([9]) + bytes([i // 2 | (i + 16) // 2 << 4 for i in range(16)])
+    raw = bytes(fp4_blocks(q, torch.tensor([[0.75, -2.0]]), 16).view(-1).tolist())  # a scale for each half
+    assert raw == scale + struct.pack("<f", -2.0) + bytes([i // 2 | (i + 16) // 2 << 4 for i in range(16)])
 
 
 def zeros4(shape, value=0):
@@ -157,6 +166,9 @@ def f8_zeros(cols):
     lambda: int4_blocks(zeros4((2, 96)), torch.ones(2, 3), zeros4((2, 2)), 32),  # scales of another shape
     lambda: int4_blocks(zeros4((2, 64), 16), torch.ones(2, 2), zeros4((2, 2)), 32),  # a code past 15
     lambda: int4_blocks(zeros4((2, 64)), torch.ones(2, 2), torch.full((2, 2), -1), 32),  # a zero point below 0
+    lambda: fp4_blocks(zeros4((2, 96)), torch.ones(2, 2), 48),  # a group neither 16 nor a multiple of 32
+    lambda: fp4_blocks(zeros4((2, 64), 16), torch.ones(2, 4), 16),  # a code past 15
+    lambda: fp4_blocks(zeros4((2, 64)), torch.ones(2, 2), 16),  # scales of another shape
 ])
 def test_packers_refuse_what_they_cannot_pack(bad):
     with pytest.raises(ValueError):
@@ -182,7 +194,7 @@ def layer_by_layer(lib, layers, final_norm, eps, kv_caches, x, cos_sin, slots, t
     return lib.rms_norm(y, final_norm, eps, res)[0]
 
 
-@pytest.mark.parametrize("formats", [("i8",) * 4, ("f8",) * 4, ("i4",) * 4, ("i4", "f8", "i8", "bf16")])
+@pytest.mark.parametrize("formats", [("i8",) * 4, ("f8",) * 4, ("i4",) * 4, ("f4",) * 4, ("i4", "f8", "i8", "bf16")])
 @pytest.mark.parametrize("dot", ["float32", "bfloat16"])
 def test_decoder_stack_takes_layers_in_these_formats(native_kernels, formats, dot):
     """Two layers whose q/k/v, o, gate/up and down matrices are blocks: the stack's one call

@@ -47,6 +47,8 @@ def prompts():
 
 
 def hf_expected(fmt: str, out, ref, prompts, n: int = 16):
+    if fmt.endswith("nvfp4"):  # compressed-tensors dequantizes NVFP4 in bfloat16: see test_nvfp4_values
+        return hf_greedy(ref, prompts, n)
     if fmt == "fp8-block":  # transformers dequantizes block-wise FP8 itself on a CPU
         return hf_greedy(out, prompts, n)
     if fmt.startswith("ct-"):  # transformers + compressed-tensors read the quantized files themselves
@@ -83,7 +85,8 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     layer = llm.engine.runner.model.layers[0]
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
-    kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}}
+    kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}, "ct-nvfp4": {"f4"},
+            "modelopt-nvfp4": {"f4"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
 
@@ -101,7 +104,7 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
                                  "ct-fp8-block", "ct-fp8-static", "ct-int8-static", "modelopt-fp8",
-                                 "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo"])
+                                 "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -112,15 +115,17 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     assert got == hf_expected(fmt, out, ref, prompts)
     assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    fp8 = "fp8" in fmt
+    fp8, fp4 = "fp8" in fmt, fmt.endswith("nvfp4")
     int8 = fmt.startswith("ct-int8")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
-    assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "int4")
+    assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "fp4" if fp4 else "int4")
     if fmt in STATIC:  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
         assert weight.quant.input_scale == pytest.approx(3 / 56)
         assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
     else:
         assert weight.quant.input_scale is None
+    if fp4:  # a scale for each 16 columns, and no zero points
+        assert weight.quant.group_size == 16 and weight.quant.zeros is None
     if fmt.endswith("block") or fmt.endswith("pb-wo"):  # each 32 of a row's 128 columns their block's scale
         assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
@@ -182,7 +187,10 @@ def test_online_fp8(tmp_path, source, prompts, arch):
      "static activation scales and block-wise weights"),
     ({"quant_method": "fp8", "weight_block_size": [128, 48]}, "weight_block_size \\[128, 48\\]"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt: quant_algo NVFP4"),
+    ({"quant_method": "modelopt", "quant_algo": "MXFP8"}, "modelopt: quant_algo MXFP8"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4: a quantized layer's weight is none"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
+                              "format": "mxfp4-pack-quantized"}}}, "4-bit float weights in format mxfp4"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "W4A8_AWQ"}}, "modelopt: quant_algo W4A8_AWQ"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
      "kv_cache_quant_algo NVFP4"),
@@ -199,6 +207,36 @@ def test_refused_at_start_up(tmp_path, source, change, message):
     with pytest.raises(ModelLoadError, match=message) as e:
         LLM(str(out), dtype="float32")
     assert "\n" not in str(e.value)
+
+
+def test_nvfp4_values(tmp_path, source):
+    """compressed-tensors' own decompression of our ct-nvfp4 copy (in bfloat16) gives the
+    reference's float32 values rounded to bfloat16: the codes' order in a byte, the e2m1 table
+    and the global scale's division are the format's; ModelOpt's copy, converted by
+    compressed-tensors' own converter (renames, and 1 / weight_scale_2), decompresses alike, to
+    a bfloat16 ulp."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from safetensors.torch import load_file
+
+    scheme = QuantizationScheme(targets=["Linear"], **NVFP4)
+    for fmt in ("ct-nvfp4", "modelopt-nvfp4"):
+        out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+        quantized_copy(source, out, fmt, reference=ref)
+        tensors, want = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
+        if fmt.startswith("modelopt"):  # (a 0-d global scale would have torch divide in bfloat16: stored as [1])
+            tensors = {k: v.reshape(1) if k.endswith("global_scale") else v
+                       for k, v in ModelOptNvfp4Converter(targets=["re:.*_proj$"]).process(tensors).items()}
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            local = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+            got, values = NVFP4PackedCompressor.decompress(local, scheme)["weight"], want[name + ".weight"]
+            assert got.dtype == torch.bfloat16
+            if fmt.startswith("ct"):
+                assert torch.equal(got, values.bfloat16()), name
+            else:  # 1 / (1 / weight_scale_2) moves a last float32 bit, which may round to the next bfloat16
+                torch.testing.assert_close(got.float(), values, rtol=2 ** -7, atol=0)
 
 
 def test_modelopt_kv_cache_algo_is_a_scheme():
@@ -300,6 +338,7 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
                                          ("qwen2_moe", "fp8-block", {}),
                                          ("mixtral", "ct-int8", {"enforce_eager": True}),
                                          ("mixtral", "modelopt-fp8", {"enforce_eager": True}),
+                                         ("qwen3_moe", "modelopt-nvfp4", {}),
                                          ("qwen3_moe", "ct-w4a16", {"tensor_parallel_size": 2})])
 def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
     """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral GPTQ...): each expert kept

@@ -6,16 +6,19 @@ float32 scale ahead of the codes, little-endian:
     i8  36 bytes: scale s, 32 int8 q                           value (float)q * s
     f8  36 bytes: scale s, 32 float8 e4m3fn codes q            value (float)q * s (a NaN code: NaN)
     i4  21 bytes: scale s, zero point z, 16 bytes of nibbles   value (float)(q - z) * s
+    f4  24 bytes: scales s0, s1, 16 bytes of FP4 e2m1 nibbles  value e2m1(q) * s0 (values 0-15),
+                                                               e2m1(q) * s1 (values 16-31)
 
-each product rounded once. An i4 block's byte i holds value i in its low nibble and value i + 16
-in its high one, as GGUF's Q4 blocks do."""
+each product rounded once. An i4 or f4 block's byte i holds value i in its low nibble and value
+i + 16 in its high one, as GGUF's Q4 blocks do."""
 
 from __future__ import annotations
 
 import torch
 
 # name -> (format code, bytes a block of 32 values)
-BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21)}
+BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21),
+                 "f4": (8, 24)}
 F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
 
 
@@ -107,6 +110,25 @@ def int4_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     q = codes.to(torch.uint8).reshape(n, nb, 32)
     nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)
     return blocks(torch.cat([s, z, nibbles], 2).view(n, -1), "i4", k)
+
+
+def fp4_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """FP4 e2m1 codes [N, K] (uint8, 0-15) in groups of `group_size` columns (16, or a multiple
+    of 32 dividing K), each group with its float32 scale ([N, K / group_size]), as `f4` blocks:
+    each half block of 16 values takes its group's scale."""
+    n, k = _codes_shape(codes, torch.uint8, "fp4_blocks")
+    if group_size <= 0 or group_size % 16 or k % group_size or (group_size > 16 and group_size % 32):
+        raise ValueError(f"fp4_blocks: a group of {group_size} columns must be 16 or a multiple of 32 dividing K = {k}")
+    if scales.shape != (n, k // group_size) or not scales.dtype.is_floating_point:
+        raise ValueError(f"fp4_blocks: scales must be floating [{n}, {k // group_size}], got {tuple(scales.shape)} "
+                         f"{scales.dtype}")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"fp4_blocks: codes must lie in 0..15, got up to {int(codes.max())}")
+    nb = k // 32
+    halves = scales.to(torch.float32).repeat_interleave(group_size // 16, 1)  # [n, 2 nb]: one a half block
+    s = halves.contiguous().view(torch.uint8).reshape(n, nb, 8)
+    q = codes.reshape(n, nb, 32)
+    return blocks(torch.cat([s, q[:, :, :16] | (q[:, :, 16:] << 4)], 2).view(n, -1), "f4", k)
 
 
 def _codes_shape(codes: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[int, int]:

@@ -64,14 +64,15 @@ static inline float round_bf16(float f) {
    bytes of nibbles: d * (q - 8)), Q4_1 (d, f16 offset m, nibbles: d * q + m). A quantized
    checkpoint's (cpu_blocks.py packs them), each with a float32 scale s first: I8 (32 int8:
    q * s), F8 (32 float8 e4m3fn codes: q * s; a NaN code widens to a NaN), I4 (a zero point
-   byte z, then nibbles: (q - z) * s). The low nibbles of a block are its values 0-15, the high
-   ones 16-31. A value is widened to the float32 that its dequantizer computes (GGUF's own; for
+   byte z, then nibbles: (q - z) * s), F4 (two float32 scales, s0 for values 0-15 and s1 for
+   16-31, then nibbles, each an FP4 e2m1 code: e2m1(q) * s, NVFP4's groups of 16). The low
+   nibbles of a block are its values 0-15, the high ones 16-31. A value is widened to the float32 that its dequantizer computes (GGUF's own; for
    the others the float32 product above), each product and sum rounded once, so every sum is
    that of the dequantized float32 matrix, to the bit. */
 /* the block formats: W_Q8_0 and up */
-enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_I8 = 5, W_F8 = 6, W_I4 = 7 };
+enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_I8 = 5, W_F8 = 6, W_I4 = 7, W_F4 = 8 };
 /* or'ed into a format: multiply in bfloat16 (cpu_linear_bf16.c) rather than float32 */
-enum { W_DOT16 = 8 };
+enum { W_DOT16 = 16 };
 
 /* bytes of one block of 32 values */
 static inline long block_bytes(int wtype) {
@@ -80,6 +81,7 @@ static inline long block_bytes(int wtype) {
     case W_Q4_0: return 18;
     case W_Q4_1: return 20;
     case W_I4: return 21;
+    case W_F4: return 24;
     default: return 36; /* W_I8, W_F8 */
     }
 }

@@ -85,8 +85,20 @@ static inline uint16_t f8_half_bits(uint8_t b) {
     return (b & 0x7F) == 0x7F ? (uint16_t)((b & 0x80) << 8 | 0x7F80) : (uint16_t)((b & 0x80) << 8 | (b & 0x7F) << 7);
 }
 
+/* the values of the 16 FP4 e2m1 codes (sign, two exponent bits, one mantissa bit) */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 /* one block's 32 values, one at a time (the builds without AVX2) */
 static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
+    if (wtype == W_F4) {
+        float s0 = f32_at(blk), s1 = f32_at(blk + 4);
+        for (int j = 0; j < 16; j++) {
+            o[j] = E2M1[blk[8 + j] & 0x0F] * s0;
+            o[j + 16] = E2M1[blk[8 + j] >> 4] * s1;
+        }
+        return;
+    }
     if (wtype >= W_I8) {
         float s = f32_at(blk);
         if (wtype == W_I8) {
@@ -175,13 +187,20 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
     }
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : 2);
+    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 ? 8 : 2);
     __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
     __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
                     _mm256_srli_epi32(b, 4)};
-    if (wtype == W_Q4_0 || wtype == W_I4) {
+    if (wtype == W_F4) { /* a code's magnitude from the table by its low 3 bits, its sign bit moved to 31 */
+        const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+        for (int g = 0; g < 4; g++) {
+            __m256 val = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, n[g]),
+                                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(n[g], _mm256_set1_epi32(8)), 28)));
+            v[g] = _mm256_mul_ps(val, _mm256_set1_ps(f32_at(blk + (g < 2 ? 0 : 4))));
+        }
+    } else if (wtype == W_Q4_0 || wtype == W_I4) {
         __m256i zero = _mm256_set1_epi32(wtype == W_I4 ? blk[4] : 8);
         for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], zero)));
     } else {
@@ -223,6 +242,12 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_fmadd_ps(_mm512_broadcastss_ps(both), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(both)));
     } else if (wtype == W_I4) {
         table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)blk[4])), _mm512_set1_ps(f32_at(blk)));
+    } else if (wtype == W_F4) { /* a table for each half's scale */
+        __m512 e2m1 = _mm512_loadu_ps(E2M1);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
+        v[0] = _mm512_permutexvar_ps(q, _mm512_mul_ps(e2m1, _mm512_set1_ps(f32_at(blk))));
+        v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), _mm512_mul_ps(e2m1, _mm512_set1_ps(f32_at(blk + 4))));
+        return;
     } else {
         table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }

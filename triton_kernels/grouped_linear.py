@@ -8,12 +8,14 @@ weight in memory):
 - block-wise FP8 (fp8_group_linear): weight float8_e4m3fn [N, K], scales float32 [N, K / G];
   y = x @ (float(w) * s)^T. The codes travel as bytes and are widened exactly (scaled_linear's
   decoder), so the kernel also runs on GPUs without fp8 and under the interpreter.
+- FP4 (fp4_linear, NVFP4 weight-only): qweight int32 [N, K / 8] of FP4 e2m1 codes packed as
+  W4A16's, scales float32 [N, K / G]; y = x @ (e2m1(q) * s)^T.
 
 One program computes a BLOCK_M x BLOCK_N tile over its share of K, reading the weight tile
 transposed (each row's codes are contiguous; a 4-bit word is repeated for its 8 columns before
 the shifts). Where BLOCK_K divides G a tile of K lies in one group: the kernel multiplies x by
-the unscaled values (q - z, or the FP8 value: exact in the model dtype) and scales the float32
-partial product once per tile; otherwise each weight is scaled before the product. Few rows
+the unscaled values (q - z, or the FP8 or FP4 value: exact in the model dtype) and scales the
+float32 partial product once per tile; otherwise each weight is scaled before the product. Few rows
 (decode) read the weight once and leave most SMs idle, so K is split over the grid's third
 axis: each split writes float32 partial sums that torch adds afterwards (no atomics, no host
 sync, a launch grid fixed by the shapes: capturable in a CUDA graph)."""
@@ -30,6 +32,9 @@ from pageserve.triton_kernels.paged_attention import _dot  # float32 accumulatio
 from pageserve.triton_kernels.scaled_linear import _e4m3_to_f16
 
 
+INT4, FP8, FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's CODES
+
+
 # the token count, the input's row stride and the partial sums' split stride (M * N) change
 # every step; the layer's sizes and strides are the model's and stay specialized
 @triton.jit(do_not_specialize=["m_dim", "stride_xm", "stride_om", "stride_os"])
@@ -37,11 +42,12 @@ def _grouped_linear_kernel(
         x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
         m_dim, n_dim, k_dim, group_size, k_per_split,
         stride_xm, stride_qn, stride_sn, stride_zn, stride_om, stride_os,
-        FP8: tl.constexpr, PER_WORD: tl.constexpr,
+        CODES: tl.constexpr, PER_WORD: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """out[m, n] = sum over this split's k of x[m, k] * w[n, k] * s[n, k // G], w the FP8 value
-    (FP8) or q[n, k] - z[n, k // G]. PER_WORD: codes a stored element holds (8 or 1).
+    """out[m, n] = sum over this split's k of x[m, k] * w[n, k] * s[n, k // G], w by CODES:
+    q[n, k] - z[n, k // G] (INT4), the FP8 value (FP8) or the FP4 e2m1 value (FP4) of the code.
+    PER_WORD: codes a stored element holds (8 or 1).
     SPLIT: out is the float32 partial-sum buffer [splits, M, N] (bias added later); else out is
     y [M, N] in the model dtype. ONE_GROUP: BLOCK_K divides G (each K tile has one scale)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,7 +73,7 @@ def _grouped_linear_kernel(
         else:
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             words = tl.load(q_ptrs, mask=n_ok[:, None] & (offs_w * PER_WORD < k_dim - k)[None, :], other=0)
-        if FP8:
+        if CODES == FP8:
             q = _e4m3_to_f16(words).to(tl.float32)
         else:
             # each word repeated for its 8 columns, then column j of a word shifted down by 4j
@@ -75,20 +81,24 @@ def _grouped_linear_kernel(
             words = tl.interleave(words, words)
             words = tl.interleave(words, words)
             q = (words >> shifts) & 0xF
+            if CODES == FP4:  # sign, exponent e (2 bits), mantissa m: twice the size is m, or (2 + m) << (e - 1)
+                e = (q >> 1) & 3
+                twice = tl.where(e == 0, q & 1, (2 + (q & 1)) << tl.maximum(e - 1, 0))
+                q = tl.where(q >= 8, -twice, twice).to(tl.float32) * 0.5
         if ONE_GROUP:
             # a split's last tiles may lie past K: their x is 0, any group's scale will do
             group = tl.minimum(k_start + k, k_dim - 1) // group_size
             s = tl.load(s_row + group, mask=n_ok, other=0.0)
-            if not FP8:
+            if CODES == INT4:
                 q = (q - tl.load(z_row + group, mask=n_ok, other=0).to(tl.int32)[:, None]).to(tl.float32)
-            # q - z is a small integer, an FP8 value has 3 mantissa bits: exact in any dtype
+            # q - z is a small integer, an FP8 or FP4 value has at most 3 mantissa bits: exact in any dtype
             # (through float32: the interpreter's int-to-bfloat16 cast is wrong)
             acc += _dot(x, tl.trans(q.to(x.dtype)), UPCAST) * s[None, :]
         else:
             groups = ((offs_k + k) // group_size)[None, :]
             inside = n_ok[:, None] & k_ok[None, :]
             s = tl.load(s_row[:, None] + groups, mask=inside, other=0.0)
-            if not FP8:
+            if CODES == INT4:
                 q = (q - tl.load(z_row[:, None] + groups, mask=inside, other=0).to(tl.int32)).to(tl.float32)
             acc += _dot(x, tl.trans((q * s).to(x.dtype)), UPCAST)
         x_ptrs += BLOCK_K
@@ -165,9 +175,9 @@ def _check_x(who: str, x: torch.Tensor) -> None:
     _check(x.stride(1) == 1, f"{who}: x's columns must be contiguous (stride 1)")
 
 
-def _launch(who, x, codes, n, scales, zeros, group_size, bias, per_word, launch) -> torch.Tensor:
+def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> torch.Tensor:
     """The kernel over x [M, K] and a checked weight of N rows (codes: int32 words of 8 4-bit
-    values, or FP8 bytes)."""
+    values, int4 or fp4, or FP8 bytes)."""
     m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -193,7 +203,7 @@ def _launch(who, x, codes, n, scales, zeros, group_size, bias, per_word, launch)
         m, n, k, group_size, k_per_split,
         x.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
         out.stride(-2), out.stride(0) if split > 1 else 0,
-        FP8=per_word == 1, PER_WORD=per_word,
+        CODES={"int4": INT4, "fp8": FP8, "fp4": FP4}[kind], PER_WORD=1 if kind == "fp8" else 8,
         HAS_BIAS=bias is not None, SPLIT=split > 1, ONE_GROUP=group_size % bk == 0,
         EVEN_K=k_per_split * split == k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST=x.dtype != torch.float32 and triton.knobs.runtime.interpret,
@@ -225,7 +235,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     _check_inputs(who, x, n, k, scales, zeros, group_size, bias, {"qweight": qweight})
     launch = dict(split_k=split_k, block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                   num_stages=num_stages)
-    return _launch(who, x, qweight, n, scales, zeros, group_size, bias, 8, launch)
+    return _launch(who, x, qweight, n, scales, zeros, group_size, bias, "int4", launch)
 
 
 def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -243,4 +253,22 @@ def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     _check_inputs(who, x, n, k, scales, None, group_size, bias, {"weight": weight})
     unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
     _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
-    return _launch(who, x, weight.view(torch.uint8), n, scales, None, group_size, bias, 1, launch)
+    return _launch(who, x, weight.view(torch.uint8), n, scales, None, group_size, bias, "fp8", launch)
+
+
+def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """Same contract as torch_ops.fp4_linear: x [M, K] float16/bfloat16/float32 with unit column
+    stride; qweight int32 [N, K / 8] of FP4 e2m1 codes (int4_linear's packing); scales float32
+    [N, K / G]; bias [N] in x's dtype or None. Returns y [M, N] in x's dtype, accumulated in
+    float32. launch: int4_linear's split_k, block_m/n/k, num_warps and num_stages."""
+    who = "fp4_linear"
+    _check_x(who, x)
+    _check(qweight.dtype == torch.int32 and qweight.dim() == 2,
+           f"{who}: qweight must be 2-D int32 [N, K / 8], got {qweight.dtype} {tuple(qweight.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    _check(x.shape[1] == k, f"{who}: x has {x.shape[1]} columns but qweight packs K = {k}")
+    _check_inputs(who, x, n, k, scales, None, group_size, bias, {"qweight": qweight})
+    unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
+    _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
+    return _launch(who, x, qweight, n, scales, None, group_size, bias, "fp4", launch)

@@ -313,6 +313,25 @@ def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4's values
+
+
+def dequantize_fp4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight of an FP4 (NVFP4) layer: qweight int32 [N, K / 8] of e2m1 codes
+    packed as dequantize_int4's, scales float32 [N, K / G]; w = e2m1(q) * s."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    values = torch.tensor(E2M1, device=qweight.device)[q.long()]
+    return values * scales.repeat_interleave(group_size, dim=1)
+
+
+def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
+    w = dequantize_fp4(qweight, scales, group_size)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
 QUANT_EPS = 1e-10  # the smallest row maximum a per-token scale is taken from (all-zero rows)
 QUANT_MAX = {"fp8": 448.0, "int8": 127.0}  # float8_e4m3fn's largest finite value; int8's, symmetric
 STATIC_MIN = {"fp8": -448.0, "int8": -128.0}  # static scales take int8's whole range, as vLLM clamps

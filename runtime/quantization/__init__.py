@@ -21,7 +21,7 @@ _REFUSED = {
     "marlin": "Marlin-only layouts are not supported",
     "bitsandbytes": "bitsandbytes checkpoints are not supported",
     "gguf": "give the .gguf file itself as --model",
-    "modelopt_fp4": "NVFP4 weights are not supported (ModelOpt's FP8 checkpoints are)",
+    "modelopt_fp4": "an NVFP4 checkpoint of ModelOpt's loads with --quantization modelopt (weight-only)",
 }
 
 

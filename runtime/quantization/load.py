@@ -11,7 +11,7 @@ takes (bind_experts). Two storages:
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
   smaller Q4_0 / Q4_1 / Q8_0 blocks where those hold the same values).
 - packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
-  int4 eight codes an int32 word along K, int8 / FP8 as they are (FP8 with a scale per row or
+  int4 and fp4 eight codes an int32 word along K, int8 / FP8 as they are (FP8 with a scale per row or
   per group of columns); `weight.quant` says how."""
 
 from __future__ import annotations
@@ -84,14 +84,15 @@ class Layer:
 
 
 class BlockStorage:
-    """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8."""
+    """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8,
+    fp4 -> f4."""
     name = "blocks"
     quantizes_activations = False  # the C linear multiplies float32 activations
-    FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8"}
+    FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8", "fp4": "f4"}
 
     def allocate(self, layer: Layer) -> None:
         k, g = layer.in_features, layer.group_size
-        if k % 32 or g % 32:
+        if k % 32 or g % 32 and not (layer.kind == "fp4" and g == 16):  # an f4 block holds two groups of 16
             raise UnsupportedQuantization(f"the CPU kernels take quantized rows and groups in multiples of 32 values; "
                                           f"a layer has {k} columns in groups of {g}")
         width = k // 32 * cpu_blocks.BLOCK_FORMATS[self.FORMATS[layer.kind]][1]
@@ -102,6 +103,8 @@ class BlockStorage:
             raw = cpu_blocks.int4_blocks(qt.codes, qt.scales, qt.zeros, qt.group_size)
         elif qt.kind == "int8":
             raw = cpu_blocks.int8_blocks(qt.codes, qt.scales)
+        elif qt.kind == "fp4":
+            raw = cpu_blocks.fp4_blocks(qt.codes, qt.scales, qt.group_size)
         else:
             raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales, qt.group_size)
         layer.tensor()[index].copy_(raw)
@@ -137,6 +140,8 @@ class PackedQuant:
         kernels)."""
         if self.kind == "int4":
             return torch_ops.dequantize_int4(weight, self.scales, self.zeros, self.group_size)
+        if self.kind == "fp4":
+            return torch_ops.dequantize_fp4(weight, self.scales, self.group_size)
         if self.group_size:
             return torch_ops.dequantize_fp8_groups(weight, self.scales, self.group_size)
         return weight.to(torch.float32) * self.scales[:, None]
@@ -153,23 +158,25 @@ class PackedStorage:
 
     def allocate(self, layer: Layer) -> None:
         k, g = layer.in_features, layer.group_size
-        if layer.kind == "int4":
+        if layer.kind in ("int4", "fp4"):
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
             layer.store("", torch.empty(layer.shape(k // 8), dtype=torch.int32))
             layer.store("_scale", torch.empty(layer.shape(k // g)))
-            layer.store("_zero", torch.empty(layer.shape(k // g), dtype=torch.uint8))
+            if layer.kind == "int4":
+                layer.store("_zero", torch.empty(layer.shape(k // g), dtype=torch.uint8))
         else:
             dtype = torch.int8 if layer.kind == "int8" else torch.float8_e4m3fn
             layer.store("", torch.empty(layer.shape(k), dtype=dtype))
             layer.store("_scale", torch.empty(layer.shape(k // g) if g else layer.shape()))
 
     def write(self, layer: Layer, index: tuple, qt: QuantTensor) -> None:
-        if qt.kind == "int4":
+        if qt.kind in ("int4", "fp4"):
             c = qt.codes.to(torch.int32).view(qt.shape[0], -1, 8)
             words = sum(c[:, :, j] << (4 * j) for j in range(8))  # wraps into the sign bit as int32 does
             layer.tensor()[index].copy_(words)
-            layer.tensor("_zero")[index].copy_(qt.zeros)
+            if qt.kind == "int4":
+                layer.tensor("_zero")[index].copy_(qt.zeros)
         else:
             layer.tensor()[index].copy_(qt.codes)
         layer.tensor("_scale")[index].copy_(qt.scales)

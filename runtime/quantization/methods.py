@@ -72,6 +72,20 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
+def nvfp4(prefix: str, packed: torch.Tensor, scale: torch.Tensor, combine) -> QuantTensor:
+    """NVFP4 weights: e2m1 codes two a byte [N, K / 2] (the even column in the low nibble), an
+    FP8 E4M3 scale for each 16 columns [N, K / 16]; `combine` turns the float32 group scales into
+    the final ones with the layer's global scale (each value is then e2m1(code) * scale, as the
+    format's dequantizers compute it)."""
+    if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] != packed.shape[0] \
+            or scale.dtype != torch.float8_e4m3fn or not scale.shape[1] or 2 * packed.shape[1] % scale.shape[1]:
+        raise ValueError(f"{prefix}: NVFP4 codes {tuple(packed.shape)} and {scale.dtype} scales {tuple(scale.shape)} "
+                         "do not make groups")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(packed.shape[0], -1)
+    scales = combine(scale.to(torch.float32))
+    return QuantTensor("fp4", codes, scales.contiguous(), group_size=codes.shape[1] // scale.shape[1])
+
+
 def static_input_scale(prefix: str, tensors: dict, static: bool) -> float | None:
     """A layer's static activation scale (`input_scale`, one value), where its config says the
     activations are static; None where they are dynamic."""
@@ -166,8 +180,10 @@ class CompressedTensors(QuantMethod):
     """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`) per channel, per
     tensor, or per block (as the C linear's FP8 groups, activations unquantized); INT8 weights
     (`int-quantized`/`naive-quantized`) per channel, symmetric; either with dynamic per-token
-    activations, static per-tensor ones (`input_scale`) or none; and 4-bit weights
-    `pack-quantized` in groups or per channel, symmetric or with zero points."""
+    activations, static per-tensor ones (`input_scale`) or none; 4-bit weights
+    `pack-quantized` in groups or per channel, symmetric or with zero points; and NVFP4
+    (`nvfp4-pack-quantized`: e2m1 codes, an FP8 scale a group of 16, divided by the layer's
+    `weight_global_scale`), weight-only."""
     name = "compressed-tensors"
     marker = "weight_scale"
 
@@ -210,10 +226,21 @@ class CompressedTensors(QuantMethod):
                     raise UnsupportedQuantization(f"{where}: 4-bit weights by {w.get('strategy')} are not supported")
                 if w.get("actorder") == "group":
                     raise UnsupportedQuantization(f"{where}: activation ordering (actorder: group) is not supported")
+            elif kind == ("float", 4):
+                if gfmt != "nvfp4-pack-quantized" or w.get("strategy") != "tensor_group" or w.get("group_size") != 16:
+                    raise UnsupportedQuantization(f"{where}: 4-bit float weights in format {gfmt} by "
+                                                  f"{w.get('strategy')} in groups of {w.get('group_size')} are not "
+                                                  "supported (NVFP4, nvfp4-pack-quantized in groups of 16, is)")
+                if act is not None and (act.get("type"), act.get("num_bits")) != ("float", 4):
+                    raise UnsupportedQuantization(f"{where}: NVFP4 weights beside {act.get('num_bits')}-bit "
+                                                  f"{act.get('type')} activations are not supported")
+                # NVFP4's activations (W4A4: FP4 kernels Blackwell has) are not quantized here
+                self.schemes.append("NVFP4 weight-only")
+                continue
             else:
                 raise UnsupportedQuantization(f"{where}: {w.get('num_bits')}-bit {w.get('type')} weights "
-                                              f"(format {gfmt}) are not supported; FP8, INT8 and 4-bit integer "
-                                              "weights are")
+                                              f"(format {gfmt}) are not supported; FP8, INT8, 4-bit integer "
+                                              "and NVFP4 weights are")
             static = act is not None and not act.get("dynamic", False)
             if act is not None:
                 # static: one scale a tensor, symmetric, beside per-row (not block-wise) 8-bit weights
@@ -242,7 +269,9 @@ class CompressedTensors(QuantMethod):
 
     def layout(self, tensors):
         if "weight_packed" in tensors:
-            (_, words), scale = tensors["weight_packed"][0], tensors["weight_scale"][0]
+            ((_, words), dtype), scale = tensors["weight_packed"], tensors["weight_scale"][0]
+            if dtype == "U8":  # NVFP4: two codes a byte
+                return "fp4", 2 * words // scale[1]
             return "int4", 8 * words // (scale[1] if len(scale) == 2 else 1)
         shape, dtype = tensors.get("weight", ((), "?"))
         kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(dtype)
@@ -256,6 +285,9 @@ class CompressedTensors(QuantMethod):
 
     def read(self, prefix, tensors):
         scale = tensors["weight_scale"]
+        if "weight_packed" in tensors and tensors["weight_packed"].dtype == torch.uint8:  # NVFP4
+            packed, global_scale = need_tensors(tensors, prefix, "weight_packed", "weight_global_scale")
+            return nvfp4(prefix, packed, scale, lambda s: s / global_scale.float().reshape(()))
         if "weight_packed" in tensors:
             packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())

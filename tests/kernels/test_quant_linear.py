@@ -1,7 +1,7 @@
-"""The quantized linear kernels against their torch references (torch_ops): int4_linear (W4A16)
-and fp8_group_linear (block-wise FP8, weight-only) at K not a multiple of the K tile, groups of
-32, 64 and K, N not a multiple of the column tile, 1, 3 and 17 rows, split-K on and off, with
-and without bias; quantize_per_token bit for bit
+"""The quantized linear kernels against their torch references (torch_ops): int4_linear (W4A16),
+fp8_group_linear (block-wise FP8, weight-only) and fp4_linear (NVFP4, weight-only) at K not a
+multiple of the K tile, groups of 32, 64 and K (and FP4's 16), N not a multiple of the column
+tile, 1, 3 and 17 rows, split-K on and off, with and without bias; quantize_per_token bit for bit
 (ties and the fp8 grid's binade carries included); scaled_linear and its GEMM for fp8 and int8;
 and the launchers' refusals. The references themselves are checked against the layout (an
 independent packer) and hand-computed codes.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.grouped_linear import default_config, fp8_group_linear, int4_linear
+from pageserve.triton_kernels.grouped_linear import default_config, fp4_linear, fp8_group_linear, int4_linear
 from pageserve.triton_kernels.scaled_linear import KINDS, quantize_per_token, scaled_linear, scaled_mm
 
 pytestmark = pytest.mark.unit
@@ -94,13 +94,27 @@ def fp8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
     return x, codes.view(torch.float8_e4m3fn).to(device), scales.to(device), group, bias
 
 
-@pytest.mark.parametrize("kernel", ["int4", "fp8"])
+def fp4_case(m, k, group, n, dtype, device, with_bias, seed=0):
+    """Every FP4 code (+-0 to +-6), a scale per group of each row, packed as W4A16's words."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.005
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
+    return x, pack_int4(q).to(device), scales.to(device), group, bias
+
+
+@pytest.mark.parametrize("kernel", ["int4", "fp8", "fp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES)
+@pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES + [(3, 176, 16, 40, dict(block_k=16)),
+                                                                 (1, 176, 16, 40, dict(block_k=32))])
 def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
-    """int4_linear and fp8_group_linear (one kernel) against their torch references."""
+    """int4_linear, fp8_group_linear and fp4_linear (one kernel) against their torch references;
+    groups of 16 (NVFP4's) with a K tile of one group, and of two."""
     if kernel == "int4":
         args, fn, ref = int4_case(m, k, group, n, dtype, device, m != 17)[0], int4_linear, torch_ops.int4_linear
+    elif kernel == "fp4":
+        args, fn, ref = fp4_case(m, k, group, n, dtype, device, m != 17), fp4_linear, torch_ops.fp4_linear
     else:
         args = fp8_group_case(m, k, group, n, dtype, device, m != 17)
         fn, ref = fp8_group_linear, torch_ops.fp8_group_linear
@@ -121,6 +135,16 @@ def test_dequantize_fp8_groups():
     scales = torch.tensor([[2.0, 0.5], [1.0, 4.0]])
     got = torch_ops.dequantize_fp8_groups(codes.view(torch.float8_e4m3fn), scales, 2)
     assert got.tolist() == [[2.0, 4.0, -0.5, 2.0 ** -10], [448.0, 0.0, 4 * 2.0 ** -6, 4 * 0.5]]
+
+
+def test_dequantize_fp4():
+    """Each value is its e2m1 value times its group's scale: codes written by hand (sign, two
+    exponent bits, one mantissa bit), packed eight a word, the first in the low bits."""
+    codes = [0x0, 0x1, 0x2, 0x3, 0x4, 0x5, 0x6, 0x7, 0x8, 0x9, 0xA, 0xB, 0xC, 0xD, 0xE, 0xF]
+    words = pack_int4(torch.tensor([codes]))
+    got = torch_ops.dequantize_fp4(words, torch.tensor([[2.0, 0.25]]), 8)
+    assert got.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -0.125, -0.25, -0.375, -0.5, -0.75,
+                             -1.0, -1.5]]
 
 
 def test_int4_split_heuristic():
