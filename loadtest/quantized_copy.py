@@ -55,8 +55,9 @@ FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8"
            "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4")
 # the modelopt formats, as the others they share their tensors with
 _MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
-# the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3)
-LINEAR = re.compile(r"(.*\.layers\.\d+\..*(?:(?:q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123]))\.weight")
+# the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3); a vision
+# tower's stay as they are, as quantization tools' recipes leave them
+LINEAR = re.compile(r"(?!.*visi)(.*\.layers\.\d+\..*(?:(?:q|k|v|o|gate|up|down)_proj|experts\.\d+\.w[123]))\.weight")
 _PROJ = "qkvogud"  # the first letters of q, k, v, o, gate, up and down_proj (Mixtral's w1..w3: none)
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i] of its eight
 

@@ -188,6 +188,10 @@ def test_online_fp8(tmp_path, source, prompts, arch):
     ({"quant_method": "fp8", "weight_block_size": [128, 48]}, "weight_block_size \\[128, 48\\]"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "in e5m2"),
     ({"quant_method": "modelopt", "quant_algo": "MXFP8"}, "modelopt: quant_algo MXFP8"),
+    ({"quant_method": "modelopt_fp4", "quant_algo": "MXFP8"}, "modelopt: quant_algo MXFP8"),  # vLLM's name, read
+    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                          "group_size": 16, "symmetric": False}, "format": "nvfp4-pack-quantized"}}},
+     "asymmetric NVFP4"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4: a quantized layer's weight is none"),
     ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
                               "format": "mxfp4-pack-quantized"}}}, "4-bit float weights in format mxfp4"),
@@ -261,6 +265,33 @@ def test_modelopt_legacy_config_file(tmp_path, source):
     (out / "hf_quant_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="hf_quant_config.json"):
         read_config(out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    assert read_config(out)["quantization_config"] == {"quant_method": "fp8"}  # the file is not read
+
+
+def test_a_vision_language_models_text_part(tmp_path, prompts):
+    """A vision-language checkpoint whose language model is quantized (config.json's
+    quantization_config at the top level, beside the text_config): its reference's tokens; a
+    quantized vision tower is refused in one line."""
+    import re
+
+    from pageserve.loadtest import quantized_copy as qc
+    from pageserve.loadtest.tiny_vlm import build_gemma3
+
+    src = build_gemma3(tmp_path / "src")
+    out, ref = tmp_path / "q", tmp_path / "ref"
+    quantized_copy(src, out, "ct-fp8", reference=ref)
+    got, llm = ours(out, prompts)
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.weight.block_format == "f8"
+    assert got == ours(ref, prompts)[0]
+    every_layer = re.compile(r"(.*\.layers\.\d+\..*(?:q|k|v|o|gate|up|down)_proj)\.weight")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qc, "LINEAR", every_layer)
+        quantized_copy(src, tmp_path / "all", "ct-fp8")
+    with pytest.raises(ModelLoadError, match="vision_tower.* are not supported") as e:
+        LLM(str(tmp_path / "all"), dtype="float32")
+    assert "\n" not in str(e.value)
 
 
 def test_gptq_act_order_refused(tmp_path, source):
@@ -323,12 +354,14 @@ def test_quantized_layers_with_a_bias(tmp_path, prompts, fmt):
 
 def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
     """TP 2: each rank holds its rows (q/k/v, gate/up) or its whole groups of columns (o_proj,
-    down_proj) of a 4-bit checkpoint, the same tokens as HF; a split inside a group is refused."""
-    out, ref = tmp_path / "q", tmp_path / "ref"
-    quantized_copy(source, out, "ct-w4a16-asym", group_size=32, reference=ref)
-    got, llm = ours(out, prompts, tensor_parallel_size=2)
-    llm.engine.shutdown()
-    assert got == hf_expected("ct-w4a16-asym", out, ref, prompts)
+    down_proj) of a 4-bit checkpoint (integer, and NVFP4's groups of 16), the same tokens as HF;
+    a split inside a group is refused."""
+    for fmt in ("ct-w4a16-asym", "modelopt-nvfp4"):
+        out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+        quantized_copy(source, out, fmt, group_size=32, reference=ref)
+        got, llm = ours(out, prompts, tensor_parallel_size=2)
+        llm.engine.shutdown()
+        assert got == hf_expected(fmt, out, ref, prompts), fmt
     quantized_copy(source, tmp_path / "g128", "ct-w4a16", group_size=128)
     with pytest.raises(Exception, match="group boundaries"):
         LLM(str(tmp_path / "g128"), dtype="float32", tensor_parallel_size=2)
@@ -339,6 +372,7 @@ def test_tensor_parallel_shards_on_group_boundaries(tmp_path, source, prompts):
                                          ("mixtral", "ct-int8", {"enforce_eager": True}),
                                          ("mixtral", "modelopt-fp8", {"enforce_eager": True}),
                                          ("qwen3_moe", "modelopt-nvfp4", {}),
+                                         ("qwen3_moe", "ct-nvfp4", {"enforce_eager": True}),
                                          ("qwen3_moe", "ct-w4a16", {"tensor_parallel_size": 2})])
 def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
     """Every expert's matrices quantized (Qwen3-30B-A3B-FP8, Mixtral GPTQ...): each expert kept
@@ -356,7 +390,7 @@ def test_quantized_experts(tmp_path, prompts, arch, fmt, kw, caplog):
         experts = llm.engine.runner.model.layers[0].mlp.experts
         packed = kw.get("enforce_eager", False)
         want = {"ct-w4a16": torch.int32, "gptq": torch.int32, "fp8-block": torch.float8_e4m3fn, "ct-int8": torch.int8,
-                "modelopt-fp8": torch.float8_e4m3fn}
+                "modelopt-fp8": torch.float8_e4m3fn, "ct-nvfp4": torch.int32}
         assert experts.w13.dtype == (want[fmt] if packed else torch.uint8) and experts.w13.dim() == 3
         assert len(experts.parts["w13"]) == len(experts.parts["w2"]) == experts.w13.shape[0]
         for e, part in enumerate(experts.parts["w13"]):  # views of the stack where it lies now

@@ -207,7 +207,8 @@ def read_config(path: Path) -> dict:
 def text_part_config(path: Path, cfg: dict) -> dict:
     """A multimodal checkpoint: its text_config, as transformers fills it in (a real one leaves
     out what its config class defaults, heads and head_dim included), with the top level's
-    architecture and EOS ids, and the whole config (vision included) under "_multimodal"."""
+    architecture, EOS ids and quantization, and the whole config (vision included) under
+    "_multimodal"."""
     from transformers import AutoConfig
 
     if not isinstance(cfg.get("text_config"), dict):
@@ -220,7 +221,7 @@ def text_part_config(path: Path, cfg: dict) -> dict:
                              f"{type(e).__name__}: {e}") from None
     text["architectures"] = cfg["architectures"]
     text["_multimodal"] = full.to_dict()
-    for key in ("eos_token_id", "tie_word_embeddings"):
+    for key in ("eos_token_id", "tie_word_embeddings", "quantization_config"):  # the whole checkpoint's
         if cfg.get(key) is not None:
             text[key] = cfg[key]
     return text

@@ -14,6 +14,8 @@ CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq
                       "modelopt": ModelOpt}
 # what --quantization takes: a checkpoint's own method by name, or fp8 made at load time
 CHOICES = ("compressed-tensors", "awq", "gptq", "fp8", "modelopt")
+# vLLM's name for ModelOpt's NVFP4 checkpoints: one reader here
+_ALIASES = {"modelopt_fp4": "modelopt"}
 # names vLLM users may type, and why they are not served here
 _REFUSED = {
     "awq_marlin": "Marlin kernels are not part of pageserve; an AWQ GEMM checkpoint loads with --quantization awq",
@@ -21,7 +23,6 @@ _REFUSED = {
     "marlin": "Marlin-only layouts are not supported",
     "bitsandbytes": "bitsandbytes checkpoints are not supported",
     "gguf": "give the .gguf file itself as --model",
-    "modelopt_fp4": "an NVFP4 checkpoint of ModelOpt's loads with --quantization modelopt (weight-only)",
 }
 
 
@@ -33,12 +34,14 @@ def method_for(hf_config: dict, forced: str | None = None) -> QuantMethod | None
     own = None
     if qcfg is not None:
         own = str(qcfg.get("quant_method", "")).lower()
+        own = _ALIASES.get(own, own)
         if own not in CHECKPOINT_METHODS:
             why = _REFUSED.get(own, f"supported: {', '.join(CHECKPOINT_METHODS)}")
             raise UnsupportedQuantization(f"quantization method {own or '(none named)'} of this checkpoint is not "
                                           f"supported ({why})")
     if forced is not None:
         forced = forced.lower()
+        forced = _ALIASES.get(forced, forced)
         if forced in _REFUSED:
             raise UnsupportedQuantization(f"--quantization {forced}: {_REFUSED[forced]}")
         if forced not in CHOICES:

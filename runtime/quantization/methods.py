@@ -153,7 +153,7 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     kv_cache_quant_algo FP8, are float8 per tensor."""
     qcfg = qcfg or {}
     scheme = qcfg.get("kv_cache_scheme")
-    if str(qcfg.get("quant_method", "")).lower() == "modelopt":
+    if str(qcfg.get("quant_method", "")).lower().startswith("modelopt"):
         scheme = modelopt_fields(qcfg)[1]
         if isinstance(scheme, str):  # kv_cache_quant_algo
             if scheme.upper() != "FP8":
@@ -231,6 +231,8 @@ class CompressedTensors(QuantMethod):
                     raise UnsupportedQuantization(f"{where}: 4-bit float weights in format {gfmt} by "
                                                   f"{w.get('strategy')} in groups of {w.get('group_size')} are not "
                                                   "supported (NVFP4, nvfp4-pack-quantized in groups of 16, is)")
+                if not w.get("symmetric", True):
+                    raise UnsupportedQuantization(f"{where}: asymmetric NVFP4 weights (zero points) are not supported")
                 if act is not None and (act.get("type"), act.get("num_bits")) != ("float", 4):
                     raise UnsupportedQuantization(f"{where}: NVFP4 weights beside {act.get('num_bits')}-bit "
                                                   f"{act.get('type')} activations are not supported")
