@@ -79,6 +79,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; repeatable; also $PAGESERVE_API_KEY")
     g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
                    help="CORS origins allowed (a JSON list, comma-separated, or repeated); none by default")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
+                   help="Host names a request may carry besides localhost and IP addresses (a JSON list, "
+                        "comma-separated, or repeated; '*' for any); checked where set and whenever the server "
+                        "binds a loopback address, against DNS rebinding")
     g.add_argument("--allowed-media-domains", action="append", default=None, metavar="HOSTS",
                    help="hosts whose http(s) image URLs the server fetches (a JSON list, comma-separated, or "
                         "repeated); none by default, and never private addresses")
@@ -110,6 +114,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     # positional arguments and -h first, then HELP_GROUPS' order (sort is stable)
     order = {title: i for i, title in enumerate(HELP_GROUPS)}
     parser._action_groups.sort(key=lambda group: order.get(group.title, -1))
+
+
+def _allowed_hosts(ns: argparse.Namespace) -> tuple[str, ...] | None:
+    """--allowed-hosts, lower-cased; a server bound to a loopback address checks Host even
+    without it (only local names then), one bound elsewhere only with it (None: no check)."""
+    from pageserve.app.server import is_loopback
+
+    hosts = tuple(h.lower() for h in _list_flag(ns.allowed_hosts, "--allowed-hosts"))
+    if ns.allowed_hosts is not None or is_loopback(ns.host):
+        return hosts
+    return None
 
 
 def _list_flag(values: list[str] | None, flag: str) -> tuple[str, ...]:
@@ -159,6 +174,7 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}")
     return ServerSettings(served_model_names=names, model_path=model, api_keys=tuple(keys),
                           allowed_origins=_list_flag(ns.allowed_origins, "--allowed-origins"),
+                          allowed_hosts=_allowed_hosts(ns),
                           allowed_media_domains=_list_flag(ns.allowed_media_domains, "--allowed-media-domains"),
                           max_request_body_bytes=int(ns.max_request_body_mb * (1 << 20)),
                           max_num_queued_reqs=ns.max_num_queued_reqs,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import logging
 
 from sse_starlette.sse import AppStatus
@@ -49,6 +50,59 @@ class CrossSiteMiddleware:
                     and "*" not in self.allowed and origin not in self.allowed:
                 err = APIError(403, f"a request from the web page at {origin or 'another site'} is refused: start "
                                     "the server with --allowed-origins naming it to allow it", code="origin_not_allowed")
+                await _refusal(scope, err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name is this machine's own: localhost (and its
+    subdomains) or a loopback IP address."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header, without its port (an IPv6 literal keeps its brackets off)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+class HostMiddleware:
+    """DNS rebinding: a web page of another site whose name the attacker points at 127.0.0.1 is,
+    to the browser, its own origin, so it may read what a server on localhost answers. Its
+    requests carry that name in Host: a request whose Host is a name (not an IP address) other
+    than localhost's and those of --allowed-hosts is refused. In place where the server binds a
+    loopback address, or --allowed-hosts is given; a request without Host (HTTP/1.0) passes."""
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...]):
+        self.app = app
+        self.allowed = set(allowed_hosts)
+
+    def allows(self, name: str) -> bool:
+        if "*" in self.allowed or name in self.allowed or is_loopback(name):
+            return True
+        try:
+            ipaddress.ip_address(name)
+            return True  # an address is no DNS name: the browser's origin would be that address
+        except ValueError:
+            return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            header = dict(scope["headers"]).get(b"host")
+            name = None if header is None else host_name(header.decode("latin-1"))
+            if name is not None and not self.allows(name):
+                err = APIError(403, f"a request for host {name!r} is refused: this server answers to localhost and "
+                                    "IP addresses; start it with --allowed-hosts naming the host to allow it",
+                               code="host_not_allowed")
                 await _refusal(scope, err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -139,6 +193,8 @@ def build_app(state: ServerState) -> Starlette:
     served = served_routes(state.settings)
     routes = [Route(r.path, r.endpoint, methods=[r.method.upper()]) for r in served]
     middleware = [Middleware(RequestIdMiddleware)]
+    if state.settings.allowed_hosts is not None:
+        middleware.append(Middleware(HostMiddleware, allowed_hosts=state.settings.allowed_hosts))
     if state.settings.allowed_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.settings.allowed_origins),
                                      allow_methods=["*"], allow_headers=["*"],

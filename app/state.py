@@ -77,6 +77,8 @@ class ServerSettings:
     model_path: str
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    # the Host names a browser's request may carry besides the local ones (None: any host)
+    allowed_hosts: tuple[str, ...] | None = None
     max_request_body_bytes: int = 32 << 20
     max_num_queued_reqs: int = 1024
     log_requests: bool = True

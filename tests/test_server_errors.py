@@ -153,6 +153,7 @@ def guarded(tiny_model_dir):
                            "--max-request-body-mb", "0.01", "--max-num-seqs", "1",
                            "--max-num-queued-reqs", "2", "--served-model-name", "tiny",
                            "--enable-lora", "--allow-runtime-lora-updating",  # every route of the table
+                           "--allowed-hosts", "gpu-box.internal",
                            env={"PAGESERVE_API_KEY": "key-two"})
     yield srv
     assert srv.stop() == 0
@@ -231,6 +232,39 @@ def test_other_sites_pages_and_bodies_that_are_not_json_are_refused(guarded):
             assert _assert_envelope(r, 415)["code"] == "unsupported_media_type" and media.split(";")[0] in r.text
         else:
             assert r.status_code == 200, (media, r.text)
+
+
+def test_hosts_other_than_local_names_are_refused(guarded):
+    """DNS rebinding: a page of evil.example, its name pointed at 127.0.0.1, is its own origin to
+    the browser (Sec-Fetch-Site same-origin) and would read the answers; its requests name
+    evil.example in Host and are refused, on every route. localhost, IP addresses and the names
+    of --allowed-hosts are served."""
+    port = guarded.url.rpartition(":")[2]
+    for host in ("evil.example", f"evil.example:{port}", "EVIL.example.", "localhost.evil.example"):
+        for method, path in (("GET", "/v1/models"), ("GET", "/"), ("POST", "/v1/completions")):
+            r = httpx.request(method, f"{guarded.url}{path}", json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                              headers={**_auth("key-one"), "Host": host, "Sec-Fetch-Site": "same-origin"})
+            assert _assert_envelope(r, 403)["code"] == "host_not_allowed", (host, path)
+    r = httpx.post(f"{guarded.url}/v1/messages", json={}, headers={"Host": "evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"  # Anthropic's shape
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]", "app.localhost", "10.1.2.3:80",
+                 f"gpu-box.internal:{port}", "GPU-BOX.internal"):
+        r = httpx.get(f"{guarded.url}/v1/models", headers={**_auth("key-one"), "Host": host})
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_host_check_where_the_server_binds():
+    """Bound to a loopback address the server checks Host (only local names without
+    --allowed-hosts); bound to every interface, only where --allowed-hosts is given."""
+    from pageserve.app.cli import build_parser
+    from pageserve.app.serve import _allowed_hosts
+
+    def hosts(*argv):
+        return _allowed_hosts(build_parser().parse_args(["serve", "tiny", *argv]))
+
+    assert hosts() == () and hosts("--host", "::1") == () and hosts("--host", "localhost") == ()
+    assert hosts("--host", "0.0.0.0") is None
+    assert hosts("--host", "0.0.0.0", "--allowed-hosts", "a.example,B.example") == ("a.example", "b.example")
 
 
 def test_body_too_large_is_413(guarded):
