@@ -25,7 +25,9 @@ by hand from each format's specification, with the config's `quantization_config
 - ct-nvfp4 / modelopt-nvfp4: NVFP4 (FP4 e2m1 codes two a byte, an FP8 scale a group of 16, and
   a global scale a layer: compressed-tensors' `nvfp4-pack-quantized` divides by its
   `weight_global_scale`, ModelOpt's NVFP4 multiplies by its `weight_scale_2`), with the W4A4
-  activation scales those tools write (group_size is ignored).
+  activation scales those tools write (group_size is ignored);
+- ct-mxfp4: compressed-tensors' `mxfp4-pack-quantized` (MXFP4: e2m1 codes, an E8M0 power of two
+  a group of 32), W4A4 as its MXFP4 preset writes it (group_size is ignored).
 
 Static activation scales are not calibrated: each layer's is 1/56, 2/56 or 3/56 by its letter
 (inputs up to 8, 16 or 24; q, k and v differ, so that a fused layer must take the largest).
@@ -52,7 +54,7 @@ from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
            "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block", "modelopt-fp8",
-           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4")
+           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4")
 # the modelopt formats, as the others they share their tensors with
 _MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
 # the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3); a vision
@@ -90,27 +92,36 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # FP4's magnitudes; bit 3 is the sign
 
 
-def nvfp4_layer(prefix: str, w: torch.Tensor, modelopt: bool):
-    """NVFP4 round to nearest: a global scale amax / (6 * 448), each group of 16 an FP8 scale of
-    its amax / 6 in units of it, each value the nearest e2m1 value of w / its group's scale."""
+def fp4_layer(prefix: str, w: torch.Tensor, fmt: str):
+    """FP4 round to nearest. NVFP4: a global scale amax / (6 * 448), each group of 16 an FP8
+    scale of its amax / 6 in units of it. MXFP4: each group of 32 the power of two 2^(floor(log2
+    amax) - 2) (OCP's shared exponent; 2 is e2m1's largest exponent), stored as its E8M0 byte.
+    Each value the nearest e2m1 value of w / its group's scale (clamped to +-6)."""
     n, k = w.shape
-    global_scale = (w.abs().amax() / (6 * 448)).clamp(min=1e-12)
-    groups = w.view(n, k // 16, 16)
-    s8 = (groups.abs().amax(dim=2) / 6 / global_scale).clamp(max=448).to(torch.float8_e4m3fn)
-    if modelopt:  # weight_scale_2 multiplies
-        scale = s8.float() * global_scale
-        extra = {"weight_scale_2": global_scale.reshape(()), "input_scale": torch.tensor(0.01)}
-    else:  # weight_global_scale divides
-        inverse = (1 / global_scale).reshape(1)
-        scale = s8.float() / inverse
-        extra = {"weight_global_scale": inverse, "input_global_scale": torch.tensor([100.0])}
-    ratio = groups / torch.where(scale == 0, 1.0, scale)[:, :, None]
+    size = 32 if fmt == "ct-mxfp4" else 16
+    groups = w.view(n, k // size, size)
+    amax = groups.abs().amax(dim=2)
+    if fmt == "ct-mxfp4":
+        exponent = (torch.floor(torch.log2(amax.clamp(min=2.0 ** -125))) - 2).clamp(-127, 127)
+        scale, extra = torch.ldexp(torch.ones_like(amax), exponent.int()), {}
+        stored = (exponent + 127).to(torch.uint8)
+    else:
+        global_scale = (w.abs().amax() / (6 * 448)).clamp(min=1e-12)
+        stored = (amax / 6 / global_scale).clamp(max=448).to(torch.float8_e4m3fn)
+        if fmt.startswith("modelopt"):  # weight_scale_2 multiplies
+            scale = stored.float() * global_scale
+            extra = {"weight_scale_2": global_scale.reshape(()), "input_scale": torch.tensor(0.01)}
+        else:  # weight_global_scale divides
+            inverse = (1 / global_scale).reshape(1)
+            scale = stored.float() / inverse
+            extra = {"weight_global_scale": inverse, "input_global_scale": torch.tensor([100.0])}
+    ratio = (groups / torch.where(scale == 0, 1.0, scale)[:, :, None]).clamp(-6, 6)
     codes = (ratio.abs()[..., None] - E2M1).abs().argmin(dim=-1).to(torch.uint8) | ((ratio < 0).to(torch.uint8) << 3)
     values = E2M1[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
     deq = (values * scale[:, :, None]).view(n, k)
     codes = codes.view(n, k)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    parts = {"weight" if modelopt else "weight_packed": packed, "weight_scale": s8, **extra}
+    parts = {"weight" if fmt.startswith("modelopt") else "weight_packed": packed, "weight_scale": stored, **extra}
     return {f"{prefix}.{name}": t for name, t in parts.items()}, deq
 
 
@@ -120,6 +131,10 @@ def _ct_config(fmt: str, group: int) -> dict:
         weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
                    "dynamic": False}
         form, act = "nvfp4-pack-quantized", {**weights, "dynamic": "local"}
+    elif fmt == "ct-mxfp4":
+        weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                   "dynamic": False}
+        form, act = "mxfp4-pack-quantized", {**weights, "dynamic": True}
     elif fmt == "ct-fp8-block":
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
                    "block_structure": [group, group], "dynamic": False}
@@ -147,8 +162,8 @@ def _ct_config(fmt: str, group: int) -> dict:
 
 def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dtype: torch.dtype):
     """The checkpoint tensors of one quantized layer, and its dequantized float32 weight."""
-    if fmt.endswith("nvfp4"):
-        return nvfp4_layer(prefix, w, fmt.startswith("modelopt"))
+    if fmt.endswith("fp4"):
+        return fp4_layer(prefix, w, fmt)
     if fmt in _MODELOPT_AS:
         return _modelopt_layer(prefix, w, fmt, scale_dtype)
     n, k = w.shape

@@ -47,7 +47,7 @@ def prompts():
 
 
 def hf_expected(fmt: str, out, ref, prompts, n: int = 16):
-    if fmt.endswith("nvfp4"):  # compressed-tensors dequantizes NVFP4 in bfloat16: see test_nvfp4_values
+    if fmt.endswith("nvfp4"):  # compressed-tensors dequantizes FP4 in bfloat16 (MXFP4's exactly): test_fp4_values
         return hf_greedy(ref, prompts, n)
     if fmt == "fp8-block":  # transformers dequantizes block-wise FP8 itself on a CPU
         return hf_greedy(out, prompts, n)
@@ -86,7 +86,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
     kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}, "ct-nvfp4": {"f4"},
-            "modelopt-nvfp4": {"f4"}}
+            "modelopt-nvfp4": {"f4"}, "ct-mxfp4": {"f4"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
 
@@ -104,7 +104,8 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
                                  "ct-fp8-block", "ct-fp8-static", "ct-int8-static", "modelopt-fp8",
-                                 "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4"])
+                                 "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4",
+                                 "ct-mxfp4"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -115,7 +116,7 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     assert got == hf_expected(fmt, out, ref, prompts)
     assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
-    fp8, fp4 = "fp8" in fmt, fmt.endswith("nvfp4")
+    fp8, fp4 = "fp8" in fmt, fmt.endswith("fp4")
     int8 = fmt.startswith("ct-int8")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
     assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "fp4" if fp4 else "int4")
@@ -124,8 +125,8 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
         assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
     else:
         assert weight.quant.input_scale is None
-    if fp4:  # a scale for each 16 columns, and no zero points
-        assert weight.quant.group_size == 16 and weight.quant.zeros is None
+    if fp4:  # a scale for each 16 (NVFP4) or 32 (MXFP4) columns, and no zero points
+        assert weight.quant.group_size == (32 if fmt == "ct-mxfp4" else 16) and weight.quant.zeros is None
     if fmt.endswith("block") or fmt.endswith("pb-wo"):  # each 32 of a row's 128 columns their block's scale
         assert weight.quant.group_size == 32 and weight.quant.scales.shape == (weight.shape[0], 128 // 32)
 
@@ -193,7 +194,7 @@ def test_online_fp8(tmp_path, source, prompts, arch):
                                           "group_size": 16, "symmetric": False}, "format": "nvfp4-pack-quantized"}}},
      "asymmetric NVFP4"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt NVFP4: a quantized layer's weight is none"),
-    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
+    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16},
                               "format": "mxfp4-pack-quantized"}}}, "4-bit float weights in format mxfp4"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "W4A8_AWQ"}}, "modelopt: quant_algo W4A8_AWQ"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
@@ -213,20 +214,23 @@ def test_refused_at_start_up(tmp_path, source, change, message):
     assert "\n" not in str(e.value)
 
 
-def test_nvfp4_values(tmp_path, source):
-    """compressed-tensors' own decompression of our ct-nvfp4 copy (in bfloat16) gives the
-    reference's float32 values rounded to bfloat16: the codes' order in a byte, the e2m1 table
-    and the global scale's division are the format's; ModelOpt's copy, converted by
+def test_fp4_values(tmp_path, source):
+    """compressed-tensors' own decompression (in bfloat16) of our ct-nvfp4 and ct-mxfp4 copies
+    gives the reference's float32 values rounded to bfloat16 (MXFP4's exactly: powers of two
+    times e2m1 values): the codes' order in a byte, the e2m1 table, the global scale's division
+    and the E8M0 exponents are the formats'; ModelOpt's NVFP4 copy, converted by
     compressed-tensors' own converter (renames, and 1 / weight_scale_2), decompresses alike, to
     a bfloat16 ulp."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from compressed_tensors.quantization import QuantizationScheme
-    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from compressed_tensors.quantization.quant_scheme import MXFP4, NVFP4
     from safetensors.torch import load_file
 
-    scheme = QuantizationScheme(targets=["Linear"], **NVFP4)
-    for fmt in ("ct-nvfp4", "modelopt-nvfp4"):
+    for fmt in ("ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4"):
+        mx = fmt == "ct-mxfp4"
+        scheme = QuantizationScheme(targets=["Linear"], **(MXFP4 if mx else NVFP4))
         out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
         quantized_copy(source, out, fmt, reference=ref)
         tensors, want = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
@@ -235,10 +239,12 @@ def test_nvfp4_values(tmp_path, source):
                        for k, v in ModelOptNvfp4Converter(targets=["re:.*_proj$"]).process(tensors).items()}
         for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
             local = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
-            got, values = NVFP4PackedCompressor.decompress(local, scheme)["weight"], want[name + ".weight"]
+            compressor = MXFP4PackedCompressor if mx else NVFP4PackedCompressor
+            got, values = compressor.decompress(local, scheme)["weight"], want[name + ".weight"]
             assert got.dtype == torch.bfloat16
             if fmt.startswith("ct"):
-                assert torch.equal(got, values.bfloat16()), name
+                assert torch.equal(got, values.bfloat16()), (fmt, name)
+                assert not mx or torch.equal(got.float(), values), name
             else:  # 1 / (1 / weight_scale_2) moves a last float32 bit, which may round to the next bfloat16
                 torch.testing.assert_close(got.float(), values, rtol=2 ** -7, atol=0)
 

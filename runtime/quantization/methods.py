@@ -72,18 +72,31 @@ def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
-def nvfp4(prefix: str, packed: torch.Tensor, scale: torch.Tensor, combine) -> QuantTensor:
-    """NVFP4 weights: e2m1 codes two a byte [N, K / 2] (the even column in the low nibble), an
-    FP8 E4M3 scale for each 16 columns [N, K / 16]; `combine` turns the float32 group scales into
-    the final ones with the layer's global scale (each value is then e2m1(code) * scale, as the
-    format's dequantizers compute it)."""
-    if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] != packed.shape[0] \
-            or scale.dtype != torch.float8_e4m3fn or not scale.shape[1] or 2 * packed.shape[1] % scale.shape[1]:
-        raise ValueError(f"{prefix}: NVFP4 codes {tuple(packed.shape)} and {scale.dtype} scales {tuple(scale.shape)} "
+def fp4_weights(prefix: str, packed: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
+    """FP4 weights (NVFP4, MXFP4): e2m1 codes two a byte [N, K / 2] (the even column in the low
+    nibble), with the float32 scale of each group of columns [N, K / G] (each value is then
+    e2m1(code) * scale, as the formats' dequantizers compute it)."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8 or scales.dim() != 2 or scales.shape[0] != packed.shape[0] \
+            or not scales.shape[1] or 2 * packed.shape[1] % scales.shape[1]:
+        raise ValueError(f"{prefix}: FP4 codes {packed.dtype} {tuple(packed.shape)} and scales {tuple(scales.shape)} "
                          "do not make groups")
     codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(packed.shape[0], -1)
-    scales = combine(scale.to(torch.float32))
-    return QuantTensor("fp4", codes, scales.contiguous(), group_size=codes.shape[1] // scale.shape[1])
+    return QuantTensor("fp4", codes, scales.to(torch.float32).contiguous(), group_size=codes.shape[1] // scales.shape[1])
+
+
+def fp8_scales(prefix: str, scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4's group scales (float8_e4m3fn, one a group of 16) in float32."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{prefix}.weight_scale is {scale.dtype}, not NVFP4's float8_e4m3fn")
+    return scale.to(torch.float32)
+
+
+def e8m0_scales(prefix: str, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4's group scales: E8M0 bytes (a power of two, 2^(e - 127); 255 is NaN) in float32."""
+    if scale.dtype != torch.uint8:
+        raise ValueError(f"{prefix}.weight_scale is {scale.dtype}, not MXFP4's uint8 exponents")
+    e = scale.to(torch.int32)
+    return torch.where(e == 255, float("nan"), torch.ldexp(torch.ones(e.shape), e - 127))
 
 
 def static_input_scale(prefix: str, tensors: dict, static: bool) -> float | None:
@@ -176,14 +189,19 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     return scheme
 
 
+# compressed-tensors' FP4 formats: (format, strategy, group size) -> name
+_FP4_FORMATS = {("nvfp4-pack-quantized", "tensor_group", 16): "NVFP4", ("mxfp4-pack-quantized", "group", 32): "MXFP4"}
+
+
 class CompressedTensors(QuantMethod):
     """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`) per channel, per
     tensor, or per block (as the C linear's FP8 groups, activations unquantized); INT8 weights
     (`int-quantized`/`naive-quantized`) per channel, symmetric; either with dynamic per-token
     activations, static per-tensor ones (`input_scale`) or none; 4-bit weights
-    `pack-quantized` in groups or per channel, symmetric or with zero points; and NVFP4
+    `pack-quantized` in groups or per channel, symmetric or with zero points; NVFP4
     (`nvfp4-pack-quantized`: e2m1 codes, an FP8 scale a group of 16, divided by the layer's
-    `weight_global_scale`), weight-only."""
+    `weight_global_scale`) and MXFP4 (`mxfp4-pack-quantized`: an E8M0 power of two a group of
+    32), both weight-only."""
     name = "compressed-tensors"
     marker = "weight_scale"
 
@@ -227,17 +245,18 @@ class CompressedTensors(QuantMethod):
                 if w.get("actorder") == "group":
                     raise UnsupportedQuantization(f"{where}: activation ordering (actorder: group) is not supported")
             elif kind == ("float", 4):
-                if gfmt != "nvfp4-pack-quantized" or w.get("strategy") != "tensor_group" or w.get("group_size") != 16:
+                name = _FP4_FORMATS.get((gfmt, w.get("strategy"), w.get("group_size")))
+                if name is None:
                     raise UnsupportedQuantization(f"{where}: 4-bit float weights in format {gfmt} by "
                                                   f"{w.get('strategy')} in groups of {w.get('group_size')} are not "
-                                                  "supported (NVFP4, nvfp4-pack-quantized in groups of 16, is)")
+                                                  "supported (NVFP4 and MXFP4 are)")
                 if not w.get("symmetric", True):
-                    raise UnsupportedQuantization(f"{where}: asymmetric NVFP4 weights (zero points) are not supported")
+                    raise UnsupportedQuantization(f"{where}: asymmetric {name} weights (zero points) are not supported")
                 if act is not None and (act.get("type"), act.get("num_bits")) != ("float", 4):
-                    raise UnsupportedQuantization(f"{where}: NVFP4 weights beside {act.get('num_bits')}-bit "
+                    raise UnsupportedQuantization(f"{where}: {name} weights beside {act.get('num_bits')}-bit "
                                                   f"{act.get('type')} activations are not supported")
-                # NVFP4's activations (W4A4: FP4 kernels Blackwell has) are not quantized here
-                self.schemes.append("NVFP4 weight-only")
+                # FP4 activations (W4A4: FP4 kernels Blackwell has) are not quantized here
+                self.schemes.append(f"{name} weight-only")
                 continue
             else:
                 raise UnsupportedQuantization(f"{where}: {w.get('num_bits')}-bit {w.get('type')} weights "
@@ -272,7 +291,7 @@ class CompressedTensors(QuantMethod):
     def layout(self, tensors):
         if "weight_packed" in tensors:
             ((_, words), dtype), scale = tensors["weight_packed"], tensors["weight_scale"][0]
-            if dtype == "U8":  # NVFP4: two codes a byte
+            if dtype == "U8":  # NVFP4 or MXFP4: two codes a byte
                 return "fp4", 2 * words // scale[1]
             return "int4", 8 * words // (scale[1] if len(scale) == 2 else 1)
         shape, dtype = tensors.get("weight", ((), "?"))
@@ -287,9 +306,11 @@ class CompressedTensors(QuantMethod):
 
     def read(self, prefix, tensors):
         scale = tensors["weight_scale"]
-        if "weight_packed" in tensors and tensors["weight_packed"].dtype == torch.uint8:  # NVFP4
+        if "weight_packed" in tensors and tensors["weight_packed"].dtype == torch.uint8:  # FP4
+            if scale.dtype == torch.uint8:  # MXFP4: a power of two a group
+                return fp4_weights(prefix, tensors["weight_packed"], e8m0_scales(prefix, scale))
             packed, global_scale = need_tensors(tensors, prefix, "weight_packed", "weight_global_scale")
-            return nvfp4(prefix, packed, scale, lambda s: s / global_scale.float().reshape(()))
+            return fp4_weights(prefix, packed, fp8_scales(prefix, scale) / global_scale.float().reshape(()))
         if "weight_packed" in tensors:
             packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from pageserve.runtime.quantization.methods import (QuantMethod, UnsupportedQuantization, fp8_blocks, kv_cache_scheme,
-                                                    modelopt_fields, need_tensors, nvfp4, static_input_scale)
+from pageserve.runtime.quantization.methods import (QuantMethod, UnsupportedQuantization, fp4_weights, fp8_blocks,
+                                                    fp8_scales, kv_cache_scheme, modelopt_fields, need_tensors,
+                                                    static_input_scale)
 from pageserve.runtime.quantization.qtensor import QuantTensor
 
 # ModelOpt's quant_algo values pageserve serves (FP8 weights), and those it names when refusing
@@ -55,7 +56,7 @@ class ModelOpt(QuantMethod):
     def read(self, prefix, tensors):
         if self.fp4:
             packed, scale, scale_2 = need_tensors(tensors, prefix, "weight", "weight_scale", "weight_scale_2")
-            return nvfp4(prefix, packed, scale, lambda s: s * scale_2.float().reshape(()))
+            return fp4_weights(prefix, packed, fp8_scales(prefix, scale) * scale_2.float().reshape(()))
         codes, scale = need_tensors(tensors, prefix, "weight", "weight_scale")
         n, k = codes.shape
         if codes.dtype != torch.float8_e4m3fn:
