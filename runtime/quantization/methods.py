@@ -81,7 +81,8 @@ def fp4_weights(prefix: str, packed: torch.Tensor, scales: torch.Tensor) -> Quan
         raise ValueError(f"{prefix}: FP4 codes {packed.dtype} {tuple(packed.shape)} and scales {tuple(scales.shape)} "
                          "do not make groups")
     codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(packed.shape[0], -1)
-    return QuantTensor("fp4", codes, scales.to(torch.float32).contiguous(), group_size=codes.shape[1] // scales.shape[1])
+    group = codes.shape[1] // scales.shape[1]
+    return QuantTensor("fp4", codes, scales.to(torch.float32).contiguous(), group_size=group)
 
 
 def fp8_scales(prefix: str, scale: torch.Tensor) -> torch.Tensor:
