@@ -3,8 +3,9 @@ Llama-3-8B's MLP shapes (4096 -> 14336 and 14336 -> 4096) for 1, 16 and 256 toke
 
 One random W4A16 layer (groups of 128) is the weight; its dequantized bf16 copy w is the
 reference, F.linear(x, w). FP8 and INT8 layers are w quantized per output channel, and
-"fp8 block" w in FP8 blocks of 128x128 (Qwen's -FP8 layout, weight-only: the grouped GEMM). Each
-method's largest error relative to the reference's largest value, and its median time against
+"fp8 block" w in FP8 blocks of 128x128 (Qwen's -FP8 layout, weight-only: the grouped GEMM);
+"nvfp4" random FP4 codes with a scale a group of 16 (weight-only, the grouped GEMM), against
+its own dequantized bf16 matmul. Each method's largest error relative to the reference's largest value, and its median time against
 the bf16 matmul's (CUDA events, after warm-up), launched and replayed from a CUDA graph (as the
 engine's decode steps run them, without the host's launch costs). fp8 and int8 run twice: gemm="auto" (torch's
 scaled matmul where it applies; the path is reported) and the Triton GEMM alone. Then the W4A16
@@ -22,7 +23,7 @@ GROUP = 128
 # the largest error a correct kernel shows here, over the reference's largest value: bf16
 # rounding alone for int4; the activations' per-token rounding (3 mantissa bits for fp8,
 # 1/254 of the row's maximum for int8) for the others. A wrong kernel is off by about 1.
-MAX_REL_ERR = {"int4": 2e-2, "int8": 4e-2, "fp8": 1e-1}
+MAX_REL_ERR = {"int4": 2e-2, "fp4": 2e-2, "int8": 4e-2, "fp8": 1e-1}
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,8 @@ def graphed(fn):
 
 
 def make_layers(n: int, k: int, device, generator) -> dict:
-    """The int4 layer, its dequantized bf16 weight, and the fp8 and int8 layers made from it."""
+    """The int4 layer, its dequantized bf16 weight, the fp8 and int8 layers made from it, and an
+    NVFP4 layer with its own dequantized bf16 weight."""
     from pageserve.triton_kernels import torch_ops
 
     q = torch.randint(0, 16, (n, k), generator=generator, device=device, dtype=torch.int32)
@@ -95,11 +97,15 @@ def make_layers(n: int, k: int, device, generator) -> dict:
     codes = (w / per32.repeat_interleave(32, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     layers["fp8 block"] = (codes, per32.contiguous())
     layers["bf16"] = w.to(torch.bfloat16)
+    fp4 = torch.randint(0, 16, (n, k), generator=generator, device=device, dtype=torch.int32)
+    fp4_scales = (torch.rand(n, k // 16, generator=generator, device=device) + 0.5) * (1.0 / (3 * k ** 0.5))
+    layers["nvfp4"] = (pack_int4(fp4), fp4_scales)
+    layers["nvfp4 bf16"] = torch_ops.dequantize_fp4(*layers["nvfp4"], 16).to(torch.bfloat16)
     return layers
 
 
 def section_quant(args, report, device):
-    from pageserve.triton_kernels.grouped_linear import fp8_group_linear, int4_linear
+    from pageserve.triton_kernels.grouped_linear import fp4_linear, fp8_group_linear, int4_linear
     from pageserve.triton_kernels.scaled_linear import auto_gemm, scaled_linear
 
     if args.smoke:
@@ -116,19 +122,21 @@ def section_quant(args, report, device):
         for m in batches:
             x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
             want = F.linear(x, w).float()
-            scale = want.abs().max().item()
             t_bf16 = median_time(lambda: F.linear(x, w), iters)
             g_bf16 = median_time(graphed(lambda: F.linear(x, w)), iters)
             methods = {"int4": ("int4", "triton", lambda: int4_linear(x, *layers["int4"], GROUP)),
-                       "fp8 block": ("fp8", "triton", lambda: fp8_group_linear(x, *layers["fp8 block"], 32))}
+                       "fp8 block": ("fp8", "triton", lambda: fp8_group_linear(x, *layers["fp8 block"], 32)),
+                       "nvfp4": ("fp4", "triton", lambda: fp4_linear(x, *layers["nvfp4"], 16),
+                                 F.linear(x, layers["nvfp4 bf16"]).float())}
             for kind in ("fp8", "int8"):
                 wq, w_scale = layers[kind]
                 methods[kind] = (kind, "auto", lambda wq=wq, ws=w_scale, kind=kind: scaled_linear(x, wq, ws, kind))
                 methods[f"{kind} triton"] = (kind, "triton", lambda wq=wq, ws=w_scale, kind=kind:
                                              scaled_linear(x, wq, ws, kind, gemm="triton"))
             print(f"    M {m:4d}: bf16 matmul {t_bf16 * 1e6:9.1f} us (from a CUDA graph {g_bf16 * 1e6:9.1f} us)")
-            for name, (kind, gemm, fn) in methods.items():
-                err = ((fn().float() - want).abs().max() / scale).item()
+            for name, (kind, gemm, fn, *own) in methods.items():  # own: a reference of the method's own weight
+                ref = own[0] if own else want
+                err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
                 t, tg = median_time(fn, iters), median_time(graphed(fn), iters)
                 path = auto_gemm(m, n, k, kind, x.device, x.dtype, False) if gemm == "auto" else "triton"
                 ok = err < MAX_REL_ERR[kind]
