@@ -12,6 +12,10 @@ by hand from each format's specification, with the config's `quantization_config
   activations (W8A8); ct-int8-static: static INT8 activations per tensor;
 - ct-w4a16 / ct-w4a16-asym: compressed-tensors `pack-quantized`, 4-bit in groups, symmetric /
   with zero points (eight values an int32 word along the row, signed values plus 8);
+- ct-w8a16: `pack-quantized` 8-bit, symmetric, in groups (by channel where group_size is -1;
+  four values a word, signed values plus 128);
+- gptq-int8: AutoGPTQ's 8-bit packing, symmetric (Qwen's -GPTQ-Int8: qweight [K/4, N], every
+  zero point 128, stored minus one);
 - awq: AutoAWQ's GEMM packing (qweight [K, N/8], columns in the order 0 2 4 6 1 3 5 7);
 - gptq: AutoGPTQ's packing (qweight [K/8, N], zero points stored minus one);
 - fp8-tensor / fp8-block: vLLM's own `fp8` method, FP8 E4M3 weights with one `weight_scale` a
@@ -53,8 +57,8 @@ from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
 from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
-           "ct-w4a16-asym", "awq", "gptq", "fp8-tensor", "fp8-static", "fp8-block", "modelopt-fp8",
-           "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4")
+           "ct-w4a16-asym", "ct-w8a16", "awq", "gptq", "gptq-int8", "fp8-tensor", "fp8-static", "fp8-block",
+           "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4")
 # the modelopt formats, as the others they share their tensors with
 _MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
 # the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3); a vision
@@ -81,6 +85,23 @@ def rtn_int4(w: torch.Tensor, group: int, symmetric: bool, scale_dtype: torch.dt
 
 def dequant_int4(codes, scales, zeros, group):
     return (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+
+
+def pack_bytes(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values [R, C] -> int32 [R, C / 4]: value 4i + j of a row at bits 8j of word i."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 4)
+    words = sum(v[:, :, j] << (8 * j) for j in range(4))
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def rtn_int8(w: torch.Tensor, group: int, scale_dtype: torch.dtype):
+    """Symmetric round-to-nearest 8-bit codes (-127..127) and scales [N, K/G] (group -1: one a row)."""
+    n, k = w.shape
+    group = k if group <= 0 else group
+    g = w.view(n, k // group, group)
+    scales = (g.abs().amax(dim=2) / 127).clamp(min=1e-8).to(scale_dtype).float()
+    codes = (g / scales[:, :, None]).round().clamp(-127, 127)
+    return codes.view(n, k).to(torch.int8), scales
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
@@ -150,6 +171,10 @@ def _ct_config(fmt: str, group: int) -> dict:
         form, act = "int-quantized", dyn("int")
         if fmt == "ct-int8-static":
             act.update(strategy="tensor", dynamic=False)
+    elif fmt == "ct-w8a16":
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group" if group > 0 else "channel",
+                   "group_size": group if group > 0 else None, "dynamic": False}
+        form, act = "pack-quantized", None
     else:
         weights = {"num_bits": 4, "type": "int", "symmetric": fmt == "ct-w4a16", "strategy": "group",
                    "group_size": group, "dynamic": False}
@@ -192,6 +217,17 @@ def quantize_layer(prefix: str, w: torch.Tensor, fmt: str, group: int, scale_dty
         stored = scale.reshape(1) if scale.dim() == 0 else scale[:, None]
         return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": stored.to(scale_dtype),
                 **(static if fmt.endswith("static") else {})}, deq
+    if fmt in ("ct-w8a16", "gptq-int8"):
+        codes, scales = rtn_int8(w, group, scale_dtype)
+        deq = codes.float() * scales.repeat_interleave(k // scales.shape[1], 1)
+        stored = (codes.to(torch.int16) + 128).to(torch.uint8)  # unsigned, zero point 128
+        if fmt == "ct-w8a16":
+            return {f"{prefix}.weight_packed": pack_bytes(stored), f"{prefix}.weight_scale": scales.to(scale_dtype),
+                    f"{prefix}.weight_shape": torch.tensor([n, k])}, deq
+        return {f"{prefix}.qweight": pack_bytes(stored).t().contiguous(),
+                f"{prefix}.qzeros": pack_bytes(torch.full((scales.shape[1], n), 127, dtype=torch.uint8)),
+                f"{prefix}.scales": scales.t().contiguous().to(scale_dtype),
+                f"{prefix}.g_idx": torch.arange(k, dtype=torch.int32) // (k // scales.shape[1])}, deq
     codes, scales, zeros = rtn_int4(w, group, fmt in ("ct-w4a16", "gptq"), scale_dtype)
     deq = dequant_int4(codes, scales, zeros, group)
     if fmt.startswith("ct-"):
@@ -255,7 +291,7 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
-    scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq") else torch.float32)
+    scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq", "gptq-int8") else torch.float32)
     for d in [out] + ([reference] if reference else []):
         copy_model_files(src, d)
     quantized, dense = {}, {}
@@ -286,8 +322,9 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                       "zero_point": True, "version": "gemm"}
     else:
-        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
-                                      "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 8 if fmt == "gptq-int8" else 4,
+                                      "group_size": group_size, "desc_act": False, "sym": True,
+                                      "checkpoint_format": "gptq"}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     if reference:
         save_file({k: v.float() if v.is_floating_point() else v for k, v in dense.items()},

@@ -289,8 +289,8 @@ class TritonKernels(Kernels):
         self._lora_expand(out, y, lora.bt.transpose(1, 2), lora.slices, *groups)
 
     def quant_linear(self, x, weight, quant, bias):
-        """W4A16, FP4 and block-wise FP8 through the Triton GEMM that unpacks and scales in its
-        inner loop; per-channel FP8 and INT8 with the activations quantized per token, or with the
+        """W4A16, FP4, grouped INT8 and block-wise FP8 through the Triton GEMM that unpacks and
+        scales in its inner loop; per-channel FP8 and INT8 with the activations quantized per token, or with the
         checkpoint's static scale (torch's scaled matmul where the device has it)."""
         if quant.kind == "int4":
             from pageserve.triton_kernels.grouped_linear import int4_linear
@@ -301,9 +301,10 @@ class TritonKernels(Kernels):
 
             return fp4_linear(x, weight, quant.scales, quant.group_size, bias)
         if quant.group_size:
-            from pageserve.triton_kernels.grouped_linear import fp8_group_linear
+            from pageserve.triton_kernels.grouped_linear import fp8_group_linear, int8_group_linear
 
-            return fp8_group_linear(x, weight, quant.scales, quant.group_size, bias)
+            grouped = int8_group_linear if quant.kind == "int8" else fp8_group_linear
+            return grouped(x, weight, quant.scales, quant.group_size, bias)
         from pageserve.triton_kernels.scaled_linear import scaled_linear
 
         return scaled_linear(x, weight, quant.scales, quant.kind, bias, quant.input_scale)

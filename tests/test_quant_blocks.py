@@ -67,9 +67,11 @@ def quantized(fmt: str, rows: int, cols: int, group: int | None, seed: int, edge
         value = torch.where(e == 0, 0.5 * m, 2 ** (e - 1) * (1 + m / 2)) * torch.where(codes >= 8, -1.0, 1.0)
         scales = scales_of(gen, (rows, cols // group), edges)
         return fp4_blocks(codes, scales, group), value * scales.repeat_interleave(group, 1)
-    scales = scales_of(gen, (rows,) if group is None or fmt == "i8" else (rows, cols // group), edges)
-    if fmt == "i8":
+    scales = scales_of(gen, (rows,) if group is None else (rows, cols // group), edges)
+    if fmt == "i8":  # one scale a row, or a group's (8-bit GPTQ, W8A16)
         codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+        if group is not None:
+            return int8_blocks(codes, scales, group), codes.float() * scales.repeat_interleave(group, 1)
         return int8_blocks(codes, scales), codes.float() * scales[:, None]
     raw = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
     if not nan:
@@ -86,7 +88,7 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
-SHAPES = [("i8", 96, None), ("i8", 192, None), ("f8", 96, None), ("f8", 192, None), ("f8", 192, 64),
+SHAPES = [("i8", 96, None), ("i8", 192, None), ("i8", 192, 64), ("f8", 96, None), ("f8", 192, None), ("f8", 192, 64),
           ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64), ("f4", 96, 16), ("f4", 128, 64)]
 
 

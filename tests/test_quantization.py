@@ -26,7 +26,8 @@ from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.engine
 
-GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128, "ct-fp8-block": 64}
+GROUP = {"ct-w4a16": 32, "ct-w4a16-asym": 64, "awq": 32, "gptq": 128, "fp8-block": 128, "ct-fp8-block": 64,
+         "ct-w8a16": 64, "gptq-int8": 32}
 # rows of multiples of 32, also per rank; qwen3's and mixtral's stacked w13 past 64 KiB, so that
 # the CPU moves them into huge pages (and the experts' views must follow)
 STATIC = ("ct-fp8-static", "ct-int8-static", "fp8-static", "modelopt-fp8")  # with an input_scale a layer
@@ -86,6 +87,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     assert layer.mlp.down_proj.weight.dtype == torch.uint8  # kept compact, not dequantized
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
     kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}, "ct-nvfp4": {"f4"},
+            "ct-w8a16": {"i8"}, "gptq-int8": {"q8_0"},
             "modelopt-nvfp4": {"f4"}, "ct-mxfp4": {"f4"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
@@ -105,7 +107,7 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
                                  "ct-fp8-block", "ct-fp8-static", "ct-int8-static", "modelopt-fp8",
                                  "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4",
-                                 "ct-mxfp4"])
+                                 "ct-mxfp4", "ct-w8a16", "gptq-int8"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -117,7 +119,7 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
     fp8, fp4 = "fp8" in fmt, fmt.endswith("fp4")
-    int8 = fmt.startswith("ct-int8")
+    int8 = fmt.startswith("ct-int8") or fmt in ("ct-w8a16", "gptq-int8")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
     assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "fp4" if fp4 else "int4")
     if fmt in STATIC:  # q, k, v's static scales are 1, 2 and 3 / 56: the fused layer takes the largest
@@ -125,6 +127,9 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
         assert llm.engine.runner.model.layers[1].self_attn.o_proj.weight.quant.input_scale == pytest.approx(1 / 56)
     else:
         assert weight.quant.input_scale is None
+    if fmt in ("ct-w8a16", "gptq-int8"):  # int8 codes with a scale for each group
+        assert weight.quant.group_size == GROUP[fmt]
+        assert weight.quant.scales.shape == (weight.shape[0], 128 // GROUP[fmt])
     if fp4:  # a scale for each 16 (NVFP4) or 32 (MXFP4) columns, and no zero points
         assert weight.quant.group_size == (32 if fmt == "ct-mxfp4" else 16) and weight.quant.zeros is None
     if fmt.endswith("block") or fmt.endswith("pb-wo"):  # each 32 of a row's 128 columns their block's scale
@@ -175,14 +180,23 @@ def test_online_fp8(tmp_path, source, prompts, arch):
                                                     "dynamic": False}}}}, "static symmetric by token"),
     ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
                               "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor",
-                                                    "symmetric": False, "dynamic": False}}}}, "static asymmetric"),
+                                                    "symmetric": False, "dynamic": False},
+                              "format": "int-quantized"}}}, "static asymmetric"),
     ({"config_groups": {"static": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
                                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
                         "weight-only": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      "8-bit groups with static activation scales beside 8-bit groups without"),
     ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
     ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
-    ({"quant_method": "gptq", "bits": 8}, "8-bit weights"),
+    ({"quant_method": "gptq", "bits": 3}, "3-bit weights"),
+    ({"quant_method": "gptq", "bits": 8, "sym": False}, "asymmetric 8-bit weights"),
+    ({"config_groups": {"a": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+                              "format": "pack-quantized"},
+                        "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                              "format": "pack-quantized"}}}, "4-bit and 8-bit pack-quantized"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32},
+                              "input_activations": {"num_bits": 8, "type": "int", "strategy": "token"},
+                              "format": "pack-quantized"}}}, "packed INT8 weights with quantized activations"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "Marlin-only"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "static activation scales and block-wise weights"),
@@ -247,6 +261,20 @@ def test_fp4_values(tmp_path, source):
                 assert not mx or torch.equal(got.float(), values), name
             else:  # 1 / (1 / weight_scale_2) moves a last float32 bit, which may round to the next bfloat16
                 torch.testing.assert_close(got.float(), values, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["ct-w8a16", "gptq-int8"])
+def test_eight_bit_integer_weights_by_channel(tmp_path, source, prompts, fmt):
+    """8-bit integer weights with one scale a row (W8A16 by channel, GPTQ's group_size -1): the
+    reference's tokens, kept as int8 codes with a scale a row, in both storages."""
+    out, ref = tmp_path / fmt, tmp_path / f"{fmt}-ref"
+    quantized_copy(source, out, fmt, group_size=-1, reference=ref)
+    expected = hf_expected(fmt, out, ref, prompts)
+    for eager in (False, True):
+        got, llm = ours(out, prompts, enforce_eager=eager)
+        assert got == expected, eager
+    quant = llm.engine.runner.model.layers[0].mlp.down_proj.weight.quant
+    assert quant.kind == "int8" and quant.group_size in (0, 256)  # W8A16's scale a row; GPTQ's one group of K
 
 
 def test_modelopt_kv_cache_algo_is_a_scheme():

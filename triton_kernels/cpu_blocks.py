@@ -52,11 +52,22 @@ def weight_format(weight: torch.Tensor) -> tuple[int, int]:
     raise TypeError(f"cpu kernels take float32, bfloat16 or block-format matrices, got {weight.dtype}")
 
 
-def int8_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] with one scale a row ([N]) as `i8` blocks."""
+def int8_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 0) -> torch.Tensor:
+    """int8 codes [N, K] with one scale a row ([N]), or one a group of `group_size` columns
+    ([N, K / group_size], group_size a multiple of 32), as `i8` blocks."""
     n, k = _codes_shape(codes, torch.int8, "int8_blocks")
-    s = _scale_bytes(_row_scales(scales, n, "int8_blocks"), n, k // 32)
+    s = _scale_bytes(_block_scales(scales, n, k, group_size, "int8_blocks"), n, k // 32)
     return blocks(torch.cat([s, codes.view(torch.uint8).reshape(n, k // 32, 32)], 2).view(n, -1), "i8", k)
+
+
+def _block_scales(scales: torch.Tensor, n: int, k: int, group_size: int, name: str) -> torch.Tensor:
+    """One float32 scale a block of 32: a row's ([N]), or its group's ([N, K / group_size])."""
+    if not group_size:
+        return _row_scales(scales, n, name)
+    if group_size % 32 or k % group_size or scales.shape != (n, k // group_size) or not scales.dtype.is_floating_point:
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} do not make groups of {group_size} "
+                         f"(a multiple of 32) of a {n}x{k} matrix")
+    return scales.to(torch.float32).repeat_interleave(group_size // 32, 1)
 
 
 def fp8_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 0) -> torch.Tensor:
@@ -64,14 +75,7 @@ def fp8_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int = 0) -
     columns ([N, K / group_size], group_size a multiple of 32), each below 2**120 in size, as
     `f8` blocks."""
     n, k = _codes_shape(codes, torch.float8_e4m3fn, "fp8_blocks")
-    if group_size:
-        if group_size % 32 or k % group_size or scales.shape != (n, k // group_size) \
-                or not scales.dtype.is_floating_point:
-            raise ValueError(f"fp8_blocks: scales {tuple(scales.shape)} do not make groups of {group_size} "
-                             f"(a multiple of 32) of a {n}x{k} matrix")
-        scales = scales.to(torch.float32).repeat_interleave(group_size // 32, 1)
-    else:
-        scales = _row_scales(scales, n, "fp8_blocks")
+    scales = _block_scales(scales, n, k, group_size, "fp8_blocks")
     if not bool((scales.abs() < F8_SCALE_LIMIT).all()):
         raise ValueError(f"fp8_blocks: scales must be finite and below 2**120 in size, got max "
                          f"{scales.abs().max().item()}")

@@ -8,13 +8,15 @@ weight in memory):
 - block-wise FP8 (fp8_group_linear): weight float8_e4m3fn [N, K], scales float32 [N, K / G];
   y = x @ (float(w) * s)^T. The codes travel as bytes and are widened exactly (scaled_linear's
   decoder), so the kernel also runs on GPUs without fp8 and under the interpreter.
+- grouped INT8 (int8_group_linear, 8-bit GPTQ and W8A16): weight int8 [N, K], scales float32
+  [N, K / G]; y = x @ (w * s)^T.
 - FP4 (fp4_linear, NVFP4 weight-only): qweight int32 [N, K / 8] of FP4 e2m1 codes packed as
   W4A16's, scales float32 [N, K / G]; y = x @ (e2m1(q) * s)^T.
 
 One program computes a BLOCK_M x BLOCK_N tile over its share of K, reading the weight tile
 transposed (each row's codes are contiguous; a 4-bit word is repeated for its 8 columns before
 the shifts). Where BLOCK_K divides G a tile of K lies in one group: the kernel multiplies x by
-the unscaled values (q - z, or the FP8 or FP4 value: exact in the model dtype) and scales the
+the unscaled values (q - z, or the FP8, FP4 or int8 value: exact in the model dtype) and scales the
 float32 partial product once per tile; otherwise each weight is scaled before the product. Few rows
 (decode) read the weight once and leave most SMs idle, so K is split over the grid's third
 axis: each split writes float32 partial sums that torch adds afterwards (no atomics, no host
@@ -32,7 +34,7 @@ from pageserve.triton_kernels.paged_attention import _dot  # float32 accumulatio
 from pageserve.triton_kernels.scaled_linear import _e4m3_to_f16
 
 
-INT4, FP8, FP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's CODES
+INT4, FP8, FP4, INT8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)  # the kernel's CODES
 
 
 # the token count, the input's row stride and the partial sums' split stride (M * N) change
@@ -46,7 +48,8 @@ def _grouped_linear_kernel(
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """out[m, n] = sum over this split's k of x[m, k] * w[n, k] * s[n, k // G], w by CODES:
-    q[n, k] - z[n, k // G] (INT4), the FP8 value (FP8) or the FP4 e2m1 value (FP4) of the code.
+    q[n, k] - z[n, k // G] (INT4), the FP8 value (FP8), the FP4 e2m1 value (FP4) or the int8
+    value (INT8) of the code.
     PER_WORD: codes a stored element holds (8 or 1).
     SPLIT: out is the float32 partial-sum buffer [splits, M, N] (bias added later); else out is
     y [M, N] in the model dtype. ONE_GROUP: BLOCK_K divides G (each K tile has one scale)."""
@@ -75,6 +78,8 @@ def _grouped_linear_kernel(
             words = tl.load(q_ptrs, mask=n_ok[:, None] & (offs_w * PER_WORD < k_dim - k)[None, :], other=0)
         if CODES == FP8:
             q = _e4m3_to_f16(words).to(tl.float32)
+        elif CODES == INT8:
+            q = words.to(tl.float32)
         else:
             # each word repeated for its 8 columns, then column j of a word shifted down by 4j
             words = tl.interleave(words, words)
@@ -91,7 +96,8 @@ def _grouped_linear_kernel(
             s = tl.load(s_row + group, mask=n_ok, other=0.0)
             if CODES == INT4:
                 q = (q - tl.load(z_row + group, mask=n_ok, other=0).to(tl.int32)[:, None]).to(tl.float32)
-            # q - z is a small integer, an FP8 or FP4 value has at most 3 mantissa bits: exact in any dtype
+            # q - z or an int8 is a small integer, an FP8 or FP4 value has at most 3 mantissa bits: exact in any
+            # dtype
             # (through float32: the interpreter's int-to-bfloat16 cast is wrong)
             acc += _dot(x, tl.trans(q.to(x.dtype)), UPCAST) * s[None, :]
         else:
@@ -177,7 +183,7 @@ def _check_x(who: str, x: torch.Tensor) -> None:
 
 def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> torch.Tensor:
     """The kernel over x [M, K] and a checked weight of N rows (codes: int32 words of 8 4-bit
-    values, int4 or fp4, or FP8 bytes)."""
+    values, int4 or fp4, or FP8 or int8 bytes)."""
     m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -203,7 +209,7 @@ def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> 
         m, n, k, group_size, k_per_split,
         x.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
         out.stride(-2), out.stride(0) if split > 1 else 0,
-        CODES={"int4": INT4, "fp8": FP8, "fp4": FP4}[kind], PER_WORD=1 if kind == "fp8" else 8,
+        CODES={"int4": INT4, "fp8": FP8, "fp4": FP4, "int8": INT8}[kind], PER_WORD=1 if kind in ("fp8", "int8") else 8,
         HAS_BIAS=bias is not None, SPLIT=split > 1, ONE_GROUP=group_size % bk == 0,
         EVEN_K=k_per_split * split == k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST=x.dtype != torch.float32 and triton.knobs.runtime.interpret,
@@ -240,20 +246,33 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
                      bias: torch.Tensor | None = None, **launch) -> torch.Tensor:
-    """Same contract as torch_ops.fp8_group_linear: x [M, K] float16/bfloat16/float32 with unit
+    """Same contract as torch_ops.group_linear: x [M, K] float16/bfloat16/float32 with unit
     column stride; weight float8_e4m3fn [N, K]; scales float32 [N, K / G]; bias [N] in x's
     dtype or None. Returns y [M, N] in x's dtype, accumulated in float32. launch: int4_linear's
     split_k, block_m/n/k, num_warps and num_stages."""
-    who = "fp8_group_linear"
+    return _byte_group_linear("fp8_group_linear", torch.float8_e4m3fn, x, weight, scales, group_size, bias, launch)
+
+
+def int8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      bias: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """fp8_group_linear for int8 weights [N, K] (8-bit GPTQ, W8A16): y = x @ (w * s)^T."""
+    return _byte_group_linear("int8_group_linear", torch.int8, x, weight, scales, group_size, bias, launch)
+
+
+def _byte_group_linear(who, dtype, x, weight, scales, group_size, bias, launch) -> torch.Tensor:
+    """The grouped kernel over a weight of one byte a code (FP8 or int8), checked."""
     _check_x(who, x)
-    _check(weight.dtype == torch.float8_e4m3fn and weight.dim() == 2,
-           f"{who}: weight must be 2-D float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    _check(weight.dtype == dtype and weight.dim() == 2,
+           f"{who}: weight must be 2-D {str(dtype).removeprefix('torch.')} [N, K], got {weight.dtype} "
+           f"{tuple(weight.shape)}")
     n, k = weight.shape
     _check(x.shape[1] == k, f"{who}: x has {x.shape[1]} columns but weight has {k}")
     _check_inputs(who, x, n, k, scales, None, group_size, bias, {"weight": weight})
     unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
     _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
-    return _launch(who, x, weight.view(torch.uint8), n, scales, None, group_size, bias, "fp8", launch)
+    kind = "fp8" if dtype == torch.float8_e4m3fn else "int8"
+    return _launch(who, x, weight.view(torch.uint8) if kind == "fp8" else weight, n, scales, None, group_size, bias,
+                   kind, launch)
 
 
 def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,

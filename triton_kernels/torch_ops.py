@@ -300,16 +300,17 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
-def dequantize_fp8_groups(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 [N, K] weight of a block-wise FP8 layer: weight float8_e4m3fn [N, K], scales
-    float32 [N, K / G]; w = float(code) * s."""
+def dequantize_groups(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 [N, K] weight of a block-wise FP8 or grouped INT8 layer: weight
+    float8_e4m3fn or int8 [N, K], scales float32 [N, K / G]; w = float(code) * s."""
     return weight.float() * scales.repeat_interleave(group_size, dim=1)
 
 
-def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
-    w = dequantize_fp8_groups(weight, scales, group_size)
+def group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the dequantized FP8 or INT8 weight^T (+ bias [N]), in float32, returned in x's
+    dtype (the reference of fp8_group_linear and int8_group_linear)."""
+    w = dequantize_groups(weight, scales, group_size)
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 

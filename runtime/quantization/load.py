@@ -11,7 +11,7 @@ takes (bind_experts). Two storages:
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
   smaller Q4_0 / Q4_1 / Q8_0 blocks where those hold the same values).
 - packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
-  int4 and fp4 eight codes an int32 word along K, int8 / FP8 as they are (FP8 with a scale per row or
+  int4 and fp4 eight codes an int32 word along K, int8 / FP8 as they are (with a scale per row or
   per group of columns); `weight.quant` says how."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class BlockStorage:
         if qt.kind == "int4":
             raw = cpu_blocks.int4_blocks(qt.codes, qt.scales, qt.zeros, qt.group_size)
         elif qt.kind == "int8":
-            raw = cpu_blocks.int8_blocks(qt.codes, qt.scales)
+            raw = cpu_blocks.int8_blocks(qt.codes, qt.scales, qt.group_size)
         elif qt.kind == "fp4":
             raw = cpu_blocks.fp4_blocks(qt.codes, qt.scales, qt.group_size)
         else:
@@ -143,7 +143,7 @@ class PackedQuant:
         if self.kind == "fp4":
             return torch_ops.dequantize_fp4(weight, self.scales, self.group_size)
         if self.group_size:
-            return torch_ops.dequantize_fp8_groups(weight, self.scales, self.group_size)
+            return torch_ops.dequantize_groups(weight, self.scales, self.group_size)
         return weight.to(torch.float32) * self.scales[:, None]
 
 

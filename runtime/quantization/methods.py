@@ -10,7 +10,7 @@ import re
 import torch
 
 from pageserve.runtime.models.loader import ModelLoadError
-from pageserve.runtime.quantization.qtensor import QuantTensor, quantize_fp8, unpack_nibbles
+from pageserve.runtime.quantization.qtensor import QuantTensor, quantize_fp8, unpack_bytes, unpack_nibbles
 
 
 _KV_SCALE_SUFFIXES = ("output_scale", "k_scale", "v_scale", "q_scale")
@@ -215,6 +215,7 @@ class CompressedTensors(QuantMethod):
         self.schemes = [] if kv is None else ["FP8 KV-cache scales"]
         self.block: tuple[int, int] | None = None  # block-wise FP8 weights' block (rows, columns)
         self.static: bool | None = None  # activations quantized with the checkpoint's input_scale
+        self.packed_bits: int | None = None  # pack-quantized integer weights' width
         for name, group in groups.items():
             w, act = group.get("weights") or {}, group.get("input_activations")
             kind = (w.get("type"), w.get("num_bits"))
@@ -235,12 +236,22 @@ class CompressedTensors(QuantMethod):
             elif kind == ("int", 8):
                 if not w.get("symmetric", True):
                     raise UnsupportedQuantization(f"{where}: asymmetric INT8 weights are not supported")
-                if w.get("strategy") not in ("tensor", "channel"):
-                    raise UnsupportedQuantization(f"{where}: INT8 weights by {w.get('strategy')} are not supported")
+                packed = gfmt == "pack-quantized"  # W8A16: four a word, by channel or in groups
+                if w.get("strategy") not in (("channel", "group") if packed else ("tensor", "channel")):
+                    raise UnsupportedQuantization(f"{where}: INT8 weights by {w.get('strategy')} in format {gfmt} "
+                                                  "are not supported")
+                if packed and (act is not None or w.get("actorder") == "group"):
+                    raise UnsupportedQuantization(f"{where}: packed INT8 weights with quantized activations or "
+                                                  "activation ordering are not supported")
+                if packed:
+                    self._pack(8)
+                    self.schemes.append("W8A16")
+                    continue
             elif kind == ("int", 4):
                 if gfmt not in ("pack-quantized", None):
                     raise UnsupportedQuantization(f"{where}: 4-bit weights in format {gfmt} are not supported "
                                                   "(pack-quantized is)")
+                self._pack(4)
                 if w.get("strategy") not in ("group", "channel"):
                     raise UnsupportedQuantization(f"{where}: 4-bit weights by {w.get('strategy')} are not supported")
                 if w.get("actorder") == "group":
@@ -286,6 +297,14 @@ class CompressedTensors(QuantMethod):
             self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
                                 f"{'' if kind[1] == 4 or act else ' weight-only'}{' static' if static else ''}")
 
+    def _pack(self, bits: int) -> None:
+        """pack-quantized integer weights of `bits` bits (one width a checkpoint: the layers'
+        shapes alone do not tell 4 from 8)."""
+        if self.packed_bits not in (None, bits):
+            raise UnsupportedQuantization("compressed-tensors: 4-bit and 8-bit pack-quantized weights in one "
+                                          "checkpoint are not supported")
+        self.packed_bits = bits
+
     def describe(self) -> str:
         return f"{self.name} ({', '.join(sorted(set(self.schemes)))})"
 
@@ -294,7 +313,10 @@ class CompressedTensors(QuantMethod):
             ((_, words), dtype), scale = tensors["weight_packed"], tensors["weight_scale"][0]
             if dtype == "U8":  # NVFP4 or MXFP4: two codes a byte
                 return "fp4", 2 * words // scale[1]
-            return "int4", 8 * words // (scale[1] if len(scale) == 2 else 1)
+            groups = scale[1] if len(scale) == 2 else 1
+            if self.packed_bits == 8:  # W8A16: by channel (one scale a row), or in groups
+                return "int8", 0 if groups == 1 else 4 * words // groups
+            return "int4", 8 * words // groups
         shape, dtype = tensors.get("weight", ((), "?"))
         kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(dtype)
         if kind is None:
@@ -312,6 +334,14 @@ class CompressedTensors(QuantMethod):
                 return fp4_weights(prefix, tensors["weight_packed"], e8m0_scales(prefix, scale))
             packed, global_scale = need_tensors(tensors, prefix, "weight_packed", "weight_global_scale")
             return fp4_weights(prefix, packed, fp8_scales(prefix, scale) / global_scale.float().reshape(()))
+        if "weight_packed" in tensors and self.packed_bits == 8:  # values stored plus 128, four a word
+            packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
+            n, k = (int(v) for v in shape.tolist())
+            codes = (unpack_bytes(packed, dim=1)[:, :k].to(torch.int16) - 128).to(torch.int8)
+            groups = scale.shape[1] if scale.dim() == 2 else 1
+            if groups == 1:  # by channel: one scale a row
+                return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).reshape(n).contiguous())
+            return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).contiguous(), group_size=k // groups)
         if "weight_packed" in tensors:
             packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())
@@ -378,16 +408,21 @@ class AWQ(QuantMethod):
 
 
 class GPTQ(QuantMethod):
-    """AutoGPTQ/GPTQModel's packing: qweight int32 [K / 8, N] (eight input rows a word), qzeros
-    [K / G, N / 8] (eight output columns a word, each stored minus one in the original
-    `gptq` format, as is in `gptq_v2`), scales [K / G, N], g_idx [K]. desc_act (act-order) is
-    served where g_idx is the plain k // G; a reordering g_idx is refused."""
+    """AutoGPTQ/GPTQModel's packing: qweight int32 [K / 8, N] (eight input rows a word; 8-bit:
+    [K / 4, N], four), qzeros [K / G, N / 8] (eight output columns a word, each stored minus one
+    in the original `gptq` format, as is in `gptq_v2`; 8-bit: four), scales [K / G, N], g_idx
+    [K]. 8-bit weights must be symmetric (every zero point 128: Qwen's -GPTQ-Int8 models) and
+    load as int8 codes q - 128 with group scales. desc_act (act-order) is served where g_idx is
+    the plain k // G; a reordering g_idx is refused."""
     name = "gptq"
     marker = "qweight"
 
     def __init__(self, cfg: dict):
-        if cfg.get("bits", 4) != 4:
-            raise UnsupportedQuantization(f"gptq: {cfg.get('bits')}-bit weights are not supported (4-bit are)")
+        self.bits = cfg.get("bits", 4)
+        if self.bits not in (4, 8):
+            raise UnsupportedQuantization(f"gptq: {self.bits}-bit weights are not supported (4- and 8-bit are)")
+        if self.bits == 8 and cfg.get("sym", True) is False:
+            raise UnsupportedQuantization("gptq: asymmetric 8-bit weights (sym: false) are not supported")
         fmt = cfg.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedQuantization(f"gptq: checkpoint_format {fmt} (a Marlin-only layout) is not supported")
@@ -395,21 +430,31 @@ class GPTQ(QuantMethod):
         self.group_size = cfg.get("group_size", 128)
 
     def describe(self) -> str:
-        return f"gptq (4-bit, {'per channel' if self.group_size in (-1, None) else f'groups of {self.group_size}'})"
+        groups = 'per channel' if self.group_size in (-1, None) else f'groups of {self.group_size}'
+        return f"gptq ({self.bits}-bit, {groups})"
 
-    def _group(self, tensors):
-        return 8 * tensors["qweight"][0][0] // tensors["scales"][0][0]
+    def layout(self, tensors):
+        rows, groups = tensors["qweight"][0][0], tensors["scales"][0][0]
+        return ("int8", 4 * rows // groups) if self.bits == 8 else ("int4", 8 * rows // groups)
 
     def read(self, prefix, tensors):
         qweight, qzeros, scales = need_tensors(tensors, prefix, "qweight", "qzeros", "scales")
-        codes = unpack_nibbles(qweight, dim=0).t().contiguous()  # [N, K]
+        unpack = unpack_bytes if self.bits == 8 else unpack_nibbles
+        codes = unpack(qweight, dim=0).t().contiguous()  # [N, K]
         k = codes.shape[1]
         g_idx = tensors.get("g_idx")
         plain = torch.arange(k) // (k // scales.shape[0])
         if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), plain):
             raise UnsupportedQuantization(f"gptq: {prefix} reorders its input channels (desc_act / act-order "
                                           "with a g_idx other than k // group_size), which is not supported")
-        zeros = (unpack_nibbles(qzeros, dim=1).to(torch.int16) + self.zero_offset).t()
+        zeros = (unpack(qzeros, dim=1).to(torch.int16) + self.zero_offset).t()
+        if self.bits == 8:
+            if not bool((zeros == 128).all()):
+                raise UnsupportedQuantization(f"gptq: {prefix} has 8-bit zero points other than 128 (asymmetric), "
+                                              "which are not supported")
+            groups = scales.shape[0]
+            return QuantTensor("int8", (codes.to(torch.int16) - 128).to(torch.int8), scales.t().to(torch.float32)
+                               .contiguous(), group_size=k // groups)
         if zeros.max() > 15:
             raise ValueError(f"{prefix}: zero points past 15")
         return _int4(prefix, codes, scales.t(), zeros.to(torch.uint8))

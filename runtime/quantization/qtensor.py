@@ -5,7 +5,8 @@ parallelism a slice of rows or of whole groups of columns.
 
 - int4: codes uint8 [N, K] (0..15), scales float32 [N, K / G], zeros uint8 [N, K / G] (0..15; 8
   where the checkpoint is symmetric); value = (code - zero) * scale.
-- int8: codes int8 [N, K], scales float32 [N]; value = code * scale.
+- int8: codes int8 [N, K], scales float32 [N], or [N, K / G] (8-bit GPTQ, W8A16); value = code *
+  scale.
 - fp8: codes float8_e4m3fn [N, K], scales float32 [N]; value = float(code) * scale.
 - fp4: codes uint8 [N, K] (FP4 e2m1 codes 0..15: sign, two exponent bits, one mantissa bit),
   scales float32 [N, K / G] (NVFP4: G = 16); value = e2m1(code) * scale.
@@ -32,7 +33,7 @@ class QuantTensor:
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None = None  # int4 only
-    group_size: int = 0  # int4, fp4 and block-wise fp8: columns that share a scale (and a zero)
+    group_size: int = 0  # int4, fp4, grouped int8 and block-wise fp8: columns that share a scale (and a zero)
     input_scale: float | None = None  # int8 / fp8 with static activations: x is quantized as x / input_scale
 
     def __post_init__(self):
@@ -44,7 +45,7 @@ class QuantTensor:
                 raise ValueError(f"int4 matrix {n}x{k}: scales {tuple(self.scales.shape)} and zeros "
                                  f"{None if self.zeros is None else tuple(self.zeros.shape)} do not make "
                                  f"groups of {g}")
-        elif self.kind in ("fp8", "fp4") and self.group_size:  # a scale for each group of columns of a row
+        elif self.kind in ("fp8", "fp4", "int8") and self.group_size:  # a scale for each group of columns of a row
             g = self.group_size
             if k % g or self.scales.shape != (n, k // g):
                 raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)} do not make "
@@ -138,6 +139,15 @@ def quantize_fp8(weight: torch.Tensor) -> QuantTensor:
     w, top = weight.detach().to(torch.float32), torch.finfo(torch.float8_e4m3fn).max
     scales = (w.abs().amax(dim=1) / top).clamp(min=1e-12)
     return QuantTensor("fp8", (w / scales[:, None]).clamp(-top, top).to(torch.float8_e4m3fn), scales)
+
+
+def unpack_bytes(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words holding four 8-bit values each (value j at bits 8j..8j+7) -> uint8 values,
+    the four of each word consecutive along `dim` (as unpack_nibbles)."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=words.device)
+    if dim == 1:
+        return ((words[:, :, None] >> shifts) & 0xFF).to(torch.uint8).reshape(words.shape[0], -1)
+    return ((words[:, None, :] >> shifts[:, None]) & 0xFF).to(torch.uint8).reshape(-1, words.shape[1])
 
 
 def unpack_nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The quantized linear kernels against their torch references (torch_ops): int4_linear (W4A16),
-fp8_group_linear (block-wise FP8, weight-only) and fp4_linear (NVFP4, weight-only) at K not a
-multiple of the K tile, groups of 32, 64 and K (and FP4's 16), N not a multiple of the column
-tile, 1, 3 and 17 rows, split-K on and off, with and without bias; quantize_per_token bit for bit
+fp8_group_linear (block-wise FP8, weight-only), int8_group_linear (8-bit GPTQ, W8A16) and
+fp4_linear (NVFP4, weight-only) at K not a multiple of the K tile, groups of 32, 64 and K (and
+FP4's 16), N not a multiple of the column tile, 1, 3 and 17 rows, split-K on and off, with and
+without bias; quantize_per_token bit for bit
 (ties and the fp8 grid's binade carries included); scaled_linear and its GEMM for fp8 and int8;
 and the launchers' refusals. The references themselves are checked against the layout (an
 independent packer) and hand-computed codes.
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from pageserve.triton_kernels import torch_ops
-from pageserve.triton_kernels.grouped_linear import default_config, fp4_linear, fp8_group_linear, int4_linear
+from pageserve.triton_kernels.grouped_linear import (default_config, fp4_linear, fp8_group_linear, int4_linear,
+                                                     int8_group_linear)
 from pageserve.triton_kernels.scaled_linear import KINDS, quantize_per_token, scaled_linear, scaled_mm
 
 pytestmark = pytest.mark.unit
@@ -104,20 +106,35 @@ def fp4_case(m, k, group, n, dtype, device, with_bias, seed=0):
     return x, pack_int4(q).to(device), scales.to(device), group, bias
 
 
-@pytest.mark.parametrize("kernel", ["int4", "fp8", "fp4"])
+def int8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
+    """int8 codes over the whole range (-128 included), a scale per group of each row."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) * 0.002 + 0.0005
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
+    return x, codes.to(device), scales.to(device), group, bias
+
+
+@pytest.mark.parametrize("kernel", ["int4", "fp8", "fp4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES + [(3, 176, 16, 40, dict(block_k=16)),
                                                                  (1, 176, 16, 40, dict(block_k=32))])
 def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
-    """int4_linear, fp8_group_linear and fp4_linear (one kernel) against their torch references;
+    """int4_linear, fp8_group_linear, fp4_linear and int8_group_linear (one kernel) against their
+    torch references;
     groups of 16 (NVFP4's) with a K tile of one group, and of two."""
     if kernel == "int4":
         args, fn, ref = int4_case(m, k, group, n, dtype, device, m != 17)[0], int4_linear, torch_ops.int4_linear
     elif kernel == "fp4":
         args, fn, ref = fp4_case(m, k, group, n, dtype, device, m != 17), fp4_linear, torch_ops.fp4_linear
+    elif kernel == "int8":
+        args = int8_group_case(m, k, group, n, dtype, device, m != 17)
+        fn, ref = int8_group_linear, torch_ops.group_linear
     else:
         args = fp8_group_case(m, k, group, n, dtype, device, m != 17)
-        fn, ref = fp8_group_linear, torch_ops.fp8_group_linear
+        fn, ref = fp8_group_linear, torch_ops.group_linear
     out, want = fn(*args, **launch), ref(*args)
     assert out.dtype == dtype and out.shape == (m, n)
     block_k = launch.get("block_k") or default_config(m, n, k, group, dtype, args[0].device)["block_k"]
@@ -129,11 +146,11 @@ def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
         assert_near(out, want, 2e-2)
 
 
-def test_dequantize_fp8_groups():
+def test_dequantize_groups():
     """Each value is its e4m3 value times its group's scale: codes written by hand."""
     codes = torch.tensor([[0x38, 0x40, 0xB8, 0x01], [0x7E, 0x00, 0x08, 0x30]], dtype=torch.uint8)
     scales = torch.tensor([[2.0, 0.5], [1.0, 4.0]])
-    got = torch_ops.dequantize_fp8_groups(codes.view(torch.float8_e4m3fn), scales, 2)
+    got = torch_ops.dequantize_groups(codes.view(torch.float8_e4m3fn), scales, 2)
     assert got.tolist() == [[2.0, 4.0, -0.5, 2.0 ** -10], [448.0, 0.0, 4 * 2.0 ** -6, 4 * 0.5]]
 
 
