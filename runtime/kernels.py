@@ -289,17 +289,17 @@ class TritonKernels(Kernels):
         self._lora_expand(out, y, lora.bt.transpose(1, 2), lora.slices, *groups)
 
     def quant_linear(self, x, weight, quant, bias):
-        """W4A16, FP4, grouped INT8 and block-wise FP8 through the Triton GEMM that unpacks and
+        """W4A16, FP4, NF4, grouped INT8 and block-wise FP8 through the Triton GEMM that unpacks and
         scales in its inner loop; per-channel FP8 and INT8 with the activations quantized per token, or with the
         checkpoint's static scale (torch's scaled matmul where the device has it)."""
         if quant.kind == "int4":
             from pageserve.triton_kernels.grouped_linear import int4_linear
 
             return int4_linear(x, weight, quant.scales, quant.zeros, quant.group_size, bias)
-        if quant.kind == "fp4":
-            from pageserve.triton_kernels.grouped_linear import fp4_linear
+        if quant.kind in ("fp4", "nf4"):
+            from pageserve.triton_kernels.grouped_linear import fp4_linear, nf4_linear
 
-            return fp4_linear(x, weight, quant.scales, quant.group_size, bias)
+            return (fp4_linear if quant.kind == "fp4" else nf4_linear)(x, weight, quant.scales, quant.group_size, bias)
         if quant.group_size:
             from pageserve.triton_kernels.grouped_linear import fp8_group_linear, int8_group_linear
 

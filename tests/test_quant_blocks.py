@@ -1,5 +1,5 @@
 """A quantized checkpoint's codes in the C linear's blocks (triton_kernels/cpu_blocks.py: i8, f8,
-i4 with group scales and zero points, and f4: FP4 e2m1 codes in groups of 16): the packers lay
+i4 with group scales and zero points, f4: FP4 e2m1 codes in groups of 16, and n4: NormalFloat4): the packers lay
 the bytes out as documented; the kernels widen every block to the float32 product of its code
 and scale (checked against a dequantizer written here, bit for bit); the linear on blocks is the
 linear on those values to the bit, in float32 and in bfloat16 arithmetic; and the decoder stack
@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pageserve.triton_kernels import cpu_kernels
-from pageserve.triton_kernels.cpu_blocks import fp4_blocks, fp8_blocks, int4_blocks, int8_blocks, smallest_blocks
+from pageserve.triton_kernels.cpu_blocks import (fp4_blocks, fp8_blocks, int4_blocks, int8_blocks, nf4_blocks,
+                                                 smallest_blocks)
+from pageserve.triton_kernels.torch_ops import NF4
 
 pytestmark = pytest.mark.unit
 
@@ -61,6 +63,10 @@ def quantized(fmt: str, rows: int, cols: int, group: int | None, seed: int, edge
         scales = scales_of(gen, (rows, cols // group), edges)
         per_value = (codes.int() - zeros.int().repeat_interleave(group, 1)).float()
         return int4_blocks(codes, scales, zeros, group), per_value * scales.repeat_interleave(group, 1)
+    if fmt == "n4":  # bitsandbytes' NormalFloat4 table
+        codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+        scales = scales_of(gen, (rows, cols // group), edges)
+        return nf4_blocks(codes, scales, group), torch.tensor(NF4)[codes.long()] * scales.repeat_interleave(group, 1)
     if fmt == "f4":  # sign, two exponent bits, one mantissa bit: 0.5 * m below exponent 1, else 2^(e-1) (1 + m / 2)
         codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
         e, m = (codes >> 1 & 3).float(), (codes & 1).float()
@@ -89,7 +95,8 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 SHAPES = [("i8", 96, None), ("i8", 192, None), ("i8", 192, 64), ("f8", 96, None), ("f8", 192, None), ("f8", 192, 64),
-          ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64), ("f4", 96, 16), ("f4", 128, 64)]
+          ("f8", 128, 128), ("i4", 96, 32), ("i4", 128, 128), ("i4", 192, 64), ("f4", 96, 16), ("f4", 128, 64),
+          ("n4", 128, 64), ("n4", 96, 32)]
 
 
 @pytest.mark.parametrize("fmt,cols,group", SHAPES)
@@ -171,6 +178,8 @@ def f8_zeros(cols):
     lambda: fp4_blocks(zeros4((2, 96)), torch.ones(2, 2), 48),  # a group neither 16 nor a multiple of 32
     lambda: fp4_blocks(zeros4((2, 64), 16), torch.ones(2, 4), 16),  # a code past 15
     lambda: fp4_blocks(zeros4((2, 64)), torch.ones(2, 2), 16),  # scales of another shape
+    lambda: nf4_blocks(zeros4((2, 64)), torch.ones(2, 1), 48),  # a group not a multiple of 32
+    lambda: nf4_blocks(zeros4((2, 64), 16), torch.ones(2, 1), 64),  # a code past 15
 ])
 def test_packers_refuse_what_they_cannot_pack(bad):
     with pytest.raises(ValueError):
@@ -196,7 +205,8 @@ def layer_by_layer(lib, layers, final_norm, eps, kv_caches, x, cos_sin, slots, t
     return lib.rms_norm(y, final_norm, eps, res)[0]
 
 
-@pytest.mark.parametrize("formats", [("i8",) * 4, ("f8",) * 4, ("i4",) * 4, ("f4",) * 4, ("i4", "f8", "i8", "bf16")])
+@pytest.mark.parametrize("formats", [("i8",) * 4, ("f8",) * 4, ("i4",) * 4, ("f4",) * 4, ("n4",) * 4,
+                                     ("i4", "f8", "i8", "bf16")])
 @pytest.mark.parametrize("dot", ["float32", "bfloat16"])
 def test_decoder_stack_takes_layers_in_these_formats(native_kernels, formats, dot):
     """Two layers whose q/k/v, o, gate/up and down matrices are blocks: the stack's one call

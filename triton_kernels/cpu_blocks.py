@@ -8,8 +8,9 @@ float32 scale ahead of the codes, little-endian:
     i4  21 bytes: scale s, zero point z, 16 bytes of nibbles   value (float)(q - z) * s
     f4  24 bytes: scales s0, s1, 16 bytes of FP4 e2m1 nibbles  value e2m1(q) * s0 (values 0-15),
                                                                e2m1(q) * s1 (values 16-31)
+    n4  20 bytes: scale s, 16 bytes of NormalFloat4 nibbles    value nf4(q) * s (bitsandbytes)
 
-each product rounded once. An i4 or f4 block's byte i holds value i in its low nibble and value
+each product rounded once. An i4, f4 or n4 block's byte i holds value i in its low nibble and value
 i + 16 in its high one, as GGUF's Q4 blocks do."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 # name -> (format code, bytes a block of 32 values)
 BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21),
-                 "f4": (8, 24)}
+                 "f4": (8, 24), "n4": (9, 20)}
 F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
 
 
@@ -133,6 +134,19 @@ def fp4_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> to
     s = halves.contiguous().view(torch.uint8).reshape(n, nb, 8)
     q = codes.reshape(n, nb, 32)
     return blocks(torch.cat([s, q[:, :, :16] | (q[:, :, 16:] << 4)], 2).view(n, -1), "f4", k)
+
+
+def nf4_blocks(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """NormalFloat4 codes [N, K] (uint8, 0-15) in groups of `group_size` columns (a multiple of
+    32 dividing K; bitsandbytes' 64), each group with its float32 scale ([N, K / group_size]),
+    as `n4` blocks: each block of 32 takes its group's scale."""
+    n, k = _codes_shape(codes, torch.uint8, "nf4_blocks")
+    if codes.numel() and int(codes.max()) > 15 or group_size <= 0:
+        raise ValueError(f"nf4_blocks: codes must lie in 0..15 (up to {int(codes.max()) if codes.numel() else 0}) "
+                         f"in groups of a positive size ({group_size})")
+    s = _scale_bytes(_block_scales(scales, n, k, group_size, "nf4_blocks"), n, k // 32)
+    q = codes.reshape(n, k // 32, 32)
+    return blocks(torch.cat([s, q[:, :, :16] | (q[:, :, 16:] << 4)], 2).view(n, -1), "n4", k)
 
 
 def _codes_shape(codes: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[int, int]:

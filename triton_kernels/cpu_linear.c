@@ -93,6 +93,7 @@ static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long
     case W_F8: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_F8); break;
     case W_I4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_I4); break;
     case W_F4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_F4); break;
+    case W_N4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_N4); break;
     default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
@@ -199,6 +200,7 @@ static void row1_blocks512(const float *x, long K, const uint8_t *W, long ldw, l
     case W_F8: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_F8); break;
     case W_I4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_I4); break;
     case W_F4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_F4); break;
+    case W_N4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_N4); break;
     default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }

@@ -89,8 +89,23 @@ static inline uint16_t f8_half_bits(uint8_t b) {
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* bitsandbytes' NormalFloat4 values, each a float32 */
+static const float NF4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+                              -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+                              0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f,
+                              0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
+                              0.7229568362236023f, 1.0f};
+
 /* one block's 32 values, one at a time (the builds without AVX2) */
 static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
+    if (wtype == W_N4) {
+        float s = f32_at(blk);
+        for (int j = 0; j < 16; j++) {
+            o[j] = NF4[blk[4 + j] & 0x0F] * s;
+            o[j + 16] = NF4[blk[4 + j] >> 4] * s;
+        }
+        return;
+    }
     if (wtype == W_F4) {
         float s0 = f32_at(blk), s1 = f32_at(blk + 4);
         for (int j = 0; j < 16; j++) {
@@ -187,13 +202,20 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
     }
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 ? 8 : 2);
+    const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 ? 8 : 2);
     __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
     __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
                     _mm256_srli_epi32(b, 4)};
-    if (wtype == W_F4) { /* a code's magnitude from the table by its low 3 bits, its sign bit moved to 31 */
+    if (wtype == W_N4) { /* the table's halves by a code's low 3 bits, chosen by its bit 3 (moved to 31) */
+        const __m256 lo = _mm256_loadu_ps(NF4), hi = _mm256_loadu_ps(NF4 + 8);
+        for (int g = 0; g < 4; g++) {
+            __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, n[g]), _mm256_permutevar8x32_ps(hi, n[g]),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(n[g], 28)));
+            v[g] = _mm256_mul_ps(val, d);
+        }
+    } else if (wtype == W_F4) { /* a code's magnitude from the table by its low 3 bits, its sign bit moved to 31 */
         const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
         for (int g = 0; g < 4; g++) {
             __m256 val = _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, n[g]),
@@ -242,6 +264,8 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_fmadd_ps(_mm512_broadcastss_ps(both), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(both)));
     } else if (wtype == W_I4) {
         table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)blk[4])), _mm512_set1_ps(f32_at(blk)));
+    } else if (wtype == W_N4) {
+        table = _mm512_mul_ps(_mm512_loadu_ps(NF4), _mm512_set1_ps(f32_at(blk)));
     } else if (wtype == W_F4) { /* a table for each half's scale */
         __m512 e2m1 = _mm512_loadu_ps(E2M1);
         __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
@@ -252,7 +276,7 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
     __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 ? 4 : wtype == W_I4 ? 5 : 2))));
+        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : 2))));
     v[0] = _mm512_permutexvar_ps(q, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }

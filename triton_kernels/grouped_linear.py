@@ -11,7 +11,8 @@ weight in memory):
 - grouped INT8 (int8_group_linear, 8-bit GPTQ and W8A16): weight int8 [N, K], scales float32
   [N, K / G]; y = x @ (w * s)^T.
 - FP4 (fp4_linear, NVFP4 weight-only): qweight int32 [N, K / 8] of FP4 e2m1 codes packed as
-  W4A16's, scales float32 [N, K / G]; y = x @ (e2m1(q) * s)^T.
+  W4A16's, scales float32 [N, K / G]; y = x @ (e2m1(q) * s)^T. NF4 (nf4_linear, bitsandbytes'
+  4-bit) alike, through NormalFloat4's table.
 
 One program computes a BLOCK_M x BLOCK_N tile over its share of K, reading the weight tile
 transposed (each row's codes are contiguous; a 4-bit word is repeated for its 8 columns before
@@ -30,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pageserve.triton_kernels import torch_ops
 from pageserve.triton_kernels.paged_attention import _dot  # float32 accumulation, IEEE precision
 from pageserve.triton_kernels.scaled_linear import _e4m3_to_f16
 
 
-INT4, FP8, FP4, INT8 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)  # the kernel's CODES
+INT4, FP8, FP4, INT8, NF4 = (tl.constexpr(i) for i in range(5))  # the kernel's CODES
 
 
 # the token count, the input's row stride and the partial sums' split stride (M * N) change
@@ -48,8 +50,8 @@ def _grouped_linear_kernel(
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """out[m, n] = sum over this split's k of x[m, k] * w[n, k] * s[n, k // G], w by CODES:
-    q[n, k] - z[n, k // G] (INT4), the FP8 value (FP8), the FP4 e2m1 value (FP4) or the int8
-    value (INT8) of the code.
+    q[n, k] - z[n, k // G] (INT4), the FP8 value (FP8), the FP4 e2m1 value (FP4), the int8
+    value (INT8) or the NF4 value (NF4: zeros_ptr is the table of 16 float32 values) of the code.
     PER_WORD: codes a stored element holds (8 or 1).
     SPLIT: out is the float32 partial-sum buffer [splits, M, N] (bias added later); else out is
     y [M, N] in the model dtype. ONE_GROUP: BLOCK_K divides G (each K tile has one scale)."""
@@ -86,6 +88,8 @@ def _grouped_linear_kernel(
             words = tl.interleave(words, words)
             words = tl.interleave(words, words)
             q = (words >> shifts) & 0xF
+            if CODES == NF4:  # a table of 16 values, passed in the zero points' place
+                q = tl.load(zeros_ptr + q)
             if CODES == FP4:  # sign, exponent e (2 bits), mantissa m: twice the size is m, or (2 + m) << (e - 1)
                 e = (q >> 1) & 3
                 twice = tl.where(e == 0, q & 1, (2 + (q & 1)) << tl.maximum(e - 1, 0))
@@ -209,7 +213,8 @@ def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> 
         m, n, k, group_size, k_per_split,
         x.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
         out.stride(-2), out.stride(0) if split > 1 else 0,
-        CODES={"int4": INT4, "fp8": FP8, "fp4": FP4, "int8": INT8}[kind], PER_WORD=1 if kind in ("fp8", "int8") else 8,
+        CODES={"int4": INT4, "fp8": FP8, "fp4": FP4, "int8": INT8, "nf4": NF4}[kind],
+        PER_WORD=1 if kind in ("fp8", "int8") else 8,
         HAS_BIAS=bias is not None, SPLIT=split > 1, ONE_GROUP=group_size % bk == 0,
         EVEN_K=k_per_split * split == k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST=x.dtype != torch.float32 and triton.knobs.runtime.interpret,
@@ -281,7 +286,22 @@ def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gro
     stride; qweight int32 [N, K / 8] of FP4 e2m1 codes (int4_linear's packing); scales float32
     [N, K / G]; bias [N] in x's dtype or None. Returns y [M, N] in x's dtype, accumulated in
     float32. launch: int4_linear's split_k, block_m/n/k, num_warps and num_stages."""
-    who = "fp4_linear"
+    return _table4_linear("fp4_linear", "fp4", x, qweight, scales, group_size, bias, launch)
+
+
+def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """fp4_linear for bitsandbytes' NormalFloat4 codes (torch_ops.nf4_linear's contract)."""
+    return _table4_linear("nf4_linear", "nf4", x, qweight, scales, group_size, bias, launch)
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(torch_ops.NF4, dtype=torch.float32, device=device)
+
+
+def _table4_linear(who, kind, x, qweight, scales, group_size, bias, launch) -> torch.Tensor:
+    """The grouped kernel over 4-bit codes read through a table (FP4's, computed; NF4's, loaded)."""
     _check_x(who, x)
     _check(qweight.dtype == torch.int32 and qweight.dim() == 2,
            f"{who}: qweight must be 2-D int32 [N, K / 8], got {qweight.dtype} {tuple(qweight.shape)}")
@@ -290,4 +310,5 @@ def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gro
     _check_inputs(who, x, n, k, scales, None, group_size, bias, {"qweight": qweight})
     unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
     _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
-    return _launch(who, x, qweight, n, scales, None, group_size, bias, "fp4", launch)
+    table = _nf4_table(x.device) if kind == "nf4" else None
+    return _launch(who, x, qweight, n, scales, table, group_size, bias, kind, launch)

@@ -315,21 +315,38 @@ def group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, gr
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4's values
+# bitsandbytes' NormalFloat4 values
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def dequantize_table4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, table) -> torch.Tensor:
+    """The float32 [N, K] weight of a 4-bit layer read through a table of 16 values (FP4's E2M1,
+    NF4): qweight int32 [N, K / 8] of codes packed as dequantize_int4's, scales float32
+    [N, K / G]; w = table[q] * s."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+    values = torch.tensor(table, dtype=torch.float32, device=qweight.device)[q.long()]
+    return values * scales.repeat_interleave(group_size, dim=1)
 
 
 def dequantize_fp4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The float32 [N, K] weight of an FP4 (NVFP4) layer: qweight int32 [N, K / 8] of e2m1 codes
-    packed as dequantize_int4's, scales float32 [N, K / G]; w = e2m1(q) * s."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
-    values = torch.tensor(E2M1, device=qweight.device)[q.long()]
-    return values * scales.repeat_interleave(group_size, dim=1)
+    """dequantize_table4 with FP4's e2m1 values (NVFP4, MXFP4)."""
+    return dequantize_table4(qweight, scales, group_size, E2M1)
 
 
 def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
     w = dequantize_fp4(qweight, scales, group_size)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp4_linear with NF4's values (bitsandbytes' 4-bit)."""
+    w = dequantize_table4(qweight, scales, group_size, NF4)
     return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 

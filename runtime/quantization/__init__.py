@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from pageserve.runtime.quantization.methods import (AWQ, GPTQ, CompressedTensors, FP8Checkpoint, OnlineFP8,
                                                     QuantMethod, UnsupportedQuantization)
+from pageserve.runtime.quantization.bitsandbytes import BitsAndBytes
 from pageserve.runtime.quantization.modelopt import ModelOpt
 from pageserve.runtime.quantization.qtensor import QuantTensor
 
 # quant_method of a checkpoint -> its reader
 CHECKPOINT_METHODS = {"compressed-tensors": CompressedTensors, "awq": AWQ, "gptq": GPTQ, "fp8": FP8Checkpoint,
-                      "modelopt": ModelOpt}
+                      "modelopt": ModelOpt, "bitsandbytes": BitsAndBytes}
 # what --quantization takes: a checkpoint's own method by name, or fp8 made at load time
-CHOICES = ("compressed-tensors", "awq", "gptq", "fp8", "modelopt")
+CHOICES = ("compressed-tensors", "awq", "gptq", "fp8", "modelopt", "bitsandbytes")
 # vLLM's name for ModelOpt's NVFP4 checkpoints: one reader here
 _ALIASES = {"modelopt_fp4": "modelopt"}
 # names vLLM users may type, and why they are not served here
@@ -21,7 +22,6 @@ _REFUSED = {
     "awq_marlin": "Marlin kernels are not part of pageserve; an AWQ GEMM checkpoint loads with --quantization awq",
     "gptq_marlin": "Marlin kernels are not part of pageserve; a GPTQ checkpoint loads with --quantization gptq",
     "marlin": "Marlin-only layouts are not supported",
-    "bitsandbytes": "bitsandbytes checkpoints are not supported",
     "gguf": "give the .gguf file itself as --model",
 }
 

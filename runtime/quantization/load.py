@@ -11,7 +11,7 @@ takes (bind_experts). Two storages:
   each value widened by the kernel to the float32 QuantTensor.dequantize gives (in GGUF's
   smaller Q4_0 / Q4_1 / Q8_0 blocks where those hold the same values).
 - packed: codes, scales and zeros as the Triton kernels (CUDA) and the torch fallback take them:
-  int4 and fp4 eight codes an int32 word along K, int8 / FP8 as they are (with a scale per row or
+  int4, fp4 and nf4 eight codes an int32 word along K, int8 / FP8 as they are (with a scale per row or
   per group of columns); `weight.quant` says how."""
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ class Layer:
 
 class BlockStorage:
     """The C linear's blocks of 32 values (cpu_blocks.py): int4 -> i4, int8 -> i8, fp8 -> f8,
-    fp4 -> f4."""
+    fp4 -> f4, nf4 -> n4."""
     name = "blocks"
     quantizes_activations = False  # the C linear multiplies float32 activations
-    FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8", "fp4": "f4"}
+    FORMATS = {"int4": "i4", "int8": "i8", "fp8": "f8", "fp4": "f4", "nf4": "n4"}
 
     def allocate(self, layer: Layer) -> None:
         k, g = layer.in_features, layer.group_size
@@ -105,6 +105,8 @@ class BlockStorage:
             raw = cpu_blocks.int8_blocks(qt.codes, qt.scales, qt.group_size)
         elif qt.kind == "fp4":
             raw = cpu_blocks.fp4_blocks(qt.codes, qt.scales, qt.group_size)
+        elif qt.kind == "nf4":
+            raw = cpu_blocks.nf4_blocks(qt.codes, qt.scales, qt.group_size)
         else:
             raw = cpu_blocks.fp8_blocks(qt.codes, qt.scales, qt.group_size)
         layer.tensor()[index].copy_(raw)
@@ -140,8 +142,9 @@ class PackedQuant:
         kernels)."""
         if self.kind == "int4":
             return torch_ops.dequantize_int4(weight, self.scales, self.zeros, self.group_size)
-        if self.kind == "fp4":
-            return torch_ops.dequantize_fp4(weight, self.scales, self.group_size)
+        if self.kind in ("fp4", "nf4"):
+            table = torch_ops.E2M1 if self.kind == "fp4" else torch_ops.NF4
+            return torch_ops.dequantize_table4(weight, self.scales, self.group_size, table)
         if self.group_size:
             return torch_ops.dequantize_groups(weight, self.scales, self.group_size)
         return weight.to(torch.float32) * self.scales[:, None]
@@ -158,7 +161,7 @@ class PackedStorage:
 
     def allocate(self, layer: Layer) -> None:
         k, g = layer.in_features, layer.group_size
-        if layer.kind in ("int4", "fp4"):
+        if layer.kind in ("int4", "fp4", "nf4"):
             if k % 8:
                 raise UnsupportedQuantization(f"4-bit rows of {k} values: a multiple of 8 is needed")
             layer.store("", torch.empty(layer.shape(k // 8), dtype=torch.int32))
@@ -171,7 +174,7 @@ class PackedStorage:
             layer.store("_scale", torch.empty(layer.shape(k // g) if g else layer.shape()))
 
     def write(self, layer: Layer, index: tuple, qt: QuantTensor) -> None:
-        if qt.kind in ("int4", "fp4"):
+        if qt.kind in ("int4", "fp4", "nf4"):
             c = qt.codes.to(torch.int32).view(qt.shape[0], -1, 8)
             words = sum(c[:, :, j] << (4 * j) for j in range(8))  # wraps into the sign bit as int32 does
             layer.tensor()[index].copy_(words)
@@ -242,7 +245,7 @@ class QuantizedLoad:
         (prefix.weight, QuantTensor), yielded once the last of them has passed."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
-            prefix, _, suffix = name.rpartition(".")
+            prefix, suffix = self.method.split(name)
             wanted = self.prefixes.get(prefix)
             if wanted is None or suffix not in wanted:
                 yield name, tensor

@@ -45,6 +45,11 @@ class QuantMethod:
                 out[prefix].add(last)
         return out
 
+    def split(self, name: str) -> tuple[str, str]:
+        """(layer, suffix) of one of a quantized layer's tensors: the last name part is the suffix."""
+        prefix, _, suffix = name.rpartition(".")
+        return prefix, suffix
+
     def layout(self, tensors: dict[str, tuple]) -> tuple[str, int]:
         """(kind, group size) of one quantized layer, from its tensors' (shape, dtype name)."""
         return "int4", self._group(tensors)

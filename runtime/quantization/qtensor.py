@@ -10,6 +10,8 @@ parallelism a slice of rows or of whole groups of columns.
 - fp8: codes float8_e4m3fn [N, K], scales float32 [N]; value = float(code) * scale.
 - fp4: codes uint8 [N, K] (FP4 e2m1 codes 0..15: sign, two exponent bits, one mantissa bit),
   scales float32 [N, K / G] (NVFP4: G = 16); value = e2m1(code) * scale.
+- nf4: codes uint8 [N, K] (bitsandbytes' NormalFloat codes 0..15), scales float32 [N, K / G]
+  (each block's absmax, G = 64); value = NF4[code] * scale.
 
 Each value is one float32 product of exact operands, rounded once: what `dequantize` gives, and
 what every kernel widens a weight to. int8 and fp8 matrices may carry a static activation scale
@@ -22,9 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("int4", "int8", "fp8", "fp4")
+from pageserve.triton_kernels import torch_ops
+
+KINDS = ("int4", "int8", "fp8", "fp4", "nf4")
 # the value of each FP4 e2m1 code
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1 = torch.tensor(torch_ops.E2M1)
+# bitsandbytes' NormalFloat4 values (its quant_map for nf4), each a float32
+NF4 = torch.tensor(torch_ops.NF4)
+TABLES = {"fp4": E2M1, "nf4": NF4}  # the 4-bit kinds read through a table
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +52,19 @@ class QuantTensor:
                 raise ValueError(f"int4 matrix {n}x{k}: scales {tuple(self.scales.shape)} and zeros "
                                  f"{None if self.zeros is None else tuple(self.zeros.shape)} do not make "
                                  f"groups of {g}")
-        elif self.kind in ("fp8", "fp4", "int8") and self.group_size:  # a scale for each group of columns of a row
+        elif self.kind in ("fp8", "fp4", "nf4", "int8") and self.group_size:  # a scale a group of columns of a row
             g = self.group_size
             if k % g or self.scales.shape != (n, k // g):
                 raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)} do not make "
                                  f"groups of {g}")
-        elif self.kind == "fp4":
-            raise ValueError(f"fp4 matrix {n}x{k}: a group size is needed")
+        elif self.kind in TABLES:
+            raise ValueError(f"{self.kind} matrix {n}x{k}: a group size is needed")
         elif self.kind in ("int8", "fp8"):
             if self.scales.shape != (n,):
                 raise ValueError(f"{self.kind} matrix {n}x{k}: scales {tuple(self.scales.shape)}, want ({n},)")
         else:
             raise ValueError(f"unknown quantized kind {self.kind!r}")
-        if self.input_scale is not None and (self.kind in ("int4", "fp4") or self.group_size
+        if self.input_scale is not None and (self.kind in ("int4", "fp4", "nf4") or self.group_size
                                              or not 0 < self.input_scale < float("inf")):
             raise ValueError(f"{self.kind} matrix {n}x{k}: a static activation scale {self.input_scale} (one finite "
                              "positive scale, for int8 or per-row fp8 weights only)")
@@ -122,14 +129,15 @@ class QuantTensor:
             g = self.group_size
             centred = self.codes.to(torch.float32) - self.zeros.to(torch.float32).repeat_interleave(g, dim=1)
             return centred * self.scales.repeat_interleave(g, dim=1)
-        values = E2M1.to(self.codes.device)[self.codes.long()] if self.kind == "fp4" else self.codes.to(torch.float32)
+        table = TABLES.get(self.kind)
+        values = self.codes.to(torch.float32) if table is None else table.to(self.codes.device)[self.codes.long()]
         if self.group_size:
             return values * self.scales.repeat_interleave(self.group_size, dim=1)
         return values * self.scales[:, None]
 
     def nbytes(self) -> int:
         """Bytes of the stored form (4-bit codes two to a byte)."""
-        codes = self.codes.numel() // 2 if self.kind in ("int4", "fp4") else self.codes.numel()
+        codes = self.codes.numel() // 2 if self.kind in ("int4", "fp4", "nf4") else self.codes.numel()
         return codes + 4 * self.scales.numel() + (0 if self.zeros is None else self.zeros.numel())
 
 

@@ -22,7 +22,7 @@ import torch
 
 from pageserve.triton_kernels import torch_ops
 from pageserve.triton_kernels.grouped_linear import (default_config, fp4_linear, fp8_group_linear, int4_linear,
-                                                     int8_group_linear)
+                                                     int8_group_linear, nf4_linear)
 from pageserve.triton_kernels.scaled_linear import KINDS, quantize_per_token, scaled_linear, scaled_mm
 
 pytestmark = pytest.mark.unit
@@ -117,18 +117,19 @@ def int8_group_case(m, k, group, n, dtype, device, with_bias, seed=0):
     return x, codes.to(device), scales.to(device), group, bias
 
 
-@pytest.mark.parametrize("kernel", ["int4", "fp8", "fp4", "int8"])
+@pytest.mark.parametrize("kernel", ["int4", "fp8", "fp4", "int8", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, group, n, launch", INT4_CASES + [(3, 176, 16, 40, dict(block_k=16)),
                                                                  (1, 176, 16, 40, dict(block_k=32))])
 def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
-    """int4_linear, fp8_group_linear, fp4_linear and int8_group_linear (one kernel) against their
-    torch references;
+    """int4_linear, fp8_group_linear, fp4_linear, nf4_linear and int8_group_linear (one kernel)
+    against their torch references;
     groups of 16 (NVFP4's) with a K tile of one group, and of two."""
     if kernel == "int4":
         args, fn, ref = int4_case(m, k, group, n, dtype, device, m != 17)[0], int4_linear, torch_ops.int4_linear
-    elif kernel == "fp4":
-        args, fn, ref = fp4_case(m, k, group, n, dtype, device, m != 17), fp4_linear, torch_ops.fp4_linear
+    elif kernel in ("fp4", "nf4"):  # the same codes, through e2m1's or NF4's table
+        args = fp4_case(m, k, group, n, dtype, device, m != 17)
+        fn, ref = (fp4_linear, torch_ops.fp4_linear) if kernel == "fp4" else (nf4_linear, torch_ops.nf4_linear)
     elif kernel == "int8":
         args = int8_group_case(m, k, group, n, dtype, device, m != 17)
         fn, ref = int8_group_linear, torch_ops.group_linear
@@ -140,7 +141,7 @@ def test_grouped_linear(device, kernel, dtype, m, k, group, n, launch):
     block_k = launch.get("block_k") or default_config(m, n, k, group, dtype, args[0].device)["block_k"]
     if dtype == torch.float32:
         assert_near(out, want, 1e-5)
-    elif group % block_k == 0:
+    elif group % block_k == 0 and kernel != "nf4":  # (NF4's values are rounded to bfloat16 first)
         assert_near(out, want, BF16_ULPS, 1e-5)
     else:
         assert_near(out, want, 2e-2)
@@ -162,6 +163,15 @@ def test_dequantize_fp4():
     got = torch_ops.dequantize_fp4(words, torch.tensor([[2.0, 0.25]]), 8)
     assert got.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -0.125, -0.25, -0.375, -0.5, -0.75,
                              -1.0, -1.5]]
+
+
+def test_dequantize_nf4():
+    """Each value is bitsandbytes' NormalFloat4 value of its code times its group's scale."""
+    codes = list(range(16))
+    got = torch_ops.dequantize_table4(pack_int4(torch.tensor([codes])), torch.tensor([[2.0, 0.5]]), 8, torch_ops.NF4)
+    assert got[0, :8].tolist() == [2 * v for v in torch_ops.NF4[:8]]
+    assert got[0, 8:].tolist() == [0.5 * v for v in torch_ops.NF4[8:]]
+    assert torch_ops.NF4[0] == -1.0 and torch_ops.NF4[7] == 0.0 and torch_ops.NF4[15] == 1.0
 
 
 def test_int4_split_heuristic():
