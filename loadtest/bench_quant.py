@@ -4,7 +4,8 @@ run: the bytes of the matrices a decode step reads, and the decode step's time.
 The copies (written once under $PAGESERVE_CACHE/quant by bf16_copy.py and quantized_copy.py):
 bfloat16, compressed-tensors W4A16 in groups of 64 (576 columns do not make groups of 128),
 INT8 W8A8 and FP8, scales in bfloat16 as llm-compressor writes them for a bfloat16 model, and
-NVFP4 (FP8 scales a group of 16). Each model is loaded once; rounds alternate between them (the machine drifts),
+NVFP4 (FP8 scales a group of 16), and bitsandbytes' NF4 (written by bitsandbytes, which
+must be installed for that copy). Each model is loaded once; rounds alternate between them (the machine drifts),
 and a step's time is the difference of two generations (16 and 16 + N tokens after one prompt)
 over N, so that the prompt's prefill is not in it.
 
@@ -27,7 +28,7 @@ from pageserve.loadtest.quantized_copy import quantized_copy
 from pageserve.runtime.models.loader import cache_root, resolve_model
 
 COPIES = {"bf16": None, "w4a16-g64": ("ct-w4a16", 64), "int8": ("ct-int8", 0), "fp8": ("ct-fp8", 0),
-          "nvfp4": ("ct-nvfp4", 16)}
+          "nvfp4": ("ct-nvfp4", 16), "bnb-nf4": ("bnb-nf4", 64)}
 
 
 def copies(which: list[str]) -> dict[str, Path]:
