@@ -32,8 +32,8 @@ by hand from each format's specification, with the config's `quantization_config
   activation scales those tools write (group_size is ignored);
 - bnb-nf4 / bnb-nf4-single: bitsandbytes' 4-bit NormalFloat with / without double
   quantization (unsloth's `-bnb-4bit` models), written by bitsandbytes itself through
-  transformers (group_size is ignored: blocks of 64); the reference is bitsandbytes' own
-  dequantization;
+  transformers (group_size is ignored: blocks of 64); bnb-int8: its LLM.int8 (int8 rows with
+  their absmax); the reference is bitsandbytes' own dequantization;
 - ct-mxfp4: compressed-tensors' `mxfp4-pack-quantized` (MXFP4: e2m1 codes, an E8M0 power of two
   a group of 32), W4A4 as its MXFP4 preset writes it (group_size is ignored).
 
@@ -63,7 +63,7 @@ from pageserve.runtime.models.loader import resolve_model
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
            "ct-w4a16-asym", "ct-w8a16", "awq", "gptq", "gptq-int8", "fp8-tensor", "fp8-static", "fp8-block",
            "modelopt-fp8", "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4", "ct-mxfp4",
-           "bnb-nf4", "bnb-nf4-single")
+           "bnb-nf4", "bnb-nf4-single", "bnb-int8")
 # the modelopt formats, as the others they share their tensors with
 _MODELOPT_AS = {"modelopt-fp8": "fp8-static", "modelopt-fp8-pcpt": "ct-fp8", "modelopt-fp8-pb-wo": "fp8-block"}
 # the decoder layers' linear layers, and each expert's (Mixtral's named w1, w2, w3); a vision
@@ -281,15 +281,18 @@ def _modelopt_config(fmt: str) -> tuple[str, dict]:
                            "producer": producer, **({"group_size": 16} if fmt.endswith("nvfp4") else {})}
 
 
-def _bnb_copy(src: Path, out: Path, reference: Path | None, double: bool) -> Path:
-    """bitsandbytes' own 4-bit NF4 copy (with double quantization or without), saved by
-    transformers; the reference holds bitsandbytes' dequantization of each layer."""
+def _bnb_copy(src: Path, out: Path, reference: Path | None, double: bool, eight: bool) -> Path:
+    """bitsandbytes' own 4-bit NF4 copy (with double quantization or without) or 8-bit one, saved
+    by transformers; the reference holds bitsandbytes' dequantization of each layer."""
     import bitsandbytes.functional as bnb
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double,
-                                bnb_4bit_compute_dtype=torch.float32)
+    if eight:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double,
+                                    bnb_4bit_compute_dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=config, dtype=torch.float32,
                                                  device_map="cpu")
     copy_model_files(src, out)
@@ -300,9 +303,11 @@ def _bnb_copy(src: Path, out: Path, reference: Path | None, double: bool) -> Pat
         for f in sorted(src.glob("*.safetensors")):
             dense.update(load_file(f))
         for name, module in model.named_modules():
-            state = getattr(module.weight, "quant_state", None) if hasattr(module, "weight") else None
-            if state is not None:
-                dense[f"{name}.weight"] = bnb.dequantize_4bit(module.weight.data, state).float().contiguous()
+            weight = getattr(module, "weight", None)
+            if getattr(weight, "quant_state", None) is not None:
+                dense[f"{name}.weight"] = bnb.dequantize_4bit(weight.data, weight.quant_state).float().contiguous()
+            elif getattr(weight, "SCB", None) is not None:
+                dense[f"{name}.weight"] = bnb.int8_vectorwise_dequant(weight.data, weight.SCB).float().contiguous()
         save_file({k: v.float().contiguous() for k, v in dense.items()}, reference / "model.safetensors",
                   metadata={"format": "pt"})
         set_dtype(reference, "float32")
@@ -325,7 +330,7 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
     if fmt.startswith("bnb-"):
-        return _bnb_copy(src, out, reference, double=fmt == "bnb-nf4")
+        return _bnb_copy(src, out, reference, double=fmt == "bnb-nf4", eight=fmt == "bnb-int8")
     scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq", "gptq-int8") else torch.float32)
     for d in [out] + ([reference] if reference else []):
         copy_model_files(src, d)

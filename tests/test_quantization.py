@@ -89,7 +89,7 @@ def test_format_parity(tmp_path, source, prompts, fmt, caplog):
     # float32 scales (ct-*) keep the checkpoint's own blocks; GPTQ's float16 ones, symmetric, fit Q4_0
     kept = {"ct-int8": {"i8"}, "ct-int8-static": {"i8"}, "awq": {"i4", "q4_1"}, "gptq": {"q4_0"}, "ct-nvfp4": {"f4"},
             "ct-w8a16": {"i8"}, "gptq-int8": {"q8_0"}, "bnb-nf4": {"n4"},
-            "bnb-nf4-single": {"n4"},
+            "bnb-nf4-single": {"n4"}, "bnb-int8": {"i8"},
             "modelopt-nvfp4": {"f4"}, "ct-mxfp4": {"f4"}}
     assert layer.mlp.down_proj.weight.block_format in kept.get(fmt, {"f8" if "fp8" in fmt else "i4"})
 
@@ -109,7 +109,7 @@ def test_bfloat16_scales_take_gguf_blocks(tmp_path, source, prompts, fmt, block)
 @pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "gptq", "ct-fp8", "ct-int8", "fp8-tensor", "fp8-block",
                                  "ct-fp8-block", "ct-fp8-static", "ct-int8-static", "modelopt-fp8",
                                  "modelopt-fp8-pcpt", "modelopt-fp8-pb-wo", "ct-nvfp4", "modelopt-nvfp4",
-                                 "ct-mxfp4", "ct-w8a16", "gptq-int8", "bnb-nf4", "bnb-nf4-single"])
+                                 "ct-mxfp4", "ct-w8a16", "gptq-int8", "bnb-nf4", "bnb-nf4-single", "bnb-int8"])
 def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     """Without the C kernels (--enforce-eager on CPU): the packed tensors the Triton kernels take,
     dequantized by the torch path; the same tokens as HF."""
@@ -121,7 +121,7 @@ def test_packed_storage_parity(tmp_path, source, prompts, fmt, caplog):
     assert ("static activation scales are not used" in caplog.text) == (fmt in STATIC)  # (torch's path)
     weight = llm.engine.runner.model.layers[1].self_attn.qkv_proj.weight
     fp8, fp4 = "fp8" in fmt, fmt.endswith("fp4")
-    int8 = fmt.startswith("ct-int8") or fmt in ("ct-w8a16", "gptq-int8")
+    int8 = fmt.startswith("ct-int8") or fmt in ("ct-w8a16", "gptq-int8", "bnb-int8")
     assert weight.dtype == (torch.float8_e4m3fn if fp8 else torch.int8 if int8 else torch.int32)
     assert weight.quant.kind == ("fp8" if fp8 else "int8" if int8 else "fp4" if fp4 else "nf4" if "nf4" in fmt
                                  else "int4")
@@ -190,7 +190,6 @@ def test_online_fp8(tmp_path, source, prompts, arch):
                         "weight-only": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      "8-bit groups with static activation scales beside 8-bit groups without"),
     ({"quant_method": "bitsandbytes"}, "bitsandbytes: a config that loads neither"),
-    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit \\(LLM.int8\\)"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "4-bit fp4 weights"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
       "bnb_4bit_quant_storage": "bfloat16"}, "stored as bfloat16"),

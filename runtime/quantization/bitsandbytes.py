@@ -6,7 +6,11 @@ in blocks of 64 values with one absmax each; beside it `weight.absmax`, `weight.
 double quantization, the nested blocks' offset), and with double quantization the absmaxes
 quantized too (8-bit codes into `weight.nested_quant_map`, times `weight.nested_absmax` per
 block of 256, plus the offset). Read as nf4 QuantTensors: value = NF4[code] * absmax, as
-bitsandbytes dequantizes. The 8-bit (LLM.int8) and FP4 variants are refused."""
+bitsandbytes dequantizes. 8-bit checkpoints (`load_in_8bit`, LLM.int8): `weight` int8 [N, K]
+and `SCB`, each row's absmax: int8 QuantTensors with a scale a row of SCB / 127 (bitsandbytes
+rounds q * SCB first, then multiplies by 1 / 127: the values differ by at most a float32 ulp;
+they are multiplied as other per-row INT8 weights, where bitsandbytes computes its outlier
+columns apart). The FP4 variant is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pageserve.runtime.quantization.methods import QuantMethod, UnsupportedQuant
 from pageserve.runtime.quantization.qtensor import NF4, QuantTensor
 
 _STATE = "weight.quant_state.bitsandbytes__"
+_RECIPROCAL_127 = 7.874015718698502e-3  # bitsandbytes' 1 / 127
 
 
 class BitsAndBytes(QuantMethod):
@@ -25,9 +30,11 @@ class BitsAndBytes(QuantMethod):
     marker = "weight.absmax"
 
     def __init__(self, cfg: dict):
-        if cfg.get("load_in_8bit") or cfg.get("_load_in_8bit"):
-            raise UnsupportedQuantization("bitsandbytes: 8-bit (LLM.int8) checkpoints are not supported (4-bit NF4 "
-                                          "ones are)")
+        self.bits = 8 if cfg.get("load_in_8bit") or cfg.get("_load_in_8bit") else 4
+        self.double = bool(cfg.get("bnb_4bit_use_double_quant"))
+        if self.bits == 8:
+            self.marker = "SCB"
+            return
         if not (cfg.get("load_in_4bit") or cfg.get("_load_in_4bit")):
             raise UnsupportedQuantization("bitsandbytes: a config that loads neither 4- nor 8-bit is not a quantized "
                                           "checkpoint pageserve reads")
@@ -38,9 +45,10 @@ class BitsAndBytes(QuantMethod):
         if storage != "uint8":
             raise UnsupportedQuantization(f"bitsandbytes: 4-bit weights stored as {storage} are not supported "
                                           "(uint8 are)")
-        self.double = bool(cfg.get("bnb_4bit_use_double_quant"))
 
     def describe(self) -> str:
+        if self.bits == 8:
+            return "bitsandbytes (int8, LLM.int8's per-row scales)"
         return f"bitsandbytes (nf4{', double quantization' if self.double else ''})"
 
     def split(self, name: str) -> tuple[str, str]:
@@ -51,6 +59,8 @@ class BitsAndBytes(QuantMethod):
         return super().split(name)
 
     def layers(self, names):
+        if self.bits == 8:
+            return super().layers(names)
         prefixes = {n[:-len("." + self.marker)] for n in names if n.endswith("." + self.marker)}
         out: dict[str, set[str]] = {p: set() for p in prefixes}
         for n in names:
@@ -60,6 +70,11 @@ class BitsAndBytes(QuantMethod):
         return out
 
     def layout(self, tensors):
+        if self.bits == 8:
+            if tensors.get("weight", ((), "none"))[1] != "I8":
+                raise UnsupportedQuantization(f"bitsandbytes: 8-bit weights of dtype {tensors.get('weight')} are "
+                                              "not supported (int8 are)")
+            return "int8", 0
         (rows, _), dtype = tensors["weight"]
         blocks = tensors["weight.absmax"][0][0]
         if dtype != "U8" or not blocks:
@@ -67,6 +82,15 @@ class BitsAndBytes(QuantMethod):
         return "nf4", 2 * rows // blocks
 
     def read(self, prefix, tensors):
+        if self.bits == 8:
+            codes, absmax = need_tensors(tensors, prefix, "weight", "SCB")
+            layout = tensors.get("weight_format")
+            if layout is not None and int(layout.reshape(-1)[0]) != 0:
+                raise UnsupportedQuantization(f"bitsandbytes: {prefix}'s 8-bit weights are in a tiled layout "
+                                              f"(weight_format {int(layout.reshape(-1)[0])}), not rows")
+            if absmax.numel() != codes.shape[0]:
+                raise ValueError(f"{prefix}.SCB: {absmax.numel()} values for {codes.shape[0]} rows")
+            return QuantTensor("int8", codes.contiguous(), (absmax.float() * _RECIPROCAL_127).reshape(-1).contiguous())
         packed, absmax, table = need_tensors(tensors, prefix, "weight", "weight.absmax", "weight.quant_map")
         state = next((t for s, t in tensors.items() if s.startswith(_STATE)), None)
         if state is None:
