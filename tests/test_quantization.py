@@ -195,6 +195,8 @@ def test_online_fp8(tmp_path, source, prompts, arch):
       "bnb_4bit_quant_storage": "bfloat16"}, "stored as bfloat16"),
     ({"quant_method": "awq", "version": "gemv"}, "version gemv"),
     ({"quant_method": "gptq", "bits": 3}, "3-bit weights"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 48},
+                              "format": "pack-quantized"}}}, "not whole groups of \\[48\\]"),
     ({"quant_method": "gptq", "bits": 8, "sym": False}, "asymmetric 8-bit weights"),
     ({"config_groups": {"a": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
                               "format": "pack-quantized"},
@@ -280,7 +282,7 @@ def test_eight_bit_integer_weights_by_channel(tmp_path, source, prompts, fmt):
         got, llm = ours(out, prompts, enforce_eager=eager)
         assert got == expected, eager
     quant = llm.engine.runner.model.layers[0].mlp.down_proj.weight.quant
-    assert quant.kind == "int8" and quant.group_size in (0, 256)  # W8A16's scale a row; GPTQ's one group of K
+    assert quant.kind == "int8" and quant.group_size == 256  # one group of K: weight-only on every backend
 
 
 def test_modelopt_kv_cache_algo_is_a_scheme():

@@ -215,7 +215,8 @@ def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> 
         out.stride(-2), out.stride(0) if split > 1 else 0,
         CODES={"int4": INT4, "fp8": FP8, "fp4": FP4, "int8": INT8, "nf4": NF4}[kind],
         PER_WORD=1 if kind in ("fp8", "int8") else 8,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, ONE_GROUP=group_size % bk == 0,
+        # NF4's values are not exact in 16 bits: scaled first, each product rounded as bitsandbytes rounds it
+        HAS_BIAS=bias is not None, SPLIT=split > 1, ONE_GROUP=group_size % bk == 0 and kind != "nf4",
         EVEN_K=k_per_split * split == k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST=x.dtype != torch.float32 and triton.knobs.runtime.interpret,
         num_warps=config["num_warps"], num_stages=config["num_stages"])

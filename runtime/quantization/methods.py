@@ -221,6 +221,7 @@ class CompressedTensors(QuantMethod):
         self.block: tuple[int, int] | None = None  # block-wise FP8 weights' block (rows, columns)
         self.static: bool | None = None  # activations quantized with the checkpoint's input_scale
         self.packed_bits: int | None = None  # pack-quantized integer weights' width
+        self.group_sizes = {g.get("weights", {}).get("group_size") for g in groups.values()} - {None}
         for name, group in groups.items():
             w, act = group.get("weights") or {}, group.get("input_activations")
             kind = (w.get("type"), w.get("num_bits"))
@@ -302,6 +303,16 @@ class CompressedTensors(QuantMethod):
             self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
                                 f"{'' if kind[1] == 4 or act else ' weight-only'}{' static' if static else ''}")
 
+    def _groups(self, prefix: str, k: int, scale: torch.Tensor) -> int:
+        """The groups of a pack-quantized row of k values: its scales' columns, each of a group
+        size of the config (compressed-tensors writes a last, partial group where the size does
+        not divide K; not served)."""
+        groups = scale.shape[1] if scale.dim() == 2 else 1
+        if k % groups or groups > 1 and k // groups not in self.group_sizes:
+            raise UnsupportedQuantization(f"compressed-tensors: {prefix}'s {k} columns in {groups} groups are not "
+                                          f"whole groups of {sorted(self.group_sizes)}")
+        return groups
+
     def _pack(self, bits: int) -> None:
         """pack-quantized integer weights of `bits` bits (one width a checkpoint: the layers'
         shapes alone do not tell 4 from 8)."""
@@ -319,8 +330,8 @@ class CompressedTensors(QuantMethod):
             if dtype == "U8":  # NVFP4 or MXFP4: two codes a byte
                 return "fp4", 2 * words // scale[1]
             groups = scale[1] if len(scale) == 2 else 1
-            if self.packed_bits == 8:  # W8A16: by channel (one scale a row), or in groups
-                return "int8", 0 if groups == 1 else 4 * words // groups
+            if self.packed_bits == 8:  # W8A16, by channel a group of K: weight-only everywhere, as 4-bit
+                return "int8", 4 * words // groups
             return "int4", 8 * words // groups
         shape, dtype = tensors.get("weight", ((), "?"))
         kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(dtype)
@@ -343,16 +354,15 @@ class CompressedTensors(QuantMethod):
             packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())
             codes = (unpack_bytes(packed, dim=1)[:, :k].to(torch.int16) - 128).to(torch.int8)
-            groups = scale.shape[1] if scale.dim() == 2 else 1
-            if groups == 1:  # by channel: one scale a row
-                return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).reshape(n).contiguous())
-            return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).contiguous(), group_size=k // groups)
+            groups = self._groups(prefix, k, scale)
+            return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).reshape(n, groups).contiguous(),
+                               group_size=k // groups)
         if "weight_packed" in tensors:
             packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
             n, k = (int(v) for v in shape.tolist())
             codes = unpack_nibbles(packed, dim=1)[:, :k]  # signed values stored plus 8
             zp = tensors.get("weight_zero_point")
-            groups = scale.shape[1] if scale.dim() == 2 else 1
+            groups = self._groups(prefix, k, scale)
             if zp is None:
                 zeros = torch.full((n, groups), 8, dtype=torch.uint8)
             else:  # packed along the rows, plus 8 as well

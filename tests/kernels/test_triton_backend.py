@@ -95,7 +95,8 @@ def test_quantized_experts_on_the_triton_backend(tmp_path, device, fmt, monkeypa
     assert runner.graph_sizes(8) == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block", "fp8-static", "modelopt-nvfp4", "gptq-int8"])
+@pytest.mark.parametrize("fmt", ["ct-w4a16-asym", "ct-fp8", "fp8-block", "fp8-static", "modelopt-nvfp4", "gptq-int8",
+                                 "ct-w8a16", "ct-mxfp4", "bnb-nf4"])
 def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
     """A quantized checkpoint's linear layers through the Triton grouped GEMM (W4A16, block-wise
     FP8, NVFP4, 8-bit GPTQ) and the FP8 / INT8 scaled GEMM (activations quantized per token), in the engine: the
@@ -112,8 +113,10 @@ def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
     want, _ = generate(model_dir, device, "torch", 16, prompts, max_tokens=6)
     got, llm = generate(model_dir, device, "triton", 16, prompts, max_tokens=6)
     weight = llm.engine.runner.model.layers[0].mlp.down_proj.weight
-    assert weight.quant.kind == {"ct-w4a16-asym": "int4", "modelopt-nvfp4": "fp4", "gptq-int8": "int8"}.get(fmt, "fp8")
-    assert weight.quant.group_size == {"ct-fp8": 0, "fp8-static": 0, "modelopt-nvfp4": 16}.get(fmt, 32)
+    kinds = {"ct-w4a16-asym": "int4", "modelopt-nvfp4": "fp4", "ct-mxfp4": "fp4", "gptq-int8": "int8",
+             "ct-w8a16": "int8", "bnb-nf4": "nf4"}
+    assert weight.quant.kind == kinds.get(fmt, "fp8")
+    assert weight.quant.group_size == {"ct-fp8": 0, "fp8-static": 0, "modelopt-nvfp4": 16, "bnb-nf4": 64}.get(fmt, 32)
     assert weight.quant.input_scale == (pytest.approx(1 / 56) if fmt == "fp8-static" else None)  # down_proj's
     if fmt == "fp8-static":  # the backend quantizes x with the layer's static scale: inputs past 8 clamp
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device) * 20
@@ -121,7 +124,8 @@ def test_quantized_checkpoints_on_the_triton_backend(tmp_path, device, fmt):
         static = torch_ops.scaled_linear(x, weight, weight.quant.scales, "fp8", None, weight.quant.input_scale)
         assert torch.allclose(y, static, rtol=1e-4, atol=1e-4 * static.abs().max().item())
         assert not torch.allclose(y, torch_ops.scaled_linear(x, weight, weight.quant.scales, "fp8"), rtol=0.05)
-    if fmt in ("ct-w4a16-asym", "fp8-block", "modelopt-nvfp4", "gptq-int8"):  # weight-only: the same values
+    if fmt in ("ct-w4a16-asym", "fp8-block", "modelopt-nvfp4", "gptq-int8", "ct-w8a16", "ct-mxfp4", "bnb-nf4"):
+        # weight-only: the same values
         assert got == want
     else:
         assert [t[0] for t in got] == [t[0] for t in want]
