@@ -1,9 +1,9 @@
 """GGUF matrices kept in their quantized blocks on the CPU path (runtime/models/weight_formats.py):
-the C kernels widen Q8_0, Q4_0 and Q4_1 blocks to the values gguf's own dequantizer gives, the
-linear on blocks is the linear on those values to the bit, and a quantized tiny Llama read
-from a GGUF file runs on blocks (a layer whose q/k/v mix formats stays float32) with the
-same tokens, logprobs and prompt logprobs as on the dequantized float32 copy, and HF's
-greedy tokens."""
+the C kernels widen Q8_0, Q4_0 and Q4_1 blocks, and Q4_K and Q6_K repacked 32 values a block,
+to the values gguf's own dequantizer gives, the linear on blocks is the linear on those values
+to the bit, and a quantized tiny Llama read from a GGUF file runs on blocks (a layer whose
+q/k/v mix formats stays float32) with the same tokens, logprobs and prompt logprobs as on the
+dequantized float32 copy, and HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -81,6 +81,43 @@ def test_blocks_refuse_a_wrong_size(kernel):
         kernel(torch.randn(1, 32), torch.zeros(4, 20, dtype=torch.uint8))  # bytes without a format
 
 
+KQUANTS = {"k4": (gguf.GGMLQuantizationType.Q4_K, 144, 0), "k6": (gguf.GGMLQuantizationType.Q6_K, 210, 208)}
+
+
+def k_quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Superblocks of random bytes (any scales, any codes) with finite half-float d (and dmin),
+    zero and subnormal ones among them."""
+    from pageserve.runtime.models.weight_formats import GGUF_KQUANTS
+
+    qtype, size, at = KQUANTS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * columns // 256, size), dtype=np.uint8)
+    halves = rng.standard_normal((len(raw), 2)).astype(np.float16)
+    halves[0], halves[1] = [0.0, -0.0], [6e-8, -3e-5]
+    raw[:, at:at + (4 if fmt == "k4" else 2)] = halves.view(np.uint8)[:, :4 if fmt == "k4" else 2]
+    assert GGUF_KQUANTS[qtype][0] == fmt
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
+@pytest.mark.parametrize("fmt", list(KQUANTS))
+def test_k_quants_repacked_widen_to_gguf_values(request, build, fmt):
+    """Q4_K and Q6_K superblocks repacked 32 values a block (k4, k6): widened to gguf's values
+    bit for bit in each build, and the linear on them is the linear on those values."""
+    from pageserve.runtime.models.weight_formats import GGUF_KQUANTS
+
+    lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
+                                   "x86-64": "portable_kernels"}[build])
+    qtype = KQUANTS[fmt][0]
+    raw = k_quantized(fmt, 70, 512, seed=len(fmt))
+    w = blocks(torch.from_numpy(GGUF_KQUANTS[qtype][2](raw)), fmt, 512)
+    want = gguf.quants.dequantize(raw, qtype)
+    got = lib.widen(w).numpy()
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(lib(x, w), lib(x, torch.from_numpy(want)))
+
+
 @pytest.mark.parametrize("collide", [False, True])
 def test_equal_rows_all_take_the_blocks_of_their_values(native_kernels, monkeypatch, collide):
     """A file row whose values several of our rows hold fills each of them; a matrix one of
@@ -153,4 +190,51 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
     monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
     model, dense = run()
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert dense == on_blocks
+
+
+@pytest.mark.engine
+def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache):
+    """A Q4_K_M-like file (Q4_K attention and MLP, Q6_K attn_v, ffn_down and embedding; rows of
+    256 values) runs on k4 / k6 blocks with HF's greedy tokens on the same file, and the same
+    tokens and logprobs as on its dequantized float32 copy."""
+    from pageserve.runtime import model_runner
+    from tests.kquants import quantize_q4_k, quantize_q6_k
+
+    writers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+    plain = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda data, qtype: writers[qtype](data) if qtype in writers
+                        else plain(data, qtype))
+
+    def q4_k_m(name: str):
+        if name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "token_embd.weight":
+            return gguf.GGMLQuantizationType.Q6_K
+        matrices = ("attn_q.weight", "attn_k.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight")
+        return gguf.GGMLQuantizationType.Q4_K if name.endswith(matrices) else None
+
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True, hidden_size=256,
+                                 intermediate_size=512)
+    path = write_gguf(model_dir, tmp_path / "tiny-q4_k_m.gguf", "llama", q4_k_m)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (7, 40, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run():
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=256)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm.engine.runner.model, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()}
+                                                                   for d in o.outputs[0].logprobs]) for o in outs]
+
+    model, on_blocks = run()
+    layer = model.layers[1]
+    formats = [getattr(w, "block_format", str(w.dtype)) for w in (
+        layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+        model.embed_tokens.weight, layer.self_attn.qkv_proj.weight)]
+    assert formats == ["k4", "k4", "k6", "k6", "torch.float32"]  # q/k/v: Q4_K beside Q6_K stays float32
+    assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
+    monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
+    _, dense = run()
     assert dense == on_blocks

@@ -98,6 +98,19 @@ static const float NF4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f,
 
 /* one block's 32 values, one at a time (the builds without AVX2) */
 static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
+    if (wtype == W_K4) { /* d * q is exact: one rounding, fused or not */
+        float d = f32_at(blk), m = f32_at(blk + 4);
+        for (int j = 0; j < 16; j++) {
+            o[j] = d * (float)(blk[8 + j] & 0x0F) - m;
+            o[j + 16] = d * (float)(blk[8 + j] >> 4) - m;
+        }
+        return;
+    }
+    if (wtype == W_K6) {
+        float s0 = f32_at(blk), s1 = f32_at(blk + 4);
+        for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[8 + j] * (j < 16 ? s0 : s1);
+        return;
+    }
     if (wtype == W_N4) {
         float s = f32_at(blk);
         for (int j = 0; j < 16; j++) {
@@ -179,10 +192,12 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
         if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
     }
 #endif
-    if (wtype == W_Q8_0 || wtype == W_I8) {
-        const uint8_t *q = blk + (wtype == W_I8 ? 4 : 2);
+    if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {
+        const uint8_t *q = blk + (wtype == W_I8 ? 4 : wtype == W_K6 ? 8 : 2);
+        __m256 d1 = wtype == W_K6 ? _mm256_set1_ps(f32_at(blk + 4)) : d; /* K6: values 16-31's scale */
         for (int g = 0; g < 4; g++)
-            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * g)))), d);
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * g)))),
+                                 g < 2 ? d : d1);
         return;
     }
     if (wtype == W_F8) {
@@ -202,13 +217,16 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
     }
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 ? 8 : 2);
+    const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 || wtype == W_K4 ? 8 : 2);
     __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
     __m256i n[4] = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask), _mm256_srli_epi32(a, 4),
                     _mm256_srli_epi32(b, 4)};
-    if (wtype == W_N4) { /* the table's halves by a code's low 3 bits, chosen by its bit 3 (moved to 31) */
+    if (wtype == W_K4) { /* d * q exact, minus m: one rounding */
+        __m256 m4 = _mm256_set1_ps(f32_at(blk + 4));
+        for (int g = 0; g < 4; g++) v[g] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(n[g]), m4);
+    } else if (wtype == W_N4) { /* the table's halves by a code's low 3 bits, chosen by its bit 3 (moved to 31) */
         const __m256 lo = _mm256_loadu_ps(NF4), hi = _mm256_loadu_ps(NF4 + 8);
         for (int g = 0; g < 4; g++) {
             __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, n[g]), _mm256_permutevar8x32_ps(hi, n[g]),
@@ -239,11 +257,13 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 /* one block's 32 values in two registers, those of widen_block: a 4-bit block's nibbles index
    the table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
 static inline __attribute__((always_inline)) void widen_block16(const uint8_t *blk, int wtype, __m512 v[2]) {
-    if (wtype == W_Q8_0 || wtype == W_I8) {
-        __m512 d = _mm512_set1_ps(wtype == W_I8 ? f32_at(blk) : f16_to_f32(load_u16(blk)));
-        const uint8_t *q = blk + (wtype == W_I8 ? 4 : 2);
+    if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {
+        __m512 d = _mm512_set1_ps(wtype == W_Q8_0 ? f16_to_f32(load_u16(blk)) : f32_at(blk));
+        __m512 d1 = wtype == W_K6 ? _mm512_set1_ps(f32_at(blk + 4)) : d; /* K6: values 16-31's scale */
+        const uint8_t *q = blk + (wtype == W_I8 ? 4 : wtype == W_K6 ? 8 : 2);
         for (int g = 0; g < 2; g++)
-            v[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)))), d);
+            v[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * g)))),
+                                 g ? d1 : d);
         return;
     }
     if (wtype == W_F8) { /* as f8_halves, 32 at once (h | (h + 0x80) & 0x4000 in one ternary op) */
@@ -264,6 +284,8 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_fmadd_ps(_mm512_broadcastss_ps(both), iota, _mm512_broadcastss_ps(_mm_movehdup_ps(both)));
     } else if (wtype == W_I4) {
         table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)blk[4])), _mm512_set1_ps(f32_at(blk)));
+    } else if (wtype == W_K4) { /* d * i exact, minus m */
+        table = _mm512_fmsub_ps(_mm512_set1_ps(f32_at(blk)), iota, _mm512_set1_ps(f32_at(blk + 4)));
     } else if (wtype == W_N4) {
         table = _mm512_mul_ps(_mm512_loadu_ps(NF4), _mm512_set1_ps(f32_at(blk)));
     } else if (wtype == W_F4) { /* a table for each half's scale */
@@ -276,7 +298,8 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
     __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : 2))));
+        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5
+                                                 : wtype == W_K4 ? 8 : 2))));
     v[0] = _mm512_permutexvar_ps(q, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }

@@ -6,7 +6,8 @@ matrix once, reads fewer bytes.
 - `narrow_exact_matrices`: bfloat16, where every value's low 16 bits are zero (a checkpoint
   stored in bfloat16, as most are).
 - `keep_gguf_blocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and
-  0.63 bytes a value), instead of the float32 copy the converter dequantized. Which file rows
+  0.63 bytes a value; Q4_K and Q6_K, repacked 32 values a block: 0.75 and 1.25), instead of the
+  float32 copy the converter dequantized. Which file rows
   are which of our rows is found by value, not by name: every row of a quantized tensor is
   widened by the C kernels and looked up among the rows of our matrices (q/k/v and gate/up
   are fused there; the converter also reorders the rows of q and k). A matrix takes blocks
@@ -28,6 +29,50 @@ logger = logging.getLogger(__name__)
 
 # GGML tensor types kept as blocks -> our name of the format (cpu_kernels.BLOCK_FORMATS)
 GGUF_BLOCKS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
+
+
+def repack_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows (superblocks of 256 values, 144 bytes: f16 d and dmin, 12 bytes of 6-bit
+    scales and mins, 128 bytes of nibbles, sub-blocks 2j and 2j + 1 in the low and high nibbles
+    of bytes 32j..32j+31) as k4 blocks, one a sub-block of 32: d * sc and dmin * m in float32
+    (exact products), as gguf's dequantizer computes them, and the nibbles re-laid."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 144)
+    d, dmin = b[:, 0:2].view(np.float16).astype(np.float32), b[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    scale, offset = d * sc.astype(np.float32), dmin * m.astype(np.float32)  # [superblocks, 8]
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 32)
+    nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)
+    halves = [scale.reshape(-1, 8, 1).view(np.uint8), offset.reshape(-1, 8, 1).view(np.uint8)]
+    out = np.concatenate([*halves, nibbles], axis=2)
+    return np.ascontiguousarray(out).reshape(rows, -1)
+
+
+def repack_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K rows (superblocks of 256 values, 210 bytes: 128 of low nibbles, 64 of high 2-bit
+    pairs, 16 int8 scales, f16 d) as k6 blocks, one a 32 values: its two 16-value groups' d *
+    scale in float32 (exact) and the 6-bit codes minus 32 as int8, laid out as gguf's
+    dequantizer reads them."""
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 210)
+    scales = b[:, 192:208].view(np.int8).astype(np.float32)
+    d = b[:, 208:210].view(np.float16).astype(np.float32)
+    ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(-1, 8, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(-1, 8, 32)
+    q = ((ql | (qh << 4)).astype(np.int8) - np.int8(32)).reshape(-1, 8, 32)
+    pairs = (d * scales).reshape(-1, 8, 2)  # [superblocks, 8 blocks of 32, a scale for each 16]
+    out = np.concatenate([pairs.view(np.uint8), q.view(np.uint8)], axis=2)
+    return np.ascontiguousarray(out).reshape(rows, -1)
+
+
+# GGML K-quant types kept, repacked 32 values a block -> (our format, bytes of a 256-value
+# superblock in the file, the repacking)
+GGUF_KQUANTS = {12: ("k4", 144, repack_q4_k), 14: ("k6", 210, repack_q6_k)}
 
 
 def matrix_owners(model) -> list[torch.nn.Module]:
@@ -75,9 +120,9 @@ _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
 def gguf_block_tensors(path: Path):
-    """(name, format, columns, [rows, bytes a row] uint8, mapped read-only) of each 2-D tensor
-    of a GGUF file in a block format kept here. gguf's own reader builds every metadata field
-    (a 49k-token vocabulary: 4 s); this skips them."""
+    """(name, format, columns, [rows, bytes a row] uint8, mapped read-only, or repacked for the
+    K-quants) of each 2-D tensor of a GGUF file in a block format kept here. gguf's own reader
+    builds every metadata field (a 49k-token vocabulary: 4 s); this skips them."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(data)
     u32 = lambda at: struct.unpack_from("<I", buf, at)[0]  # noqa: E731
@@ -116,6 +161,12 @@ def gguf_block_tensors(path: Path):
         at += 12
     start = -(-at // alignment) * alignment
     for name, dims, kind, offset in infos:
+        if kind in GGUF_KQUANTS and len(dims) == 2 and dims[0] % 256 == 0:
+            fmt, superblock, repack = GGUF_KQUANTS[kind]
+            row_bytes = dims[0] // 256 * superblock
+            yield name, fmt, dims[0], repack(data[start + offset:start + offset + row_bytes * dims[1]]
+                                             .reshape(dims[1], row_bytes))
+            continue
         fmt = GGUF_BLOCKS.get(kind)
         if fmt is None or len(dims) != 2 or dims[0] % 32:
             continue

@@ -1,0 +1,51 @@
+"""Round-to-nearest GGUF K-quant writers for tests (gguf's own quantize has no K-quants): float
+rows of a multiple of 256 values as Q4_K and Q6_K superblocks, laid out as gguf's dequantizer
+reads them (checked there: it gives back the rows within the formats' error)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _half(values: np.ndarray) -> np.ndarray:
+    """Positive scales as half floats (at least the smallest subnormal), back in float32."""
+    return np.maximum(values.astype(np.float16), np.float16(6e-8)).astype(np.float32)
+
+
+def _f16(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """Q4_K: each 32 values (q - m) * d * sc with 6-bit sc and m, f16 d and dmin a superblock."""
+    n, k = rows.shape
+    w = rows.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(w.min(axis=2), 0)
+    step = (w.max(axis=2) - low) / 15
+    d, dmin = step.max(axis=1) / 63, -low.min(axis=1) / 63
+    d, dmin = _half(d), _half(dmin)
+    sc = np.clip(np.round(step / d[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / dmin[:, None]), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((w + (dmin[:, None] * m)[:, :, None]) / (d[:, None] * sc)[:, :, None]), 0, 15).astype(np.uint8)
+    scales = np.empty((len(w), 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2j and 2j + 1 share bytes
+    return np.concatenate([_f16(d), _f16(dmin), scales, qs], axis=1).reshape(n, k // 256 * 144)
+
+
+def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
+    """Q6_K: each 16 values q * d * sc, q in -32..31, int8 sc, f16 d a superblock."""
+    n, k = rows.shape
+    w = rows.astype(np.float32).reshape(-1, 16, 16)
+    amax = np.abs(w).max(axis=2)
+    d = _half(amax.max(axis=1) / (127 * 31))
+    sc = np.clip(np.round(amax / (d[:, None] * 31)), 1, 127).astype(np.int8)
+    q = np.clip(np.round(w / (d[:, None] * sc)[:, :, None]), -32, 31).astype(np.int16).reshape(-1, 256) + 32
+    v = q.reshape(-1, 2, 128)  # halves of 128: low nibbles of values i and 64 + i share byte i
+    ql = (v[:, :, :64] & 0x0F) | ((v[:, :, 64:] & 0x0F) << 4)
+    hi = (v >> 4).reshape(-1, 2, 4, 32)  # 2-bit high parts: value 32k + j at bits 2k of byte j
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out = [ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8), _f16(d)]
+    return np.concatenate(out, axis=1).reshape(n, k // 256 * 210)
