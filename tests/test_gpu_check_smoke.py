@@ -46,7 +46,7 @@ def test_quant_and_lora_sections_smoke(tmp_path):
     at the smoke shapes under the interpreter: every case within its error bound."""
     report = _smoke(tmp_path, "quant,lora")
     cases = report["quant"]["cases"]
-    assert {c["method"] for c in cases} == {"int4", "fp8 block", "fp8", "fp8 triton", "int8", "int8 triton"}
+    assert {c["method"] for c in cases} == {"int4", "fp8 block", "nvfp4", "fp8", "fp8 triton", "int8", "int8 triton"}
     assert all(c["ok"] for c in cases)
     assert all(c["us"] > 0 and c["graph_us"] > 0 for c in cases)
     tiles = report["quant"]["int4_tiles"]  # the sweep: the default and one tile per shape

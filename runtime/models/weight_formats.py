@@ -210,7 +210,7 @@ def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
     found: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}  # owner -> (format, its blocks, rows found)
     mixed: set[int] = set()
     for _, fmt, columns, mapped in gguf_block_tensors(gguf_path):
-        raw = np.array(mapped)  # a copy: the file is mapped read-only
+        raw = mapped if mapped.flags.writeable else np.array(mapped)  # the file is mapped read-only
         file_keys = _row_keys(lib.widen(blocks(torch.from_numpy(raw), fmt, columns)).numpy())
         lo = np.searchsorted(first, file_keys["a"], "left")
         counts = np.searchsorted(first, file_keys["a"], "right") - lo

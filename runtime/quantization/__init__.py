@@ -1,12 +1,14 @@
 """Quantized weights: which method a checkpoint uses (its config.json's `quantization_config`, or
-`--quantization`), how its tensors become QuantTensors (methods.py, qtensor.py), and how those
-are stored for the device's kernels (storage.py, load.py)."""
+`--quantization`), how its tensors become QuantTensors (methods.py and the formats' own modules,
+qtensor.py), and how those
+are stored for the device's kernels (load.py)."""
 
 from __future__ import annotations
 
-from pageserve.runtime.quantization.methods import (AWQ, GPTQ, CompressedTensors, FP8Checkpoint, OnlineFP8,
-                                                    QuantMethod, UnsupportedQuantization)
 from pageserve.runtime.quantization.bitsandbytes import BitsAndBytes
+from pageserve.runtime.quantization.compressed_tensors import CompressedTensors
+from pageserve.runtime.quantization.methods import (AWQ, GPTQ, FP8Checkpoint, OnlineFP8, QuantMethod,
+                                                    UnsupportedQuantization)
 from pageserve.runtime.quantization.modelopt import ModelOpt
 from pageserve.runtime.quantization.qtensor import QuantTensor
 

@@ -1,4 +1,5 @@
-"""The quantized checkpoint formats pageserve reads, each a small object that knows its
+"""The quantized checkpoint formats pageserve reads (compressed-tensors', ModelOpt's and
+bitsandbytes' in their own modules), each a small object that knows its
 `quantization_config`, which checkpoint tensors make up one quantized linear layer, and how to
 read them into a QuantTensor (qtensor.py). What a format holds that pageserve cannot serve is
 refused when the config is read, in one line naming it."""
@@ -70,7 +71,7 @@ def need_tensors(tensors: dict, prefix: str, *names: str) -> list[torch.Tensor]:
     return [tensors[n] for n in names]
 
 
-def _int4(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> QuantTensor:
+def int4_tensor(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> QuantTensor:
     n, k = codes.shape
     if scales.dim() != 2 or scales.shape[0] != n or not scales.shape[1] or k % scales.shape[1]:
         raise ValueError(f"{prefix}: scales {tuple(scales.shape)} do not make groups of a {n}x{k} matrix")
@@ -123,7 +124,7 @@ def static_input_scale(prefix: str, tensors: dict, static: bool) -> float | None
     return value
 
 
-def _block_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
+def block_grid(n: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
     """The scales of an n x k matrix in blocks of `block` (rows, columns), the last ones partial."""
     return -(-n // block[0]), -(-k // block[1])
 
@@ -133,7 +134,7 @@ def fp8_blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, block: tuple
     columns: each 32 values of a row take their block's scale (the C kernels' block; a column
     block must be a multiple of 32, a tensor-parallel shard may cut inside one)."""
     n, k = codes.shape
-    want = _block_grid(n, k, block)
+    want = block_grid(n, k, block)
     if tuple(scale.shape) != want:
         raise ValueError(f"{name}: {tuple(scale.shape)} scales, expected {want} for a {n}x{k} matrix in blocks of "
                          f"{block[0]}x{block[1]}")
@@ -144,7 +145,7 @@ def fp8_blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, block: tuple
     return QuantTensor("fp8", codes, per32.contiguous(), group_size=32)
 
 
-def _fp8_block_size(block, where: str) -> tuple[int, int]:
+def fp8_block_size(block, where: str) -> tuple[int, int]:
     """A block size as a config gives it ([rows, columns]), checked: the columns a multiple of 32."""
     if not isinstance(block, (list, tuple)) or len(block) != 2 \
             or not all(isinstance(b, int) and b > 0 for b in block) or block[1] % 32:
@@ -195,197 +196,6 @@ def kv_cache_scheme(qcfg: dict | None) -> dict | None:
     return scheme
 
 
-# compressed-tensors' FP4 formats: (format, strategy, group size) -> name
-_FP4_FORMATS = {("nvfp4-pack-quantized", "tensor_group", 16): "NVFP4", ("mxfp4-pack-quantized", "group", 32): "MXFP4"}
-
-
-class CompressedTensors(QuantMethod):
-    """llm-compressor's `compressed-tensors`: FP8 weights (`float-quantized`) per channel, per
-    tensor, or per block (as the C linear's FP8 groups, activations unquantized); INT8 weights
-    (`int-quantized`/`naive-quantized`) per channel, symmetric; either with dynamic per-token
-    activations, static per-tensor ones (`input_scale`) or none; 4-bit weights
-    `pack-quantized` in groups or per channel, symmetric or with zero points; NVFP4
-    (`nvfp4-pack-quantized`: e2m1 codes, an FP8 scale a group of 16, divided by the layer's
-    `weight_global_scale`) and MXFP4 (`mxfp4-pack-quantized`: an E8M0 power of two a group of
-    32), both weight-only."""
-    name = "compressed-tensors"
-    marker = "weight_scale"
-
-    def __init__(self, cfg: dict):
-        kv = kv_cache_scheme(cfg)
-        fmt = cfg.get("format")
-        groups = cfg.get("config_groups") or {}
-        if not groups and kv is None:
-            raise UnsupportedQuantization("compressed-tensors: the config has no config_groups")
-        self.schemes = [] if kv is None else ["FP8 KV-cache scales"]
-        self.block: tuple[int, int] | None = None  # block-wise FP8 weights' block (rows, columns)
-        self.static: bool | None = None  # activations quantized with the checkpoint's input_scale
-        self.packed_bits: int | None = None  # pack-quantized integer weights' width
-        self.group_sizes = {g.get("weights", {}).get("group_size") for g in groups.values()} - {None}
-        for name, group in groups.items():
-            w, act = group.get("weights") or {}, group.get("input_activations")
-            kind = (w.get("type"), w.get("num_bits"))
-            gfmt = group.get("format") or fmt
-            where = f"compressed-tensors group {name}"
-            if not w and kv is not None:  # the attention's query quantized (for FP8 attention): not here
-                continue
-            if kind == ("float", 8):
-                if w.get("strategy") == "block":
-                    block = _fp8_block_size(w.get("block_structure"), f"{where}: FP8 weights in blocks of")
-                    if self.block not in (None, block):
-                        raise UnsupportedQuantization(f"compressed-tensors: FP8 weights in blocks of {self.block} "
-                                                      f"and of {block} in one checkpoint are not supported")
-                    self.block = block
-                elif w.get("strategy") not in ("tensor", "channel"):
-                    raise UnsupportedQuantization(f"{where}: FP8 weights by {w.get('strategy')} are not supported "
-                                                  "(by tensor, channel or block are)")
-            elif kind == ("int", 8):
-                if not w.get("symmetric", True):
-                    raise UnsupportedQuantization(f"{where}: asymmetric INT8 weights are not supported")
-                packed = gfmt == "pack-quantized"  # W8A16: four a word, by channel or in groups
-                if w.get("strategy") not in (("channel", "group") if packed else ("tensor", "channel")):
-                    raise UnsupportedQuantization(f"{where}: INT8 weights by {w.get('strategy')} in format {gfmt} "
-                                                  "are not supported")
-                if packed and (act is not None or w.get("actorder") == "group"):
-                    raise UnsupportedQuantization(f"{where}: packed INT8 weights with quantized activations or "
-                                                  "activation ordering are not supported")
-                if packed:
-                    self._pack(8)
-                    self.schemes.append("W8A16")
-                    continue
-            elif kind == ("int", 4):
-                if gfmt not in ("pack-quantized", None):
-                    raise UnsupportedQuantization(f"{where}: 4-bit weights in format {gfmt} are not supported "
-                                                  "(pack-quantized is)")
-                self._pack(4)
-                if w.get("strategy") not in ("group", "channel"):
-                    raise UnsupportedQuantization(f"{where}: 4-bit weights by {w.get('strategy')} are not supported")
-                if w.get("actorder") == "group":
-                    raise UnsupportedQuantization(f"{where}: activation ordering (actorder: group) is not supported")
-            elif kind == ("float", 4):
-                name = _FP4_FORMATS.get((gfmt, w.get("strategy"), w.get("group_size")))
-                if name is None:
-                    raise UnsupportedQuantization(f"{where}: 4-bit float weights in format {gfmt} by "
-                                                  f"{w.get('strategy')} in groups of {w.get('group_size')} are not "
-                                                  "supported (NVFP4 and MXFP4 are)")
-                if not w.get("symmetric", True):
-                    raise UnsupportedQuantization(f"{where}: asymmetric {name} weights (zero points) are not supported")
-                if act is not None and (act.get("type"), act.get("num_bits")) != ("float", 4):
-                    raise UnsupportedQuantization(f"{where}: {name} weights beside {act.get('num_bits')}-bit "
-                                                  f"{act.get('type')} activations are not supported")
-                # FP4 activations (W4A4: FP4 kernels Blackwell has) are not quantized here
-                self.schemes.append(f"{name} weight-only")
-                continue
-            else:
-                raise UnsupportedQuantization(f"{where}: {w.get('num_bits')}-bit {w.get('type')} weights "
-                                              f"(format {gfmt}) are not supported; FP8, INT8, 4-bit integer "
-                                              "and NVFP4 weights are")
-            static = act is not None and not act.get("dynamic", False)
-            if act is not None:
-                # static: one scale a tensor, symmetric, beside per-row (not block-wise) 8-bit weights
-                if (act.get("type"), act.get("num_bits")) not in (("float", 8), ("int", 8)) or static and (
-                        act.get("strategy") != "tensor" or not act.get("symmetric", True)
-                        or kind[1] != 8 or w.get("strategy") == "block"):
-                    symmetric = "symmetric" if act.get("symmetric", True) else "asymmetric"
-                    raise UnsupportedQuantization(
-                        f"{where}: input activations {act.get('num_bits')}-bit {act.get('type')} "
-                        f"{'static' if static else 'dynamic'} {symmetric} by {act.get('strategy')} beside "
-                        f"{kind[1]}-bit weights by {w.get('strategy')} are not supported (dynamic FP8 or INT8 are, "
-                        "and static symmetric by tensor beside 8-bit weights by tensor or channel)")
-            if kind[1] == 8 and w.get("strategy") != "block":  # the layers that read an input_scale, or not
-                if self.static not in (None, static):
-                    raise UnsupportedQuantization("compressed-tensors: 8-bit groups with static activation scales "
-                                                  "beside 8-bit groups without are not supported")
-                self.static = static
-            if w.get("strategy") == "block":  # its activations (per group of columns) stay unquantized here
-                self.schemes.append("FP8 in blocks of %dx%d" % self.block)
-                continue
-            self.schemes.append(f"{'W4A16' if kind[1] == 4 else ('FP8' if kind[0] == 'float' else 'INT8')}"
-                                f"{'' if kind[1] == 4 or act else ' weight-only'}{' static' if static else ''}")
-
-    def _groups(self, prefix: str, k: int, scale: torch.Tensor) -> int:
-        """The groups of a pack-quantized row of k values: its scales' columns, each of a group
-        size of the config (compressed-tensors writes a last, partial group where the size does
-        not divide K; not served)."""
-        groups = scale.shape[1] if scale.dim() == 2 else 1
-        if k % groups or groups > 1 and k // groups not in self.group_sizes:
-            raise UnsupportedQuantization(f"compressed-tensors: {prefix}'s {k} columns in {groups} groups are not "
-                                          f"whole groups of {sorted(self.group_sizes)}")
-        return groups
-
-    def _pack(self, bits: int) -> None:
-        """pack-quantized integer weights of `bits` bits (one width a checkpoint: the layers'
-        shapes alone do not tell 4 from 8)."""
-        if self.packed_bits not in (None, bits):
-            raise UnsupportedQuantization("compressed-tensors: 4-bit and 8-bit pack-quantized weights in one "
-                                          "checkpoint are not supported")
-        self.packed_bits = bits
-
-    def describe(self) -> str:
-        return f"{self.name} ({', '.join(sorted(set(self.schemes)))})"
-
-    def layout(self, tensors):
-        if "weight_packed" in tensors:
-            ((_, words), dtype), scale = tensors["weight_packed"], tensors["weight_scale"][0]
-            if dtype == "U8":  # NVFP4 or MXFP4: two codes a byte
-                return "fp4", 2 * words // scale[1]
-            groups = scale[1] if len(scale) == 2 else 1
-            if self.packed_bits == 8:  # W8A16, by channel a group of K: weight-only everywhere, as 4-bit
-                return "int8", 4 * words // groups
-            return "int4", 8 * words // groups
-        shape, dtype = tensors.get("weight", ((), "?"))
-        kind = {"F8_E4M3": "fp8", "I8": "int8"}.get(dtype)
-        if kind is None:
-            raise UnsupportedQuantization(f"compressed-tensors: weights of dtype {dtype} are not supported")
-        return kind, 32 if self._blocks(shape, tensors["weight_scale"][0]) else 0
-
-    def _blocks(self, shape, scale_shape) -> bool:
-        """Whether a matrix of `shape` with scales of `scale_shape` is quantized block-wise."""
-        return self.block is not None and len(shape) == 2 and tuple(scale_shape) == _block_grid(*shape, self.block)
-
-    def read(self, prefix, tensors):
-        scale = tensors["weight_scale"]
-        if "weight_packed" in tensors and tensors["weight_packed"].dtype == torch.uint8:  # FP4
-            if scale.dtype == torch.uint8:  # MXFP4: a power of two a group
-                return fp4_weights(prefix, tensors["weight_packed"], e8m0_scales(prefix, scale))
-            packed, global_scale = need_tensors(tensors, prefix, "weight_packed", "weight_global_scale")
-            return fp4_weights(prefix, packed, fp8_scales(prefix, scale) / global_scale.float().reshape(()))
-        if "weight_packed" in tensors and self.packed_bits == 8:  # values stored plus 128, four a word
-            packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
-            n, k = (int(v) for v in shape.tolist())
-            codes = (unpack_bytes(packed, dim=1)[:, :k].to(torch.int16) - 128).to(torch.int8)
-            groups = self._groups(prefix, k, scale)
-            return QuantTensor("int8", codes.contiguous(), scale.to(torch.float32).reshape(n, groups).contiguous(),
-                               group_size=k // groups)
-        if "weight_packed" in tensors:
-            packed, shape = need_tensors(tensors, prefix, "weight_packed", "weight_shape")
-            n, k = (int(v) for v in shape.tolist())
-            codes = unpack_nibbles(packed, dim=1)[:, :k]  # signed values stored plus 8
-            zp = tensors.get("weight_zero_point")
-            groups = self._groups(prefix, k, scale)
-            if zp is None:
-                zeros = torch.full((n, groups), 8, dtype=torch.uint8)
-            else:  # packed along the rows, plus 8 as well
-                zeros = unpack_nibbles(zp, dim=0)[:n]
-            return _int4(prefix, codes, scale.reshape(n, -1), zeros)
-        weight, = need_tensors(tensors, prefix, "weight")
-        n = weight.shape[0]
-        if weight.dtype == torch.float8_e4m3fn and self._blocks(weight.shape, scale.shape):
-            return fp8_blocks(f"{prefix}.weight_scale", weight, scale, self.block)
-        if scale.numel() not in (1, n):
-            raise ValueError(f"{prefix}: a scale of shape {tuple(scale.shape)} for {n} rows")
-        scales = scale.to(torch.float32).reshape(-1).expand(n).contiguous()
-        for zero in ("weight_zero_point", "input_zero_point"):
-            if tensors.get(zero) is not None and tensors[zero].any():
-                raise ValueError(f"{prefix}.{zero}: non-zero zero points are not supported")
-        static = static_input_scale(prefix, tensors, bool(self.static))
-        if weight.dtype == torch.float8_e4m3fn:
-            return QuantTensor("fp8", weight, scales, input_scale=static)
-        if weight.dtype == torch.int8:
-            return QuantTensor("int8", weight, scales, input_scale=static)
-        raise ValueError(f"{prefix}: quantized weight of dtype {weight.dtype}")
-
-
 class AWQ(QuantMethod):
     """AutoAWQ's GEMM packing: qweight int32 [K, N / 8], eight output columns a word in the
     order 0, 2, 4, 6, 1, 3, 5, 7; qzeros [K / G, N / 8] packed alike; scales [K / G, N]."""
@@ -419,7 +229,7 @@ class AWQ(QuantMethod):
             zeros = self._columns(need_tensors(tensors, prefix, "qzeros")[0]).t()
         else:
             zeros = torch.full((codes.shape[0], scales.shape[0]), 8, dtype=torch.uint8)
-        return _int4(prefix, codes, scales.t(), zeros)
+        return int4_tensor(prefix, codes, scales.t(), zeros)
 
 
 class GPTQ(QuantMethod):
@@ -472,7 +282,7 @@ class GPTQ(QuantMethod):
                                .contiguous(), group_size=k // groups)
         if zeros.max() > 15:
             raise ValueError(f"{prefix}: zero points past 15")
-        return _int4(prefix, codes, scales.t(), zeros.to(torch.uint8))
+        return int4_tensor(prefix, codes, scales.t(), zeros.to(torch.uint8))
 
 
 class FP8Checkpoint(QuantMethod):
@@ -492,7 +302,7 @@ class FP8Checkpoint(QuantMethod):
                                           "(dynamic is, and static beside per-tensor weights)")
         if cfg.get("fmt", "e4m3") != "e4m3":
             raise UnsupportedQuantization(f"fp8 checkpoint in {cfg.get('fmt')} is not supported (e4m3 is)")
-        self.block = None if block is None else _fp8_block_size(block, "fp8 checkpoint with weight_block_size")
+        self.block = None if block is None else fp8_block_size(block, "fp8 checkpoint with weight_block_size")
         self.static = scheme == "static"
         self.marker = "weight_scale_inv" if block is not None else "weight_scale"
 
