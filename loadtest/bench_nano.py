@@ -114,12 +114,14 @@ def _untime_steps(engine) -> None:
 
 
 def _summarize_steps(timeline) -> dict:
-    """Step counts and mean milliseconds: steps with a prompt chunk, and decode-only steps
-    by number of requests; with device events, the device's mean milliseconds from a step's
+    """Step counts and mean milliseconds: steps with a prompt chunk, decode-only steps by
+    number of requests, and steps that ran no request; with device events, the device's mean milliseconds from a step's
     inputs to its sampled tokens too (a step's wall time well above it: the host is the bound)."""
     kinds: dict[str, list] = {}
     for requests, tokens, seconds, events in timeline:
-        if tokens > requests:
+        if not requests:  # ran no forward (async scheduling's last collection): not a decode step
+            kind = "no requests"
+        elif tokens > requests:
             kind = "with prompts"
         else:
             kind = next(f"decode <= {b}" for b in (16, 64, 128, 192, 256, 10 ** 9) if requests <= b)

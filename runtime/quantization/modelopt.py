@@ -11,7 +11,7 @@ from pageserve.runtime.quantization.methods import (QuantMethod, UnsupportedQuan
                                                     static_input_scale)
 from pageserve.runtime.quantization.qtensor import QuantTensor
 
-# ModelOpt's quant_algo values pageserve serves (FP8 weights), and those it names when refusing
+# ModelOpt's quant_algo values pageserve serves, each with what it is
 _MODELOPT_ALGOS = {"FP8": "per-tensor weights, static activations", "FP8_PER_CHANNEL_PER_TOKEN":
                    "per-channel weights, dynamic activations", "FP8_PB_WO": "weights in blocks of 128x128",
                    "NVFP4": "FP4 weights, served weight-only", "W4A16_NVFP4": "FP4 weights, weight-only"}
