@@ -1,5 +1,5 @@
 """Round-to-nearest GGUF K-quant writers for tests (gguf's own quantize has no K-quants): float
-rows of a multiple of 256 values as Q4_K and Q6_K superblocks, laid out as gguf's dequantizer
+rows of a multiple of 256 values as Q4_K, Q5_K and Q6_K superblocks, laid out as gguf's dequantizer
 reads them (checked there: it gives back the rows within the formats' error)."""
 
 from __future__ import annotations
@@ -16,23 +16,35 @@ def _f16(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
 
 
-def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
-    """Q4_K: each 32 values (q - m) * d * sc with 6-bit sc and m, f16 d and dmin a superblock."""
+def quantize_q4_k(rows: np.ndarray, top: int = 15) -> np.ndarray:
+    """Q4_K: each 32 values q * d * sc - dmin * m with 6-bit sc and m, f16 d and dmin a
+    superblock (top: the largest code, 31 for Q5_K's)."""
     n, k = rows.shape
     w = rows.astype(np.float32).reshape(-1, 8, 32)
     low = np.minimum(w.min(axis=2), 0)
-    step = (w.max(axis=2) - low) / 15
+    step = (w.max(axis=2) - low) / top
     d, dmin = step.max(axis=1) / 63, -low.min(axis=1) / 63
     d, dmin = _half(d), _half(dmin)
     sc = np.clip(np.round(step / d[:, None]), 1, 63).astype(np.uint8)
     m = np.clip(np.round(-low / dmin[:, None]), 0, 63).astype(np.uint8)
-    q = np.clip(np.round((w + (dmin[:, None] * m)[:, :, None]) / (d[:, None] * sc)[:, :, None]), 0, 15).astype(np.uint8)
+    shifted = (w + (dmin[:, None] * m)[:, :, None]) / (d[:, None] * sc)[:, :, None]
+    q = np.clip(np.round(shifted), 0, top).astype(np.uint8)
     scales = np.empty((len(w), 12), np.uint8)
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2j and 2j + 1 share bytes
-    return np.concatenate([_f16(d), _f16(dmin), scales, qs], axis=1).reshape(n, k // 256 * 144)
+    low4 = q & 0x0F
+    qs = (low4[:, 0::2] | (low4[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2j and 2j + 1 share bytes
+    if top == 15:
+        return np.concatenate([_f16(d), _f16(dmin), scales, qs], axis=1).reshape(n, k // 256 * 144)
+    bits = (q >> 4).astype(np.uint8)  # Q5_K: value 32i + j's fifth bit at bit i of byte j
+    qh = sum(bits[:, i, :] << i for i in range(8)).astype(np.uint8)
+    return np.concatenate([_f16(d), _f16(dmin), scales, qh, qs], axis=1).reshape(n, k // 256 * 176)
+
+
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    """Q5_K: Q4_K's scheme with 5-bit codes, the fifth bits in 32 bytes of their own."""
+    return quantize_q4_k(rows, top=31)
 
 
 def quantize_q6_k(rows: np.ndarray) -> np.ndarray:

@@ -81,7 +81,8 @@ def test_blocks_refuse_a_wrong_size(kernel):
         kernel(torch.randn(1, 32), torch.zeros(4, 20, dtype=torch.uint8))  # bytes without a format
 
 
-KQUANTS = {"k4": (gguf.GGMLQuantizationType.Q4_K, 144, 0), "k6": (gguf.GGMLQuantizationType.Q6_K, 210, 208)}
+KQUANTS = {"k4": (gguf.GGMLQuantizationType.Q4_K, 144, 0), "k5": (gguf.GGMLQuantizationType.Q5_K, 176, 0),
+           "k6": (gguf.GGMLQuantizationType.Q6_K, 210, 208)}
 
 
 def k_quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -94,7 +95,8 @@ def k_quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, (rows * columns // 256, size), dtype=np.uint8)
     halves = rng.standard_normal((len(raw), 2)).astype(np.float16)
     halves[0], halves[1] = [0.0, -0.0], [6e-8, -3e-5]
-    raw[:, at:at + (4 if fmt == "k4" else 2)] = halves.view(np.uint8)[:, :4 if fmt == "k4" else 2]
+    width = 2 if fmt == "k6" else 4  # d (and dmin)
+    raw[:, at:at + width] = halves.view(np.uint8)[:, :width]
     assert GGUF_KQUANTS[qtype][0] == fmt
     return raw.reshape(rows, -1)
 
@@ -102,7 +104,7 @@ def k_quantized(fmt: str, rows: int, columns: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
 @pytest.mark.parametrize("fmt", list(KQUANTS))
 def test_k_quants_repacked_widen_to_gguf_values(request, build, fmt):
-    """Q4_K and Q6_K superblocks repacked 32 values a block (k4, k6): widened to gguf's values
+    """Q4_K, Q5_K and Q6_K superblocks repacked 32 values a block (k4, k5, k6): widened to gguf's values
     bit for bit in each build, and the linear on them is the linear on those values."""
     from pageserve.runtime.models.weight_formats import GGUF_KQUANTS
 
@@ -194,14 +196,17 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
 
 
 @pytest.mark.engine
-def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache):
-    """A Q4_K_M-like file (Q4_K attention and MLP, Q6_K attn_v, ffn_down and embedding; rows of
-    256 values) runs on k4 / k6 blocks with HF's greedy tokens on the same file, and the same
-    tokens and logprobs as on its dequantized float32 copy."""
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache, mix):
+    """A Q4_K_M- or Q5_K_M-like file (Q4_K or Q5_K attention and MLP, Q6_K attn_v, ffn_down and
+    embedding; rows of 256 values) runs on k4 or k5 and k6 blocks with HF's greedy tokens on the
+    same file, and the same tokens and logprobs as on its dequantized float32 copy."""
     from pageserve.runtime import model_runner
-    from tests.kquants import quantize_q4_k, quantize_q6_k
+    from tests.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
-    writers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+    writers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+               gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+    base = gguf.GGMLQuantizationType.Q4_K if mix == "q4_k_m" else gguf.GGMLQuantizationType.Q5_K
     plain = gguf.quants.quantize
     monkeypatch.setattr(gguf.quants, "quantize", lambda data, qtype: writers[qtype](data) if qtype in writers
                         else plain(data, qtype))
@@ -210,14 +215,14 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
         if name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "token_embd.weight":
             return gguf.GGMLQuantizationType.Q6_K
         matrices = ("attn_q.weight", "attn_k.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight")
-        return gguf.GGMLQuantizationType.Q4_K if name.endswith(matrices) else None
+        return base if name.endswith(matrices) else None
 
     def everywhere(self, weights, reps=3):
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=True, hidden_size=256,
                                  intermediate_size=512)
-    path = write_gguf(model_dir, tmp_path / "tiny-q4_k_m.gguf", "llama", q4_k_m)
+    path = write_gguf(model_dir, tmp_path / f"tiny-{mix}.gguf", "llama", q4_k_m)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (7, 40, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -233,7 +238,8 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
     formats = [getattr(w, "block_format", str(w.dtype)) for w in (
         layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
         model.embed_tokens.weight, layer.self_attn.qkv_proj.weight)]
-    assert formats == ["k4", "k4", "k6", "k6", "torch.float32"]  # q/k/v: Q4_K beside Q6_K stays float32
+    small = "k4" if mix == "q4_k_m" else "k5"
+    assert formats == [small, small, "k6", "k6", "torch.float32"]  # q/k/v: Q4_K or Q5_K beside Q6_K stays float32
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
     monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
     _, dense = run()

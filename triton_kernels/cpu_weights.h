@@ -106,6 +106,11 @@ static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
         }
         return;
     }
+    if (wtype == W_K5) { /* as K4, a byte a code */
+        float d = f32_at(blk), m = f32_at(blk + 4);
+        for (int j = 0; j < 32; j++) o[j] = d * (float)blk[8 + j] - m;
+        return;
+    }
     if (wtype == W_K6) {
         float s0 = f32_at(blk), s1 = f32_at(blk + 4);
         for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[8 + j] * (j < 16 ? s0 : s1);
@@ -192,6 +197,12 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
         if (wtype == W_Q4_1) m = _mm256_set1_ps(f16_to_f32(load_u16(blk + 2)));
     }
 #endif
+    if (wtype == W_K5) { /* d * q exact (q < 32), minus m: one rounding */
+        __m256 m5 = _mm256_set1_ps(f32_at(blk + 4));
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 + 8 * g)))), m5);
+        return;
+    }
     if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {
         const uint8_t *q = blk + (wtype == W_I8 ? 4 : wtype == W_K6 ? 8 : 2);
         __m256 d1 = wtype == W_K6 ? _mm256_set1_ps(f32_at(blk + 4)) : d; /* K6: values 16-31's scale */
@@ -257,6 +268,12 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 /* one block's 32 values in two registers, those of widen_block: a 4-bit block's nibbles index
    the table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
 static inline __attribute__((always_inline)) void widen_block16(const uint8_t *blk, int wtype, __m512 v[2]) {
+    if (wtype == W_K5) {
+        __m512 d = _mm512_set1_ps(f32_at(blk)), m = _mm512_set1_ps(f32_at(blk + 4));
+        for (int g = 0; g < 2; g++)
+            v[g] = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8 + 16 * g)))), m);
+        return;
+    }
     if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {
         __m512 d = _mm512_set1_ps(wtype == W_Q8_0 ? f16_to_f32(load_u16(blk)) : f32_at(blk));
         __m512 d1 = wtype == W_K6 ? _mm512_set1_ps(f32_at(blk + 4)) : d; /* K6: values 16-31's scale */

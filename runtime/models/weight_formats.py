@@ -6,11 +6,11 @@ matrix once, reads fewer bytes.
 - `narrow_exact_matrices`: bfloat16, where every value's low 16 bits are zero (a checkpoint
   stored in bfloat16, as most are).
 - `keep_gguf_blocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and
-  0.63 bytes a value; Q4_K and Q6_K, repacked 32 values a block: 0.75 and 1.25), instead of the
-  float32 copy the converter dequantized. Which file rows
-  are which of our rows is found by value, not by name: every row of a quantized tensor is
-  widened by the C kernels and looked up among the rows of our matrices (q/k/v and gate/up
-  are fused there; the converter also reorders the rows of q and k). A matrix takes blocks
+  0.63 bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25),
+  instead of the float32 copy the converter dequantized. Which file rows are which of our rows
+  is found by value, not by name: every row of a quantized tensor is widened by the C kernels
+  and looked up among the rows of our matrices (q/k/v and gate/up are fused there; the
+  converter also reorders the rows of q and k). A matrix takes blocks
   only when every one of its rows was found in one format and widening them gives back the
   float32 matrix exactly; any other stays as it was."""
 
@@ -51,6 +51,25 @@ def repack_q4_k(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out).reshape(rows, -1)
 
 
+def repack_q5_k(raw: np.ndarray) -> np.ndarray:
+    """Q5_K rows (superblocks of 256 values, 176 bytes: f16 d and dmin, 12 bytes of 6-bit scales
+    and mins, 32 bytes of high bits (value 32i + j's at bit i of byte j), 128 bytes of low
+    nibbles laid out as Q4_K's) as k5 blocks, one a sub-block of 32: d * sc and dmin * m in
+    float32 (exact products) and each 5-bit code in a byte."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 176)
+    d, dmin = b[:, 0:2].view(np.float16).astype(np.float32), b[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    scale, offset = d * sc.astype(np.float32), dmin * m.astype(np.float32)  # [superblocks, 8]
+    low = (b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
+    q = low.reshape(-1, 8, 32) | (high << 4)
+    halves = [scale.reshape(-1, 8, 1).view(np.uint8), offset.reshape(-1, 8, 1).view(np.uint8)]
+    return np.ascontiguousarray(np.concatenate([*halves, q], axis=2)).reshape(rows, -1)
+
+
 def repack_q6_k(raw: np.ndarray) -> np.ndarray:
     """Q6_K rows (superblocks of 256 values, 210 bytes: 128 of low nibbles, 64 of high 2-bit
     pairs, 16 int8 scales, f16 d) as k6 blocks, one a 32 values: its two 16-value groups' d *
@@ -72,7 +91,7 @@ def repack_q6_k(raw: np.ndarray) -> np.ndarray:
 
 # GGML K-quant types kept, repacked 32 values a block -> (our format, bytes of a 256-value
 # superblock in the file, the repacking)
-GGUF_KQUANTS = {12: ("k4", 144, repack_q4_k), 14: ("k6", 210, repack_q6_k)}
+GGUF_KQUANTS = {12: ("k4", 144, repack_q4_k), 13: ("k5", 176, repack_q5_k), 14: ("k6", 210, repack_q6_k)}
 
 
 def matrix_owners(model) -> list[torch.nn.Module]:
