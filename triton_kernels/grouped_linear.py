@@ -188,6 +188,8 @@ def _check_x(who: str, x: torch.Tensor) -> None:
 def _launch(who, x, codes, n, scales, zeros, group_size, bias, kind, launch) -> torch.Tensor:
     """The kernel over x [M, K] and a checked weight of N rows (codes: int32 words of 8 4-bit
     values, int4 or fp4, or FP8 or int8 bytes)."""
+    unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
+    _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
     m, k = x.shape
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -274,8 +276,6 @@ def _byte_group_linear(who, dtype, x, weight, scales, group_size, bias, launch) 
     n, k = weight.shape
     _check(x.shape[1] == k, f"{who}: x has {x.shape[1]} columns but weight has {k}")
     _check_inputs(who, x, n, k, scales, None, group_size, bias, {"weight": weight})
-    unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
-    _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
     kind = "fp8" if dtype == torch.float8_e4m3fn else "int8"
     return _launch(who, x, weight.view(torch.uint8) if kind == "fp8" else weight, n, scales, None, group_size, bias,
                    kind, launch)
@@ -309,7 +309,5 @@ def _table4_linear(who, kind, x, qweight, scales, group_size, bias, launch) -> t
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _check(x.shape[1] == k, f"{who}: x has {x.shape[1]} columns but qweight packs K = {k}")
     _check_inputs(who, x, n, k, scales, None, group_size, bias, {"qweight": qweight})
-    unknown = set(launch) - {"split_k", "block_m", "block_n", "block_k", "num_warps", "num_stages"}
-    _check(not unknown, f"{who}: unknown launch settings {sorted(unknown)}")
     table = _nf4_table(x.device) if kind == "nf4" else None
     return _launch(who, x, qweight, n, scales, table, group_size, bias, kind, launch)

@@ -287,17 +287,25 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                     group_size: int) -> torch.Tensor:
     """The float32 [N, K] weight of a W4A16 layer: qweight int32 [N, K / 8] (column 8i + j in
     bits 4j..4j+3 of word i), scales float32 and zeros uint8 [N, K / G]; w = (q - z) * s."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
     z = zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
-    return (q - z).float() * scales.repeat_interleave(group_size, dim=1)
+    return (_nibbles(qweight) - z).float() * scales.repeat_interleave(group_size, dim=1)
+
+
+def _nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 words [N, K / 8] -> their 4-bit codes [N, K] (column 8i + j in bits 4j..4j+3 of word i)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    return ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+
+
+def _dequantized_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ a dequantized float32 weight^T (+ bias [N]), in float32, returned in x's dtype."""
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
-    w = dequantize_int4(qweight, scales, zeros, group_size)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return _dequantized_linear(x, dequantize_int4(qweight, scales, zeros, group_size), bias)
 
 
 def dequantize_groups(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -310,8 +318,7 @@ def group_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, gr
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ the dequantized FP8 or INT8 weight^T (+ bias [N]), in float32, returned in x's
     dtype (the reference of fp8_group_linear and int8_group_linear)."""
-    w = dequantize_groups(weight, scales, group_size)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return _dequantized_linear(x, dequantize_groups(weight, scales, group_size), bias)
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # FP4's values
@@ -319,15 +326,14 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+TABLES4 = {"fp4": E2M1, "nf4": NF4}  # the 4-bit kinds read through a table of values
 
 
 def dequantize_table4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, table) -> torch.Tensor:
     """The float32 [N, K] weight of a 4-bit layer read through a table of 16 values (FP4's E2M1,
     NF4): qweight int32 [N, K / 8] of codes packed as dequantize_int4's, scales float32
     [N, K / G]; w = table[q] * s."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
-    values = torch.tensor(table, dtype=torch.float32, device=qweight.device)[q.long()]
+    values = torch.tensor(table, dtype=torch.float32, device=qweight.device)[_nibbles(qweight).long()]
     return values * scales.repeat_interleave(group_size, dim=1)
 
 
@@ -339,15 +345,13 @@ def dequantize_fp4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
 def fp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ the dequantized weight^T (+ bias [N]), in float32, returned in x's dtype."""
-    w = dequantize_fp4(qweight, scales, group_size)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return _dequantized_linear(x, dequantize_fp4(qweight, scales, group_size), bias)
 
 
 def nf4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp4_linear with NF4's values (bitsandbytes' 4-bit)."""
-    w = dequantize_table4(qweight, scales, group_size, NF4)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return _dequantized_linear(x, dequantize_table4(qweight, scales, group_size, NF4), bias)
 
 
 QUANT_EPS = 1e-10  # the smallest row maximum a per-token scale is taken from (all-zero rows)

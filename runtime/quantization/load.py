@@ -142,9 +142,8 @@ class PackedQuant:
         kernels)."""
         if self.kind == "int4":
             return torch_ops.dequantize_int4(weight, self.scales, self.zeros, self.group_size)
-        if self.kind in ("fp4", "nf4"):
-            table = torch_ops.E2M1 if self.kind == "fp4" else torch_ops.NF4
-            return torch_ops.dequantize_table4(weight, self.scales, self.group_size, table)
+        if self.kind in torch_ops.TABLES4:
+            return torch_ops.dequantize_table4(weight, self.scales, self.group_size, torch_ops.TABLES4[self.kind])
         if self.group_size:
             return torch_ops.dequantize_groups(weight, self.scales, self.group_size)
         return weight.to(torch.float32) * self.scales[:, None]

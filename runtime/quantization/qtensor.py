@@ -27,11 +27,10 @@ import torch
 from pageserve.triton_kernels import torch_ops
 
 KINDS = ("int4", "int8", "fp8", "fp4", "nf4")
-# the value of each FP4 e2m1 code
-E2M1 = torch.tensor(torch_ops.E2M1)
-# bitsandbytes' NormalFloat4 values (its quant_map for nf4), each a float32
-NF4 = torch.tensor(torch_ops.NF4)
-TABLES = {"fp4": E2M1, "nf4": NF4}  # the 4-bit kinds read through a table
+# the 4-bit kinds read through a table: FP4's e2m1 values, bitsandbytes' NormalFloat4 (its
+# quant_map for nf4), each a float32
+TABLES = {kind: torch.tensor(values) for kind, values in torch_ops.TABLES4.items()}
+NF4 = TABLES["nf4"]
 
 
 @dataclass(frozen=True, slots=True)
