@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from pathlib import Path
 
 import torch
 
@@ -110,7 +111,9 @@ def engine_logits(llm, seqs: list[tuple[list[int], int]]) -> list[torch.Tensor]:
 def hf_logits(path: str, seqs: list[tuple[list[int], int]], dtype: torch.dtype) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    from pageserve.runtime.models.gguf_file import dense_copy
+
+    model = AutoModelForCausalLM.from_pretrained(dense_copy(Path(path)), dtype=dtype).eval()
     out = []
     with torch.inference_mode():
         for ids, n in seqs:

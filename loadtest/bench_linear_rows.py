@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pageserve.runtime.models.gguf_file import kept_blocks, read_header, read_tensor
 from pageserve.runtime.models.loader import default_model_path
-from pageserve.runtime.models.weight_formats import gguf_block_tensors
 from pageserve.triton_kernels import cpu_build, cpu_kernels
 from pageserve.triton_kernels.cpu_kernels import blocks
 
@@ -47,9 +47,10 @@ def build_at(commit: str | None, out: Path) -> Path:
 def two_layers() -> list[torch.Tensor]:
     """Layers 0 and 1 of the default model's GGUF as the engine keeps them (fused qkv, gate_up)."""
     t = {}
-    for name, fmt, cols, mapped in gguf_block_tensors(default_model_path()):
-        if name.startswith(("blk.0.", "blk.1.")):
-            t[name] = (fmt, cols, torch.from_numpy(mapped.copy()))
+    path = default_model_path()
+    for e in read_header(path)[1]:
+        if e.name.startswith(("blk.0.", "blk.1.")) and e.block_format():
+            t[e.name] = (e.block_format(), e.shape[1], torch.from_numpy(kept_blocks(read_tensor(path, e), e)))
     mats = []
     for b in (0, 1):
         g = lambda n: t[f"blk.{b}.{n}.weight"]  # noqa: E731

@@ -13,6 +13,7 @@ import gc
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -115,7 +116,10 @@ def run_hf(args, path: str, device: torch.device, work) -> dict:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(device).eval()
+    from pageserve.runtime.models.gguf_file import dense_copy
+
+    model = AutoModelForCausalLM.from_pretrained(dense_copy(Path(path)), dtype=getattr(torch, args.dtype))
+    model = model.to(device).eval()
     with torch.inference_mode():  # warm-up, as for our engine
         model.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=2, do_sample=False,
                        pad_token_id=tok.pad_token_id)

@@ -74,9 +74,9 @@ def draft_copy(layers: str) -> Path:
     from pageserve.runtime.models.loader import cache_root, resolve_model
 
     out = cache_root() / "drafts" / f"default-layers-{layers.replace(',', '_')}"
-    if not (out / "model.safetensors").exists():
-        truncated_copy(resolve_model(None), out, parse_layers(layers))
-    return out
+    if (out / "model.gguf").exists():
+        return out / "model.gguf"
+    return truncated_copy(resolve_model(None), out, parse_layers(layers))
 
 
 def tok_per_s(llm, prompts: list[tuple[list[int], int]], streams: int, ignore_eos: bool) -> float:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pageserve.runtime.models.gguf_file import dense_copy
 from pageserve.runtime.models.loader import GGUF_SOURCE, resolve_model
 
 
@@ -44,6 +45,7 @@ def bf16_copy(src: Path, out: Path) -> Path:
     config (dtype bfloat16) and tokenizer files; nothing that names a GGUF source."""
     from safetensors.torch import load_file, save_file
 
+    src = dense_copy(src)
     copy_model_files(src, out)
     index = {}
     for f in sorted(src.glob("*.safetensors")):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pageserve.loadtest.bf16_copy import copy_model_files
+from pageserve.runtime.models.gguf_file import dense_copy
 from pageserve.runtime.models.loader import resolve_model
 
 FP8_MAX = 448.0
@@ -88,6 +89,7 @@ def kv_scales_copy(src: Path, out: Path, strategy: str = "tensor") -> Path:
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}")
+    src = dense_copy(src)
     copy_model_files(src, out)
     for f in src.glob("*.safetensors"):
         shutil.copy2(f, out / f.name)

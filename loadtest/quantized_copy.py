@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from pageserve.loadtest.bf16_copy import copy_model_files, set_dtype
+from pageserve.runtime.models.gguf_file import dense_copy
 from pageserve.runtime.models.loader import resolve_model
 
 FORMATS = ("ct-fp8", "ct-fp8-tensor", "ct-fp8-static", "ct-fp8-block", "ct-int8", "ct-int8-static", "ct-w4a16",
@@ -329,6 +330,7 @@ def quantized_copy(src: Path, out: Path, fmt: str, group_size: int = 128, refere
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+    src = dense_copy(src)
     if fmt.startswith("bnb-"):
         return _bnb_copy(src, out, reference, double=fmt == "bnb-nf4", eight=fmt == "bnb-int8")
     scale_dtype = scale_dtype or (torch.float16 if fmt in ("awq", "gptq", "gptq-int8") else torch.float32)

@@ -23,7 +23,9 @@ def peft_adapter(base_dir: Path, out_dir: Path, rank: int = 8, alpha: float = 16
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = base_model or AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    from pageserve.runtime.models.gguf_file import dense_copy
+
+    base = base_model or AutoModelForCausalLM.from_pretrained(str(dense_copy(base_dir)), dtype=torch.float32)
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
                         init_lora_weights=False, lora_dropout=0.0)

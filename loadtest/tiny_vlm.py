@@ -173,10 +173,11 @@ def build_smolvlm_shape(path: Path, language_model: Path | None = None, image_sp
     import transformers
     from safetensors.torch import load_file
 
+    from pageserve.runtime.models.gguf_file import dense_copy
     from pageserve.runtime.models.loader import resolve_model
 
     path.mkdir(parents=True, exist_ok=True)
-    lm = Path(language_model or resolve_model(None))
+    lm = dense_copy(Path(language_model) if language_model else resolve_model(None))
     tok = transformers.AutoTokenizer.from_pretrained(lm)
     grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",

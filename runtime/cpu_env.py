@@ -106,13 +106,16 @@ def resident_kib(tensor) -> tuple[int, int] | None:
     return (found["Rss:"], found["AnonHugePages:"]) if len(found) == 2 else None
 
 
-def weights_in_huge_pages(module, min_bytes: int = 64 << 10) -> int:
+def weights_in_huge_pages(module, min_bytes: int = 64 << 10, values: bool = True, exclude: frozenset = frozenset()) -> int:
     """Move a module's parameters of `min_bytes` and more (the matrices; small ones and the
-    norms' vectors stay) into one huge-page buffer. Returns the bytes moved, 0 where huge pages
-    are not to be had. Tied weights are one parameter and move once. Measured (default model,
-    one stream, both ways in one process): 10.34 -> 10.01 ms a decode step in its GGUF blocks,
-    13.69 -> 13.37 in bfloat16."""
-    params = [p for p in module.parameters() if p.numel() * p.element_size() >= min_bytes]
+    norms' vectors stay), but those at the addresses `exclude`, into one huge-page buffer.
+    `values` False: parameters not loaded yet, which are loaded there, never copied (the peak
+    memory of a load is then the weights once, not twice). Returns the bytes moved, 0 where huge
+    pages are not to be had. Tied weights are one parameter and move once. Measured (default
+    model, one stream, both ways in one process): 10.34 -> 10.01 ms a decode step in its GGUF
+    blocks, 13.69 -> 13.37 in bfloat16."""
+    params = [p for p in module.parameters() if p.numel() * p.element_size() >= min_bytes
+              and p.data_ptr() not in exclude]
     sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # 64-byte aligned pieces
     buf = huge_page_bytes(sum(sizes)) if params else None
     if buf is None:
@@ -121,7 +124,8 @@ def weights_in_huge_pages(module, min_bytes: int = 64 << 10) -> int:
     for p, size in zip(params, sizes):
         nbytes = p.numel() * p.element_size()
         view = buf[offset:offset + nbytes].view(p.dtype).view(p.shape)
-        view.copy_(p.data)
+        if values:
+            view.copy_(p.data)
         p.data = view
         offset += size
     kib = resident_kib(buf)

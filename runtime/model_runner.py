@@ -22,7 +22,8 @@ from pageserve.runtime.lora.manager import LoRAManager
 from pageserve.runtime.models import parallel, registry
 from pageserve.runtime.models.layers import CausalLM, Experts, rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
-from pageserve.runtime.models.weight_formats import keep_gguf_blocks, narrow_exact_matrices, round_to_bfloat16
+from pageserve.runtime.models.gguf_file import GGUFFile
+from pageserve.runtime.models.weight_formats import GGUFBlocks, narrow_exact_matrices, round_to_bfloat16
 from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.quantization.kv_scales import KVScales
 from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
@@ -122,24 +123,36 @@ class ModelRunner:
         model = model.to(cfg.dtype)  # on the meta device: nothing is allocated in any other dtype
         c_kernels = self.device.type == "cpu" and cfg.dtype == torch.float32 and getattr(self.kernels, "linear_plan", None)
         storage = BlockStorage() if c_kernels else PackedStorage(self.kernels.name == Backend.TRITON)
-        quant = quantized_load(cfg.hf_config, cfg.quantization, model, path, storage)
+        source = gguf_source(path)
+        try:
+            gguf = None if source is None else GGUFFile(source, cfg.hf_config)
+        except (ValueError, NotImplementedError) as e:  # a damaged header, an architecture gguf-py does not name
+            raise ModelLoadError(f"cannot read GGUF file {source}: {e}") from None
+        quant = quantized_load(cfg.hf_config, cfg.quantization, model, path, storage,
+                               gguf.checkpoint_names() if gguf else None)
+        kept = GGUFBlocks()
+        if gguf is not None and c_kernels and quant is None and cfg.tp_size == 1:
+            kept = GGUFBlocks.plan(model, gguf.block_formats(), gguf.checkpoint_names())
         kv_scales = KVScales.for_checkpoint(cfg.hf_config, model)
         model = model.to_empty(device=self.device)
+        early = torch.nn.ModuleList([module for module, _, _ in kept.matrices])  # the file's blocks go straight there
+        if self.device.type == "cpu":
+            weights_in_huge_pages(early, values=False)
         try:
-            weights = iter_safetensors(path)
+            weights = iter_safetensors(path) if gguf is None else gguf.stream(kept.names)
             weights = kv_scales.stream(weights)
             model.load_weights(weights if quant is None else quant.stream(weights))
             kv_scales.apply(cfg.kv_cache_dtype)
         except ModelLoadError:
             raise
         except ValueError as e:
-            raise ModelLoadError(f"weights in {path} do not fit the model: {e}") from None
+            raise ModelLoadError(f"weights in {source or path} do not fit the model: {e}") from None
         if quant is not None:
             quant.finish()
         if c_kernels:
-            self._compact_matrices(model, path)
+            self._compact_matrices(model, kept)
         if self.device.type == "cpu":
-            weights_in_huge_pages(model)
+            weights_in_huge_pages(model, exclude=frozenset(p.data_ptr() for p in early.parameters()))
             release_freed_memory()
         if quant is not None:
             quant.bind_experts()  # views of the weights where they now lie
@@ -147,28 +160,20 @@ class ModelRunner:
         model.cos_sin_cache = rope_cos_sin_cache(cfg).to(self.device)
         return model.eval()
 
-    def _compact_matrices(self, model: CausalLM, path: Path) -> None:
-        """Float32 with the C linear: matrices in the GGUF file's own blocks where the model
-        was converted from one, the rest in bfloat16 where exact (weight_formats.py): the same
-        values, fewer bytes for each step to read. With bfloat16 matmuls every weight is
-        rounded to bfloat16 (GGUF blocks as they are widened)."""
-        source = gguf_source(path)
-        lib = self.kernels.linear_plan.kernel
+    def _compact_matrices(self, model: CausalLM, kept: GGUFBlocks) -> None:
+        """Float32 with the C linear: the matrices loaded in a GGUF file's own blocks marked as
+        such, the rest in bfloat16 where exact (weight_formats.py): the same values, fewer bytes
+        for each step to read. With bfloat16 matmuls every weight is rounded to bfloat16 (GGUF
+        blocks as they are widened)."""
         t = time.perf_counter()
-        blocks = 0
-        if source is not None:
-            try:
-                blocks = keep_gguf_blocks(model, source, lib)
-            except Exception as e:  # a speed-up only: a file the small parser misreads keeps float32
-                logger.warning("keeping the GGUF blocks of %s failed (%s: %s); float32 it is", source,
-                               type(e).__name__, e)
+        blocks = kept.finish()
         if self.model_cfg.bf16_matmuls:
             narrowed = round_to_bfloat16(model)
-            kept = "every weight rounded to bfloat16"
+            how = "every weight rounded to bfloat16"
         else:
-            narrowed, kept = narrow_exact_matrices(model), "their values exact"
+            narrowed, how = narrow_exact_matrices(model), "their values exact"
         if blocks or narrowed:
-            logger.info("matrices kept smaller, %s: %.0f MB in GGUF blocks, %.0f MB in bfloat16 (%.1f s)", kept,
+            logger.info("matrices kept smaller, %s: %.0f MB saved by GGUF blocks, %.0f MB by bfloat16 (%.1f s)", how,
                         blocks / 1e6, narrowed / 1e6, time.perf_counter() - t)
 
     def _plan_linear(self) -> None:

@@ -8,7 +8,6 @@ dequantized float32 copy, and HF's greedy tokens."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.models.gguf_file import GGUFFile
 from pageserve.triton_kernels import linear_plan
 from pageserve.triton_kernels.cpu_kernels import blocks
 from tests.hf_reference import hf_greedy
@@ -120,32 +120,33 @@ def test_k_quants_repacked_widen_to_gguf_values(request, build, fmt):
     assert torch.equal(lib(x, w), lib(x, torch.from_numpy(want)))
 
 
-@pytest.mark.parametrize("collide", [False, True])
-def test_equal_rows_all_take_the_blocks_of_their_values(native_kernels, monkeypatch, collide):
-    """A file row whose values several of our rows hold fills each of them; a matrix one of
-    whose rows no file row holds stays float32. `collide`: every key's first word made the
-    same, so that only the second tells rows apart."""
-    from pageserve.runtime.models import weight_formats
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_file_streams_transformers_own_weights(tmp_path, own_cache, native_kernels, tie):
+    """Read tensor by tensor (gguf_file.py), a quantized GGUF gives the very tensors, under the
+    same names, that transformers' own loader dequantizes from it (Llama's q and k rows put
+    back in HF's order); and each matrix kept in blocks widens to the same values, in the
+    same row order."""
+    from pageserve.runtime.models.gguf_file import GGUFFile
+    from pageserve.runtime.models.loader import read_config, resolve_model
 
-    if collide:
-        keys = weight_formats._row_keys
-
-        def first_words_alike(values):
-            k = keys(values)
-            k["a"] = 7
-            return k
-        monkeypatch.setattr(weight_formats, "_row_keys", first_words_alike)
-
-    raw = quantized("q8_0", 6, 64, seed=3)
-    values = native_kernels.widen(blocks(torch.from_numpy(raw), "q8_0", 64))
-    rows = [4, 0, 4, 2, 0, 4, 5]  # row 4 three times, row 0 twice; rows 1 and 3 nobody's
-    model = torch.nn.Sequential(torch.nn.Linear(64, 7, bias=False), torch.nn.Linear(64, 2, bias=False))
-    model[0].weight.data = values[rows].clone()
-    model[1].weight.data = torch.stack([values[2], values[2] + 1])  # its second row is in no file
-    monkeypatch.setattr(weight_formats, "gguf_block_tensors", lambda path: iter([("w", "q8_0", 64, raw)]))
-    saved = weight_formats.keep_gguf_blocks(model, Path("unused.gguf"), native_kernels)
-    assert getattr(model[0].weight, "block_format", None) == "q8_0" and model[1].weight.dtype == torch.float32
-    assert np.array_equal(model[0].weight.numpy(), raw[rows]) and saved == 7 * 64 * 4 - raw[rows].nbytes
+    model_dir = build_tiny_model(tmp_path / "hf", arch="llama", tie_word_embeddings=tie)
+    path = write_gguf(model_dir, tmp_path / "tiny-q.gguf", "llama", qtype_of)
+    file = GGUFFile(path, read_config(resolve_model(str(path))))
+    expected = {k: v for k, v in hf_from_gguf(path).state_dict().items() if "rotary" not in k}
+    if tie:
+        expected.pop("lm_head.weight")
+    dense = dict(file.stream())
+    assert dense.keys() == expected.keys()
+    assert all(torch.equal(dense[k], expected[k]) for k in dense)
+    formats = file.block_formats()
+    assert {k: f for k, (f, _) in formats.items()} == {
+        k: qtype_of(g).name.lower() for g, k in file.hf_names.items() if k in dense and qtype_of(g) is not None}
+    kept = dict(file.stream(set(formats)))
+    for name, (fmt, rows) in formats.items():
+        columns = expected[name].shape[1]
+        assert kept[name].dtype == torch.uint8 and kept[name].shape[0] == rows
+        assert torch.equal(native_kernels.widen(blocks(kept[name], fmt, columns)), expected[name]), name
+    assert all(torch.equal(kept[k], dense[k]) for k in dense if k not in formats)
 
 
 # the tiny Llama's tensors by GGUF name -> format; attn_v of layer 1 in another format than its
@@ -162,7 +163,6 @@ def qtype_of(gguf_name: str):
 
 @pytest.mark.engine
 def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kernels, own_cache):
-    from pageserve.runtime import model_runner
 
     def everywhere(self, weights, reps=3):  # the same path at every size, whichever format is faster
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
@@ -189,7 +189,7 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
     assert formats == {"qkv0": "q4_1", "qkv1": "torch.float32", "o": "q4_1", "gate_up": "q4_0", "down": "q8_0",
                        "embedding": "q8_0"}
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
-    monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
+    monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
     model, dense = run()
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert dense == on_blocks
@@ -201,7 +201,6 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
     """A Q4_K_M- or Q5_K_M-like file (Q4_K or Q5_K attention and MLP, Q6_K attn_v, ffn_down and
     embedding; rows of 256 values) runs on k4 or k5 and k6 blocks with HF's greedy tokens on the
     same file, and the same tokens and logprobs as on its dequantized float32 copy."""
-    from pageserve.runtime import model_runner
     from tests.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
     writers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
@@ -241,6 +240,6 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
     small = "k4" if mix == "q4_k_m" else "k5"
     assert formats == [small, small, "k6", "k6", "torch.float32"]  # q/k/v: Q4_K or Q5_K beside Q6_K stays float32
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
-    monkeypatch.setattr(model_runner, "keep_gguf_blocks", lambda *args: 0)
+    monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
     _, dense = run()
     assert dense == on_blocks

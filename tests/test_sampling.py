@@ -276,6 +276,7 @@ def test_logprobs_match_hf_log_softmax_on_the_default_model():
     from transformers import AutoModelForCausalLM
 
     from pageserve.runtime import LLM
+    from pageserve.runtime.models.gguf_file import dense_copy
     from pageserve.runtime.models.loader import resolve_model
 
     path = resolve_model(None)
@@ -284,7 +285,7 @@ def test_logprobs_match_hf_log_softmax_on_the_default_model():
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     ids = prompt + out.outputs[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(dense_copy(path), torch_dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
     # vLLM's shape: per position {token id: Logprob}, the prompt / sampled token first

@@ -105,31 +105,35 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF file once (through transformers) into a safetensors + tokenizer
-    directory under the cache, so that later starts only read safetensors."""
+    """A GGUF file's config, generation config and tokenizer, read once (through transformers)
+    into a directory under the cache, so that later starts do not parse its vocabulary again.
+    The weights stay in the file: the model loads them from it (gguf_file.py)."""
     out = cache_root() / "gguf" / f"{path.stem}-{_content_key(path)}"
     if (out / "config.json").is_file():
-        if gguf_source(out) is None:  # written before there was one, or that copy is gone
+        if gguf_source(out) is None:  # the file it was read from is gone: this one has the same content
             try:
                 (out / GGUF_SOURCE).write_text(str(path.resolve()))
-            except OSError:  # a read-only cache: the matrices stay float32
-                pass
+            except OSError as e:
+                raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
         return out
-    logger.info("converting %s into %s (first load only)", path, out)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        with _gguf_parsed_once():
+        with gguf_parsed_once():
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            hf = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32,
-                quantization_config=GgufConfig(dequantize=True))
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # the GGUF reader raises many kinds of errors on a bad file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
+    # the class transformers would load it as; the weights come out of the file as float32
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
+    config.dtype = torch.float32
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        hf.save_pretrained(tmp, safe_serialization=True)
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
         os.replace(tmp, out)
@@ -139,7 +143,7 @@ def convert_gguf(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once():
+def gguf_parsed_once():
     """transformers reads a GGUF file's header three times (config, tokenizer, weights; 4 s each
     for the default model's 49k-token vocabulary) and builds gguf's tensor-name map once per
     module (400 times, 14 ms each): here each is done once, while a conversion runs."""

@@ -5,27 +5,20 @@ matrix once, reads fewer bytes.
 
 - `narrow_exact_matrices`: bfloat16, where every value's low 16 bits are zero (a checkpoint
   stored in bfloat16, as most are).
-- `keep_gguf_blocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and
-  0.63 bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25),
-  instead of the float32 copy the converter dequantized. Which file rows are which of our rows
-  is found by value, not by name: every row of a quantized tensor is widened by the C kernels
-  and looked up among the rows of our matrices (q/k/v and gate/up are fused there; the
-  converter also reorders the rows of q and k). A matrix takes blocks
-  only when every one of its rows was found in one format and widening them gives back the
-  float32 matrix exactly; any other stays as it was."""
+- `GGUFBlocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and 0.63
+  bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25),
+  loaded straight from the file, never dequantized: the C kernels widen each to the float32
+  value gguf's dequantizer gives. A matrix keeps blocks where all its parts are in one format;
+  any other is loaded dequantized."""
 
 from __future__ import annotations
 
-import logging
-import struct
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS, blocks
-
-logger = logging.getLogger(__name__)
 
 # GGML tensor types kept as blocks -> our name of the format (cpu_kernels.BLOCK_FORMATS)
 GGUF_BLOCKS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
@@ -134,135 +127,48 @@ def round_to_bfloat16(model) -> int:
     return saved
 
 
-# GGUF metadata value types: fixed sizes; 8 is a string, 9 an array
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+@dataclass
+class GGUFBlocks:
+    """The matrices of a model (still on the meta device) that keep a GGUF file's blocks: each
+    linear layer, and the embedding, whose checkpoint tensors are all in one block format and
+    fill every row (q/k/v and gate/up fused). Their weights become uint8 storage of that
+    format's rows in place, which the file's blocks are loaded into (gguf_file.py); `finish`
+    marks them for the C kernels once loaded."""
+    names: set[str] = field(default_factory=set)  # the checkpoint tensors loaded as blocks
+    matrices: list[tuple[torch.nn.Module, str, int]] = field(default_factory=list)  # (module, format, columns)
 
+    @classmethod
+    def plan(cls, model, formats: dict[str, tuple[str, int]], names) -> GGUFBlocks:
+        """`formats`: checkpoint name -> (block format, rows) of each tensor that can keep its
+        blocks; `names`: every checkpoint tensor's name."""
+        owners = matrix_owners(model)
+        embedding = getattr(model, "embed_tokens", None)
+        if type(embedding) is torch.nn.Embedding and embedding not in owners:  # untied: its rows widened as read
+            owners.append(embedding)
+        targets = {f"{n}.weight": m for n, m in model.named_modules() if any(m is o for o in owners)}
+        parts: dict[str, list[str]] = {}
+        for name in names:
+            if model.checkpoint_held(name) and (target := model.checkpoint_target(name)) in targets:
+                parts.setdefault(target, []).append(name)
+        out = cls()
+        for target, group in parts.items():
+            module = targets[target]
+            kinds = {formats.get(name, (None, 0))[0] for name in group}
+            rows, (n, k) = sum(formats.get(name, (None, 0))[1] for name in group), module.weight.shape
+            if len(kinds) != 1 or None in kinds or rows != n or module.weight.dtype != torch.float32:
+                continue  # float32 (a fused q/k/v of Q4_K and Q6_K parts, say)
+            fmt = kinds.pop()
+            module.weight = torch.nn.Parameter(torch.empty(n, k // 32 * BLOCK_FORMATS[fmt][1], dtype=torch.uint8,
+                                                           device=module.weight.device), requires_grad=False)
+            out.names.update(group)
+            out.matrices.append((module, fmt, k))
+        return out
 
-def gguf_block_tensors(path: Path):
-    """(name, format, columns, [rows, bytes a row] uint8, mapped read-only, or repacked for the
-    K-quants) of each 2-D tensor of a GGUF file in a block format kept here. gguf's own reader
-    builds every metadata field (a 49k-token vocabulary: 4 s); this skips them."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(data)
-    u32 = lambda at: struct.unpack_from("<I", buf, at)[0]  # noqa: E731
-    u64 = lambda at: struct.unpack_from("<Q", buf, at)[0]  # noqa: E731
-    if bytes(buf[:4]) != b"GGUF" or u32(4) < 2:
-        raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-    n_tensors, n_kv, at, alignment = u64(8), u64(16), 24, 32
-
-    def skip(kind: int, at: int) -> int:
-        if kind == 8:
-            return at + 8 + u64(at)
-        if kind == 9:
-            item, count, at = u32(at), u64(at + 4), at + 12
-            if item in _SIZES:
-                return at + count * _SIZES[item]
-            for _ in range(count):
-                at = skip(item, at)
-            return at
-        return at + _SIZES[kind]
-
-    for _ in range(n_kv):
-        key = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
-        at += 8 + u64(at)
-        kind, at = u32(at), at + 4
-        if key == "general.alignment":
-            alignment = u32(at)
-        at = skip(kind, at)
-    infos = []
-    for _ in range(n_tensors):
-        name = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
-        at += 8 + u64(at)
-        n_dims, at = u32(at), at + 4
-        dims = [u64(at + 8 * i) for i in range(n_dims)]
-        at += 8 * n_dims
-        infos.append((name, dims, u32(at), u64(at + 4)))
-        at += 12
-    start = -(-at // alignment) * alignment
-    for name, dims, kind, offset in infos:
-        if kind in GGUF_KQUANTS and len(dims) == 2 and dims[0] % 256 == 0:
-            fmt, superblock, repack = GGUF_KQUANTS[kind]
-            row_bytes = dims[0] // 256 * superblock
-            yield name, fmt, dims[0], repack(data[start + offset:start + offset + row_bytes * dims[1]]
-                                             .reshape(dims[1], row_bytes))
-            continue
-        fmt = GGUF_BLOCKS.get(kind)
-        if fmt is None or len(dims) != 2 or dims[0] % 32:
-            continue
-        row_bytes = dims[0] // 32 * BLOCK_FORMATS[fmt][1]
-        yield name, fmt, dims[0], data[start + offset:start + offset + row_bytes * dims[1]].reshape(dims[1], row_bytes)
-
-
-# a row's key: two int64 words, compared (and sorted) as one 16-byte value
-_KEY = np.dtype([("a", "<i8"), ("b", "<i8")])
-
-
-def _row_keys(values: np.ndarray) -> np.ndarray:
-    """A 128-bit key of each float32 row (an even number of columns), as an array of `_KEY`: two
-    sums, mod 2 ** 64, of its bits as 64-bit words times odd random numbers (torch's int64
-    arithmetic wraps; blake2b of every row took seconds on a 135M model, and a key of a sample
-    of the columns mixed up rows of a Q8_0 embedding). Rows that share a key but not their
-    values would take the wrong blocks; the final widen-and-compare then keeps that matrix
-    float32."""
-    gen = torch.Generator().manual_seed(0x9E3779B9)
-    mix = torch.randint(-2 ** 62, 2 ** 62, (3, values.shape[1] // 2), generator=gen, dtype=torch.int64) | 1
-    words = torch.from_numpy(values).view(torch.int64) ^ mix[2]  # salted: zero rows of other widths differ
-    pair = torch.stack([(words * mix[0]).sum(dim=1), ((words ^ (words >> 17)) * mix[1]).sum(dim=1)], dim=1)
-    return np.ascontiguousarray(pair.numpy()).view(_KEY).ravel()
-
-
-def keep_gguf_blocks(model, gguf_path: Path, lib) -> int:
-    """Each float32 matrix of `model` whose rows all come from quantized tensors of one format
-    in `gguf_path` becomes those blocks (cpu_kernels.blocks). `lib`: the C kernels, which
-    widen. Returns the bytes saved."""
-    owners = [m for m in matrix_owners(model) if m.weight.dtype == torch.float32 and m.weight.shape[1] % 32 == 0]
-    if not owners:
-        return 0
-    # every row of ours, sorted by the first word of its key: a file row's matches are one range
-    # of it (most often one row; several where rows are equal), kept where the second word
-    # agrees too. Arrays, not a dict of 200k rows (2 s)
-    keys = np.concatenate([_row_keys(m.weight.detach().numpy()) for m in owners])
-    owner_of = np.concatenate([np.full(m.weight.shape[0], i) for i, m in enumerate(owners)])
-    row_of = np.concatenate([np.arange(m.weight.shape[0]) for m in owners])
-    order = np.argsort(keys["a"], kind="stable")
-    first, second = keys["a"][order], keys["b"][order]
-    found: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}  # owner -> (format, its blocks, rows found)
-    mixed: set[int] = set()
-    for _, fmt, columns, mapped in gguf_block_tensors(gguf_path):
-        raw = mapped if mapped.flags.writeable else np.array(mapped)  # the file is mapped read-only
-        file_keys = _row_keys(lib.widen(blocks(torch.from_numpy(raw), fmt, columns)).numpy())
-        lo = np.searchsorted(first, file_keys["a"], "left")
-        counts = np.searchsorted(first, file_keys["a"], "right") - lo
-        theirs = np.repeat(np.arange(len(file_keys)), counts)  # the file's row of each match
-        # the place in `first` of each match: its file row's lo, plus its place in that range
-        at = np.repeat(lo, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        same = second[at] == file_keys["b"][theirs]
-        theirs, at = theirs[same], at[same]
-        if not len(at):
-            continue
-        matched = order[at]
-        owner, ours = owner_of[matched], row_of[matched]
-        for i in np.unique(owner).tolist():
-            hit = owner == i
-            entry = found.get(i)
-            if entry is None:
-                rows = owners[i].weight.shape[0]
-                entry = found[i] = (fmt, np.zeros((rows, raw.shape[1]), np.uint8), np.zeros(rows, bool))
-            if entry[0] != fmt or entry[1].shape[1] != raw.shape[1]:
-                mixed.add(i)
-                continue
-            entry[1][ours[hit]] = raw[theirs[hit]]
-            entry[2][ours[hit]] = True
-    saved = 0
-    for i, (fmt, packed, rows_found) in found.items():
-        m = owners[i]
-        if i in mixed or not rows_found.all():
-            continue
-        weight = blocks(torch.from_numpy(packed), fmt, m.weight.shape[1])
-        if not torch.equal(lib.widen(weight).view(torch.int32), m.weight.detach().view(torch.int32)):  # -0.0 too
-            logger.warning("the GGUF blocks of a %s matrix do not widen to its values: it stays float32",
-                           tuple(m.weight.shape))
-            continue
-        saved += m.weight.numel() * 4 - packed.nbytes
-        m.weight = weight
-    return saved
+    def finish(self) -> int:
+        """Marks the loaded blocks as the C linear's weights; returns the bytes saved against
+        float32."""
+        saved = 0
+        for module, fmt, k in self.matrices:
+            module.weight = blocks(module.weight.data, fmt, k)
+            saved += module.weight.shape[0] * k * 4 - module.weight.numel()
+        return saved

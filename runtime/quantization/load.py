@@ -298,12 +298,14 @@ class QuantizedLoad:
         return stored, dense
 
 
-def quantized_load(hf_config: dict, forced: str | None, model: nn.Module, path: Path, storage) -> QuantizedLoad | None:
+def quantized_load(hf_config: dict, forced: str | None, model: nn.Module, path: Path, storage,
+                   names: dict[str, tuple] | None = None) -> QuantizedLoad | None:
     """The checkpoint's quantized layers, their storage in place on the (meta) model; None for
-    an unquantized checkpoint without --quantization."""
+    an unquantized checkpoint without --quantization. `names`: the checkpoint's tensors where
+    they are not `path`'s safetensors (a GGUF file's)."""
     method = method_for(hf_config, forced)
     if method is None:
         return None
-    quant = QuantizedLoad(method, model, checkpoint_names(path), storage)
+    quant = QuantizedLoad(method, model, checkpoint_names(path) if names is None else names, storage)
     quant.prepare()
     return quant

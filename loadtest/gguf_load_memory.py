@@ -1,0 +1,159 @@
+"""The memory a large GGUF file takes to load and to serve on this machine: a random-weight
+model of a real model's shape (Llama 3 8B's by default) written as a Q4_K_M-like file (Q4_K
+matrices; Q6_K attn_v and ffn_down in llama.cpp's "more bits" layers and the output matrix) or
+as Q4_0, then loaded by pageserve (float32 arithmetic, the C kernels) in a child process, which
+prints the peak resident memory of the start-up, the resident memory once serving, and the
+seconds; one greedy request proves it serves.
+
+    python -m pageserve.loadtest.gguf_load_memory --shape llama3-8b --mix q4_k_m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # hidden, layers, heads, KV heads, intermediate, vocabulary
+    "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
+    "smollm2-1.7b": (2048, 24, 32, 32, 8192, 49152),
+    "smollm2-135m": (576, 30, 9, 3, 1536, 49152),
+}
+
+
+def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> np.ndarray:
+    """[rows, bytes a row] of random codes in GGML type `qtype` with small, sane scales."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    T = gguf.GGMLQuantizationType
+
+    def half(offset: int, value: float) -> None:
+        raw[:, :, offset:offset + 2] = np.full(raw.shape[:2], value, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if qtype in (T.Q4_0, T.Q8_0):
+        half(0, 0.02 if qtype == T.Q4_0 else 0.002)
+    elif qtype == T.Q4_K:
+        half(0, 0.001)
+        half(2, 0.001)
+    elif qtype == T.Q6_K:
+        raw[:, :, 192:208] = rng.integers(1, 8, (rows, columns // block, 16), dtype=np.uint8)  # int8 scales
+        half(208, 0.001)
+    else:
+        raise ValueError(f"no random blocks for {qtype.name}")
+    return raw.reshape(rows, -1)
+
+
+def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
+    import gguf
+
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
+    head_dim = hidden // heads
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "q4_k_m" else gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+                     + [f"t{i}" for i in range(vocab - 259)])
+    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                      + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (vocab - 259))
+    w.add_token_scores([0.0] * vocab)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits for Q4_K_M's attn_v and ffn_down
+        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+
+    def matrix(name: str, rows: int, columns: int, big: bool = False) -> None:
+        qtype = (T.Q6_K if big else T.Q4_K) if mix == "q4_k_m" else (T.Q8_0 if big else T.Q4_0)
+        w.add_tensor(name, random_blocks(rng, qtype, rows, columns), raw_dtype=qtype)
+
+    matrix("token_embd.weight", vocab, hidden)
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        matrix(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, big=more_bits(i))
+        matrix(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        matrix(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, inter, big=more_bits(i))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    matrix("output.weight", vocab, hidden, big=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+CHILD = """
+import json, resource, sys, time
+import psutil
+t = time.perf_counter()
+from pageserve.runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_memory=0.25, swap_space=0)
+load = time.perf_counter() - t
+rss = psutil.Process().memory_info().rss
+params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+t = time.perf_counter()
+out = llm.generate([[1, 300, 301, 302]], params, use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({"load_s": load, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "serving_rss_bytes": rss, "tokens": len(out), "ms_a_token": (time.perf_counter() - t) / len(out) * 1e3}))
+"""
+
+
+def measure(model: Path) -> dict:
+    """Starts pageserve on `model` in a child process (the first start reads the tokenizer into
+    the cache: the second is timed)."""
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", CHILD, str(model)], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    p.add_argument("--mix", choices=["q4_k_m", "q4_0"], default="q4_k_m")
+    p.add_argument("--dir", type=Path, default=None, help="where the file is written (default: the cache)")
+    p.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
+    args = p.parse_args()
+    from pageserve.runtime.models.loader import cache_root
+
+    folder = args.dir or cache_root() / "synthetic"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{args.shape}-{args.mix}.gguf"
+    if not path.is_file():
+        t = time.perf_counter()
+        write_model(path, args.shape, args.mix)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES[args.shape]
+    kv = kv_heads * hidden // heads
+    params = 2 * vocab * hidden + layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter)
+    result = {"shape": args.shape, "mix": args.mix, "parameters": params, "file_bytes": path.stat().st_size,
+              "float32_bytes": 4 * params, **measure(path)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

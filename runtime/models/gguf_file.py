@@ -1,0 +1,246 @@
+"""A GGUF file's tensors under Hugging Face's names, read one at a time, so that a model loads
+from the file with no float32 copy of the whole model anywhere (on disk or in memory):
+
+- dense: a tensor dequantized to float32 by gguf's own dequantizer and put into HF's layout by
+  transformers' tensor processor for the architecture (Llama's q/k row order, Gemma's norms,
+  stacked MoE experts), as transformers' own GGUF loader does, tensor by tensor;
+- blocks: a 2-D tensor in a block format the C linear reads (Q8_0, Q4_0, Q4_1 as the file holds
+  them; Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py), rows in HF's order,
+  where the processor only reorders rows.
+
+Which HF name each GGUF tensor has comes from transformers' own map over HF's model built on
+the meta device; the file's header is parsed here (gguf's reader also builds every metadata
+field: 4 s for a 49k-token vocabulary)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pageserve.runtime.models.loader import GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, read_config
+from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS
+from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS
+
+# GGUF metadata value types: fixed sizes; 8 is a string, 9 an array
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the file: its GGUF name, numpy shape (experts, rows, columns), GGML type,
+    and where its bytes lie."""
+    name: str
+    shape: tuple[int, ...]
+    qtype: int
+    start: int
+    nbytes: int
+
+    def block_format(self) -> str | None:
+        """The C linear's format this 2-D tensor is kept in, or None (dequantized)."""
+        if len(self.shape) != 2:
+            return None
+        if self.qtype in GGUF_KQUANTS:
+            return GGUF_KQUANTS[self.qtype][0] if self.shape[1] % 256 == 0 else None
+        fmt = GGUF_BLOCKS.get(self.qtype)
+        return fmt if fmt is not None and self.shape[1] % 32 == 0 else None
+
+
+def read_tensor(path: Path, e: Entry) -> np.ndarray:
+    """A tensor's bytes, [..., bytes a row] uint8, read rather than mapped: a mapped file's
+    pages count as the process's own memory for as long as they stay mapped."""
+    return np.fromfile(path, dtype=np.uint8, count=e.nbytes, offset=e.start).reshape(*e.shape[:-1], -1)
+
+
+def kept_blocks(raw: np.ndarray, e: Entry) -> np.ndarray:
+    """A tensor of block_format, its bytes `raw`, as the C linear's rows: as the file holds
+    them, or K-quants repacked."""
+    return GGUF_KQUANTS[e.qtype][2](raw) if e.qtype in GGUF_KQUANTS else raw
+
+
+def _skip(buf: memoryview, kind: int, at: int) -> int:
+    """The offset after a metadata value of type `kind` at `at`."""
+    if kind == 8:
+        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+    if kind == 9:
+        item, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if item in _SIZES:
+            return at + count * _SIZES[item]
+        for _ in range(count):
+            at = _skip(buf, item, at)
+        return at
+    return at + _SIZES[kind]
+
+
+def read_header(path: Path) -> tuple[str, list[Entry]]:
+    """(general.architecture, the file's tensors)."""
+    import gguf
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    u32 = lambda at: struct.unpack_from("<I", buf, at)[0]  # noqa: E731
+    u64 = lambda at: struct.unpack_from("<Q", buf, at)[0]  # noqa: E731
+    if bytes(buf[:4]) != b"GGUF" or u32(4) < 2:
+        raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+    n_tensors, n_kv, at, alignment, arch = u64(8), u64(16), 24, 32, ""
+    for _ in range(n_kv):
+        key = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        at += 8 + u64(at)
+        kind, at = u32(at), at + 4
+        if key == "general.alignment":
+            alignment = u32(at)
+        elif key == "general.architecture" and kind == 8:
+            arch = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        at = _skip(buf, kind, at)
+    infos = []
+    for _ in range(n_tensors):
+        name = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        at += 8 + u64(at)
+        n_dims, at = u32(at), at + 4
+        dims = [u64(at + 8 * i) for i in range(n_dims)]
+        at += 8 * n_dims
+        infos.append((name, dims, u32(at), u64(at + 4)))
+        at += 12
+    start = -(-at // alignment) * alignment
+    entries = []
+    for name, dims, qtype, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        nbytes = int(np.prod(dims)) // block * size
+        if start + offset + nbytes > len(data):
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+        entries.append(Entry(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
+    return arch, entries
+
+
+class GGUFFile:
+    """The tensors of one GGUF file, by HF name, for the model its converted directory's
+    `config` (config.json, as read) describes."""
+
+    def __init__(self, path: Path, config: dict):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.path = path
+        arch, entries = read_header(path)
+        hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if not k.startswith("_")})
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_cfg.to_dict())
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(hf_cfg)
+        # GGUF name -> HF name (stacked experts are named without ".weight" on both sides)
+        with gguf_parsed_once():
+            self.hf_names = get_gguf_hf_weights_map(hf, self.processor)
+        self.entries = [e for e in entries if self._hf(e.name)]
+        # HF tensors made of several GGUF ones (an MoE's gate and up experts): how many
+        self._parts: dict[str, int] = {}
+        for e in self.entries:
+            self._parts[self._hf(e.name)] = self._parts.get(self._hf(e.name), 0) + 1
+
+    def _hf(self, name: str) -> str | None:
+        return self.hf_names.get(name) or self.hf_names.get(name.removesuffix(".weight"))
+
+    def checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """HF name -> (shape, dtype name) of each tensor the file holds whole, as
+        quantization.load.checkpoint_names gives a safetensors directory's (stacked experts
+        left out)."""
+        return {self._hf(e.name): (e.shape, "F32") for e in self.entries if self._parts[self._hf(e.name)] == 1
+                and not self._hf(e.name).endswith(("experts.gate_up_proj", "experts.down_proj"))}
+
+    def block_formats(self) -> dict[str, tuple[str, int]]:
+        """HF name -> (block format, rows) of each matrix whose blocks can be kept (`blocks`)."""
+        out = {}
+        for e in self.entries:
+            if e.block_format() is not None and self._parts[self._hf(e.name)] == 1 and self._row_order(e) is not None:
+                out[self._hf(e.name)] = (e.block_format(), e.shape[0])
+        return out
+
+    def _row_order(self, e: Entry) -> np.ndarray | None:
+        """The file's row of each HF row, where the processor does no more than reorder rows
+        (None where it does)."""
+        rows = e.shape[0]
+        probe = self.processor.process(weights=np.arange(rows, dtype=np.float64)[:, None], name=e.name)
+        order = np.asarray(probe.weights).ravel()
+        if probe.name != e.name or order.shape != (rows,) or not np.array_equal(np.sort(order), np.arange(rows)):
+            return None
+        return order.astype(np.int64)
+
+    def blocks(self, e: Entry) -> torch.Tensor:
+        """A matrix of block_formats as uint8 rows of the C linear's blocks, in HF's row order."""
+        order, fmt = self._row_order(e), e.block_format()
+        if order is None or fmt is None:
+            raise ValueError(f"{e.name}: its blocks cannot be kept")
+        raw = kept_blocks(read_tensor(self.path, e), e)
+        assert raw.shape[1] == e.shape[1] // 32 * BLOCK_FORMATS[fmt][1]
+        return torch.from_numpy(np.ascontiguousarray(raw[order]))
+
+    def stream(self, as_blocks: set[str] = frozenset()):
+        """(HF name, tensor) of every tensor the model takes: uint8 blocks for the names in
+        `as_blocks` (of block_formats), float32 for the rest."""
+        from gguf.quants import dequantize
+
+        parsed: dict[str, dict] = {"tensors": {}}  # where a processor stacks MoE experts
+        seen: dict[str, int] = {}
+        for e in self.entries:
+            hf_name = self._hf(e.name)
+            if hf_name in as_blocks:
+                yield hf_name, self.blocks(e)
+                continue
+            values = dequantize(read_tensor(self.path, e), e.qtype).reshape(e.shape)
+            out = self.processor.process(weights=values, name=e.name, tensor_key_mapping=self.hf_names,
+                                         parsed_parameters=parsed)
+            if out.name is not None:
+                tensor = torch.from_numpy(np.ascontiguousarray(out.weights))
+                yield from per_expert(self._hf(out.name) or hf_name, tensor)
+                continue
+            seen[hf_name] = seen.get(hf_name, 0) + 1  # written into parsed: whole once all its parts are
+            if seen[hf_name] == self._parts[hf_name]:
+                yield from per_expert(hf_name, parsed["tensors"].pop(hf_name))
+
+
+def per_expert(name: str, tensor: torch.Tensor):
+    """A stacked experts tensor of transformers 5 (`experts.gate_up_proj` [E, 2I, H], gate rows
+    first; `experts.down_proj` [E, H, I]) as the per-expert tensors our models take."""
+    prefix, _, last = name.rpartition(".experts.")
+    if not prefix or last not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+        yield name, tensor
+        return
+    for e, w in enumerate(tensor):
+        if last == "down_proj":
+            yield f"{prefix}.experts.{e}.down_proj.weight", w
+        else:
+            gate, up = w.chunk(2)
+            yield f"{prefix}.experts.{e}.gate_proj.weight", gate
+            yield f"{prefix}.experts.{e}.up_proj.weight", up
+
+
+def dense_copy(model_dir: Path) -> Path:
+    """A model directory whose weights are safetensors: `model_dir` itself, or for a GGUF
+    file's directory a float32 copy of its weights (with its config and tokenizer) written once
+    under the cache, for the tools that read a checkpoint's tensors (loadtest's copies)."""
+    source = gguf_source(model_dir)
+    if source is None:
+        return model_dir
+    from safetensors.torch import save_file
+
+    out = cache_root() / "gguf-float32" / model_dir.name
+    if (out / "model.safetensors").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name != GGUF_SOURCE:
+                shutil.copy2(f, tmp / f.name)
+        tensors = {name: t.contiguous() for name, t in GGUFFile(source, read_config(model_dir)).stream()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

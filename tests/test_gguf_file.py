@@ -1,0 +1,139 @@
+"""A GGUF file read tensor by tensor (runtime/models/gguf_file.py): a mixture of experts'
+stacked expert tensors, the float32 copy the loadtest tools read, and a copy of some of a
+file's layers (loadtest/truncated_copy.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pageserve.loadtest.tiny_model import build_tiny_model
+from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.models.gguf_file import GGUFFile, dense_copy
+from pageserve.runtime.models.loader import read_config, resolve_model
+from tests.hf_reference import hf_greedy
+from tests.test_gguf_gemma import hf_from_gguf, sentencepiece_vocab, write_gguf
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.engine
+
+
+def write_moe_gguf(model_dir: Path, out: Path) -> Path:
+    """A tiny Qwen3-MoE as llama.cpp writes one: each layer's experts stacked into one
+    [experts, rows, columns] tensor a projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
+    the matrices in Q8_0 where their rows allow, the rest float32."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch="qwen3moe")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    tokens, types = sentencepiece_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        values = tensor.float().numpy()
+        if values.ndim > 1 and values.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, values)
+
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3MOE, cfg["num_hidden_layers"])
+    stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name):
+            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = tensor
+        else:
+            add(names.get_name(name, try_suffixes=(".weight",)), tensor)
+    for (layer, part), experts in sorted(stacks.items()):
+        add(f"blk.{layer}.ffn_{part}_exps.weight", torch.stack([experts[e] for e in sorted(experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, own_cache):
+    """transformers stacks a GGUF's experts into one gate_up tensor (gate rows first) and one
+    down tensor; the stream gives them per expert, and the model serves HF's greedy tokens."""
+    # transformers reads no moe_intermediate_size from a GGUF: the config class's default, 768
+    model_dir = build_tiny_model(tmp_path / "hf", arch="qwen3_moe", moe_intermediate_size=768)
+    path = write_moe_gguf(model_dir, tmp_path / "tiny-moe.gguf")
+    hf = hf_from_gguf(path)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 30, 70)]
+    expected = hf_greedy(None, prompts, max_new_tokens=10, hf_model=hf)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    ours, theirs = llm.engine.runner.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
+    assert torch.equal(ours.w13, theirs.gate_up_proj) and torch.equal(ours.w2, theirs.down_proj)
+
+
+def test_the_tools_float32_copy(tmp_path, own_cache):
+    """dense_copy: a GGUF model's weights as float32 safetensors (for loadtest's copies), written
+    once, with its config and tokenizer and no pointer back to the file; a safetensors
+    directory is its own."""
+    from safetensors.torch import load_file
+
+    path = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama"), tmp_path / "tiny.gguf", "llama",
+                      lambda name: gguf.GGMLQuantizationType.Q4_0 if name.endswith("ffn_up.weight") else None)
+    model_dir = resolve_model(str(path))
+    out = dense_copy(model_dir)
+    assert out != model_dir and {"config.json", "tokenizer.json", "model.safetensors"} <= {f.name for f in
+                                                                                          out.iterdir()}
+    assert not (out / "gguf_source.txt").exists() and resolve_model(str(out)) == out
+    written = load_file(out / "model.safetensors")
+    streamed = dict(GGUFFile(path, read_config(model_dir)).stream())
+    assert written.keys() == streamed.keys() and all(torch.equal(written[k], streamed[k]) for k in written)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert dense_copy(model_dir) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert dense_copy(out) == out
+
+
+def test_some_layers_of_a_gguf_as_a_gguf(tmp_path, own_cache):
+    """truncated_copy of a model read from a GGUF file writes a GGUF file of those layers,
+    renumbered, each tensor's bytes as they were, and one layer fewer in its metadata."""
+    from pageserve.loadtest.truncated_copy import truncated_copy
+
+    path = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama", num_hidden_layers=3), tmp_path / "tiny.gguf",
+                      "llama", lambda name: gguf.GGMLQuantizationType.Q8_0 if name.startswith("blk.")
+                      and "norm" not in name else None)
+    copy = truncated_copy(resolve_model(str(path)), tmp_path / "draft", [0, 2])
+    assert copy == tmp_path / "draft" / "model.gguf"
+    full, cut = gguf.GGUFReader(path), gguf.GGUFReader(copy)
+    assert cut.fields["llama.block_count"].contents() == 2
+    assert cut.fields["tokenizer.ggml.tokens"].contents() == full.fields["tokenizer.ggml.tokens"].contents()
+    theirs = {t.name: t for t in full.tensors}
+    renamed = {"blk.0.": "blk.0.", "blk.1.": "blk.2."}
+    assert len(cut.tensors) == len([t for t in full.tensors if not t.name.startswith("blk.1.")])
+    for t in cut.tensors:
+        source = theirs[next((v + t.name[len(k):] for k, v in renamed.items() if t.name.startswith(k)), t.name)]
+        assert t.tensor_type == source.tensor_type and bytes(t.data) == bytes(source.data), t.name
+    assert sum(t.tensor_type == gguf.GGMLQuantizationType.Q8_0 for t in cut.tensors) > 0
+    llm = LLM(str(copy), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    assert llm.engine.config.model.hf_config["num_hidden_layers"] == 2
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
