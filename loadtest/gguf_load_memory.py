@@ -35,7 +35,7 @@ def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> n
     T = gguf.GGMLQuantizationType
 
     def half(offset: int, value: float) -> None:
-        raw[:, :, offset:offset + 2] = np.full(raw.shape[:2], value, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[:, :, offset:offset + 2] = np.full((*raw.shape[:2], 1), value, np.float16).view(np.uint8)
     if qtype in (T.Q4_0, T.Q8_0):
         half(0, 0.02 if qtype == T.Q4_0 else 0.002)
     elif qtype == T.Q4_K:
@@ -115,7 +115,8 @@ params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 t = time.perf_counter()
 out = llm.generate([[1, 300, 301, 302]], params, use_tqdm=False)[0].outputs[0].token_ids
 print(json.dumps({"load_s": load, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "serving_rss_bytes": rss, "tokens": len(out), "ms_a_token": (time.perf_counter() - t) / len(out) * 1e3}))
+                  "serving_rss_bytes": rss, "tokens": len(out),
+                  "ms_a_token": (time.perf_counter() - t) / len(out) * 1e3}))
 """
 
 

@@ -81,6 +81,9 @@ def truncated_gguf(source: Path, out: Path, keep: list[int]) -> Path:
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if name == "general.alignment":  # the writer pads to it only when told so
+            w.add_custom_alignment(field.contents())
+            continue
         value = len(keep) if name == f"{arch}.block_count" else field.contents()
         if isinstance(value, list) and len(value) == total:
             value = [value[i] for i in keep]

@@ -41,7 +41,7 @@ class Backend(_Choice):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    path: str  # a Hugging Face style directory (GGUF files are converted into one first)
+    path: str  # a Hugging Face style directory (a GGUF file's: its config, tokenizer and the file's name)
     architecture: str
     vocab_size: int
     hidden_size: int

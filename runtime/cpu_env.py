@@ -106,7 +106,8 @@ def resident_kib(tensor) -> tuple[int, int] | None:
     return (found["Rss:"], found["AnonHugePages:"]) if len(found) == 2 else None
 
 
-def weights_in_huge_pages(module, min_bytes: int = 64 << 10, values: bool = True, exclude: frozenset = frozenset()) -> int:
+def weights_in_huge_pages(module, min_bytes: int = 64 << 10, values: bool = True,
+                          exclude: frozenset = frozenset()) -> int:
     """Move a module's parameters of `min_bytes` and more (the matrices; small ones and the
     norms' vectors stay), but those at the addresses `exclude`, into one huge-page buffer.
     `values` False: parameters not loaded yet, which are loaded there, never copied (the peak

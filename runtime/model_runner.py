@@ -131,7 +131,7 @@ class ModelRunner:
         quant = quantized_load(cfg.hf_config, cfg.quantization, model, path, storage,
                                gguf.checkpoint_names() if gguf else None)
         kept = GGUFBlocks()
-        if gguf is not None and c_kernels and quant is None and cfg.tp_size == 1:
+        if gguf is not None and c_kernels:  # (a layer quantized at load time has its own storage already)
             kept = GGUFBlocks.plan(model, gguf.block_formats(), gguf.checkpoint_names())
         kv_scales = KVScales.for_checkpoint(cfg.hf_config, model)
         model = model.to_empty(device=self.device)

@@ -1,9 +1,9 @@
 """GGUF matrices kept in their quantized blocks on the CPU path (runtime/models/weight_formats.py):
-the C kernels widen Q8_0, Q4_0 and Q4_1 blocks, and Q4_K and Q6_K repacked 32 values a block,
-to the values gguf's own dequantizer gives, the linear on blocks is the linear on those values
-to the bit, and a quantized tiny Llama read from a GGUF file runs on blocks (a layer whose
-q/k/v mix formats stays float32) with the same tokens, logprobs and prompt logprobs as on the
-dequantized float32 copy, and HF's greedy tokens."""
+the C kernels widen Q8_0, Q4_0 and Q4_1 blocks, Q4_K, Q5_K and Q6_K repacked 32 values a block,
+and x8 blocks made from any of them, to the values gguf's own dequantizer gives, the linear on
+blocks is the linear on those values to the bit, and a quantized tiny Llama read from a GGUF
+file runs on blocks (a layer whose q/k/v mix formats in x8) with the same tokens, logprobs and
+prompt logprobs as on the dequantized float32 copy, and HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -120,6 +120,29 @@ def test_k_quants_repacked_widen_to_gguf_values(request, build, fmt):
     assert torch.equal(lib(x, w), lib(x, torch.from_numpy(want)))
 
 
+@pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
+def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
+    """x8 blocks (a scale and an offset for each 16 values, int8 codes), made from each GGUF
+    format kept here (random blocks: any codes, zero, negative zero and subnormal scales),
+    widen to the very values of the blocks they came from, in each build, and the linear on
+    a matrix of rows of all six is the linear on their values."""
+    from pageserve.runtime.models.weight_formats import GGUF_KQUANTS, as_x8
+
+    lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
+                                   "x86-64": "portable_kernels"}[build])
+    parts = {fmt: quantized(fmt, 6, 512, seed=9) for fmt in QTYPES}
+    parts.update({fmt: GGUF_KQUANTS[KQUANTS[fmt][0]][2](k_quantized(fmt, 6, 512, seed=9)) for fmt in KQUANTS})
+    values = []
+    for fmt, raw in parts.items():
+        want = lib.widen(blocks(torch.from_numpy(raw), fmt, 512))
+        got = lib.widen(blocks(torch.from_numpy(as_x8(raw, fmt)), "x8", 512))
+        assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), fmt
+        values.append(want)
+    fused = blocks(torch.from_numpy(np.concatenate([as_x8(raw, fmt) for fmt, raw in parts.items()])), "x8", 512)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(lib(x, fused), lib(x, torch.cat(values)))
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_file_streams_transformers_own_weights(tmp_path, own_cache, native_kernels, tie):
     """Read tensor by tensor (gguf_file.py), a quantized GGUF gives the very tensors, under the
@@ -138,11 +161,12 @@ def test_the_file_streams_transformers_own_weights(tmp_path, own_cache, native_k
     dense = dict(file.stream())
     assert dense.keys() == expected.keys()
     assert all(torch.equal(dense[k], expected[k]) for k in dense)
+    assert file.checkpoint_names() == {k: (tuple(t.shape), "F32") for k, t in dense.items()}
     formats = file.block_formats()
-    assert {k: f for k, (f, _) in formats.items()} == {
+    assert {k: f for k, (f, _, _) in formats.items()} == {
         k: qtype_of(g).name.lower() for g, k in file.hf_names.items() if k in dense and qtype_of(g) is not None}
-    kept = dict(file.stream(set(formats)))
-    for name, (fmt, rows) in formats.items():
+    kept = dict(file.stream({k: f for k, (f, _, _) in formats.items()}))
+    for name, (fmt, rows, _) in formats.items():
         columns = expected[name].shape[1]
         assert kept[name].dtype == torch.uint8 and kept[name].shape[0] == rows
         assert torch.equal(native_kernels.widen(blocks(kept[name], fmt, columns)), expected[name]), name
@@ -186,7 +210,7 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
         ("qkv0", layers[0].self_attn.qkv_proj.weight), ("qkv1", layers[1].self_attn.qkv_proj.weight),
         ("o", layers[1].self_attn.o_proj.weight), ("gate_up", layers[0].mlp.gate_up_proj.weight),
         ("down", layers[1].mlp.down_proj.weight), ("embedding", model.embed_tokens.weight))}
-    assert formats == {"qkv0": "q4_1", "qkv1": "torch.float32", "o": "q4_1", "gate_up": "q4_0", "down": "q8_0",
+    assert formats == {"qkv0": "q4_1", "qkv1": "x8", "o": "q4_1", "gate_up": "q4_0", "down": "q8_0",
                        "embedding": "q8_0"}
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
     monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
@@ -238,7 +262,7 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
         layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
         model.embed_tokens.weight, layer.self_attn.qkv_proj.weight)]
     small = "k4" if mix == "q4_k_m" else "k5"
-    assert formats == [small, small, "k6", "k6", "torch.float32"]  # q/k/v: Q4_K or Q5_K beside Q6_K stays float32
+    assert formats == [small, small, "k6", "k6", "x8"]  # q/k/v: Q4_K or Q5_K beside Q6_K, in x8
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
     monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
     _, dense = run()

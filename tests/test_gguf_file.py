@@ -91,6 +91,47 @@ def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, own_cache):
     assert [o.outputs[0].token_ids for o in outs] == expected
     ours, theirs = llm.engine.runner.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
     assert torch.equal(ours.w13, theirs.gate_up_proj) and torch.equal(ours.w2, theirs.down_proj)
+    # the names a quantization method plans from (--quantization fp8) are the stream's, by expert
+    file = GGUFFile(path, read_config(resolve_model(str(path))))
+    names = file.checkpoint_names()
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
+    assert names == {name: (tuple(t.shape), "F32") for name, t in file.stream()}
+
+
+def test_weights_load_from_the_file_asked_for(tmp_path, own_cache):
+    """Two copies of a file share one cache folder; the weights load from the one asked for, so
+    that a copy later overwritten with other weights is not read in its place."""
+    from pageserve.runtime.models import loader
+
+    model_dir = build_tiny_model(tmp_path / "hf", arch="llama")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_gguf(model_dir, tmp_path / "a" / "m.gguf", "llama")
+    (tmp_path / "b" / "m.gguf").write_bytes(first.read_bytes())
+    out = resolve_model(str(first))
+    assert resolve_model(str(tmp_path / "b" / "m.gguf")) == out
+    assert loader.gguf_source(out) == tmp_path / "b" / "m.gguf"
+    write_gguf(build_tiny_model(tmp_path / "hf2", arch="llama", seed=1), first, "llama")  # other weights
+    assert resolve_model(str(tmp_path / "b" / "m.gguf")) == out and loader.gguf_source(out) == tmp_path / "b" / "m.gguf"
+
+
+def test_a_damaged_file_is_one_line(tmp_path):
+    """A header cut short, or a tensor of a type gguf does not know: a ValueError naming it
+    (the loader's one line), not a traceback from the parser."""
+    from pageserve.runtime.models.gguf_file import read_header
+
+    path = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama"), tmp_path / "m.gguf", "llama")
+    data = path.read_bytes()
+    (tmp_path / "short.gguf").write_bytes(data[:200])
+    with pytest.raises(ValueError, match="damaged GGUF header"):
+        read_header(tmp_path / "short.gguf")
+    arch, entries = read_header(path)
+    at = data.index(entries[0].name.encode()) + len(entries[0].name) + 4 + 8 * len(entries[0].shape)
+    bad = bytearray(data)
+    bad[at:at + 4] = (250).to_bytes(4, "little")  # the first tensor's GGML type
+    (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="GGML type 250"):
+        read_header(tmp_path / "bad.gguf")
 
 
 def test_the_tools_float32_copy(tmp_path, own_cache):
@@ -137,3 +178,37 @@ def test_some_layers_of_a_gguf_as_a_gguf(tmp_path, own_cache):
     llm = LLM(str(copy), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
     assert llm.engine.config.model.hf_config["num_hidden_layers"] == 2
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_tensor_parallel_ranks_keep_whole_blocks(tmp_path, own_cache):
+    """Under tensor parallelism each rank keeps the blocks of its part where that part is whole
+    blocks: q/k/v and gate/up split by rows, down_proj's 4 blocks of columns 2 a rank; o_proj's
+    3 blocks of columns do not split in two, and it stays float32."""
+    import gguf as gg
+
+    from pageserve.runtime.config import ModelConfig
+    from pageserve.runtime.kernels import Backend, make_kernels
+    from pageserve.runtime.models import registry
+    from pageserve.runtime.models.weight_formats import GGUFBlocks
+
+    model_dir = build_tiny_model(tmp_path / "hf", arch="llama", hidden_size=96, intermediate_size=128,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    path = write_gguf(model_dir, tmp_path / "m.gguf", "llama",
+                      lambda name: gg.GGMLQuantizationType.Q8_0 if name.startswith("blk.") and "norm" not in name
+                      else None)
+    hf = read_config(resolve_model(str(path)))
+    file = GGUFFile(path, hf)
+    for rank in (0, 1):
+        cfg = ModelConfig(path="", architecture="LlamaForCausalLM", vocab_size=hf["vocab_size"], hidden_size=96,
+                          intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+                          rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
+                          tie_word_embeddings=False, qkv_bias=False, eos_token_ids=(0,), dtype=torch.float32,
+                          max_model_len=64, hf_config=hf, tp_size=2, tp_rank=rank)
+        with torch.device("meta"):
+            model = registry.model_class("LlamaForCausalLM")(cfg, make_kernels(Backend.TORCH, 16, 2, 1))
+        kept = GGUFBlocks.plan(model, file.block_formats(), file.checkpoint_names())
+        layer = model.layers[0]
+        assert {m for m, _, _ in kept.matrices} == {layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
+                                                    layer.mlp.down_proj, model.layers[1].self_attn.qkv_proj,
+                                                    model.layers[1].mlp.gate_up_proj, model.layers[1].mlp.down_proj}
+        assert layer.mlp.down_proj.weight.shape == (96, 2 * 34) and layer.self_attn.o_proj.weight.dtype == torch.float32

@@ -13,6 +13,9 @@ float32 scale ahead of the codes, little-endian:
     k6  40 bytes: scales s0, s1, 32 int8 q                     value q * s0 (values 0-15), q * s1
                                                                (values 16-31) (Q6_K's)
     k5  40 bytes: scale d, offset m, 32 uint8 q                value d * q - m (a Q5_K sub-block)
+    x8  48 bytes: scales s0, s1, offsets m0, m1, 32 int8 q     value s0 * q - m0 (values 0-15),
+                                                               s1 * q - m1 (16-31): any of the
+                                                               GGUF formats' values
 
 each product rounded once (k4's and k5's d * q is exact: d * q - m rounds once). An i4, f4, n4 or k4
 block's byte i holds value i in its low nibble and value
@@ -24,7 +27,8 @@ import torch
 
 # name -> (format code, bytes a block of 32 values)
 BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21),
-                 "f4": (8, 24), "n4": (9, 20), "k4": (10, 24), "k6": (11, 40), "k5": (12, 40)}
+                 "f4": (8, 24), "n4": (9, 20), "k4": (10, 24), "k6": (11, 40), "k5": (12, 40),
+                 "x8": (13, 48)}
 F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
 
 

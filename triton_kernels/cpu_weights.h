@@ -111,6 +111,10 @@ static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
         for (int j = 0; j < 32; j++) o[j] = d * (float)blk[8 + j] - m;
         return;
     }
+    if (wtype == W_X8) { /* s * q exact where m is not zero (the formats with offsets): one rounding */
+        for (int j = 0; j < 32; j++) o[j] = f32_at(blk + 4 * (j >> 4)) * (float)(int8_t)blk[16 + j] - f32_at(blk + 8 + 4 * (j >> 4));
+        return;
+    }
     if (wtype == W_K6) {
         float s0 = f32_at(blk), s1 = f32_at(blk + 4);
         for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[8 + j] * (j < 16 ? s0 : s1);
@@ -203,6 +207,13 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
             v[g] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 + 8 * g)))), m5);
         return;
     }
+    if (wtype == W_X8) { /* values 0-15: s0 and m0; 16-31: s1 and m1 */
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_fmsub_ps(_mm256_set1_ps(f32_at(blk + (g < 2 ? 0 : 4))),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * g)))),
+                                   _mm256_set1_ps(f32_at(blk + (g < 2 ? 8 : 12))));
+        return;
+    }
     if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {
         const uint8_t *q = blk + (wtype == W_I8 ? 4 : wtype == W_K6 ? 8 : 2);
         __m256 d1 = wtype == W_K6 ? _mm256_set1_ps(f32_at(blk + 4)) : d; /* K6: values 16-31's scale */
@@ -272,6 +283,13 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         __m512 d = _mm512_set1_ps(f32_at(blk)), m = _mm512_set1_ps(f32_at(blk + 4));
         for (int g = 0; g < 2; g++)
             v[g] = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8 + 16 * g)))), m);
+        return;
+    }
+    if (wtype == W_X8) {
+        for (int g = 0; g < 2; g++)
+            v[g] = _mm512_fmsub_ps(_mm512_set1_ps(f32_at(blk + 4 * g)),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 + 16 * g)))),
+                                   _mm512_set1_ps(f32_at(blk + 8 + 4 * g)));
         return;
     }
     if (wtype == W_Q8_0 || wtype == W_I8 || wtype == W_K6) {

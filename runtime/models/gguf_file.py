@@ -15,6 +15,7 @@ field: 4 s for a 49k-token vocabulary)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from pageserve.runtime.models.loader import GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, read_config
-from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS
+from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS, as_x8
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS
 
 # GGUF metadata value types: fixed sizes; 8 is a string, 9 an array
@@ -80,7 +81,14 @@ def _skip(buf: memoryview, kind: int, at: int) -> int:
 
 
 def read_header(path: Path) -> tuple[str, list[Entry]]:
-    """(general.architecture, the file's tensors)."""
+    """(general.architecture, the file's tensors); ValueError for a file it cannot parse."""
+    try:
+        return _parse_header(path)
+    except (struct.error, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
+        raise ValueError(f"{path}: a damaged GGUF header ({type(e).__name__}: {e})") from None
+
+
+def _parse_header(path: Path) -> tuple[str, list[Entry]]:
     import gguf
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -111,7 +119,10 @@ def read_header(path: Path) -> tuple[str, list[Entry]]:
     start = -(-at // alignment) * alignment
     entries = []
     for name, dims, qtype, offset in infos:
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        try:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {name} has GGML type {qtype}, which gguf does not know") from None
         nbytes = int(np.prod(dims)) // block * size
         if start + offset + nbytes > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
@@ -147,18 +158,27 @@ class GGUFFile:
         return self.hf_names.get(name) or self.hf_names.get(name.removesuffix(".weight"))
 
     def checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """HF name -> (shape, dtype name) of each tensor the file holds whole, as
-        quantization.load.checkpoint_names gives a safetensors directory's (stacked experts
-        left out)."""
-        return {self._hf(e.name): (e.shape, "F32") for e in self.entries if self._parts[self._hf(e.name)] == 1
-                and not self._hf(e.name).endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        """HF name -> (shape, dtype name) of each tensor `stream` gives (stacked experts by
+        expert), as quantization.load.checkpoint_names gives a safetensors directory's."""
+        out = {}
+        for e in self.entries:
+            name = self._hf(e.name)
+            stacked = re.search(r"ffn_(gate|up|down)_exps", e.name)
+            if len(e.shape) == 3 and stacked and name.endswith(STACKED):
+                prefix = name.rpartition(".experts.")[0]
+                out.update({f"{prefix}.experts.{i}.{stacked.group(1)}_proj.weight": (e.shape[1:], "F32")
+                            for i in range(e.shape[0])})
+            elif self._parts[name] == 1:
+                out[name] = (e.shape, "F32")
+        return out
 
-    def block_formats(self) -> dict[str, tuple[str, int]]:
-        """HF name -> (block format, rows) of each matrix whose blocks can be kept (`blocks`)."""
+    def block_formats(self) -> dict[str, tuple[str, int, int]]:
+        """HF name -> (block format, rows, columns) of each matrix whose blocks can be kept
+        (`blocks`)."""
         out = {}
         for e in self.entries:
             if e.block_format() is not None and self._parts[self._hf(e.name)] == 1 and self._row_order(e) is not None:
-                out[self._hf(e.name)] = (e.block_format(), e.shape[0])
+                out[self._hf(e.name)] = (e.block_format(), *e.shape)
         return out
 
     def _row_order(self, e: Entry) -> np.ndarray | None:
@@ -171,18 +191,23 @@ class GGUFFile:
             return None
         return order.astype(np.int64)
 
-    def blocks(self, e: Entry) -> torch.Tensor:
-        """A matrix of block_formats as uint8 rows of the C linear's blocks, in HF's row order."""
-        order, fmt = self._row_order(e), e.block_format()
-        if order is None or fmt is None:
+    def blocks(self, e: Entry, fmt: str | None = None) -> torch.Tensor:
+        """A matrix of block_formats as uint8 rows of the C linear's blocks, in HF's row order:
+        its own format's, or `fmt`'s (x8)."""
+        order, own = self._row_order(e), e.block_format()
+        if order is None or own is None:
             raise ValueError(f"{e.name}: its blocks cannot be kept")
-        raw = kept_blocks(read_tensor(self.path, e), e)
-        assert raw.shape[1] == e.shape[1] // 32 * BLOCK_FORMATS[fmt][1]
-        return torch.from_numpy(np.ascontiguousarray(raw[order]))
+        raw = kept_blocks(read_tensor(self.path, e), e)[order]
+        if fmt not in (None, own):
+            raw = as_x8(raw, own)
+        assert raw.shape[1] == e.shape[1] // 32 * BLOCK_FORMATS[fmt or own][1]
+        return torch.from_numpy(np.ascontiguousarray(raw))
 
-    def stream(self, as_blocks: set[str] = frozenset()):
+    def stream(self, as_blocks: dict[str, str] | None = None):
         """(HF name, tensor) of every tensor the model takes: uint8 blocks for the names in
-        `as_blocks` (of block_formats), float32 for the rest."""
+        `as_blocks` (of block_formats; -> the format to load each in), float32 for the rest."""
+        as_blocks = as_blocks or {}
+        import gguf
         from gguf.quants import dequantize
 
         parsed: dict[str, dict] = {"tensors": {}}  # where a processor stacks MoE experts
@@ -190,9 +215,13 @@ class GGUFFile:
         for e in self.entries:
             hf_name = self._hf(e.name)
             if hf_name in as_blocks:
-                yield hf_name, self.blocks(e)
+                yield hf_name, self.blocks(e, as_blocks[hf_name])
                 continue
-            values = dequantize(read_tensor(self.path, e), e.qtype).reshape(e.shape)
+            try:
+                values = dequantize(read_tensor(self.path, e), gguf.GGMLQuantizationType(e.qtype)).reshape(e.shape)
+            except NotImplementedError:
+                raise ValueError(f"{e.name}: gguf cannot dequantize its type "
+                                 f"{gguf.GGMLQuantizationType(e.qtype).name}") from None
             out = self.processor.process(weights=values, name=e.name, tensor_key_mapping=self.hf_names,
                                          parsed_parameters=parsed)
             if out.name is not None:
@@ -204,11 +233,15 @@ class GGUFFile:
                 yield from per_expert(hf_name, parsed["tensors"].pop(hf_name))
 
 
+# transformers 5's names of stacked experts tensors
+STACKED = ("experts.gate_up_proj", "experts.down_proj")
+
+
 def per_expert(name: str, tensor: torch.Tensor):
     """A stacked experts tensor of transformers 5 (`experts.gate_up_proj` [E, 2I, H], gate rows
     first; `experts.down_proj` [E, H, I]) as the per-expert tensors our models take."""
     prefix, _, last = name.rpartition(".experts.")
-    if not prefix or last not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+    if not prefix or not name.endswith(STACKED) or tensor.dim() != 3:
         yield name, tensor
         return
     for e, w in enumerate(tensor):
@@ -225,7 +258,7 @@ def dense_copy(model_dir: Path) -> Path:
     file's directory a float32 copy of its weights (with its config and tokenizer) written once
     under the cache, for the tools that read a checkpoint's tensors (loadtest's copies)."""
     source = gguf_source(model_dir)
-    if source is None:
+    if source is None or any(model_dir.glob("*.safetensors")):  # (a cache of an earlier version holds them)
         return model_dir
     from safetensors.torch import save_file
 

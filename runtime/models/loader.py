@@ -1,5 +1,5 @@
-"""Finding a model, reading its config, converting GGUF once into a cached HF directory,
-and loading weights into our own model code."""
+"""Finding a model, reading its config (a GGUF file's config and tokenizer read once into a
+cached HF-style directory that names the file its weights load from), and its tokenizer."""
 
 from __future__ import annotations
 
@@ -84,9 +84,9 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
 
 
 def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """A directory holding config.json, safetensors and tokenizer files (GGUF converted): a
-    local directory or .gguf file, or a hub id (Org/Name) found in or fetched into the
-    Hugging Face cache."""
+    """A directory holding config.json, tokenizer files and safetensors (or, for a GGUF file,
+    the name of the file its weights load from): a local directory or .gguf file, or a hub id
+    (Org/Name) found in or fetched into the Hugging Face cache."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists() and model is not None and _HUB_ID.fullmatch(model):
         path = hub_snapshot(model, revision, download_dir)
@@ -99,7 +99,7 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
         return convert_gguf(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    if not list(path.glob("*.safetensors")):
+    if not list(path.glob("*.safetensors")) and gguf_source(path) is None:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
     return path
 
@@ -108,13 +108,16 @@ def convert_gguf(path: Path) -> Path:
     """A GGUF file's config, generation config and tokenizer, read once (through transformers)
     into a directory under the cache, so that later starts do not parse its vocabulary again.
     The weights stay in the file: the model loads them from it (gguf_file.py)."""
-    out = cache_root() / "gguf" / f"{path.stem}-{_content_key(path)}"
+    key = _content_key(path)
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
-        if gguf_source(out) is None:  # the file it was read from is gone: this one has the same content
+        noted = gguf_source(out)
+        if noted != path.resolve():  # the weights load from the file asked for, not another copy
             try:
                 (out / GGUF_SOURCE).write_text(str(path.resolve()))
             except OSError as e:
-                raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
+                if noted is None or _content_key(noted) != key:
+                    raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig

@@ -87,6 +87,46 @@ def repack_q6_k(raw: np.ndarray) -> np.ndarray:
 GGUF_KQUANTS = {12: ("k4", 144, repack_q4_k), 13: ("k5", 176, repack_q5_k), 14: ("k6", 210, repack_q6_k)}
 
 
+def as_x8(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Rows of GGUF blocks kept here (q8_0, q4_0, q4_1, k4, k5, k6) as x8 blocks (48 bytes: a
+    float32 scale and offset for each 16 values, then 32 int8 codes; value s * q - m), widened
+    to the same float32 values: the products that carry an offset are exact, so s * q - m rounds
+    once as each format's own dequantizer does, and s * q - 0 is s * q, -0.0 included."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, BLOCK_FORMATS[fmt][1])
+    n = b.shape[1]
+    f16 = lambda at: b[:, :, at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
+    f32 = lambda at: b[:, :, at:at + 4].copy().view(np.float32)[..., 0]  # noqa: E731
+
+    def nibbles(at: int) -> np.ndarray:  # byte i: value i low, value i + 16 high
+        return np.concatenate([b[:, :, at:at + 16] & 0x0F, b[:, :, at:at + 16] >> 4], axis=2)
+    zero = np.zeros((rows, n), np.float32)
+    if fmt == "q8_0":
+        s0 = s1 = f16(0)
+        m0 = m1 = zero
+        q = b[:, :, 2:34].view(np.int8)
+    elif fmt == "q4_0":
+        s0 = s1 = f16(0)
+        m0 = m1 = zero
+        q = nibbles(2).astype(np.int8) - np.int8(8)
+    elif fmt == "q4_1":  # d * q + m: m as an offset to subtract
+        s0 = s1 = f16(0)
+        m0 = m1 = -f16(2)
+        q = nibbles(4).astype(np.int8)
+    elif fmt in ("k4", "k5"):
+        s0 = s1 = f32(0)
+        m0 = m1 = f32(4)
+        q = (nibbles(8) if fmt == "k4" else b[:, :, 8:40]).astype(np.int8)
+    elif fmt == "k6":
+        s0, s1 = f32(0), f32(4)
+        m0 = m1 = zero
+        q = b[:, :, 8:40].view(np.int8)
+    else:
+        raise ValueError(f"no x8 form of {fmt} blocks")
+    head = np.stack([s0, s1, m0, m1], axis=2).astype(np.float32).view(np.uint8)  # [rows, blocks, 16]
+    return np.ascontiguousarray(np.concatenate([head, q.view(np.uint8)], axis=2)).reshape(rows, -1)
+
+
 def matrix_owners(model) -> list[torch.nn.Module]:
     """The modules whose `weight` is a matrix a step multiplies by: every linear layer, and the
     embedding where the lm_head is tied to it (on one rank: a split embedding is all-reduced,
@@ -130,17 +170,22 @@ def round_to_bfloat16(model) -> int:
 @dataclass
 class GGUFBlocks:
     """The matrices of a model (still on the meta device) that keep a GGUF file's blocks: each
-    linear layer, and the embedding, whose checkpoint tensors are all in one block format and
-    fill every row (q/k/v and gate/up fused). Their weights become uint8 storage of that
-    format's rows in place, which the file's blocks are loaded into (gguf_file.py); `finish`
-    marks them for the C kernels once loaded."""
-    names: set[str] = field(default_factory=set)  # the checkpoint tensors loaded as blocks
+    linear layer, and the embedding, whose checkpoint tensors are all in block formats kept
+    here and fill every row (q/k/v and gate/up fused): in that format, or where the parts' formats
+    differ (Q4_K_M's Q4_K q and k beside a Q6_K v) in x8, which holds them all. Their weights
+    become uint8 storage of that format's rows in place, which the file's blocks are loaded into
+    (gguf_file.py); `finish` marks them for the C kernels once loaded."""
+    names: dict[str, str] = field(default_factory=dict)  # checkpoint tensor -> the format it loads in
     matrices: list[tuple[torch.nn.Module, str, int]] = field(default_factory=list)  # (module, format, columns)
 
     @classmethod
-    def plan(cls, model, formats: dict[str, tuple[str, int]], names) -> GGUFBlocks:
-        """`formats`: checkpoint name -> (block format, rows) of each tensor that can keep its
-        blocks; `names`: every checkpoint tensor's name."""
+    def plan(cls, model, formats: dict[str, tuple[str, int, int]], names) -> GGUFBlocks:
+        """`formats`: checkpoint name -> (block format, rows, columns) of each tensor that can
+        keep its blocks; `names`: every checkpoint tensor's name. Under tensor parallelism a
+        rank's part must be whole blocks (a row-parallel layer's columns split on a block's
+        edge)."""
+        from pageserve.runtime.models import parallel
+
         owners = matrix_owners(model)
         embedding = getattr(model, "embed_tokens", None)
         if type(embedding) is torch.nn.Embedding and embedding not in owners:  # untied: its rows widened as read
@@ -153,14 +198,22 @@ class GGUFBlocks:
         out = cls()
         for target, group in parts.items():
             module = targets[target]
-            kinds = {formats.get(name, (None, 0))[0] for name in group}
-            rows, (n, k) = sum(formats.get(name, (None, 0))[1] for name in group), module.weight.shape
-            if len(kinds) != 1 or None in kinds or rows != n or module.weight.dtype != torch.float32:
-                continue  # float32 (a fused q/k/v of Q4_K and Q6_K parts, say)
-            fmt = kinds.pop()
+            kinds = {formats[name][0] if name in formats else None for name in group}
+            n, k = module.weight.shape
+            if None in kinds or module.weight.dtype != torch.float32 or k % 32:
+                continue  # float32
+            try:  # this rank's part of each, in blocks of 32 columns (a meta tensor: only shapes)
+                shards = [parallel.shard(model.rename(name.removeprefix("model.")),
+                                         torch.empty(formats[name][1], formats[name][2] // 32, device="meta"),
+                                         model.cfg).shape for name in group]
+            except ValueError:  # columns that do not split into whole blocks
+                continue
+            if sum(s[0] for s in shards) != n or any(s[1] != k // 32 for s in shards):
+                continue
+            fmt = kinds.pop() if len(kinds) == 1 else "x8"
             module.weight = torch.nn.Parameter(torch.empty(n, k // 32 * BLOCK_FORMATS[fmt][1], dtype=torch.uint8,
                                                            device=module.weight.device), requires_grad=False)
-            out.names.update(group)
+            out.names.update(dict.fromkeys(group, fmt))
             out.matrices.append((module, fmt, k))
         return out
 
