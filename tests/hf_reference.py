@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32,
               hf_model=None) -> list[list[int]]:
-    """One prompt at a time (no padding), EOS not stopping: the plain reference."""
+    """One prompt at a time (no padding), EOS not stopping: the plain reference. `model_dir`:
+    any model directory of ours (a GGUF file's: its float32 copy, gguf_file.dense_copy)."""
     from transformers import AutoModelForCausalLM
 
-    model = hf_model or AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    from pageserve.runtime.models.gguf_file import dense_copy
+
+    model = hf_model or AutoModelForCausalLM.from_pretrained(str(dense_copy(Path(model_dir))), dtype=dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []
