@@ -535,3 +535,19 @@ def test_auto_dtype_takes_the_c_kernels(native, monkeypatch, caplog):
     assert EngineArgs(dtype="float32").resolve_dtype(cpu) == (torch.float32, False)
     monkeypatch.setenv("PAGESERVE_NO_CPU_KERNELS", "1")
     assert EngineArgs().resolve_dtype(cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32, False)
+
+
+def test_a_large_models_plan_times_a_share_of_its_rows():
+    """The linear plan times at most MEASURED_VALUES of weight values: an even share of each
+    matrix's rows, every column, blocks kept blocks; a small model's weights whole."""
+    from pageserve.triton_kernels.cpu_kernels import blocks
+    from pageserve.triton_kernels.linear_plan import rows_share
+
+    small = [torch.zeros(64, 32), torch.zeros(32, 64)]
+    assert rows_share(small, budget=4096) is small
+    raw = torch.arange(128 * 4 * 34).remainder(251).to(torch.uint8).view(128, 136)
+    big = [torch.arange(256 * 64, dtype=torch.float32).view(256, 64), blocks(raw, "q8_0", 128)]
+    share = rows_share(big, budget=(256 * 64 + 128 * 128) // 4)
+    assert [tuple(w.shape) for w in share] == [(64, 64), (32, 136)]
+    assert torch.equal(share[0], big[0][:64]) and share[1].block_format == "q8_0" and share[1].in_features == 128
+    assert torch.equal(share[1], big[1].data[:32])

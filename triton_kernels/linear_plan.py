@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pageserve.triton_kernels.cpu_kernels import CpuKernels, in_features
+from pageserve.triton_kernels.cpu_kernels import CpuKernels, blocks, in_features
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +19,23 @@ logger = logging.getLogger(__name__)
 # rows of a step at which the two paths are timed; a step takes the choice of the next bucket up
 # (a mixed step of 64 decodes and a prompt or two has 100-500 rows)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# values of the weights timed at most: a larger model's are timed on an even share of each
+# matrix's rows, all its columns (an 8B model's two layers, 436M values: 41 s of a start)
+MEASURED_VALUES = 64 << 20
+
+
+def rows_share(weights: list[torch.Tensor], budget: int = MEASURED_VALUES) -> list[torch.Tensor]:
+    """`weights`, or the first rows of each, the same share of every matrix, within `budget`
+    values (blocks stay blocks)."""
+    total = sum(w.shape[0] * in_features(w) for w in weights)
+    if total <= budget:
+        return weights
+    out = []
+    for w in weights:
+        rows = max(1, w.shape[0] * budget // total)
+        fmt = getattr(w, "block_format", None)
+        out.append(w.detach()[:rows] if fmt is None else blocks(w.data[:rows], fmt, in_features(w)))
+    return out
 
 
 class LinearPlan:
@@ -52,11 +69,12 @@ class LinearPlan:
 
     def measure(self, weights: list[torch.Tensor], reps: int = 3) -> None:
         """Time both paths over `weights` (the runner passes two decoder layers'; the lm_head
-        follows their choice) at each row bucket, alternating, best of `reps`: the faster one
-        runs steps of that size. Weights kept compact time torch's matmul with the copy it is
-        then given (torch_linear)."""
+        follows their choice; rows_share of a large model's) at each row bucket, alternating,
+        best of `reps`: the faster one runs steps of that size. Weights kept compact time
+        torch's matmul with the copy it is then given (torch_linear)."""
         if not weights or any(w.dtype not in (torch.float32, torch.bfloat16, torch.uint8) for w in weights):
             return
+        weights = rows_share(weights)
         for i, rows in enumerate(ROW_BUCKETS):
             xs = {in_features(w): torch.randn(rows, in_features(w)) for w in weights}
             best = [float("inf"), float("inf")]
