@@ -14,6 +14,7 @@ field: 4 s for a 49k-token vocabulary)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -84,7 +85,7 @@ def read_header(path: Path) -> tuple[str, list[Entry]]:
     """(general.architecture, the file's tensors); ValueError for a file it cannot parse."""
     try:
         return _parse_header(path)
-    except (struct.error, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
+    except (struct.error, KeyError, IndexError, UnicodeDecodeError, OverflowError, ZeroDivisionError) as e:
         raise ValueError(f"{path}: a damaged GGUF header ({type(e).__name__}: {e})") from None
 
 
@@ -123,7 +124,7 @@ def _parse_header(path: Path) -> tuple[str, list[Entry]]:
             block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
         except (ValueError, KeyError):
             raise ValueError(f"{path}: tensor {name} has GGML type {qtype}, which gguf does not know") from None
-        nbytes = int(np.prod(dims)) // block * size
+        nbytes = math.prod(dims) // block * size
         if start + offset + nbytes > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         entries.append(Entry(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
@@ -206,10 +207,10 @@ class GGUFFile:
     def stream(self, as_blocks: dict[str, str] | None = None):
         """(HF name, tensor) of every tensor the model takes: uint8 blocks for the names in
         `as_blocks` (of block_formats; -> the format to load each in), float32 for the rest."""
-        as_blocks = as_blocks or {}
         import gguf
         from gguf.quants import dequantize
 
+        as_blocks = as_blocks or {}
         parsed: dict[str, dict] = {"tensors": {}}  # where a processor stacks MoE experts
         seen: dict[str, int] = {}
         for e in self.entries:

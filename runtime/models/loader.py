@@ -114,9 +114,15 @@ def convert_gguf(path: Path) -> Path:
         noted = gguf_source(out)
         if noted != path.resolve():  # the weights load from the file asked for, not another copy
             try:
-                (out / GGUF_SOURCE).write_text(str(path.resolve()))
+                tmp = out / f".{GGUF_SOURCE}.{os.getpid()}"  # replaced whole: a reader never sees it half written
+                tmp.write_text(str(path.resolve()))
+                os.replace(tmp, out / GGUF_SOURCE)
             except OSError as e:
-                if noted is None or _content_key(noted) != key:
+                try:
+                    same = noted is not None and _content_key(noted) == key
+                except OSError:
+                    same = False
+                if not same:
                     raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
@@ -149,7 +155,7 @@ def convert_gguf(path: Path) -> Path:
 def gguf_parsed_once():
     """transformers reads a GGUF file's header three times (config, tokenizer, weights; 4 s each
     for the default model's 49k-token vocabulary) and builds gguf's tensor-name map once per
-    module (400 times, 14 ms each): here each is done once, while a conversion runs."""
+    module (400 times, 14 ms each): here each is done once, while a file is read."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
