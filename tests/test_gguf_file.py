@@ -17,7 +17,7 @@ from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.models.gguf_file import GGUFFile, dense_copy
 from pageserve.runtime.models.loader import read_config, resolve_model
 from tests.hf_reference import hf_greedy
-from tests.test_gguf_gemma import hf_from_gguf, sentencepiece_vocab, write_gguf
+from tests.test_gguf_gemma import add_model_keys, hf_from_gguf, write_gguf
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.engine
@@ -31,26 +31,11 @@ def write_moe_gguf(model_dir: Path, out: Path) -> Path:
 
     cfg = json.loads((model_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), arch="qwen3moe")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    add_model_keys(w, cfg, head_dim=True)
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    tokens, types = sentencepiece_vocab(cfg["vocab_size"])
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_eos_token_id(1)
-    w.add_bos_token_id(2)
 
     def add(name: str, tensor: torch.Tensor) -> None:
         values = tensor.float().numpy()

@@ -42,12 +42,9 @@ def sentencepiece_vocab(size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str, qtype_of=None) -> Path:
-    """The HF model in `model_dir` as a GGUF file of llama.cpp architecture `arch`, with a
-    Gemma-style sentencepiece vocabulary of its size; each tensor float32, or quantized by gguf
-    to `qtype_of(its GGUF name)` where that is not None."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch=arch)
+def add_model_keys(w, cfg: dict, head_dim: bool = False) -> None:
+    """An HF config's shape as llama.cpp's keys (and the head size, where it is not hidden /
+    heads), with a Gemma-style sentencepiece vocabulary of its size."""
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -55,11 +52,9 @@ def write_gguf(model_dir: Path, out: Path, arch: str, qtype_of=None) -> Path:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if arch.startswith("gemma"):
+    if head_dim:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-        w.add_sliding_window(cfg["sliding_window"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens, types = sentencepiece_vocab(cfg["vocab_size"])
     w.add_tokenizer_model("llama")  # Gemma's files: a sentencepiece vocabulary, no merges
     w.add_token_list(tokens)
@@ -70,7 +65,20 @@ def write_gguf(model_dir: Path, out: Path, arch: str, qtype_of=None) -> Path:
     w.add_bos_token_id(2)
     w.add_unk_token_id(3)
     w.add_add_bos_token(True)
+
+
+def write_gguf(model_dir: Path, out: Path, arch: str, qtype_of=None) -> Path:
+    """The HF model in `model_dir` as a GGUF file of llama.cpp architecture `arch`, with a
+    Gemma-style sentencepiece vocabulary of its size; each tensor float32, or quantized by gguf
+    to `qtype_of(its GGUF name)` where that is not None."""
     from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch=arch)
+    add_model_keys(w, cfg, head_dim=arch.startswith("gemma"))
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg["sliding_window"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     names = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
     for name, tensor in load_file(model_dir / "model.safetensors").items():
