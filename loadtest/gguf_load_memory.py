@@ -1,7 +1,7 @@
 """The memory a large GGUF file takes to load and to serve on this machine: a random-weight
-model of a real model's shape (Llama 3 8B's by default) written as a Q4_K_M-like file (Q4_K
-matrices; Q6_K attn_v and ffn_down in llama.cpp's "more bits" layers and the output matrix) or
-as Q4_0, then loaded by pageserve (float32 arithmetic, the C kernels) in a child process, which
+model of a real model's shape (Llama 3 8B's by default) written in a mix like llama.cpp's
+Q4_K_M (Q4_K matrices; Q6_K attn_v and ffn_down in its "more bits" layers and the output
+matrix), Q3_K_M, IQ4_XS, or Q4_0, then loaded by pageserve (float32 arithmetic, the C kernels) in a child process, which
 prints the peak resident memory of the start-up, the resident memory once serving, and the
 seconds; one greedy request proves it serves.
 
@@ -33,20 +33,25 @@ def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> n
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     T = gguf.GGMLQuantizationType
-
-    def half(offset: int, value: float) -> None:
-        raw[:, :, offset:offset + 2] = np.full((*raw.shape[:2], 1), value, np.float16).view(np.uint8)
-    if qtype in (T.Q4_0, T.Q8_0):
-        half(0, 0.02 if qtype == T.Q4_0 else 0.002)
-    elif qtype == T.Q4_K:
-        half(0, 0.001)
-        half(2, 0.001)
-    elif qtype == T.Q6_K:
-        raw[:, :, 192:208] = rng.integers(1, 8, (rows, columns // block, 16), dtype=np.uint8)  # int8 scales
-        half(208, 0.001)
-    else:
+    # the byte offsets of the type's half-float scales, and a value for them that keeps values small
+    halves = {T.Q4_0: ((0,), 0.02), T.Q8_0: ((0,), 0.002), T.Q4_K: ((0, 2), 0.001), T.Q5_K: ((0, 2), 0.001),
+              T.Q6_K: ((208,), 0.001), T.Q3_K: ((108,), 0.001), T.IQ4_XS: ((0,), 5e-5)}
+    if qtype not in halves:
         raise ValueError(f"no random blocks for {qtype.name}")
+    if qtype == T.Q6_K:
+        raw[:, :, 192:208] = rng.integers(1, 8, (rows, columns // block, 16), dtype=np.uint8)  # int8 scales
+    offsets, value = halves[qtype]
+    for at in offsets:
+        raw[:, :, at:at + 2] = np.full((*raw.shape[:2], 1), value, np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+# llama.cpp's mixes (llama_tensor_get_type, roughly): mix -> (file type, the main type, and for the
+# layers given "more bits" and the rest: attn_v's and ffn_down's, then attn_output's and output's)
+MIXES = {"q4_k_m": ("MOSTLY_Q4_K_M", "Q4_K", ("Q6_K", "Q4_K"), ("Q6_K", "Q4_K"), "Q4_K", "Q6_K"),
+         "q3_k_m": ("MOSTLY_Q3_K_M", "Q3_K", ("Q5_K", "Q4_K"), ("Q5_K", "Q4_K"), "Q4_K", "Q6_K"),
+         "iq4_xs": ("MOSTLY_IQ4_XS", "IQ4_XS", ("Q5_K", "Q5_K"), ("IQ4_XS", "IQ4_XS"), "IQ4_XS", "Q6_K"),
+         "q4_0": ("MOSTLY_Q4_0", "Q4_0", ("Q8_0", "Q4_0"), ("Q8_0", "Q4_0"), "Q4_0", "Q8_0")}
 
 
 def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
@@ -65,7 +70,8 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if mix == "q4_k_m" else gguf.LlamaFileType.MOSTLY_Q4_0)
+    file_type, main, attn_v, ffn_down, attn_output, output = MIXES[mix]
+    w.add_file_type(gguf.LlamaFileType[file_type])
     w.add_tokenizer_model("llama")
     w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
                      + [f"t{i}" for i in range(vocab - 259)])
@@ -76,12 +82,11 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
 
-    def more_bits(i: int) -> bool:  # llama.cpp's use_more_bits for Q4_K_M's attn_v and ffn_down
-        return i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+    def more_bits(i: int) -> int:  # llama.cpp's use_more_bits for attn_v and ffn_down: 0 (more) or 1
+        return 0 if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2 else 1
 
-    def matrix(name: str, rows: int, columns: int, big: bool = False) -> None:
-        qtype = (T.Q6_K if big else T.Q4_K) if mix == "q4_k_m" else (T.Q8_0 if big else T.Q4_0)
-        w.add_tensor(name, random_blocks(rng, qtype, rows, columns), raw_dtype=qtype)
+    def matrix(name: str, rows: int, columns: int, qtype: str = main) -> None:
+        w.add_tensor(name, random_blocks(rng, T[qtype], rows, columns), raw_dtype=T[qtype])
 
     matrix("token_embd.weight", vocab, hidden)
     for i in range(layers):
@@ -89,13 +94,13 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
         matrix(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
-        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, big=more_bits(i))
-        matrix(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, attn_v[more_bits(i)])
+        matrix(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, attn_output)
         matrix(f"blk.{i}.ffn_gate.weight", inter, hidden)
         matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
-        matrix(f"blk.{i}.ffn_down.weight", hidden, inter, big=more_bits(i))
+        matrix(f"blk.{i}.ffn_down.weight", hidden, inter, ffn_down[more_bits(i)])
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    matrix("output.weight", vocab, hidden, big=True)
+    matrix("output.weight", vocab, hidden, output)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -133,7 +138,7 @@ def measure(model: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
-    p.add_argument("--mix", choices=["q4_k_m", "q4_0"], default="q4_k_m")
+    p.add_argument("--mix", choices=list(MIXES), default="q4_k_m")
     p.add_argument("--dir", type=Path, default=None, help="where the file is written (default: the cache)")
     p.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
     args = p.parse_args()

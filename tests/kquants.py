@@ -61,3 +61,45 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
     out = [ql.reshape(-1, 128).astype(np.uint8), qh.reshape(-1, 64).astype(np.uint8), sc.view(np.uint8), _f16(d)]
     return np.concatenate(out, axis=1).reshape(n, k // 256 * 210)
+
+
+# GGML type -> the bytes of each block that hold a half-float scale (d; Q5_1's m, Q2_K's dmin)
+SCALE_HALVES = {6: (0,), 7: (0, 2), 10: (80, 82), 11: (108,), 16: (0,), 17: (0,), 18: (0,), 19: (0,), 20: (0,),
+                21: (0,), 22: (0,), 23: (0,), 29: (), 34: (52,), 35: (64,)}
+
+
+def random_blocks(qtype: int, rows: int, columns: int, rng: np.random.Generator,
+                  scale: float | None = None) -> np.ndarray:
+    """Blocks of random bytes (any codes, any sub-block scales) of a type of SCALE_HALVES, rows
+    of `columns` values, with finite half-float scales: `scale`, or random ones with zero,
+    negative zero and subnormals among them. IQ1_M's d lies in the top nibbles of its four
+    scale words."""
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    raw = rng.integers(0, 256, (rows * columns // values, size), dtype=np.uint8)
+    specials = np.array([0.0, -0.0, 6e-8, -3e-5], np.float16)
+    halves = np.full(len(raw), scale or 0, np.float16)
+    for k, at in enumerate(SCALE_HALVES[qtype] or (None,)):
+        if scale is None:  # each field its own; the specials alike in blocks 0-3, in other pairs in 4-7
+            halves = rng.standard_normal(len(raw)).astype(np.float16)
+            halves[:8] = np.concatenate([specials, np.roll(specials, k)])[:len(halves[:8])]
+        if at is not None:
+            raw[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if qtype == 29:
+        words = raw[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for i, shift in enumerate((0, 4, 8, 12)):  # word i: d's bits 4i to 4i + 3
+            words[:, i] |= ((halves.view(np.uint16) >> shift) & 0xF) << 12
+        raw[:, 48:56] = words.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def quantize_random(rows: np.ndarray, qtype: int) -> np.ndarray:
+    """Random blocks of the type whose values spread as `rows`' do (not `rows`' values: a
+    stand-in writer for the types gguf cannot quantize, for a random-weight model)."""
+    import gguf
+
+    rng = np.random.default_rng(rows.size)
+    unit = random_blocks(qtype, *rows.shape, rng, scale=1.0)
+    spread = gguf.quants.dequantize(unit, gguf.GGMLQuantizationType(qtype)).std()
+    return random_blocks(qtype, *rows.shape, np.random.default_rng(rows.size), scale=float(rows.std() / spread))

@@ -143,6 +143,33 @@ def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
     assert torch.equal(lib(x, fused), lib(x, torch.cat(values)))
 
 
+@pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
+def test_every_other_gguf_type_widens_from_x8_bit_for_bit(request, build):
+    """Q5_0, Q5_1, Q2_K, Q3_K and the IQ and TQ types (random blocks: any codes and sub-block
+    scales, zero, negative zero and subnormal half-float scales) held in x8 widen to gguf's own
+    values in each build; a misread scale is an error, never a wrong weight."""
+    from pageserve.runtime.models import gguf_x8
+    from tests.kquants import random_blocks
+
+    lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
+                                   "x86-64": "portable_kernels"}[build])
+    rng = np.random.default_rng(3)
+    assert set(gguf_x8.X8_TYPES) == {t.value for t in gguf.GGMLQuantizationType if t.name.startswith(
+        ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ", "TQ"))}
+    for qtype in gguf_x8.X8_TYPES:
+        raw = random_blocks(qtype, 8, 512, rng)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
+        assert np.isfinite(want).all() and np.signbit(want[want == 0]).any()
+        got = lib.widen(blocks(torch.from_numpy(gguf_x8.to_x8(raw, qtype)), "x8", 512)).numpy()
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), gguf.GGMLQuantizationType(qtype).name
+    values, size, parts = gguf_x8.X8_TYPES[11]
+    wrong = lambda b: (parts(b)[0][:, ::-1], None, None)  # noqa: E731 (Q3_K's scales in the wrong order)
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(gguf_x8.X8_TYPES, 11, (values, size, wrong))
+        with pytest.raises(ValueError, match="Q3_K blocks that x8 would not widen"):
+            gguf_x8.to_x8(random_blocks(11, 8, 512, rng), 11)
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_file_streams_transformers_own_weights(tmp_path, own_cache, native_kernels, tie):
     """Read tensor by tensor (gguf_file.py), a quantized GGUF gives the very tensors, under the
@@ -219,24 +246,39 @@ def test_a_quantized_gguf_runs_on_its_blocks(tmp_path, monkeypatch, native_kerne
     assert dense == on_blocks
 
 
-@pytest.mark.engine
-@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
-def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache, mix):
-    """A Q4_K_M- or Q5_K_M-like file (Q4_K or Q5_K attention and MLP, Q6_K attn_v, ffn_down and
-    embedding; rows of 256 values) runs on k4 or k5 and k6 blocks with HF's greedy tokens on the
-    same file, and the same tokens and logprobs as on its dequantized float32 copy."""
-    from tests.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
+Q = gguf.GGMLQuantizationType
+# a file like llama.cpp's mix of that name: (q, k, o, gate and up; v; down; the embedding) -> their types,
+# and the formats they run in: (o, gate_up, down, embedding, the fused q/k/v)
+MIXES = {"q4_k_m": ((Q.Q4_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k4", "k4", "k6", "k6", "x8"]),
+         "q5_k_m": ((Q.Q5_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k5", "k5", "k6", "k6", "x8"]),
+         "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["x8", "x8", "k4", "x8", "x8"]),
+         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["x8"] * 5)}
 
-    writers = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-               gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
-    base = gguf.GGMLQuantizationType.Q4_K if mix == "q4_k_m" else gguf.GGMLQuantizationType.Q5_K
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache, mix):
+    """A Q4_K_M-, Q5_K_M-, Q3_K_M- or IQ4_XS-like file (rows of 256 values) runs on its blocks
+    (K-quants repacked, Q3_K and IQ4_XS in x8, a fused q/k/v of two types in x8) with HF's greedy
+    tokens on the same file, and the same tokens and logprobs as on its dequantized float32 copy.
+    Q3_K and IQ4_XS weights are random blocks of the model's spread (gguf cannot quantize them)."""
+    from tests.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k, quantize_random
+
+    writers = {Q.Q4_K: quantize_q4_k, Q.Q5_K: quantize_q5_k, Q.Q6_K: quantize_q6_k,
+               Q.Q3_K: lambda data: quantize_random(data, Q.Q3_K),
+               Q.IQ4_XS: lambda data: quantize_random(data, Q.IQ4_XS)}
+    (base, v, down, embedding), want_formats = MIXES[mix]
     plain = gguf.quants.quantize
     monkeypatch.setattr(gguf.quants, "quantize", lambda data, qtype: writers[qtype](data) if qtype in writers
                         else plain(data, qtype))
 
     def q4_k_m(name: str):
-        if name.endswith(("attn_v.weight", "ffn_down.weight")) or name == "token_embd.weight":
-            return gguf.GGMLQuantizationType.Q6_K
+        if name.endswith("attn_v.weight"):
+            return v
+        if name.endswith("ffn_down.weight"):
+            return down
+        if name == "token_embd.weight":
+            return embedding
         matrices = ("attn_q.weight", "attn_k.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight")
         return base if name.endswith(matrices) else None
 
@@ -261,8 +303,7 @@ def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, nativ
     formats = [getattr(w, "block_format", str(w.dtype)) for w in (
         layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
         model.embed_tokens.weight, layer.self_attn.qkv_proj.weight)]
-    small = "k4" if mix == "q4_k_m" else "k5"
-    assert formats == [small, small, "k6", "k6", "x8"]  # q/k/v: Q4_K or Q5_K beside Q6_K, in x8
+    assert formats == want_formats
     assert [o[0] for o in on_blocks] == hf_greedy(None, prompts, max_new_tokens=12, hf_model=hf_from_gguf(path))
     monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
     _, dense = run()

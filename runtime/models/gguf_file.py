@@ -4,9 +4,10 @@ from the file with no float32 copy of the whole model anywhere (on disk or in me
 - dense: a tensor dequantized to float32 by gguf's own dequantizer and put into HF's layout by
   transformers' tensor processor for the architecture (Llama's q/k row order, Gemma's norms,
   stacked MoE experts), as transformers' own GGUF loader does, tensor by tensor;
-- blocks: a 2-D tensor in a block format the C linear reads (Q8_0, Q4_0, Q4_1 as the file holds
-  them; Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py), rows in HF's order,
-  where the processor only reorders rows.
+- blocks: a 2-D tensor as blocks the C linear reads (Q8_0, Q4_0, Q4_1 as the file holds them;
+  Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py; Q5_0, Q5_1, Q2_K, Q3_K and
+  the IQ and TQ types in x8, gguf_x8.py), rows in HF's order, where the processor only reorders
+  rows.
 
 Which HF name each GGUF tensor has comes from transformers' own map over HF's model built on
 the meta device; the file's header is parsed here (gguf's reader also builds every metadata
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from pageserve.runtime.models.loader import GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, read_config
+from pageserve.runtime.models.gguf_x8 import X8_TYPES, to_x8
 from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS, as_x8
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS
 
@@ -50,6 +52,8 @@ class Entry:
             return None
         if self.qtype in GGUF_KQUANTS:
             return GGUF_KQUANTS[self.qtype][0] if self.shape[1] % 256 == 0 else None
+        if self.qtype in X8_TYPES:
+            return "x8" if self.shape[1] % X8_TYPES[self.qtype][0] == 0 else None
         fmt = GGUF_BLOCKS.get(self.qtype)
         return fmt if fmt is not None and self.shape[1] % 32 == 0 else None
 
@@ -62,7 +66,9 @@ def read_tensor(path: Path, e: Entry) -> np.ndarray:
 
 def kept_blocks(raw: np.ndarray, e: Entry) -> np.ndarray:
     """A tensor of block_format, its bytes `raw`, as the C linear's rows: as the file holds
-    them, or K-quants repacked."""
+    them, K-quants repacked, or the other types in x8."""
+    if e.qtype in X8_TYPES:
+        return to_x8(raw, e.qtype)
     return GGUF_KQUANTS[e.qtype][2](raw) if e.qtype in GGUF_KQUANTS else raw
 
 

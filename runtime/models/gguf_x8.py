@@ -1,0 +1,161 @@
+"""The GGUF types the C linear has no block format of its own for (Q5_0, Q5_1, Q2_K, Q3_K, the
+IQ and TQ types), held in x8 blocks (cpu_blocks.py: a float32 scale s and offset m for each 16
+values, int8 codes q, value s * q - m) that widen to the very float32 values gguf's dequantizer
+gives:
+
+- every one of these types gives each value as a scale (a half float times a small integer,
+  exact in float32) times a small integer code, or for Q5_1 and Q2_K that product, exact, plus
+  an offset: one rounding, as x8's s * q - m;
+- the scale of each 16 values is read from the block here; the codes are gguf's values divided
+  by it (exact: the value is the exact product), or for the types with offsets read from their
+  bits; IQ1's codes are 8 (grid + delta), the scale divided by 8;
+- each tensor is checked value for value (bits) against gguf's dequantizer as it is converted,
+  so a block this reading gets wrong is an error, never a wrong weight.
+
+x8 takes 1.5 bytes a value: more than these files (0.4-0.7), far less than float32's 4."""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 256  # values in a K-quant or IQ superblock
+
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    """[blocks, 1] float32 of the half float at byte `at` of each block."""
+    return b[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """Bytes as their low then high nibbles, byte by byte: [blocks, 2 * bytes]."""
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(len(b), -1)
+
+
+def _per16(s: np.ndarray, values: int) -> np.ndarray:
+    """A scale for each of `s`'s groups as one for each 16 values."""
+    return np.repeat(s, values // 16 // s.shape[1], axis=1)
+
+
+def _q5_0(b):
+    return _per16(_f16(b, 0), 32), None, None
+
+
+def _q5_1(b):
+    d, m = _f16(b, 0), _f16(b, 2)
+    high = (b[:, 4:8].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    low = np.concatenate([b[:, 8:24] & 0x0F, b[:, 8:24] >> 4], axis=1)
+    return _per16(d, 32), _per16(-m, 32), (low | (high.astype(np.uint8) << 4)).astype(np.int8)
+
+
+def _q2_k(b):
+    sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b, 80), _f16(b, 82)
+    q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return d * (sc & 0x0F).astype(np.float32), dmin * (sc >> 4).astype(np.float32), q.reshape(-1, QK).astype(np.int8)
+
+
+def _q3_k(b):
+    low = _nibbles(b[:, 96:104]).reshape(-1, 8, 2).transpose(0, 2, 1).reshape(-1, 16)  # scales 0-7 low, 8-15 high
+    high = (b[:, 104:108, None] >> np.array([0, 2, 4, 6], np.uint8)).transpose(0, 2, 1).reshape(-1, 16) & 3
+    sc = ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    return _f16(b, 108) * sc, None, None
+
+
+def _iq4_nl(b):
+    return _per16(_f16(b, 0), 32), None, None
+
+
+def _iq4_xs(b):
+    high = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)).astype(np.uint8) & 3
+    sc = ((_nibbles(b[:, 4:8]) | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    return _per16(_f16(b, 0) * sc, QK), None, None
+
+
+def _iq2_xxs(b):
+    top = (b[:, 2:66].copy().view(np.uint32).reshape(-1, 8, 2)[..., 1] >> 28).astype(np.float32)
+    return _per16(_f16(b, 0) * (np.float32(0.5) + top) * np.float32(0.25), QK), None, None
+
+
+def _iq2_xs_s(scales_at: int):
+    def parts(b):
+        return _f16(b, 0) * (np.float32(0.5) + _nibbles(b[:, scales_at:scales_at + 8])) * np.float32(0.25), None, None
+    return parts
+
+
+def _iq3_xxs(b):
+    top = (b[:, 66:98].copy().view(np.uint32) >> 28).astype(np.float32)
+    return _per16(_f16(b, 0) * (np.float32(0.5) + top) * np.float32(0.5), QK), None, None
+
+
+def _iq3_s(b):
+    return _per16(_f16(b, 0) * (1 + 2 * _nibbles(b[:, 106:110])), QK), None, None
+
+
+def _iq1_s(b):  # value dl * (grid + delta), delta +-1/8: codes 8 (grid + delta), scale dl / 8
+    qh = b[:, 34:50].copy().view(np.uint16)
+    return _per16(_f16(b, 0) * (2 * ((qh >> 12) & 7) + 1) * np.float32(0.125), QK), None, None
+
+
+def _iq1_m(b):  # the half-float d in the top nibbles of its four scale words
+    words = b[:, 48:56].copy().view(np.uint16)
+    d = ((words & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)).sum(axis=1, dtype=np.uint16)
+    d = d.view(np.float16).astype(np.float32)[:, None]
+    sc = ((words[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(-1, 16)
+    return d * (2 * sc + 1) * np.float32(0.125), None, None
+
+
+def _tq(d_at: int):
+    def parts(b):
+        return _per16(_f16(b, d_at), QK), None, None
+    return parts
+
+
+# GGML type -> (values a block, bytes a block, the block's parts: (scale a 16 values [blocks, values / 16],
+# offset a 16 values or None (zero), int8 codes [blocks, values] or None (gguf's values / scale)))
+X8_TYPES = {6: (32, 22, _q5_0), 7: (32, 24, _q5_1), 10: (QK, 84, _q2_k), 11: (QK, 110, _q3_k),
+            16: (QK, 66, _iq2_xxs), 17: (QK, 74, _iq2_xs_s(66)), 18: (QK, 98, _iq3_xxs), 19: (QK, 50, _iq1_s),
+            20: (32, 18, _iq4_nl), 21: (QK, 110, _iq3_s), 22: (QK, 82, _iq2_xs_s(74)), 23: (QK, 136, _iq4_xs),
+            29: (QK, 56, _iq1_m), 34: (QK, 54, _tq(52)), 35: (QK, 66, _tq(64))}
+CHUNK = 1 << 20  # values converted at a time (their float32 values, a few MB, are all it holds)
+
+
+def to_x8(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """Rows of a GGUF tensor of a type of X8_TYPES ([rows, bytes a row] uint8) as rows of x8
+    blocks; ValueError where a value would not widen to gguf's (a damaged block: a scale that is
+    not finite)."""
+    values, size, parts = X8_TYPES[qtype]
+    rows = raw.shape[0]
+    columns = raw.shape[1] // size * values
+    out = np.empty((rows, columns // 32, 48), np.uint8)
+    step = max(1, CHUNK // columns)
+    for r in range(0, rows, step):
+        b = np.ascontiguousarray(raw[r:r + step]).reshape(-1, size)
+        out[r:r + step] = _blocks(b, qtype, parts).reshape(-1, columns // 32, 48)
+    return out.reshape(rows, -1)
+
+
+def _blocks(b: np.ndarray, qtype: int, parts) -> np.ndarray:
+    """Blocks of one GGUF type as x8 blocks [blocks * values / 32, 48]."""
+    import gguf
+    from gguf.quants import dequantize
+
+    # one row: gguf dequantizes a row group of 16 at a time (here 16 blocks: slow)
+    want = dequantize(b.reshape(1, -1), gguf.GGMLQuantizationType(qtype)).reshape(len(b), -1, 16)
+    s, m, q = parts(b)
+    s = s.astype(np.float32)[:, :, None]
+    with np.errstate(all="ignore"):
+        if q is None:  # want = s * q, exact; a zero scale: q is any code of the value's sign
+            q = np.rint(want / s)
+            if not s.all():
+                q = np.where(s != 0, q, np.where(np.signbit(want) == np.signbit(s), np.float32(1), np.float32(-1)))
+            if not (np.abs(q) <= 127).all():  # (NaN too)
+                raise ValueError(f"{gguf.GGMLQuantizationType(qtype).name} blocks whose codes x8 cannot hold")
+            got = s * q
+        else:
+            q = q.reshape(want.shape)
+            got = s * q.astype(np.float32) - m.astype(np.float32)[:, :, None]
+    if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+        raise ValueError(f"{gguf.GGMLQuantizationType(qtype).name} blocks that x8 would not widen to gguf's values")
+    q = q.astype(np.int8)
+    m = np.zeros_like(s) if m is None else m.astype(np.float32)[:, :, None]
+    head = np.stack([s[:, 0::2, 0], s[:, 1::2, 0], m[:, 0::2, 0], m[:, 1::2, 0]], axis=2)  # [blocks, 32-groups, 4]
+    return np.concatenate([head.view(np.uint8), q.reshape(len(b), -1, 32).view(np.uint8)], axis=2).reshape(-1, 48)
