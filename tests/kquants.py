@@ -4,6 +4,8 @@ reads them (checked there: it gives back the rows within the formats' error)."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 
@@ -99,7 +101,7 @@ def quantize_random(rows: np.ndarray, qtype: int) -> np.ndarray:
     stand-in writer for the types gguf cannot quantize, for a random-weight model)."""
     import gguf
 
-    rng = np.random.default_rng(rows.size)
-    unit = random_blocks(qtype, *rows.shape, rng, scale=1.0)
+    seed = zlib.crc32(rows.tobytes())  # each tensor its own codes
+    unit = random_blocks(qtype, *rows.shape, np.random.default_rng(seed), scale=1.0)
     spread = gguf.quants.dequantize(unit, gguf.GGMLQuantizationType(qtype)).std()
-    return random_blocks(qtype, *rows.shape, np.random.default_rng(rows.size), scale=float(rows.std() / spread))
+    return random_blocks(qtype, *rows.shape, np.random.default_rng(seed), scale=float(rows.std() / spread))

@@ -1,9 +1,10 @@
 """GGUF matrices kept in their quantized blocks on the CPU path (runtime/models/weight_formats.py):
 the C kernels widen Q8_0, Q4_0 and Q4_1 blocks, Q4_K, Q5_K and Q6_K repacked 32 values a block,
-and x8 blocks made from any of them, to the values gguf's own dequantizer gives, the linear on
-blocks is the linear on those values to the bit, and a quantized tiny Llama read from a GGUF
-file runs on blocks (a layer whose q/k/v mix formats in x8) with the same tokens, logprobs and
-prompt logprobs as on the dequantized float32 copy, and HF's greedy tokens."""
+every other quantized type repacked into k6, k5 or x8 (gguf_repack.py), and x8 blocks made from
+any of them, to the values gguf's own dequantizer gives, the linear on blocks is the linear on
+those values to the bit, and a quantized tiny Llama read from a GGUF file runs on blocks (a layer
+whose q/k/v mix formats in x8) with the same tokens, logprobs and prompt logprobs as on the
+dequantized float32 copy, and HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -144,30 +145,35 @@ def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
 
 
 @pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
-def test_every_other_gguf_type_widens_from_x8_bit_for_bit(request, build):
+def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build):
     """Q5_0, Q5_1, Q2_K, Q3_K and the IQ and TQ types (random blocks: any codes and sub-block
-    scales, zero, negative zero and subnormal half-float scales) held in x8 widen to gguf's own
-    values in each build; a misread scale is an error, never a wrong weight."""
-    from pageserve.runtime.models import gguf_x8
+    scales, zero, negative zero and subnormal half-float scales) repacked into k6, k5 or x8
+    widen to gguf's own values in each build; a misread scale is an error, never a wrong
+    weight."""
+    from pageserve.runtime.models import gguf_repack
     from tests.kquants import random_blocks
 
     lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
                                    "x86-64": "portable_kernels"}[build])
     rng = np.random.default_rng(3)
-    assert set(gguf_x8.X8_TYPES) == {t.value for t in gguf.GGMLQuantizationType if t.name.startswith(
+    assert set(gguf_repack.REPACKED) == {t.value for t in gguf.GGMLQuantizationType if t.name.startswith(
         ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ", "TQ"))}
-    for qtype in gguf_x8.X8_TYPES:
+    for qtype, (_, _, fmt, _) in gguf_repack.REPACKED.items():
         raw = random_blocks(qtype, 8, 512, rng)
         want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
         assert np.isfinite(want).all() and np.signbit(want[want == 0]).any()
-        got = lib.widen(blocks(torch.from_numpy(gguf_x8.to_x8(raw, qtype)), "x8", 512)).numpy()
+        got = lib.widen(blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 512)).numpy()
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), gguf.GGMLQuantizationType(qtype).name
-    values, size, parts = gguf_x8.X8_TYPES[11]
+    values, size, fmt, parts = gguf_repack.REPACKED[11]
     wrong = lambda b: (parts(b)[0][:, ::-1], None, None)  # noqa: E731 (Q3_K's scales in the wrong order)
     with pytest.MonkeyPatch.context() as m:
-        m.setitem(gguf_x8.X8_TYPES, 11, (values, size, wrong))
-        with pytest.raises(ValueError, match="Q3_K blocks that x8 would not widen"):
-            gguf_x8.to_x8(random_blocks(11, 8, 512, rng), 11)
+        m.setitem(gguf_repack.REPACKED, 11, (values, size, fmt, wrong))
+        with pytest.raises(ValueError, match="Q3_K blocks that k6 would not widen"):
+            gguf_repack.repack(random_blocks(11, 8, 512, rng), 11)
+    damaged = random_blocks(7, 8, 512, rng)  # Q5_1 with an infinite d: gguf's values, but a broken block
+    damaged[3, 24:26] = np.array([np.inf], np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="Q5_1 blocks with a scale or offset that is not finite"):
+        gguf_repack.repack(damaged, 7)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -251,15 +257,15 @@ Q = gguf.GGMLQuantizationType
 # and the formats they run in: (o, gate_up, down, embedding, the fused q/k/v)
 MIXES = {"q4_k_m": ((Q.Q4_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k4", "k4", "k6", "k6", "x8"]),
          "q5_k_m": ((Q.Q5_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k5", "k5", "k6", "k6", "x8"]),
-         "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["x8", "x8", "k4", "x8", "x8"]),
-         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["x8"] * 5)}
+         "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["k6", "k6", "k4", "k6", "x8"]),
+         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["k6"] * 5)}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache, mix):
     """A Q4_K_M-, Q5_K_M-, Q3_K_M- or IQ4_XS-like file (rows of 256 values) runs on its blocks
-    (K-quants repacked, Q3_K and IQ4_XS in x8, a fused q/k/v of two types in x8) with HF's greedy
+    (K-quants, Q3_K and IQ4_XS repacked, a fused q/k/v of two types in x8) with HF's greedy
     tokens on the same file, and the same tokens and logprobs as on its dequantized float32 copy.
     Q3_K and IQ4_XS weights are random blocks of the model's spread (gguf cannot quantize them)."""
     from tests.kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k, quantize_random

@@ -6,8 +6,8 @@ from the file with no float32 copy of the whole model anywhere (on disk or in me
   stacked MoE experts), as transformers' own GGUF loader does, tensor by tensor;
 - blocks: a 2-D tensor as blocks the C linear reads (Q8_0, Q4_0, Q4_1 as the file holds them;
   Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py; Q5_0, Q5_1, Q2_K, Q3_K and
-  the IQ and TQ types in x8, gguf_x8.py), rows in HF's order, where the processor only reorders
-  rows.
+  the IQ and TQ types repacked into k6, k5 or x8, gguf_repack.py), rows in HF's order, where the
+  processor only reorders rows.
 
 Which HF name each GGUF tensor has comes from transformers' own map over HF's model built on
 the meta device; the file's header is parsed here (gguf's reader also builds every metadata
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pageserve.runtime.models.loader import GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, read_config
-from pageserve.runtime.models.gguf_x8 import X8_TYPES, to_x8
+from pageserve.runtime.models.gguf_repack import REPACKED, repack
 from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS, as_x8
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS
 
@@ -52,8 +52,8 @@ class Entry:
             return None
         if self.qtype in GGUF_KQUANTS:
             return GGUF_KQUANTS[self.qtype][0] if self.shape[1] % 256 == 0 else None
-        if self.qtype in X8_TYPES:
-            return "x8" if self.shape[1] % X8_TYPES[self.qtype][0] == 0 else None
+        if self.qtype in REPACKED:
+            return REPACKED[self.qtype][2] if self.shape[1] % REPACKED[self.qtype][0] == 0 else None
         fmt = GGUF_BLOCKS.get(self.qtype)
         return fmt if fmt is not None and self.shape[1] % 32 == 0 else None
 
@@ -66,9 +66,9 @@ def read_tensor(path: Path, e: Entry) -> np.ndarray:
 
 def kept_blocks(raw: np.ndarray, e: Entry) -> np.ndarray:
     """A tensor of block_format, its bytes `raw`, as the C linear's rows: as the file holds
-    them, K-quants repacked, or the other types in x8."""
-    if e.qtype in X8_TYPES:
-        return to_x8(raw, e.qtype)
+    them, or repacked (K-quants; the other types: gguf_repack.py)."""
+    if e.qtype in REPACKED:
+        return repack(raw, e.qtype)
     return GGUF_KQUANTS[e.qtype][2](raw) if e.qtype in GGUF_KQUANTS else raw
 
 
@@ -204,7 +204,9 @@ class GGUFFile:
         order, own = self._row_order(e), e.block_format()
         if order is None or own is None:
             raise ValueError(f"{e.name}: its blocks cannot be kept")
-        raw = kept_blocks(read_tensor(self.path, e), e)[order]
+        raw = kept_blocks(read_tensor(self.path, e), e)
+        if not np.array_equal(order, np.arange(len(order))):  # (Llama's q and k) a copy only where reordered
+            raw = raw[order]
         if fmt not in (None, own):
             raw = as_x8(raw, own)
         assert raw.shape[1] == e.shape[1] // 32 * BLOCK_FORMATS[fmt or own][1]

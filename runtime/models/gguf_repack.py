@@ -1,22 +1,26 @@
 """The GGUF types the C linear has no block format of its own for (Q5_0, Q5_1, Q2_K, Q3_K, the
-IQ and TQ types), held in x8 blocks (cpu_blocks.py: a float32 scale s and offset m for each 16
-values, int8 codes q, value s * q - m) that widen to the very float32 values gguf's dequantizer
-gives:
+IQ and TQ types), repacked into formats it has (cpu_blocks.py), which widen to the very float32
+values gguf's dequantizer gives:
 
 - every one of these types gives each value as a scale (a half float times a small integer,
   exact in float32) times a small integer code, or for Q5_1 and Q2_K that product, exact, plus
-  an offset: one rounding, as x8's s * q - m;
+  an offset: one rounding either way;
+- so k6 (a float32 scale for each 16 values, int8 codes: 1.25 bytes a value) holds the types
+  without an offset, k5 (a scale and an offset for each 32, a byte a code: 1.25) Q5_1, and x8
+  (a scale and an offset for each 16: 1.5) Q2_K;
 - the scale of each 16 values is read from the block here; the codes are gguf's values divided
   by it (exact: the value is the exact product), or for the types with offsets read from their
   bits; IQ1's codes are 8 (grid + delta), the scale divided by 8;
-- each tensor is checked value for value (bits) against gguf's dequantizer as it is converted,
+- each tensor is checked value for value (bits) against gguf's dequantizer as it is repacked,
   so a block this reading gets wrong is an error, never a wrong weight.
 
-x8 takes 1.5 bytes a value: more than these files (0.4-0.7), far less than float32's 4."""
+These files take 0.3-0.7 bytes a value; float32 takes 4."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS
 
 QK = 256  # values in a K-quant or IQ superblock
 
@@ -109,38 +113,43 @@ def _tq(d_at: int):
     return parts
 
 
-# GGML type -> (values a block, bytes a block, the block's parts: (scale a 16 values [blocks, values / 16],
-# offset a 16 values or None (zero), int8 codes [blocks, values] or None (gguf's values / scale)))
-X8_TYPES = {6: (32, 22, _q5_0), 7: (32, 24, _q5_1), 10: (QK, 84, _q2_k), 11: (QK, 110, _q3_k),
-            16: (QK, 66, _iq2_xxs), 17: (QK, 74, _iq2_xs_s(66)), 18: (QK, 98, _iq3_xxs), 19: (QK, 50, _iq1_s),
-            20: (32, 18, _iq4_nl), 21: (QK, 110, _iq3_s), 22: (QK, 82, _iq2_xs_s(74)), 23: (QK, 136, _iq4_xs),
-            29: (QK, 56, _iq1_m), 34: (QK, 54, _tq(52)), 35: (QK, 66, _tq(64))}
+# GGML type -> (values a block, bytes a block, the format it is repacked in, the block's parts: (scale a
+# 16 values [blocks, values / 16], offset a 16 values or None (zero), int8 codes [blocks, values] or None
+# (gguf's values / scale)))
+REPACKED = {6: (32, 22, "k6", _q5_0), 7: (32, 24, "k5", _q5_1), 10: (QK, 84, "x8", _q2_k),
+            11: (QK, 110, "k6", _q3_k), 16: (QK, 66, "k6", _iq2_xxs), 17: (QK, 74, "k6", _iq2_xs_s(66)),
+            18: (QK, 98, "k6", _iq3_xxs), 19: (QK, 50, "k6", _iq1_s), 20: (32, 18, "k6", _iq4_nl),
+            21: (QK, 110, "k6", _iq3_s), 22: (QK, 82, "k6", _iq2_xs_s(74)), 23: (QK, 136, "k6", _iq4_xs),
+            29: (QK, 56, "k6", _iq1_m), 34: (QK, 54, "k6", _tq(52)), 35: (QK, 66, "k6", _tq(64))}
 CHUNK = 1 << 20  # values converted at a time (their float32 values, a few MB, are all it holds)
 
 
-def to_x8(raw: np.ndarray, qtype: int) -> np.ndarray:
-    """Rows of a GGUF tensor of a type of X8_TYPES ([rows, bytes a row] uint8) as rows of x8
-    blocks; ValueError where a value would not widen to gguf's (a damaged block: a scale that is
-    not finite)."""
-    values, size, parts = X8_TYPES[qtype]
+def repack(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """Rows of a GGUF tensor of a type of REPACKED ([rows, bytes a row] uint8) as rows of blocks
+    of its format there; ValueError where a value would not widen to gguf's (a damaged block: a
+    scale that is not finite)."""
+    values, size, fmt, parts = REPACKED[qtype]
     rows = raw.shape[0]
     columns = raw.shape[1] // size * values
-    out = np.empty((rows, columns // 32, 48), np.uint8)
+    out = np.empty((rows, columns // 32, BLOCK_FORMATS[fmt][1]), np.uint8)
     step = max(1, CHUNK // columns)
     for r in range(0, rows, step):
         b = np.ascontiguousarray(raw[r:r + step]).reshape(-1, size)
-        out[r:r + step] = _blocks(b, qtype, parts).reshape(-1, columns // 32, 48)
+        out[r:r + step] = _blocks(b, qtype, fmt, parts).reshape(-1, columns // 32, BLOCK_FORMATS[fmt][1])
     return out.reshape(rows, -1)
 
 
-def _blocks(b: np.ndarray, qtype: int, parts) -> np.ndarray:
-    """Blocks of one GGUF type as x8 blocks [blocks * values / 32, 48]."""
+def _blocks(b: np.ndarray, qtype: int, fmt: str, parts) -> np.ndarray:
+    """Blocks of one GGUF type as blocks of `fmt` [blocks * values / 32, bytes]."""
     import gguf
     from gguf.quants import dequantize
 
+    name = gguf.GGMLQuantizationType(qtype).name
     # one row: gguf dequantizes a row group of 16 at a time (here 16 blocks: slow)
     want = dequantize(b.reshape(1, -1), gguf.GGMLQuantizationType(qtype)).reshape(len(b), -1, 16)
     s, m, q = parts(b)
+    if not (np.isfinite(s).all() and (m is None or np.isfinite(m).all())):
+        raise ValueError(f"{name} blocks with a scale or offset that is not finite")
     s = s.astype(np.float32)[:, :, None]
     with np.errstate(all="ignore"):
         if q is None:  # want = s * q, exact; a zero scale: q is any code of the value's sign
@@ -148,14 +157,22 @@ def _blocks(b: np.ndarray, qtype: int, parts) -> np.ndarray:
             if not s.all():
                 q = np.where(s != 0, q, np.where(np.signbit(want) == np.signbit(s), np.float32(1), np.float32(-1)))
             if not (np.abs(q) <= 127).all():  # (NaN too)
-                raise ValueError(f"{gguf.GGMLQuantizationType(qtype).name} blocks whose codes x8 cannot hold")
+                raise ValueError(f"{name} blocks whose codes {fmt} cannot hold")
             got = s * q
         else:
             q = q.reshape(want.shape)
             got = s * q.astype(np.float32) - m.astype(np.float32)[:, :, None]
     if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
-        raise ValueError(f"{gguf.GGMLQuantizationType(qtype).name} blocks that x8 would not widen to gguf's values")
-    q = q.astype(np.int8)
-    m = np.zeros_like(s) if m is None else m.astype(np.float32)[:, :, None]
-    head = np.stack([s[:, 0::2, 0], s[:, 1::2, 0], m[:, 0::2, 0], m[:, 1::2, 0]], axis=2)  # [blocks, 32-groups, 4]
-    return np.concatenate([head.view(np.uint8), q.reshape(len(b), -1, 32).view(np.uint8)], axis=2).reshape(-1, 48)
+        raise ValueError(f"{name} blocks that {fmt} would not widen to gguf's values")
+    groups = len(b) * want.shape[1] // 2  # blocks of 32 values
+    s = s.reshape(groups, 2)
+    m = np.zeros_like(s) if m is None else m.astype(np.float32).reshape(groups, 2)
+    if fmt == "k6":  # s0, s1, int8 q
+        head = s
+    elif fmt == "k5":  # d, m, uint8 q: one scale and offset a 32 values
+        assert (s[:, 0] == s[:, 1]).all() and (m[:, 0] == m[:, 1]).all() and (q >= 0).all()
+        head = np.stack([s[:, 0], m[:, 0]], axis=1)
+    else:  # x8: s0, s1, m0, m1, int8 q
+        head = np.concatenate([s, m], axis=1)
+    codes = q.astype(np.int8).reshape(groups, 32).view(np.uint8)
+    return np.concatenate([np.ascontiguousarray(head).view(np.uint8), codes], axis=1)
