@@ -49,7 +49,7 @@ def two_layers() -> list[torch.Tensor]:
     t = {}
     path = default_model_path()
     for e in read_header(path)[1]:
-        if e.name.startswith(("blk.0.", "blk.1.")) and e.block_format():
+        if e.name.startswith(("blk.0.", "blk.1.")) and e.block_format() and len(e.shape) == 2:
             t[e.name] = (e.block_format(), e.shape[1], torch.from_numpy(kept_blocks(read_tensor(path, e), e)))
     mats = []
     for b in (0, 1):

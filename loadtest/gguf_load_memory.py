@@ -1,9 +1,10 @@
 """The memory a large GGUF file takes to load and to serve on this machine: a random-weight
-model of a real model's shape (Llama 3 8B's by default) written in a mix like llama.cpp's
-Q4_K_M (Q4_K matrices; Q6_K attn_v and ffn_down in its "more bits" layers and the output
-matrix), Q3_K_M, IQ4_XS, or Q4_0, then loaded by pageserve (float32 arithmetic, the C kernels) in a child process, which
-prints the peak resident memory of the start-up, the resident memory once serving, and the
-seconds; one greedy request proves it serves.
+model of a real model's shape (Llama 3 8B's by default; Qwen1.5-MoE-A2.7B's, a mixture of
+experts) written in a mix like llama.cpp's Q4_K_M (Q4_K matrices; Q6_K attn_v and ffn_down in
+its "more bits" layers and the output matrix), Q3_K_M, IQ4_XS, or Q4_0, then loaded by
+pageserve (float32 arithmetic, the C kernels) in a child process, which prints the peak
+resident memory of the start-up, the resident memory once serving, and the seconds; one greedy
+request proves it serves.
 
     python -m pageserve.loadtest.gguf_load_memory --shape llama3-8b --mix q4_k_m
 """
@@ -23,7 +24,11 @@ SHAPES = {  # hidden, layers, heads, KV heads, intermediate, vocabulary
     "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
     "smollm2-1.7b": (2048, 24, 32, 32, 8192, 49152),
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152),
+    "qwen1.5-moe-a2.7b": (2048, 24, 16, 16, 5632, 151936),
 }
+# mixtures of experts, in Qwen2-MoE's layout (q/k/v biases, a shared expert of the intermediate
+# size above): shape -> (experts, experts a token, an expert's intermediate size)
+MOE = {"qwen1.5-moe-a2.7b": (60, 4, 1408)}
 
 
 def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> np.ndarray:
@@ -31,10 +36,12 @@ def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> n
     import gguf
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
+    assert columns % block == 0, f"{columns} columns are not whole {qtype.name} blocks"
     raw = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     T = gguf.GGMLQuantizationType
     # the byte offsets of the type's half-float scales, and a value for them that keeps values small
-    halves = {T.Q4_0: ((0,), 0.02), T.Q8_0: ((0,), 0.002), T.Q4_K: ((0, 2), 0.001), T.Q5_K: ((0, 2), 0.001),
+    halves = {T.Q4_0: ((0,), 0.02), T.Q8_0: ((0,), 0.002), T.Q5_0: ((0,), 0.005), T.Q5_1: ((0, 2), 0.005),
+              T.IQ4_NL: ((0,), 2e-4), T.Q4_K: ((0, 2), 0.001), T.Q5_K: ((0, 2), 0.001),
               T.Q6_K: ((208,), 0.001), T.Q3_K: ((108,), 0.001), T.IQ4_XS: ((0,), 5e-5)}
     if qtype not in halves:
         raise ValueError(f"no random blocks for {qtype.name}")
@@ -61,7 +68,8 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
     head_dim = hidden // heads
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    moe = MOE.get(shape)
+    w = gguf.GGUFWriter(str(path), arch="qwen2moe" if moe else "llama")
     w.add_context_length(8192)
     w.add_embedding_length(hidden)
     w.add_block_count(layers)
@@ -70,6 +78,11 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
+    if moe:
+        w.add_expert_count(moe[0])
+        w.add_expert_used_count(moe[1])
+        w.add_expert_feed_forward_length(moe[2])
+        w.add_expert_shared_feed_forward_length(inter)
     file_type, main, attn_v, ffn_down, attn_output, output = MIXES[mix]
     w.add_file_type(gguf.LlamaFileType[file_type])
     w.add_tokenizer_model("llama")
@@ -85,8 +98,22 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
     def more_bits(i: int) -> int:  # llama.cpp's use_more_bits for attn_v and ffn_down: 0 (more) or 1
         return 0 if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2 else 1
 
-    def matrix(name: str, rows: int, columns: int, qtype: str = main) -> None:
-        w.add_tensor(name, random_blocks(rng, T[qtype], rows, columns), raw_dtype=T[qtype])
+    def matrix(name: str, rows: int, columns: int, qtype: str = main, experts: int = 0) -> None:
+        if columns % 256 and qtype not in ("Q4_0", "Q8_0"):  # llama.cpp's fallback: rows not superblocks
+            qtype = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(qtype, "IQ4_NL")
+        blocks = random_blocks(rng, T[qtype], rows * max(experts, 1), columns)
+        w.add_tensor(name, blocks.reshape(experts, rows, -1) if experts else blocks, raw_dtype=T[qtype])
+
+    def experts(i: int) -> None:  # Qwen2-MoE's: a router, stacked experts, a gated shared expert
+        count, _, size = moe
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.standard_normal((count, hidden), np.float32) * 0.02)
+        matrix(f"blk.{i}.ffn_gate_exps.weight", size, hidden, experts=count)
+        matrix(f"blk.{i}.ffn_up_exps.weight", size, hidden, experts=count)
+        matrix(f"blk.{i}.ffn_down_exps.weight", hidden, size, ffn_down[more_bits(i)], experts=count)
+        w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", rng.standard_normal(hidden, np.float32) * 0.02)
+        matrix(f"blk.{i}.ffn_gate_shexp.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_up_shexp.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_down_shexp.weight", hidden, inter, ffn_down[more_bits(i)])
 
     matrix("token_embd.weight", vocab, hidden)
     for i in range(layers):
@@ -96,6 +123,11 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
         matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
         matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, attn_v[more_bits(i)])
         matrix(f"blk.{i}.attn_output.weight", hidden, heads * head_dim, attn_output)
+        if moe:
+            for part, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                w.add_tensor(f"blk.{i}.attn_{part}.bias", np.zeros(rows * head_dim, np.float32))
+            experts(i)
+            continue
         matrix(f"blk.{i}.ffn_gate.weight", inter, hidden)
         matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
         matrix(f"blk.{i}.ffn_down.weight", hidden, inter, ffn_down[more_bits(i)])
@@ -153,7 +185,8 @@ def main() -> None:
         print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
     hidden, layers, heads, kv_heads, inter, vocab = SHAPES[args.shape]
     kv = kv_heads * hidden // heads
-    params = 2 * vocab * hidden + layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter)
+    ffn = 3 * hidden * inter + (3 * hidden * MOE[args.shape][0] * MOE[args.shape][2] if args.shape in MOE else 0)
+    params = 2 * vocab * hidden + layers * (hidden * (hidden + 2 * kv) + hidden * hidden + ffn)
     result = {"shape": args.shape, "mix": args.mix, "parameters": params, "file_bytes": path.stat().st_size,
               "float32_bytes": 4 * params, **measure(path)}
     print(json.dumps(result, indent=1))

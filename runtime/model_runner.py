@@ -135,7 +135,8 @@ class ModelRunner:
             kept = GGUFBlocks.plan(model, gguf.block_formats(), gguf.checkpoint_names())
         kv_scales = KVScales.for_checkpoint(cfg.hf_config, model)
         model = model.to_empty(device=self.device)
-        early = torch.nn.ModuleList([module for module, _, _ in kept.matrices])  # the file's blocks go straight there
+        # the file's blocks go straight there
+        early = torch.nn.ModuleList(list({id(m): m for m, _, _, _ in kept.matrices}.values()))
         if self.device.type == "cpu":
             weights_in_huge_pages(early, values=False)
         try:

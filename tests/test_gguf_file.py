@@ -4,6 +4,7 @@ file's layers (loadtest/truncated_copy.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -14,7 +15,10 @@ import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.kernels import Backend, make_kernels
+from pageserve.runtime.models import registry
 from pageserve.runtime.models.gguf_file import GGUFFile, dense_copy
+from pageserve.runtime.models.weight_formats import GGUFBlocks
 from pageserve.runtime.models.loader import read_config, resolve_model
 from tests.hf_reference import hf_greedy
 from tests.test_gguf_gemma import add_model_keys, hf_from_gguf, write_gguf
@@ -23,10 +27,10 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.engine
 
 
-def write_moe_gguf(model_dir: Path, out: Path) -> Path:
+def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQuantizationType.Q8_0) -> Path:
     """A tiny Qwen3-MoE as llama.cpp writes one: each layer's experts stacked into one
     [experts, rows, columns] tensor a projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
-    the matrices in Q8_0 where their rows allow, the rest float32."""
+    the matrices in `qtype_of(name)` (Q8_0) where their rows allow, the rest float32."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -40,8 +44,7 @@ def write_moe_gguf(model_dir: Path, out: Path) -> Path:
     def add(name: str, tensor: torch.Tensor) -> None:
         values = tensor.float().numpy()
         if values.ndim > 1 and values.shape[-1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, gguf.quants.quantize(values, qtype_of(name)), raw_dtype=qtype_of(name))
         else:
             w.add_tensor(name, values)
 
@@ -61,26 +64,65 @@ def write_moe_gguf(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, own_cache):
+def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, monkeypatch, own_cache, native_kernels):
     """transformers stacks a GGUF's experts into one gate_up tensor (gate rows first) and one
-    down tensor; the stream gives them per expert, and the model serves HF's greedy tokens."""
+    down tensor; the stream gives them per expert, and the model serves HF's greedy tokens on
+    the experts' own blocks (Q8_0 gate beside Q4_1 up: w13 in x8; Q4_0 down), each expert's
+    matrix HF's to the bit, and the same tokens on the dequantized float32 copy."""
+    Q = gguf.GGMLQuantizationType
     # transformers reads no moe_intermediate_size from a GGUF: the config class's default, 768
     model_dir = build_tiny_model(tmp_path / "hf", arch="qwen3_moe", moe_intermediate_size=768)
-    path = write_moe_gguf(model_dir, tmp_path / "tiny-moe.gguf")
+    path = write_moe_gguf(model_dir, tmp_path / "tiny-moe.gguf", lambda name: Q.Q4_1 if "up_exps" in name
+                          else Q.Q4_0 if "down_exps" in name else Q.Q8_0)
     hf = hf_from_gguf(path)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 30, 70)]
     expected = hf_greedy(None, prompts, max_new_tokens=10, hf_model=hf)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    ours, theirs = llm.engine.runner.model.layers[1].mlp.experts, hf.model.layers[1].mlp.experts
-    assert torch.equal(ours.w13, theirs.gate_up_proj) and torch.equal(ours.w2, theirs.down_proj)
+
+    def run():
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+        run.cfg = llm.engine.runner.model_cfg
+        return llm.engine.runner.model.layers[1].mlp.experts, [o.outputs[0].token_ids for o in outs]
+
+    ours, tokens = run()
+    assert tokens == expected
+    theirs = hf.model.layers[1].mlp.experts
+    assert ours.w13.dtype == torch.uint8 and [ours.parts[p][0].block_format for p in ("w13", "w2")] == ["x8", "q4_0"]
+    for part, want in (("w13", theirs.gate_up_proj), ("w2", theirs.down_proj)):
+        assert torch.equal(torch.stack([native_kernels.widen(w) for w in ours.parts[part]]), want)
+    monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
+    dense, dense_tokens = run()
+    assert torch.equal(dense.w13, theirs.gate_up_proj) and torch.equal(dense.w2, theirs.down_proj)
+    assert dense_tokens == tokens
+    monkeypatch.undo()
     # the names a quantization method plans from (--quantization fp8) are the stream's, by expert
     file = GGUFFile(path, read_config(resolve_model(str(path))))
     names = file.checkpoint_names()
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in names
     assert names == {name: (tuple(t.shape), "F32") for name, t in file.stream()}
+    formats = file.block_formats()
+    assert formats["model.layers.0.mlp.experts.3.up_proj.weight"] == ("q4_1", 768, 64)
+    def rank_experts(rank: int, keep: dict):  # a tensor-parallel rank's experts, loaded in this process
+        with torch.device("meta"):
+            model = registry.model_class(run.cfg.architecture)(dataclasses.replace(run.cfg, tp_size=2, tp_rank=rank),
+                                                               make_kernels(Backend.TORCH, 16, 2, 1))
+        kept = GGUFBlocks.plan(model, keep, names)
+        model = model.to_empty(device="cpu")
+        model.load_weights(file.stream(kept.names))
+        kept.finish()
+        return model.layers[1].mlp.experts
+
+    for rank in (0, 1):  # each rank keeps its half of every expert's blocks: HF's values, sliced
+        experts, dense = rank_experts(rank, formats), rank_experts(rank, {})
+        assert experts.w13.shape == (4, 768, 64 // 32 * 48) and experts.w2.shape == (4, 64, 384 // 32 * 18)
+        for part in ("w13", "w2"):
+            assert torch.equal(torch.stack([native_kernels.widen(w) for w in experts.parts[part]]),
+                               getattr(dense, part))
+        assert torch.equal(dense.w2, theirs.down_proj[:, :, rank * 384:(rank + 1) * 384])
+    sizes = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+    kept = {name: tuple(t.shape) for name, t in file.stream(dict.fromkeys(formats)) if name in formats}
+    assert kept == {name: (rows, columns // 32 * sizes[fmt]) for name, (fmt, rows, columns) in formats.items()}
 
 
 def test_weights_load_from_the_file_asked_for(tmp_path, own_cache):
@@ -172,9 +214,6 @@ def test_tensor_parallel_ranks_keep_whole_blocks(tmp_path, own_cache):
     import gguf as gg
 
     from pageserve.runtime.config import ModelConfig
-    from pageserve.runtime.kernels import Backend, make_kernels
-    from pageserve.runtime.models import registry
-    from pageserve.runtime.models.weight_formats import GGUFBlocks
 
     model_dir = build_tiny_model(tmp_path / "hf", arch="llama", hidden_size=96, intermediate_size=128,
                                  num_attention_heads=4, num_key_value_heads=2)
@@ -193,7 +232,7 @@ def test_tensor_parallel_ranks_keep_whole_blocks(tmp_path, own_cache):
             model = registry.model_class("LlamaForCausalLM")(cfg, make_kernels(Backend.TORCH, 16, 2, 1))
         kept = GGUFBlocks.plan(model, file.block_formats(), file.checkpoint_names())
         layer = model.layers[0]
-        assert {m for m, _, _ in kept.matrices} == {layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
+        assert {m for m, _, _, _ in kept.matrices} == {layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
                                                     layer.mlp.down_proj, model.layers[1].self_attn.qkv_proj,
                                                     model.layers[1].mlp.gate_up_proj, model.layers[1].mlp.down_proj}
         assert layer.mlp.down_proj.weight.shape == (96, 2 * 34) and layer.self_attn.o_proj.weight.dtype == torch.float32

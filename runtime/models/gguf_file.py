@@ -47,15 +47,17 @@ class Entry:
     nbytes: int
 
     def block_format(self) -> str | None:
-        """The C linear's format this 2-D tensor is kept in, or None (dequantized)."""
-        if len(self.shape) != 2:
+        """The C linear's format this matrix (2-D) or these experts' matrices (3-D) are kept in,
+        or None (dequantized)."""
+        if len(self.shape) not in (2, 3):
             return None
+        columns = self.shape[-1]
         if self.qtype in GGUF_KQUANTS:
-            return GGUF_KQUANTS[self.qtype][0] if self.shape[1] % 256 == 0 else None
+            return GGUF_KQUANTS[self.qtype][0] if columns % 256 == 0 else None
         if self.qtype in REPACKED:
-            return REPACKED[self.qtype][2] if self.shape[1] % REPACKED[self.qtype][0] == 0 else None
+            return REPACKED[self.qtype][2] if columns % REPACKED[self.qtype][0] == 0 else None
         fmt = GGUF_BLOCKS.get(self.qtype)
-        return fmt if fmt is not None and self.shape[1] % 32 == 0 else None
+        return fmt if fmt is not None and columns % 32 == 0 else None
 
 
 def read_tensor(path: Path, e: Entry) -> np.ndarray:
@@ -164,29 +166,54 @@ class GGUFFile:
     def _hf(self, name: str) -> str | None:
         return self.hf_names.get(name) or self.hf_names.get(name.removesuffix(".weight"))
 
+    def _expert_names(self, e: Entry) -> list[str] | None:
+        """The HF name of each expert's matrix in a stacked experts tensor (None: not one)."""
+        name = self._hf(e.name)
+        stacked = re.search(r"ffn_(gate|up|down)_exps", e.name)
+        if len(e.shape) != 3 or not stacked or not name.endswith(STACKED):
+            return None
+        prefix = name.rpartition(".experts.")[0]
+        return [f"{prefix}.experts.{i}.{stacked.group(1)}_proj.weight" for i in range(e.shape[0])]
+
     def checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """HF name -> (shape, dtype name) of each tensor `stream` gives (stacked experts by
         expert), as quantization.load.checkpoint_names gives a safetensors directory's."""
         out = {}
         for e in self.entries:
-            name = self._hf(e.name)
-            stacked = re.search(r"ffn_(gate|up|down)_exps", e.name)
-            if len(e.shape) == 3 and stacked and name.endswith(STACKED):
-                prefix = name.rpartition(".experts.")[0]
-                out.update({f"{prefix}.experts.{i}.{stacked.group(1)}_proj.weight": (e.shape[1:], "F32")
-                            for i in range(e.shape[0])})
-            elif self._parts[name] == 1:
-                out[name] = (e.shape, "F32")
+            if (experts := self._expert_names(e)) is not None:
+                out.update(dict.fromkeys(experts, (e.shape[1:], "F32")))
+            elif self._parts[self._hf(e.name)] == 1:
+                out[self._hf(e.name)] = (e.shape, "F32")
         return out
 
     def block_formats(self) -> dict[str, tuple[str, int, int]]:
         """HF name -> (block format, rows, columns) of each matrix whose blocks can be kept
-        (`blocks`)."""
+        (`blocks`), experts by expert."""
         out = {}
         for e in self.entries:
-            if e.block_format() is not None and self._parts[self._hf(e.name)] == 1 and self._row_order(e) is not None:
+            if e.block_format() is None:
+                continue
+            if (experts := self._expert_names(e)) is not None:
+                if self._experts_in_place(e, experts):
+                    out.update(dict.fromkeys(experts, (e.block_format(), *e.shape[1:])))
+            elif len(e.shape) == 2 and self._parts[self._hf(e.name)] == 1 and self._row_order(e) is not None:
                 out[self._hf(e.name)] = (e.block_format(), *e.shape)
         return out
+
+    def _experts_in_place(self, e: Entry, experts: list[str]) -> bool:
+        """Whether the processor gives each expert's matrix the file's rows in the file's order
+        (stacking gate and up into one tensor, as stream() then splits it): a probe of row
+        numbers through both."""
+        probe = np.arange(e.shape[0] * e.shape[1], dtype=np.float64).reshape(e.shape[0], e.shape[1], 1)
+        parsed: dict[str, dict] = {"tensors": {}}
+        out = self.processor.process(weights=probe, name=e.name, tensor_key_mapping=self.hf_names,
+                                     parsed_parameters=parsed)
+        hf_name = self._hf(e.name)
+        stacked = parsed["tensors"].get(hf_name) if out.name is None else out.weights
+        if stacked is None:
+            return False
+        got = dict(per_expert(self._hf(out.name or e.name) or hf_name, torch.as_tensor(np.asarray(stacked))))
+        return all(name in got and np.array_equal(np.asarray(got[name]), probe[i]) for i, name in enumerate(experts))
 
     def _row_order(self, e: Entry) -> np.ndarray | None:
         """The file's row of each HF row, where the processor does no more than reorder rows
@@ -201,15 +228,21 @@ class GGUFFile:
     def blocks(self, e: Entry, fmt: str | None = None) -> torch.Tensor:
         """A matrix of block_formats as uint8 rows of the C linear's blocks, in HF's row order:
         its own format's, or `fmt`'s (x8)."""
-        order, own = self._row_order(e), e.block_format()
-        if order is None or own is None:
+        order = self._row_order(e)
+        if order is None or e.block_format() is None or len(e.shape) != 2:
             raise ValueError(f"{e.name}: its blocks cannot be kept")
         raw = kept_blocks(read_tensor(self.path, e), e)
         if not np.array_equal(order, np.arange(len(order))):  # (Llama's q and k) a copy only where reordered
             raw = raw[order]
+        return self._as(raw, e, fmt)
+
+    @staticmethod
+    def _as(raw: np.ndarray, e: Entry, fmt: str | None) -> torch.Tensor:
+        """Rows of e's blocks as the C linear reads them, in its own format or `fmt`'s (x8)."""
+        own = e.block_format()
         if fmt not in (None, own):
             raw = as_x8(raw, own)
-        assert raw.shape[1] == e.shape[1] // 32 * BLOCK_FORMATS[fmt or own][1]
+        assert raw.shape[1] == e.shape[-1] // 32 * BLOCK_FORMATS[fmt or own][1]
         return torch.from_numpy(np.ascontiguousarray(raw))
 
     def stream(self, as_blocks: dict[str, str] | None = None):
@@ -225,6 +258,12 @@ class GGUFFile:
             hf_name = self._hf(e.name)
             if hf_name in as_blocks:
                 yield hf_name, self.blocks(e, as_blocks[hf_name])
+                continue
+            experts = self._expert_names(e)
+            if experts and experts[0] in as_blocks:  # (the plan keeps all of a stack or none)
+                stack = read_tensor(self.path, e)
+                for i, name in enumerate(experts):
+                    yield name, self._as(kept_blocks(stack[i], e), e, as_blocks[name])
                 continue
             try:
                 values = dequantize(read_tensor(self.path, e), gguf.GGMLQuantizationType(e.qtype)).reshape(e.shape)

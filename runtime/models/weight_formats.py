@@ -15,6 +15,7 @@ matrix once, reads fewer bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,13 +173,15 @@ def round_to_bfloat16(model) -> int:
 @dataclass
 class GGUFBlocks:
     """The matrices of a model (still on the meta device) that keep a GGUF file's blocks: each
-    linear layer, and the embedding, whose checkpoint tensors are all in block formats kept
-    here and fill every row (q/k/v and gate/up fused): in that format, or where the parts' formats
-    differ (Q4_K_M's Q4_K q and k beside a Q6_K v) in x8, which holds them all. Their weights
-    become uint8 storage of that format's rows in place, which the file's blocks are loaded into
+    linear layer, the embedding, and each block of experts' w13 and w2 (a matrix an expert),
+    whose checkpoint tensors are all in block formats kept here and fill every row (q/k/v,
+    gate/up and each expert's gate/up fused): in that format, or where the parts' formats differ
+    (Q4_K_M's Q4_K q and k beside a Q6_K v) in x8, which holds them all. Those parameters become
+    uint8 storage of that format's rows in place, which the file's blocks are loaded into
     (gguf_file.py); `finish` marks them for the C kernels once loaded."""
     names: dict[str, str] = field(default_factory=dict)  # checkpoint tensor -> the format it loads in
-    matrices: list[tuple[torch.nn.Module, str, int]] = field(default_factory=list)  # (module, format, columns)
+    # (module, parameter, format, columns)
+    matrices: list[tuple[torch.nn.Module, str, str, int]] = field(default_factory=list)
 
     @classmethod
     def plan(cls, model, formats: dict[str, tuple[str, int, int]], names) -> GGUFBlocks:
@@ -187,22 +190,26 @@ class GGUFBlocks:
         rank's part must be whole blocks (a row-parallel layer's columns split on a block's
         edge)."""
         from pageserve.runtime.models import parallel
+        from pageserve.runtime.models.layers import Experts
 
         owners = matrix_owners(model)
         embedding = getattr(model, "embed_tokens", None)
         if type(embedding) is torch.nn.Embedding and embedding not in owners:  # untied: its rows widened as read
             owners.append(embedding)
-        targets = {f"{n}.weight": m for n, m in model.named_modules() if any(m is o for o in owners)}
+        targets = {f"{n}.weight": (m, "weight") for n, m in model.named_modules() if any(m is o for o in owners)}
+        targets.update({f"{n}.{p}": (m, p) for n, m in model.named_modules() if isinstance(m, Experts)
+                        for p in ("w13", "w2")})
         parts: dict[str, list[str]] = {}
         for name in names:
             if model.checkpoint_held(name) and (target := model.checkpoint_target(name)) in targets:
                 parts.setdefault(target, []).append(name)
         out = cls()
         for target, group in parts.items():
-            module = targets[target]
+            module, param = targets[target]
+            weight = getattr(module, param)
             kinds = {formats[name][0] if name in formats else None for name in group}
-            n, k = module.weight.shape
-            if None in kinds or module.weight.dtype != torch.float32 or k % 32:
+            *rows, k = weight.shape  # (experts,) rows, columns
+            if None in kinds or weight.dtype != torch.float32 or k % 32:
                 continue  # float32
             try:  # this rank's part of each, in blocks of 32 columns (a meta tensor: only shapes)
                 shards = [parallel.shard(model.rename(name.removeprefix("model.")),
@@ -210,20 +217,25 @@ class GGUFBlocks:
                                          model.cfg).shape for name in group]
             except ValueError:  # columns that do not split into whole blocks
                 continue
-            if sum(s[0] for s in shards) != n or any(s[1] != k // 32 for s in shards):
+            if sum(s[0] for s in shards) != math.prod(rows) or any(s[1] != k // 32 for s in shards):
                 continue
             fmt = kinds.pop() if len(kinds) == 1 else "x8"
-            module.weight = torch.nn.Parameter(torch.empty(n, k // 32 * BLOCK_FORMATS[fmt][1], dtype=torch.uint8,
-                                                           device=module.weight.device), requires_grad=False)
+            setattr(module, param, torch.nn.Parameter(torch.empty(*rows, k // 32 * BLOCK_FORMATS[fmt][1],
+                                                                  dtype=torch.uint8, device=weight.device),
+                                                      requires_grad=False))
             out.names.update(dict.fromkeys(group, fmt))
-            out.matrices.append((module, fmt, k))
+            out.matrices.append((module, param, fmt, k))
         return out
 
     def finish(self) -> int:
-        """Marks the loaded blocks as the C linear's weights; returns the bytes saved against
-        float32."""
+        """Marks the loaded blocks as the C linear's weights (experts: each one's matrix, in
+        the stacked storage, as the experts' `parts`); returns the bytes saved against float32."""
         saved = 0
-        for module, fmt, k in self.matrices:
-            module.weight = blocks(module.weight.data, fmt, k)
-            saved += module.weight.shape[0] * k * 4 - module.weight.numel()
+        for module, param, fmt, k in self.matrices:
+            w = getattr(module, param).data
+            if w.dim() == 3:
+                module.parts[param] = [blocks(w[e], fmt, k) for e in range(len(w))]
+            else:
+                setattr(module, param, blocks(w, fmt, k))
+            saved += w.shape[:-1].numel() * k * 4 - w.numel()
         return saved
