@@ -145,7 +145,7 @@ def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
 
 
 @pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
-def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build):
+def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build, monkeypatch):
     """Q5_0, Q5_1, Q2_K, Q3_K and the IQ and TQ types (random blocks: any codes and sub-block
     scales, zero, negative zero and subnormal half-float scales) repacked into k6, k5 or x8
     widen to gguf's own values in each build; a misread scale is an error, never a wrong
@@ -155,6 +155,7 @@ def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build):
 
     lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
                                    "x86-64": "portable_kernels"}[build])
+    monkeypatch.setattr(gguf_repack, "CHUNK", 1024)  # 2 rows a chunk: four, three of them in threads
     rng = np.random.default_rng(3)
     assert set(gguf_repack.REPACKED) == {t.value for t in gguf.GGMLQuantizationType if t.name.startswith(
         ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ", "TQ"))}

@@ -18,6 +18,9 @@ These files take 0.3-0.7 bytes a value; float32 takes 4."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from pageserve.triton_kernels.cpu_blocks import BLOCK_FORMATS
@@ -133,9 +136,13 @@ def repack(raw: np.ndarray, qtype: int) -> np.ndarray:
     columns = raw.shape[1] // size * values
     out = np.empty((rows, columns // 32, BLOCK_FORMATS[fmt][1]), np.uint8)
     step = max(1, CHUNK // columns)
-    for r in range(0, rows, step):
+
+    def convert(r: int) -> None:
         b = np.ascontiguousarray(raw[r:r + step]).reshape(-1, size)
         out[r:r + step] = _blocks(b, qtype, fmt, parts).reshape(-1, columns // 32, BLOCK_FORMATS[fmt][1])
+    convert(0)  # (gguf builds an IQ type's grid on its first use)
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:  # numpy lets go of the GIL
+        list(pool.map(convert, range(step, rows, step)))
     return out.reshape(rows, -1)
 
 
