@@ -30,7 +30,7 @@ pytestmark = pytest.mark.engine
 def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQuantizationType.Q8_0) -> Path:
     """A tiny Qwen3-MoE as llama.cpp writes one: each layer's experts stacked into one
     [experts, rows, columns] tensor a projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
-    the matrices in `qtype_of(name)` (Q8_0) where their rows allow, the rest float32."""
+    the matrices in `qtype_of(name)` (Q8_0; None: float32) where their rows allow, the rest float32."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -43,7 +43,7 @@ def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQu
 
     def add(name: str, tensor: torch.Tensor) -> None:
         values = tensor.float().numpy()
-        if values.ndim > 1 and values.shape[-1] % 32 == 0:
+        if values.ndim > 1 and values.shape[-1] % 32 == 0 and qtype_of(name) is not None:
             w.add_tensor(name, gguf.quants.quantize(values, qtype_of(name)), raw_dtype=qtype_of(name))
         else:
             w.add_tensor(name, values)
@@ -123,6 +123,20 @@ def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, monkeypatch, own_cache
     sizes = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
     kept = {name: tuple(t.shape) for name, t in file.stream(dict.fromkeys(formats)) if name in formats}
     assert kept == {name: (rows, columns // 32 * sizes[fmt]) for name, (fmt, rows, columns) in formats.items()}
+
+
+def test_a_moe_gguf_of_another_expert_size(tmp_path, own_cache):
+    """transformers reads no expert size from a GGUF (it takes the config class's default,
+    Qwen3-MoE's 768); the file's own is read into the config, so a Qwen3-MoE of 64-wide experts
+    loads and serves the greedy tokens of HF on the checkpoint it was written from (float32
+    tensors: the same values)."""
+    model_dir = build_tiny_model(tmp_path / "hf", arch="qwen3_moe", moe_intermediate_size=64)
+    path = write_moe_gguf(model_dir, tmp_path / "tiny-moe.gguf", lambda name: None)
+    assert read_config(resolve_model(str(path)))["moe_intermediate_size"] == 64
+    prompts = [[5, 9, 200, 31], list(range(40, 80))]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, max_new_tokens=10)
 
 
 def test_weights_load_from_the_file_asked_for(tmp_path, own_cache):

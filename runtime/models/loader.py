@@ -133,6 +133,7 @@ def convert_gguf(path: Path) -> Path:
         with gguf_parsed_once():
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            _expert_sizes(path, config)
     except Exception as e:  # the GGUF reader raises many kinds of errors on a bad file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
     # the class transformers would load it as; the weights come out of the file as float32
@@ -149,6 +150,22 @@ def convert_gguf(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# GGUF keys transformers does not read (it takes the config class's defaults) -> the config's attribute
+EXPERT_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _expert_sizes(path: Path, config) -> None:
+    """A mixture of experts' expert (and shared expert) sizes from the file, into `config`."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields  # (a str, as transformers passes it: read once)
+    arch = fields["general.architecture"].contents()
+    for key, attr in EXPERT_SIZES.items():
+        if f"{arch}.{key}" in fields and hasattr(config, attr):
+            setattr(config, attr, int(fields[f"{arch}.{key}"].contents()))
 
 
 @contextlib.contextmanager
