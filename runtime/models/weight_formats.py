@@ -7,11 +7,11 @@ matrix once, reads fewer bytes.
   stored in bfloat16, as most are).
 - `GGUFBlocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and 0.63
   bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25; every
-  other quantized type but Q8_1, Q8_K, MXFP4, NVFP4 and Q1_0 repacked too, in 1.25 bytes a value
-  or Q2_K's 1.5: gguf_repack.py), loaded
-  from the file, never dequantized to memory: the C kernels widen each to the float32 value
-  gguf's dequantizer gives. A matrix whose parts mix formats (a fused q/k/v) keeps them all in
-  x8; one with a float part (F16, BF16, F32) stays float32."""
+  other quantized type but Q8_1, Q8_K, MXFP4, NVFP4 and Q1_0 repacked too, in 1.25 bytes a
+  value or Q2_K's 1.5: gguf_repack.py), loaded from the file, never dequantized to memory: the
+  C kernels widen each to the float32 value gguf's dequantizer gives. A matrix whose parts mix
+  formats (a fused q/k/v) keeps them all in x8; one with a float part (F16, BF16, F32) stays
+  float32. A mixture of experts' experts keep theirs, one matrix an expert."""
 
 from __future__ import annotations
 
