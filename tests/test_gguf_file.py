@@ -127,11 +127,16 @@ def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, monkeypatch, own_cache
 
 def test_a_moe_gguf_of_another_expert_size(tmp_path, own_cache):
     """transformers reads no expert size from a GGUF (it takes the config class's default,
-    Qwen3-MoE's 768); the file's own is read into the config, so a Qwen3-MoE of 64-wide experts
-    loads and serves the greedy tokens of HF on the checkpoint it was written from (float32
-    tensors: the same values)."""
+    Qwen3-MoE's 768); the file's expert tensors' own is written into the config, also into a
+    cache folder of an earlier version, so a Qwen3-MoE of 64-wide experts loads and serves the
+    greedy tokens of HF on the checkpoint it was written from (float32 tensors: the same
+    values)."""
     model_dir = build_tiny_model(tmp_path / "hf", arch="qwen3_moe", moe_intermediate_size=64)
     path = write_moe_gguf(model_dir, tmp_path / "tiny-moe.gguf", lambda name: None)
+    folder = resolve_model(str(path))
+    assert read_config(folder)["moe_intermediate_size"] == 64
+    stale = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**stale, "moe_intermediate_size": 768}))
     assert read_config(resolve_model(str(path)))["moe_intermediate_size"] == 64
     prompts = [[5, 9, 200, 31], list(range(40, 80))]
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)

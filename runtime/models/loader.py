@@ -124,6 +124,7 @@ def convert_gguf(path: Path) -> Path:
                     same = False
                 if not same:
                     raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
+        _expert_sizes(out, path)  # (a folder of an earlier version holds transformers' defaults)
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -133,7 +134,6 @@ def convert_gguf(path: Path) -> Path:
         with gguf_parsed_once():
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-            _expert_sizes(path, config)
     except Exception as e:  # the GGUF reader raises many kinds of errors on a bad file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from None
     # the class transformers would load it as; the weights come out of the file as float32
@@ -143,6 +143,7 @@ def convert_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         config.save_pretrained(tmp)
+        _expert_sizes(tmp, path)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
@@ -152,20 +153,36 @@ def convert_gguf(path: Path) -> Path:
     return out
 
 
-# GGUF keys transformers does not read (it takes the config class's defaults) -> the config's attribute
-EXPERT_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
-                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+def _expert_sizes(folder: Path, path: Path) -> None:
+    """transformers reads no expert size from a GGUF (its config class's defaults stand, Qwen3-MoE's
+    768, Qwen2-MoE's 1408 and 5632): a mixture of experts' sizes as the file's expert tensors have
+    them, written into the folder's config.json where they differ."""
+    cfg = json.loads((folder / "config.json").read_text())
+    if "moe_intermediate_size" not in cfg and "shared_expert_intermediate_size" not in cfg:
+        return
+    from pageserve.runtime.models.gguf_file import read_header
 
-
-def _expert_sizes(path: Path, config) -> None:
-    """A mixture of experts' expert (and shared expert) sizes from the file, into `config`."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields  # (a str, as transformers passes it: read once)
-    arch = fields["general.architecture"].contents()
-    for key, attr in EXPERT_SIZES.items():
-        if f"{arch}.{key}" in fields and hasattr(config, attr):
-            setattr(config, attr, int(fields[f"{arch}.{key}"].contents()))
+    try:
+        _, entries = read_header(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    sizes = {}
+    for e in entries:  # numpy shapes: experts [E, rows, columns], the shared expert's gate [rows, columns]
+        if e.name.endswith("ffn_gate_exps.weight") and len(e.shape) == 3:
+            sizes["moe_intermediate_size"] = e.shape[1]
+        elif e.name.endswith("ffn_gate_shexp.weight") and len(e.shape) == 2:
+            sizes["shared_expert_intermediate_size"] = e.shape[0]
+    changed = {k: v for k, v in sizes.items() if k in cfg and cfg[k] != v}
+    if not changed:
+        return
+    cfg.update(changed)
+    tmp = folder / f".config.json.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, folder / "config.json")  # replaced whole
+    except OSError as e:
+        raise ModelLoadError(f"{folder}/config.json holds expert sizes other than {path}'s {changed}, and "
+                             f"cannot be rewritten ({e}): delete the folder") from None
 
 
 @contextlib.contextmanager
