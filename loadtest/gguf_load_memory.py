@@ -99,7 +99,7 @@ def write_model(path: Path, shape: str, mix: str, seed: int = 0) -> Path:
         return 0 if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2 else 1
 
     def matrix(name: str, rows: int, columns: int, qtype: str = main, experts: int = 0) -> None:
-        if columns % 256 and qtype not in ("Q4_0", "Q8_0"):  # llama.cpp's fallback: rows not superblocks
+        if columns % gguf.GGML_QUANT_SIZES[T[qtype]][0]:  # llama.cpp's fallback: rows not whole superblocks
             qtype = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(qtype, "IQ4_NL")
         blocks = random_blocks(rng, T[qtype], rows * max(experts, 1), columns)
         w.add_tensor(name, blocks.reshape(experts, rows, -1) if experts else blocks, raw_dtype=T[qtype])
