@@ -148,20 +148,23 @@ from pageserve.runtime import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_memory=0.25, swap_space=0)
 load = time.perf_counter() - t
 rss = psutil.Process().memory_info().rss
-params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-t = time.perf_counter()
-out = llm.generate([[1, 300, 301, 302]], params, use_tqdm=False)[0].outputs[0].token_ids
+params = SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True)
+ms = []
+for _ in range(int(sys.argv[3])):
+    t = time.perf_counter()
+    out = llm.generate([[1, 300, 301, 302]], params, use_tqdm=False)[0].outputs[0].token_ids
+    ms.append((time.perf_counter() - t) / len(out) * 1e3)
 print(json.dumps({"load_s": load, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "serving_rss_bytes": rss, "tokens": len(out),
-                  "ms_a_token": (time.perf_counter() - t) / len(out) * 1e3}))
+                  "serving_rss_bytes": rss, "tokens": len(out), "ms_a_token": ms}))
 """
 
 
-def measure(model: Path) -> dict:
+def measure(model: Path, tokens: int = 16, rounds: int = 1) -> dict:
     """Starts pageserve on `model` in a child process (the first start reads the tokenizer into
-    the cache: the second is timed)."""
+    the cache: the second is timed), which decodes one stream of `tokens` `rounds` times."""
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", CHILD, str(model)], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", CHILD, str(model), str(tokens), str(rounds)],
+                              capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -173,6 +176,8 @@ def main() -> None:
     p.add_argument("--mix", choices=list(MIXES), default="q4_k_m")
     p.add_argument("--dir", type=Path, default=None, help="where the file is written (default: the cache)")
     p.add_argument("--out", type=Path, default=None, help="also write the result here as JSON")
+    p.add_argument("--tokens", type=int, default=16, help="tokens a decode round (one stream)")
+    p.add_argument("--rounds", type=int, default=1, help="decode rounds, each timed (ms_a_token: one each)")
     args = p.parse_args()
     from pageserve.runtime.models.loader import cache_root
 
@@ -188,7 +193,7 @@ def main() -> None:
     ffn = 3 * hidden * inter + (3 * hidden * MOE[args.shape][0] * MOE[args.shape][2] if args.shape in MOE else 0)
     params = 2 * vocab * hidden + layers * (hidden * (hidden + 2 * kv) + hidden * hidden + ffn)
     result = {"shape": args.shape, "mix": args.mix, "parameters": params, "file_bytes": path.stat().st_size,
-              "float32_bytes": 4 * params, **measure(path)}
+              "float32_bytes": 4 * params, **measure(path, args.tokens, args.rounds)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

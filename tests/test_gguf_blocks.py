@@ -1,6 +1,6 @@
 """GGUF matrices kept in their quantized blocks on the CPU path (runtime/models/weight_formats.py):
 the C kernels widen Q8_0, Q4_0 and Q4_1 blocks, Q4_K, Q5_K and Q6_K repacked 32 values a block,
-every other quantized type repacked into k6, k5 or x8 (gguf_repack.py), and x8 blocks made from
+every other quantized type repacked into k3, l4, k6, k5 or x8 (gguf_repack.py), and x8 blocks made from
 any of them, to the values gguf's own dequantizer gives, the linear on blocks is the linear on
 those values to the bit, and a quantized tiny Llama read from a GGUF file runs on blocks (a layer
 whose q/k/v mix formats in x8) with the same tokens, logprobs and prompt logprobs as on the
@@ -126,13 +126,18 @@ def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
     """x8 blocks (a scale and an offset for each 16 values, int8 codes), made from each GGUF
     format kept here (random blocks: any codes, zero, negative zero and subnormal scales),
     widen to the very values of the blocks they came from, in each build, and the linear on
-    a matrix of rows of all six is the linear on their values."""
+    a matrix of rows of all eight is the linear on their values."""
     from pageserve.runtime.models.weight_formats import GGUF_KQUANTS, as_x8
 
     lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
                                    "x86-64": "portable_kernels"}[build])
+    from pageserve.runtime.models.gguf_repack import repack
+    from tests.kquants import random_blocks
+
     parts = {fmt: quantized(fmt, 6, 512, seed=9) for fmt in QTYPES}
     parts.update({fmt: GGUF_KQUANTS[KQUANTS[fmt][0]][2](k_quantized(fmt, 6, 512, seed=9)) for fmt in KQUANTS})
+    rng = np.random.default_rng(9)
+    parts.update({fmt: repack(random_blocks(qtype, 6, 512, rng), qtype) for fmt, qtype in (("k3", 11), ("l4", 23))})
     values = []
     for fmt, raw in parts.items():
         want = lib.widen(blocks(torch.from_numpy(raw), fmt, 512))
@@ -147,9 +152,10 @@ def test_x8_holds_every_gguf_format_bit_for_bit(request, build):
 @pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
 def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build, monkeypatch):
     """Q5_0, Q5_1, Q2_K, Q3_K and the IQ and TQ types (random blocks: any codes and sub-block
-    scales, zero, negative zero and subnormal half-float scales) repacked into k6, k5 or x8
-    widen to gguf's own values in each build; a misread scale is an error, never a wrong
-    weight."""
+    scales, zero, negative zero and subnormal half-float scales) repacked into k3, l4, k6, k5 or
+    x8 widen to gguf's own values in each build, and the linear on them (one row of x: widened
+    in registers; five: widened rows) is the linear on those values; a misread scale is an
+    error, never a wrong weight."""
     from pageserve.runtime.models import gguf_repack
     from tests.kquants import random_blocks
 
@@ -159,22 +165,50 @@ def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build, monke
     rng = np.random.default_rng(3)
     assert set(gguf_repack.REPACKED) == {t.value for t in gguf.GGMLQuantizationType if t.name.startswith(
         ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ", "TQ"))}
+    assert gguf_repack.IQ4NL.tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     for qtype, (_, _, fmt, _) in gguf_repack.REPACKED.items():
+        name = gguf.GGMLQuantizationType(qtype).name
         raw = random_blocks(qtype, 8, 512, rng)
         want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
         assert np.isfinite(want).all() and np.signbit(want[want == 0]).any()
-        got = lib.widen(blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 512)).numpy()
-        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), gguf.GGMLQuantizationType(qtype).name
+        w = blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 512)
+        got = lib.widen(w).numpy()
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), name
+        for rows in (x[:1], x):
+            assert torch.equal(lib(rows, w), lib(rows, torch.from_numpy(want))), name
+    assert {gguf_repack.REPACKED[t][2] for t in (11, 20, 23, 34, 35)} == {"k3", "l4"}  # the 4-bit forms
     values, size, fmt, parts = gguf_repack.REPACKED[11]
     wrong = lambda b: (parts(b)[0][:, ::-1], None, None)  # noqa: E731 (Q3_K's scales in the wrong order)
     with pytest.MonkeyPatch.context() as m:
         m.setitem(gguf_repack.REPACKED, 11, (values, size, fmt, wrong))
-        with pytest.raises(ValueError, match="Q3_K blocks that k6 would not widen"):
+        with pytest.raises(ValueError, match="Q3_K blocks that k3 would not widen"):
             gguf_repack.repack(random_blocks(11, 8, 512, rng), 11)
     damaged = random_blocks(7, 8, 512, rng)  # Q5_1 with an infinite d: gguf's values, but a broken block
     damaged[3, 24:26] = np.array([np.inf], np.float16).view(np.uint8)
     with pytest.raises(ValueError, match="Q5_1 blocks with a scale or offset that is not finite"):
         gguf_repack.repack(damaged, 7)
+
+
+@pytest.mark.parametrize("qtype", [11, 23])
+def test_bfloat16_arithmetic_on_the_4bit_forms_is_on_their_values(native_kernels, qtype):
+    """Q3_K in k3 and IQ4_XS in l4 through the bfloat16 linear (AVX512-BF16: each block widened,
+    rounded to bfloat16, dotted) give what it gives on their float32 values, at one row of x
+    and at many."""
+    from pageserve.runtime.models import gguf_repack
+    from pageserve.triton_kernels import cpu_kernels
+    from tests.kquants import random_blocks
+
+    if not native_kernels.has_bf16_dot:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    lib = cpu_kernels.CpuKernels(native_kernels.path, bf16_dot=True)
+    raw = random_blocks(qtype, 37, 768, np.random.default_rng(qtype))
+    fmt = gguf_repack.REPACKED[qtype][2]
+    w = blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 768)
+    values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
+    x = torch.randn(64, 768, generator=torch.Generator().manual_seed(qtype))
+    for rows in (1, 5, 64):
+        assert torch.equal(lib(x[:rows], w), lib(x[:rows], values)), (fmt, rows)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -258,8 +292,8 @@ Q = gguf.GGMLQuantizationType
 # and the formats they run in: (o, gate_up, down, embedding, the fused q/k/v)
 MIXES = {"q4_k_m": ((Q.Q4_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k4", "k4", "k6", "k6", "x8"]),
          "q5_k_m": ((Q.Q5_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k5", "k5", "k6", "k6", "x8"]),
-         "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["k6", "k6", "k4", "k6", "x8"]),
-         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["k6"] * 5)}
+         "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["k3", "k3", "k4", "k3", "x8"]),
+         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["l4"] * 5)}
 
 
 @pytest.mark.engine

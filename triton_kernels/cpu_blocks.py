@@ -16,10 +16,14 @@ float32 scale ahead of the codes, little-endian:
     x8  48 bytes: scales s0, s1, offsets m0, m1, 32 int8 q     value s0 * q - m0 (values 0-15),
                                                                s1 * q - m1 (16-31): any of the
                                                                GGUF formats' values
+    k3  24 bytes: scales s0, s1, 16 bytes of nibbles           value (q - 8) * s0 (values 0-15),
+                                                               (q - 8) * s1 (16-31) (Q3_K's, TQ's)
+    l4  20 bytes: scale s, 16 bytes of nibbles                 value iq4nl(q) * s (IQ4_NL's and
+                                                               IQ4_XS's 16 int8 values)
 
-each product rounded once (k4's and k5's d * q is exact: d * q - m rounds once). An i4, f4, n4 or k4
-block's byte i holds value i in its low nibble and value
-i + 16 in its high one, as GGUF's Q4 blocks do."""
+each product rounded once (k4's and k5's d * q is exact: d * q - m rounds once). An i4, f4, n4, k4,
+k3 or l4 block's byte i holds value i in its low nibble and value i + 16 in its high one, as
+GGUF's Q4 blocks do."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch
 # name -> (format code, bytes a block of 32 values)
 BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21),
                  "f4": (8, 24), "n4": (9, 20), "k4": (10, 24), "k6": (11, 40), "k5": (12, 40),
-                 "x8": (13, 48)}
+                 "x8": (13, 48), "k3": (14, 24), "l4": (15, 20)}
 F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
 
 

@@ -98,6 +98,8 @@ static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long
     case W_K6: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_K6); break;
     case W_K5: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_K5); break;
     case W_X8: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_X8); break;
+    case W_K3: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_K3); break;
+    case W_L4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_L4); break;
     default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
@@ -209,6 +211,8 @@ static void row1_blocks512(const float *x, long K, const uint8_t *W, long ldw, l
     case W_K6: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_K6); break;
     case W_K5: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_K5); break;
     case W_X8: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_X8); break;
+    case W_K3: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_K3); break;
+    case W_L4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_L4); break;
     default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }

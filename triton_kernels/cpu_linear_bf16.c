@@ -111,6 +111,8 @@ static void row1(const uint16_t *xb, long K, const void *W, int wtype, long ldw,
     case W_K6: row1_of(xb, K, W, W_K6, ldw, o0, o1, bias, y); break;
     case W_K5: row1_of(xb, K, W, W_K5, ldw, o0, o1, bias, y); break;
     case W_X8: row1_of(xb, K, W, W_X8, ldw, o0, o1, bias, y); break;
+    case W_K3: row1_of(xb, K, W, W_K3, ldw, o0, o1, bias, y); break;
+    case W_L4: row1_of(xb, K, W, W_L4, ldw, o0, o1, bias, y); break;
     default: row1_of(xb, K, W, W_Q4_1, ldw, o0, o1, bias, y); /* W_Q4_1 */
     }
 }
@@ -231,6 +233,8 @@ static void rows_fmt(const uint16_t *xb, long R, long kc, long K, const void *W,
     case W_K6: rows_of(xb, R, kc, K, W, W_K6, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     case W_K5: rows_of(xb, R, kc, K, W, W_K5, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     case W_X8: rows_of(xb, R, kc, K, W, W_X8, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_K3: rows_of(xb, R, kc, K, W, W_K3, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_L4: rows_of(xb, R, kc, K, W, W_L4, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     default: rows_of(xb, R, kc, K, W, W_Q4_1, ldw, o0, o1, bias, y, ldy, wb, sums); /* W_Q4_1 */
     }
 }

@@ -96,6 +96,10 @@ static const float NF4[16] = {-1.0f, -0.6961928009986877f, -0.5250730514526367f,
                               0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
                               0.7229568362236023f, 1.0f};
 
+/* the 16 values of GGUF's IQ4_NL and IQ4_XS codes (ggml's kvalues_iq4nl) */
+static const float IQ4NL[16] = {-127.0f, -104.0f, -83.0f, -65.0f, -49.0f, -35.0f, -22.0f, -10.0f,
+                                1.0f, 13.0f, 25.0f, 38.0f, 53.0f, 69.0f, 89.0f, 113.0f};
+
 /* one block's 32 values, one at a time (the builds without AVX2) */
 static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
     if (wtype == W_K4) { /* d * q is exact: one rounding, fused or not */
@@ -120,11 +124,20 @@ static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
         for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)blk[8 + j] * (j < 16 ? s0 : s1);
         return;
     }
-    if (wtype == W_N4) {
+    if (wtype == W_N4 || wtype == W_L4) {
+        const float *table = wtype == W_N4 ? NF4 : IQ4NL;
         float s = f32_at(blk);
         for (int j = 0; j < 16; j++) {
-            o[j] = NF4[blk[4 + j] & 0x0F] * s;
-            o[j + 16] = NF4[blk[4 + j] >> 4] * s;
+            o[j] = table[blk[4 + j] & 0x0F] * s;
+            o[j + 16] = table[blk[4 + j] >> 4] * s;
+        }
+        return;
+    }
+    if (wtype == W_K3) {
+        float s0 = f32_at(blk), s1 = f32_at(blk + 4);
+        for (int j = 0; j < 16; j++) {
+            o[j] = (float)((blk[8 + j] & 0x0F) - 8) * s0;
+            o[j + 16] = (float)((blk[8 + j] >> 4) - 8) * s1;
         }
         return;
     }
@@ -239,7 +252,8 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
     }
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
-    const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5 : wtype == W_F4 || wtype == W_K4 ? 8 : 2);
+    const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 || wtype == W_L4 ? 4 : wtype == W_I4 ? 5
+                               : wtype == W_F4 || wtype == W_K4 || wtype == W_K3 ? 8 : 2);
     __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
@@ -248,8 +262,9 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
     if (wtype == W_K4) { /* d * q exact, minus m: one rounding */
         __m256 m4 = _mm256_set1_ps(f32_at(blk + 4));
         for (int g = 0; g < 4; g++) v[g] = _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(n[g]), m4);
-    } else if (wtype == W_N4) { /* the table's halves by a code's low 3 bits, chosen by its bit 3 (moved to 31) */
-        const __m256 lo = _mm256_loadu_ps(NF4), hi = _mm256_loadu_ps(NF4 + 8);
+    } else if (wtype == W_N4 || wtype == W_L4) { /* the table's halves by a code's low 3 bits, chosen by its bit 3 (moved to 31) */
+        const float *table = wtype == W_N4 ? NF4 : IQ4NL;
+        const __m256 lo = _mm256_loadu_ps(table), hi = _mm256_loadu_ps(table + 8);
         for (int g = 0; g < 4; g++) {
             __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, n[g]), _mm256_permutevar8x32_ps(hi, n[g]),
                                           _mm256_castsi256_ps(_mm256_slli_epi32(n[g], 28)));
@@ -262,6 +277,10 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
                                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(n[g], _mm256_set1_epi32(8)), 28)));
             v[g] = _mm256_mul_ps(val, _mm256_set1_ps(f32_at(blk + (g < 2 ? 0 : 4))));
         }
+    } else if (wtype == W_K3) { /* values 0-15: s0; 16-31: s1 */
+        for (int g = 0; g < 4; g++)
+            v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], _mm256_set1_epi32(8))),
+                                 _mm256_set1_ps(f32_at(blk + (g < 2 ? 0 : 4))));
     } else if (wtype == W_Q4_0 || wtype == W_I4) {
         __m256i zero = _mm256_set1_epi32(wtype == W_I4 ? blk[4] : 8);
         for (int g = 0; g < 4; g++) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[g], zero)));
@@ -321,19 +340,19 @@ static inline __attribute__((always_inline)) void widen_block16(const uint8_t *b
         table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps((float)blk[4])), _mm512_set1_ps(f32_at(blk)));
     } else if (wtype == W_K4) { /* d * i exact, minus m */
         table = _mm512_fmsub_ps(_mm512_set1_ps(f32_at(blk)), iota, _mm512_set1_ps(f32_at(blk + 4)));
-    } else if (wtype == W_N4) {
-        table = _mm512_mul_ps(_mm512_loadu_ps(NF4), _mm512_set1_ps(f32_at(blk)));
-    } else if (wtype == W_F4) { /* a table for each half's scale */
-        __m512 e2m1 = _mm512_loadu_ps(E2M1);
+    } else if (wtype == W_N4 || wtype == W_L4) {
+        table = _mm512_mul_ps(_mm512_loadu_ps(wtype == W_N4 ? NF4 : IQ4NL), _mm512_set1_ps(f32_at(blk)));
+    } else if (wtype == W_F4 || wtype == W_K3) { /* a table for each half's scale */
+        __m512 codes = wtype == W_F4 ? _mm512_loadu_ps(E2M1) : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
         __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
-        v[0] = _mm512_permutexvar_ps(q, _mm512_mul_ps(e2m1, _mm512_set1_ps(f32_at(blk))));
-        v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), _mm512_mul_ps(e2m1, _mm512_set1_ps(f32_at(blk + 4))));
+        v[0] = _mm512_permutexvar_ps(q, _mm512_mul_ps(codes, _mm512_set1_ps(f32_at(blk))));
+        v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), _mm512_mul_ps(codes, _mm512_set1_ps(f32_at(blk + 4))));
         return;
     } else {
         table = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(load_u16(blk))), _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
     __m512i q = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 || wtype == W_N4 ? 4 : wtype == W_I4 ? 5
+        _mm_loadu_si128((const __m128i *)(blk + (wtype == W_Q4_1 || wtype == W_N4 || wtype == W_L4 ? 4 : wtype == W_I4 ? 5
                                                  : wtype == W_K4 ? 8 : 2))));
     v[0] = _mm512_permutexvar_ps(q, table);
     v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);

@@ -5,12 +5,14 @@ values gguf's dequantizer gives:
 - every one of these types gives each value as a scale (a half float times a small integer,
   exact in float32) times a small integer code, or for Q5_1 and Q2_K that product, exact, plus
   an offset: one rounding either way;
-- so k6 (a float32 scale for each 16 values, int8 codes: 1.25 bytes a value) holds the types
-  without an offset, k5 (a scale and an offset for each 32, a byte a code: 1.25) Q5_1, and x8
-  (a scale and an offset for each 16: 1.5) Q2_K;
+- so k3 (a float32 scale for each 16 values, codes -8..7 in nibbles: 0.75 bytes a value) holds
+  Q3_K and the TQ types, l4 (a scale for each 32, nibbles indexing IQ4_NL's 16 values: 0.625)
+  IQ4_NL and IQ4_XS, k6 (a scale for each 16, int8 codes: 1.25) the other types without an
+  offset, k5 (a scale and an offset for each 32, a byte a code: 1.25) Q5_1, and x8 (a scale and
+  an offset for each 16: 1.5) Q2_K;
 - the scale of each 16 values is read from the block here; the codes are gguf's values divided
-  by it (exact: the value is the exact product), or for the types with offsets read from their
-  bits; IQ1's codes are 8 (grid + delta), the scale divided by 8;
+  by it (exact: the value is the exact product), or for IQ4 and the types with offsets read
+  from their bits; IQ1's codes are 8 (grid + delta), the scale divided by 8;
 - each tensor is checked value for value (bits) against gguf's dequantizer as it is repacked,
   so a block this reading gets wrong is an error, never a wrong weight.
 
@@ -67,14 +69,26 @@ def _q3_k(b):
     return _f16(b, 108) * sc, None, None
 
 
+IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+_IQ4_AT = np.zeros(256, np.uint8)  # an int8 value's byte -> its place in IQ4NL
+_IQ4_AT[IQ4NL.view(np.uint8)] = np.arange(16)
+
+
+def _iq4_codes(qs: np.ndarray) -> np.ndarray:
+    """IQ4 codes (16 bytes a 32 values: value j in byte j's low nibble, j + 16 in its high one)
+    as their int8 values [blocks, values]."""
+    q = qs.reshape(len(qs), -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return IQ4NL[(q & 0x0F).reshape(len(qs), -1)]
+
+
 def _iq4_nl(b):
-    return _per16(_f16(b, 0), 32), None, None
+    return _per16(_f16(b, 0), 32), None, _iq4_codes(b[:, 2:])
 
 
 def _iq4_xs(b):
     high = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)).astype(np.uint8) & 3
     sc = ((_nibbles(b[:, 4:8]) | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
-    return _per16(_f16(b, 0) * sc, QK), None, None
+    return _per16(_f16(b, 0) * sc, QK), None, _iq4_codes(b[:, 8:])
 
 
 def _iq2_xxs(b):
@@ -120,10 +134,10 @@ def _tq(d_at: int):
 # 16 values [blocks, values / 16], offset a 16 values or None (zero), int8 codes [blocks, values] or None
 # (gguf's values / scale)))
 REPACKED = {6: (32, 22, "k6", _q5_0), 7: (32, 24, "k5", _q5_1), 10: (QK, 84, "x8", _q2_k),
-            11: (QK, 110, "k6", _q3_k), 16: (QK, 66, "k6", _iq2_xxs), 17: (QK, 74, "k6", _iq2_xs_s(66)),
-            18: (QK, 98, "k6", _iq3_xxs), 19: (QK, 50, "k6", _iq1_s), 20: (32, 18, "k6", _iq4_nl),
-            21: (QK, 110, "k6", _iq3_s), 22: (QK, 82, "k6", _iq2_xs_s(74)), 23: (QK, 136, "k6", _iq4_xs),
-            29: (QK, 56, "k6", _iq1_m), 34: (QK, 54, "k6", _tq(52)), 35: (QK, 66, "k6", _tq(64))}
+            11: (QK, 110, "k3", _q3_k), 16: (QK, 66, "k6", _iq2_xxs), 17: (QK, 74, "k6", _iq2_xs_s(66)),
+            18: (QK, 98, "k6", _iq3_xxs), 19: (QK, 50, "k6", _iq1_s), 20: (32, 18, "l4", _iq4_nl),
+            21: (QK, 110, "k6", _iq3_s), 22: (QK, 82, "k6", _iq2_xs_s(74)), 23: (QK, 136, "l4", _iq4_xs),
+            29: (QK, 56, "k6", _iq1_m), 34: (QK, 54, "k3", _tq(52)), 35: (QK, 66, "k3", _tq(64))}
 CHUNK = 1 << 20  # values a thread converts at a time (their float32 values and codes: about 18 MB)
 
 
@@ -174,18 +188,34 @@ def _blocks(b: np.ndarray, qtype: int, fmt: str, parts) -> np.ndarray:
             got = s * q
         else:
             q = q.reshape(want.shape)
-            got = s * q.astype(np.float32) - m.astype(np.float32)[:, :, None]
+            got = s * q.astype(np.float32)
+            if m is not None:
+                got = got - m.astype(np.float32)[:, :, None]
     if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
         raise ValueError(f"{name} blocks that {fmt} would not widen to gguf's values")
     groups = len(b) * want.shape[1] // 2  # blocks of 32 values
     s = s.reshape(groups, 2)
     m = np.zeros_like(s) if m is None else m.astype(np.float32).reshape(groups, 2)
+    q = q.astype(np.int8).reshape(groups, 32)
     if fmt == "k6":  # s0, s1, int8 q
-        head = s
+        head, codes = s, q.view(np.uint8)
+    elif fmt == "k3":  # s0, s1, nibbles of q + 8
+        if not ((q >= -8) & (q <= 7)).all():
+            raise ValueError(f"{name} blocks whose codes {fmt} cannot hold")
+        head, codes = s, _nibble_bytes((q + 8).view(np.uint8))
+    elif fmt == "l4":  # s, nibbles of q's place in IQ4NL: one scale a 32 values
+        assert (s[:, 0] == s[:, 1]).all()
+        at = _IQ4_AT[q.view(np.uint8)]
+        assert (IQ4NL[at] == q).all()
+        head, codes = s[:, :1], _nibble_bytes(at)
     elif fmt == "k5":  # d, m, uint8 q: one scale and offset a 32 values
         assert (s[:, 0] == s[:, 1]).all() and (m[:, 0] == m[:, 1]).all() and (q >= 0).all()
-        head = np.stack([s[:, 0], m[:, 0]], axis=1)
+        head, codes = np.stack([s[:, 0], m[:, 0]], axis=1), q.view(np.uint8)
     else:  # x8: s0, s1, m0, m1, int8 q
-        head = np.concatenate([s, m], axis=1)
-    codes = q.astype(np.int8).reshape(groups, 32).view(np.uint8)
+        head, codes = np.concatenate([s, m], axis=1), q.view(np.uint8)
     return np.concatenate([np.ascontiguousarray(head).view(np.uint8), codes], axis=1)
+
+
+def _nibble_bytes(q: np.ndarray) -> np.ndarray:
+    """[blocks, 32] codes below 16 as [blocks, 16] bytes: value j low, value j + 16 high."""
+    return q[:, :16] | (q[:, 16:] << 4)

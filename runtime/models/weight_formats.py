@@ -7,8 +7,9 @@ matrix once, reads fewer bytes.
   stored in bfloat16, as most are).
 - `GGUFBlocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and 0.63
   bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25; every
-  other quantized type but Q8_1, Q8_K, MXFP4, NVFP4 and Q1_0 repacked too, in 1.25 bytes a
-  value or Q2_K's 1.5: gguf_repack.py), loaded from the file, never dequantized to memory: the
+  other quantized type but Q8_1, Q8_K, MXFP4, NVFP4 and Q1_0 repacked too: Q3_K and the TQ
+  types in 0.75 bytes a value, IQ4_NL and IQ4_XS in 0.625, the rest in 1.25 or Q2_K's 1.5:
+  gguf_repack.py), loaded from the file, never dequantized to memory: the
   C kernels widen each to the float32 value gguf's dequantizer gives. A matrix whose parts mix
   formats (a fused q/k/v) keeps them all in x8; one with a float part (F16, BF16, F32) stays
   float32. A mixture of experts' experts keep theirs, one matrix an expert."""
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pageserve.runtime.models.gguf_repack import IQ4NL
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS, blocks
 
 # GGML tensor types kept as blocks -> our name of the format (cpu_kernels.BLOCK_FORMATS)
@@ -91,7 +93,7 @@ GGUF_KQUANTS = {12: ("k4", 144, repack_q4_k), 13: ("k5", 176, repack_q5_k), 14: 
 
 
 def as_x8(raw: np.ndarray, fmt: str) -> np.ndarray:
-    """Rows of GGUF blocks kept here (q8_0, q4_0, q4_1, k4, k5, k6) as x8 blocks (48 bytes: a
+    """Rows of GGUF blocks kept here (q8_0, q4_0, q4_1, k4, k5, k6, k3, l4) as x8 blocks (48 bytes: a
     float32 scale and offset for each 16 values, then 32 int8 codes; value s * q - m), widened
     to the same float32 values: the products that carry an offset are exact, so s * q - m rounds
     once as each format's own dequantizer does, and s * q - 0 is s * q, -0.0 included."""
@@ -124,6 +126,14 @@ def as_x8(raw: np.ndarray, fmt: str) -> np.ndarray:
         s0, s1 = f32(0), f32(4)
         m0 = m1 = zero
         q = b[:, :, 8:40].view(np.int8)
+    elif fmt == "k3":
+        s0, s1 = f32(0), f32(4)
+        m0 = m1 = zero
+        q = nibbles(8).astype(np.int8) - np.int8(8)
+    elif fmt == "l4":
+        s0 = s1 = f32(0)
+        m0 = m1 = zero
+        q = IQ4NL[nibbles(4)]
     else:
         raise ValueError(f"no x8 form of {fmt} blocks")
     head = np.stack([s0, s1, m0, m1], axis=2).astype(np.float32).view(np.uint8)  # [rows, blocks, 16]
