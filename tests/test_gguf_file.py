@@ -27,18 +27,26 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.engine
 
 
-def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQuantizationType.Q8_0) -> Path:
-    """A tiny Qwen3-MoE as llama.cpp writes one: each layer's experts stacked into one
-    [experts, rows, columns] tensor a projection (ffn_gate_exps, ffn_up_exps, ffn_down_exps),
-    the matrices in `qtype_of(name)` (Q8_0; None: float32) where their rows allow, the rest float32."""
+# a checkpoint's expert matrices: (layer, expert, part); Qwen3-MoE's names, then Mixtral's
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.(gate|up|down)_proj"
+                    r"|block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2))\.weight")
+
+
+def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQuantizationType.Q8_0,
+                   arch: str = "qwen3moe") -> Path:
+    """A tiny Qwen3-MoE (or Mixtral: arch "llama") as llama.cpp writes one: each layer's experts
+    stacked into one [experts, rows, columns] tensor a projection (ffn_gate_exps, ffn_up_exps,
+    ffn_down_exps), Llama's q and k rows permuted as llama.cpp does, the matrices in
+    `qtype_of(name)` (Q8_0; None: float32) where their rows allow, the rest float32."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch="qwen3moe")
-    add_model_keys(w, cfg, head_dim=True)
+    w = gguf.GGUFWriter(str(out), arch=arch)
+    add_model_keys(w, cfg, head_dim=arch == "qwen3moe")
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size", cfg["intermediate_size"]))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 
     def add(name: str, tensor: torch.Tensor) -> None:
@@ -48,13 +56,17 @@ def write_moe_gguf(model_dir: Path, out: Path, qtype_of=lambda name: gguf.GGMLQu
         else:
             w.add_tensor(name, values)
 
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3MOE, cfg["num_hidden_layers"])
+    names = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, arch.upper()), cfg["num_hidden_layers"])
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in load_file(model_dir / "model.safetensors").items():
-        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name):
-            stacks.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = tensor
-        else:
-            add(names.get_name(name, try_suffixes=(".weight",)), tensor)
+        if m := EXPERT.fullmatch(name):
+            layer, expert, part = int(m[1]), int(m[2] or m[4]), m[3] or {"w1": "gate", "w3": "up", "w2": "down"}[m[5]]
+            stacks.setdefault((layer, part), {})[expert] = tensor
+            continue
+        heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}.get(name.split(".")[-2])
+        if arch == "llama" and heads:  # llama.cpp's permute (each head's rotary halves interleaved)
+            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        add(names.get_name(name, try_suffixes=(".weight",)), tensor)
     for (layer, part), experts in sorted(stacks.items()):
         add(f"blk.{layer}.ffn_{part}_exps.weight", torch.stack([experts[e] for e in sorted(experts)]))
     w.write_header_to_file()
@@ -123,6 +135,58 @@ def test_a_moe_gguf_streams_its_stacked_experts(tmp_path, monkeypatch, own_cache
     sizes = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
     kept = {name: tuple(t.shape) for name, t in file.stream(dict.fromkeys(formats)) if name in formats}
     assert kept == {name: (rows, columns // 32 * sizes[fmt]) for name, (fmt, rows, columns) in formats.items()}
+
+
+def test_a_mixtral_gguf_serves_the_checkpoint_it_was_written_from(tmp_path, monkeypatch, own_cache, native_kernels):
+    """llama.cpp writes Mixtral as a "llama" with stacked experts, which transformers reads as a
+    dense Llama (it reads no Mixtral GGUF): read as Mixtral (the experts' count and size from
+    their tensors, the top-k from expert_used_count), a float32 file serves HF's greedy tokens on
+    the checkpoint it was written from; a quantized one keeps its experts' blocks (Q8_0 gate and
+    up: w13 in q8_0; Q4_0 down), each widening to the values its float32 copy loads, which gives
+    the same tokens."""
+    Q = gguf.GGMLQuantizationType
+    model_dir = build_tiny_model(tmp_path / "hf", arch="mixtral", intermediate_size=96, num_experts_per_tok=3)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 30, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(path):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+        cfg = llm.engine.runner.model_cfg.hf_config
+        assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) \
+            == ("mixtral", 4, 3, 96)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm.engine.runner.model.layers[1].mlp.experts, [o.outputs[0].token_ids for o in outs]
+
+    _, tokens = run(write_moe_gguf(model_dir, tmp_path / "tiny-mixtral-f32.gguf", lambda name: None, "llama"))
+    assert tokens == hf_greedy(model_dir, prompts, max_new_tokens=10)
+    path = write_moe_gguf(model_dir, tmp_path / "tiny-mixtral-q.gguf",
+                          lambda name: Q.Q4_0 if "down_exps" in name else Q.Q8_0, "llama")
+    ours, tokens = run(path)
+    assert [ours.parts[p][0].block_format for p in ("w13", "w2")] == ["q8_0", "q4_0"]
+    monkeypatch.setattr(GGUFFile, "block_formats", lambda self: {})
+    dense, dense_tokens = run(path)
+    for part in ("w13", "w2"):
+        assert torch.equal(torch.stack([native_kernels.widen(w) for w in ours.parts[part]]), getattr(dense, part))
+    assert dense_tokens == tokens
+
+
+def test_a_mixtral_gguf_of_an_early_layout_is_refused_by_name(tmp_path, own_cache):
+    """Experts each in tensors of their own (blk.N.ffn_gate.E.weight, llama.cpp's layout before it
+    stacked them): one clear error, not a dense Llama missing its feed-forward."""
+    from pageserve.runtime.models.loader import ModelLoadError
+
+    cfg = json.loads((build_tiny_model(tmp_path / "hf", arch="llama") / "config.json").read_text())
+    w = gguf.GGUFWriter(str(tmp_path / "early.gguf"), arch="llama")
+    add_model_keys(w, cfg)
+    w.add_tensor("token_embd.weight", torch.zeros(cfg["vocab_size"], cfg["hidden_size"]).numpy())
+    w.add_tensor("blk.0.ffn_gate.0.weight", torch.zeros(cfg["intermediate_size"], cfg["hidden_size"]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="each expert in tensors of its own"):
+        resolve_model(str(tmp_path / "early.gguf"))
 
 
 def test_a_moe_gguf_of_another_expert_size(tmp_path, own_cache):

@@ -91,13 +91,21 @@ def _skip(buf: memoryview, kind: int, at: int) -> int:
 
 def read_header(path: Path) -> tuple[str, list[Entry]]:
     """(general.architecture, the file's tensors); ValueError for a file it cannot parse."""
+    return read_metadata(path)[:2]
+
+
+def read_metadata(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
+    """read_header's, and the file's integer metadata values (key -> value)."""
     try:
         return _parse_header(path)
     except (struct.error, KeyError, IndexError, UnicodeDecodeError, OverflowError, ZeroDivisionError) as e:
         raise ValueError(f"{path}: a damaged GGUF header ({type(e).__name__}: {e})") from None
 
 
-def _parse_header(path: Path) -> tuple[str, list[Entry]]:
+_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
     import gguf
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -106,7 +114,7 @@ def _parse_header(path: Path) -> tuple[str, list[Entry]]:
     u64 = lambda at: struct.unpack_from("<Q", buf, at)[0]  # noqa: E731
     if bytes(buf[:4]) != b"GGUF" or u32(4) < 2:
         raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-    n_tensors, n_kv, at, alignment, arch = u64(8), u64(16), 24, 32, ""
+    n_tensors, n_kv, at, alignment, arch, ints = u64(8), u64(16), 24, 32, "", {}
     for _ in range(n_kv):
         key = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
         at += 8 + u64(at)
@@ -115,6 +123,8 @@ def _parse_header(path: Path) -> tuple[str, list[Entry]]:
             alignment = u32(at)
         elif key == "general.architecture" and kind == 8:
             arch = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
+        elif kind in _INTS:
+            ints[key] = struct.unpack_from(_INTS[kind], buf, at)[0]
         at = _skip(buf, kind, at)
     infos = []
     for _ in range(n_tensors):
@@ -136,7 +146,7 @@ def _parse_header(path: Path) -> tuple[str, list[Entry]]:
         if start + offset + nbytes > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         entries.append(Entry(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
-    return arch, entries
+    return arch, entries, ints
 
 
 class GGUFFile:
@@ -151,12 +161,14 @@ class GGUFFile:
         self.path = path
         arch, entries = read_header(path)
         hf_cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if not k.startswith("_")})
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_cfg.to_dict())
+        mixtral = hf_cfg.model_type == "mixtral"  # (transformers reads no Mixtral GGUF: its names are ours)
+        self.processor = (mixtral_processor() if mixtral else TENSOR_PROCESSORS.get(arch, TensorProcessor))(
+            config=hf_cfg.to_dict())
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(hf_cfg)
         # GGUF name -> HF name (stacked experts are named without ".weight" on both sides)
         with gguf_parsed_once():
-            self.hf_names = get_gguf_hf_weights_map(hf, self.processor)
+            self.hf_names = get_gguf_hf_weights_map(hf, self.processor, model_type=arch if mixtral else None)
         self.entries = [e for e in entries if self._hf(e.name)]
         # HF tensors made of several GGUF ones (an MoE's gate and up experts): how many
         self._parts: dict[str, int] = {}
@@ -279,6 +291,20 @@ class GGUFFile:
             seen[hf_name] = seen.get(hf_name, 0) + 1  # written into parsed: whole once all its parts are
             if seen[hf_name] == self._parts[hf_name]:
                 yield from per_expert(hf_name, parsed["tensors"].pop(hf_name))
+
+
+def mixtral_processor():
+    """transformers' tensor processor for a Mixtral GGUF, which it has none of: Llama's (q and k
+    rows put back in HF's order) for attention, Qwen2-MoE's for the stacked experts (gate and up
+    stacked into `experts.gate_up_proj`), the two layouts being the same."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, Qwen2MoeTensorProcessor
+
+    class MixtralTensorProcessor(Qwen2MoeTensorProcessor):
+        def process(self, weights, name, **kwargs):
+            if ".attn_q." in name or ".attn_k." in name:
+                return LlamaTensorProcessor(config=self.config).process(weights, name, **kwargs)
+            return super().process(weights, name, **kwargs)
+    return MixtralTensorProcessor
 
 
 # transformers 5's names of stacked experts tensors

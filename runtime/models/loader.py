@@ -124,7 +124,7 @@ def convert_gguf(path: Path) -> Path:
                     same = False
                 if not same:
                     raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
-        _expert_sizes(out, path)  # (a folder of an earlier version holds transformers' defaults)
+        _experts_config(out, path)  # (a folder of an earlier version holds transformers' defaults)
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -143,7 +143,7 @@ def convert_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         config.save_pretrained(tmp)
-        _expert_sizes(tmp, path)
+        _experts_config(tmp, path)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
@@ -153,26 +153,40 @@ def convert_gguf(path: Path) -> Path:
     return out
 
 
-def _expert_sizes(folder: Path, path: Path) -> None:
-    """transformers reads no expert size from a GGUF (its config class's defaults stand, Qwen3-MoE's
-    768, Qwen2-MoE's 1408 and 5632): a mixture of experts' sizes as the file's expert tensors have
-    them, written into the folder's config.json where they differ."""
+def _experts_config(folder: Path, path: Path) -> None:
+    """What transformers reads wrong or not at all from a mixture of experts' GGUF, written into
+    the folder's config.json where it differs: the expert sizes (its config class's defaults
+    stand, Qwen3-MoE's 768, Qwen2-MoE's 1408 and 5632) as the file's expert tensors have them;
+    and Mixtral (llama.cpp's "llama" with experts), which it reads as a dense Llama."""
     cfg = json.loads((folder / "config.json").read_text())
-    if "moe_intermediate_size" not in cfg and "shared_expert_intermediate_size" not in cfg:
+    moe = {"moe_intermediate_size", "shared_expert_intermediate_size"} & cfg.keys()
+    dense = cfg.get("model_type") in ("llama", "mistral")  # (transformers' "mistral": a llama file so named)
+    if not moe and not dense:
         return
-    from pageserve.runtime.models.gguf_file import read_header
+    from pageserve.runtime.models.gguf_file import read_metadata
 
     try:
-        _, entries = read_header(path)
+        arch, entries, ints = read_metadata(path)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    sizes = {}
+    sizes, experts = {}, None
     for e in entries:  # numpy shapes: experts [E, rows, columns], the shared expert's gate [rows, columns]
         if e.name.endswith("ffn_gate_exps.weight") and len(e.shape) == 3:
+            experts = e.shape
             sizes["moe_intermediate_size"] = e.shape[1]
         elif e.name.endswith("ffn_gate_shexp.weight") and len(e.shape) == 2:
             sizes["shared_expert_intermediate_size"] = e.shape[0]
-    changed = {k: v for k, v in sizes.items() if k in cfg and cfg[k] != v}
+    if not dense:
+        changed = {k: v for k, v in sizes.items() if k in cfg and cfg[k] != v}
+    elif experts is not None:  # Mixtral: llama.cpp writes it as a Llama with experts (and no sliding window)
+        changed = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=experts[0],
+                       num_experts_per_tok=ints.get(f"{arch}.expert_used_count", 2), intermediate_size=experts[1],
+                       sliding_window=None)
+    elif any(re.fullmatch(r"blk\.\d+\.ffn_gate\.\d+\.weight", e.name) for e in entries):
+        raise ModelLoadError(f"{path}: a mixture of experts with each expert in tensors of its own, an early "
+                             "llama.cpp layout pageserve does not read: convert it again with a current llama.cpp")
+    else:
+        return
     if not changed:
         return
     cfg.update(changed)
@@ -181,7 +195,7 @@ def _expert_sizes(folder: Path, path: Path) -> None:
         tmp.write_text(json.dumps(cfg, indent=2) + "\n")
         os.replace(tmp, folder / "config.json")  # replaced whole
     except OSError as e:
-        raise ModelLoadError(f"{folder}/config.json holds expert sizes other than {path}'s {changed}, and "
+        raise ModelLoadError(f"{folder}/config.json differs from {path}'s experts {changed}, and "
                              f"cannot be rewritten ({e}): delete the folder") from None
 
 
