@@ -143,7 +143,8 @@ def test_a_mixtral_gguf_serves_the_checkpoint_it_was_written_from(tmp_path, monk
     their tensors, the top-k from expert_used_count), a float32 file serves HF's greedy tokens on
     the checkpoint it was written from; a quantized one keeps its experts' blocks (Q8_0 gate and
     up: w13 in q8_0; Q4_0 down), each widening to the values its float32 copy loads, which gives
-    the same tokens."""
+    the same tokens. The float32 copy of the file (gguf_file.dense_copy) is the same model in
+    transformers."""
     Q = gguf.GGMLQuantizationType
     model_dir = build_tiny_model(tmp_path / "hf", arch="mixtral", intermediate_size=96, num_experts_per_tok=3)
     rng = random.Random(4)
@@ -158,8 +159,11 @@ def test_a_mixtral_gguf_serves_the_checkpoint_it_was_written_from(tmp_path, monk
         outs = llm.generate(prompts, params, use_tqdm=False)
         return llm.engine.runner.model.layers[1].mlp.experts, [o.outputs[0].token_ids for o in outs]
 
-    _, tokens = run(write_moe_gguf(model_dir, tmp_path / "tiny-mixtral-f32.gguf", lambda name: None, "llama"))
+    f32 = write_moe_gguf(model_dir, tmp_path / "tiny-mixtral-f32.gguf", lambda name: None, "llama")
+    _, tokens = run(f32)
     assert tokens == hf_greedy(model_dir, prompts, max_new_tokens=10)
+    # the float32 copy the loadtest tools read is the checkpoint for transformers too, experts and all
+    assert hf_greedy(resolve_model(str(f32)), prompts, max_new_tokens=10) == tokens
     path = write_moe_gguf(model_dir, tmp_path / "tiny-mixtral-q.gguf",
                           lambda name: Q.Q4_0 if "down_exps" in name else Q.Q8_0, "llama")
     ours, tokens = run(path)

@@ -4,10 +4,10 @@ from the file with no float32 copy of the whole model anywhere (on disk or in me
 - dense: a tensor dequantized to float32 by gguf's own dequantizer and put into HF's layout by
   transformers' tensor processor for the architecture (Llama's q/k row order, Gemma's norms,
   stacked MoE experts), as transformers' own GGUF loader does, tensor by tensor;
-- blocks: a 2-D tensor as blocks the C linear reads (Q8_0, Q4_0, Q4_1 as the file holds them;
-  Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py; Q5_0, Q5_1, Q2_K, Q3_K and
-  the IQ and TQ types repacked into k6, k5 or x8, gguf_repack.py), rows in HF's order, where the
-  processor only reorders rows.
+- blocks: a 2-D tensor as blocks the C linear reads (Q8_0, Q4_0, Q4_1 and F16 as the file
+  holds them; Q4_K, Q5_K, Q6_K repacked 32 values a block, weight_formats.py; Q5_0, Q5_1, Q2_K,
+  Q3_K and the IQ and TQ types repacked into k3, l4, k6, k5 or x8, gguf_repack.py), rows in HF's
+  order, where the processor only reorders rows.
 
 Which HF name each GGUF tensor has comes from transformers' own map over HF's model built on
 the meta device; the file's header is parsed here (gguf's reader also builds every metadata
@@ -327,6 +327,13 @@ def per_expert(name: str, tensor: torch.Tensor):
             yield f"{prefix}.experts.{e}.up_proj.weight", up
 
 
+# our names of a Mixtral's experts and router -> its checkpoints' (MixtralForCausalLM.rename's inverse)
+_MIXTRAL_NAMES = ((r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+                  (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+                  (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+                  (r"\.mlp\.gate\.weight$", r".block_sparse_moe.gate.weight"))
+
+
 def dense_copy(model_dir: Path) -> Path:
     """A model directory whose weights are safetensors: `model_dir` itself, or for a GGUF
     file's directory a float32 copy of its weights (with its config and tokenizer) written once
@@ -337,15 +344,23 @@ def dense_copy(model_dir: Path) -> Path:
     from safetensors.torch import save_file
 
     out = cache_root() / "gguf-float32" / model_dir.name
+    config = read_config(model_dir)
     if (out / "model.safetensors").is_file():
-        return out
+        if read_config(out).get("model_type") == config.get("model_type"):
+            return out
+        shutil.rmtree(out)  # an earlier version's copy of a Mixtral file: a Llama without its experts
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         for f in model_dir.iterdir():
             if f.is_file() and f.name != GGUF_SOURCE:
                 shutil.copy2(f, tmp / f.name)
-        tensors = {name: t.contiguous() for name, t in GGUFFile(source, read_config(model_dir)).stream()}
+        names = _MIXTRAL_NAMES if config.get("model_type") == "mixtral" else ()
+        tensors = {}
+        for name, t in GGUFFile(source, config).stream():
+            for pattern, repl in names:  # transformers reads a Mixtral checkpoint's experts by these names only
+                name = re.sub(pattern, repl, name)
+            tensors[name] = t.contiguous()
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.replace(tmp, out)
     finally:
