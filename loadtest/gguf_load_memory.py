@@ -1,7 +1,7 @@
 """The memory a large GGUF file takes to load and to serve on this machine: a random-weight
 model of a real model's shape (Llama 3 8B's by default; Qwen1.5-MoE-A2.7B's, a mixture of
 experts) written in a mix like llama.cpp's Q4_K_M (Q4_K matrices; Q6_K attn_v and ffn_down in
-its "more bits" layers and the output matrix), Q3_K_M, IQ4_XS, or Q4_0, then loaded by
+its "more bits" layers and the output matrix), Q3_K_M, IQ4_XS, Q4_0, or all F16, then loaded by
 pageserve (float32 arithmetic, the C kernels) in a child process, which prints the peak
 resident memory of the start-up, the resident memory once serving, and the seconds; one greedy
 request proves it serves.
@@ -43,6 +43,8 @@ def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> n
     halves = {T.Q4_0: ((0,), 0.02), T.Q8_0: ((0,), 0.002), T.Q5_0: ((0,), 0.005), T.Q5_1: ((0, 2), 0.005),
               T.IQ4_NL: ((0,), 2e-4), T.Q4_K: ((0, 2), 0.001), T.Q5_K: ((0, 2), 0.001),
               T.Q6_K: ((208,), 0.001), T.Q3_K: ((108,), 0.001), T.IQ4_XS: ((0,), 5e-5)}
+    if qtype == T.F16:  # values of a trained model's spread
+        return (rng.standard_normal((rows, columns), np.float32) * 0.02).astype(np.float16).view(np.uint8)
     if qtype not in halves:
         raise ValueError(f"no random blocks for {qtype.name}")
     if qtype == T.Q6_K:
@@ -58,6 +60,7 @@ def random_blocks(rng: np.random.Generator, qtype, rows: int, columns: int) -> n
 MIXES = {"q4_k_m": ("MOSTLY_Q4_K_M", "Q4_K", ("Q6_K", "Q4_K"), ("Q6_K", "Q4_K"), "Q4_K", "Q6_K"),
          "q3_k_m": ("MOSTLY_Q3_K_M", "Q3_K", ("Q5_K", "Q4_K"), ("Q5_K", "Q4_K"), "Q4_K", "Q6_K"),
          "iq4_xs": ("MOSTLY_IQ4_XS", "IQ4_XS", ("Q5_K", "Q5_K"), ("IQ4_XS", "IQ4_XS"), "IQ4_XS", "Q6_K"),
+         "f16": ("MOSTLY_F16", "F16", ("F16", "F16"), ("F16", "F16"), "F16", "F16"),
          "q4_0": ("MOSTLY_Q4_0", "Q4_0", ("Q8_0", "Q4_0"), ("Q8_0", "Q4_0"), "Q4_0", "Q8_0")}
 
 

@@ -174,7 +174,7 @@ class ModelRunner:
         else:
             narrowed, how = narrow_exact_matrices(model), "their values exact"
         if blocks or narrowed:
-            logger.info("matrices kept smaller, %s: %.0f MB saved by GGUF blocks, %.0f MB by bfloat16 (%.1f s)", how,
+            logger.info("matrices kept smaller, %s: %.0f MB saved by GGUF blocks, %.0f MB by 16-bit ones (%.1f s)", how,
                         blocks / 1e6, narrowed / 1e6, time.perf_counter() - t)
 
     def _plan_linear(self) -> None:

@@ -75,7 +75,7 @@ def test_outputs_summed_aside_are_the_same_bits(kernel, rows):
         assert torch.equal(kernel(x, wide)[:, 250:], kernel(x, wide[250:]))
 
 
-def test_narrowing_keeps_exact_matrices_only():
+def test_narrowing_keeps_exact_matrices_only(native):
     from pageserve.runtime.models.weight_formats import narrow_exact_matrices
 
     class Tied(torch.nn.Module):
@@ -92,6 +92,15 @@ def test_narrowing_keeps_exact_matrices_only():
     model.proj.weight.data[3, 5] += 2 ** -20  # one value bfloat16 cannot hold: nothing narrows
     assert narrow_exact_matrices(model) == 0
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    wide = torch.nn.Linear(64, 8)  # a float16 checkpoint's matrix (64 columns: whole h16 blocks)
+    model.wide = wide
+    wide.weight.data = wide.weight.data.half().float()
+    wide.weight.data[0, :4] = torch.tensor([-0.0, 2 ** -24, -65504.0, float("inf")])  # subnormal, extremes
+    values = wide.weight.detach().clone()
+    assert narrow_exact_matrices(model) == 8 * 64 * 2  # only the matrix whose values are all float16's
+    assert wide.weight.block_format == "h16" and model.proj.weight.dtype == torch.float32
+    assert torch.equal(native.widen(wide.weight).view(torch.int32), values.view(torch.int32))
+    del model.wide
     model.proj.weight.data[3, 5] = before["proj.weight"][3, 5]
     assert narrow_exact_matrices(model) == (32 * 16 + 16 * 16) * 2
     assert model.embed_tokens.weight.dtype == model.proj.weight.dtype == torch.bfloat16  # the tied lm_head's too
@@ -101,19 +110,20 @@ def test_narrowing_keeps_exact_matrices_only():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, native, monkeypatch, arch):
+@pytest.mark.parametrize("arch,weights", [("llama", torch.bfloat16), ("qwen2", torch.bfloat16),
+                                          ("llama", torch.float16)])
+def test_a_16_bit_checkpoint_runs_float32_from_16_bit_matrices(tmp_path, native, monkeypatch, arch, weights):
     """float32 activations over a bfloat16 checkpoint keep the matrices (the tied embedding
-    too) in bfloat16: the same tokens and logprobs, to the bit, as with float32 copies, through
-    prompt chunks past the C kernel's rows (torch's matmul on a widened copy), the decoder stack
-    and the layer-by-layer path."""
+    too) in bfloat16, over a float16 one in h16 blocks: the same tokens and logprobs, to the
+    bit, as with float32 copies, through prompt chunks past the C kernel's rows (torch's matmul
+    on a widened copy), the decoder stack and the layer-by-layer path."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import model_runner
 
     def up_to_128_rows(self, weights, reps=3):
         self.use_kernel = [rows <= 128 for rows in linear_plan.ROW_BUCKETS]
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", up_to_128_rows)
-    model_dir = build_tiny_model(tmp_path / arch, arch=arch, weights_dtype=torch.bfloat16,
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch, weights_dtype=weights,
                                  tie_word_embeddings=arch == "llama")
     prompts = random_prompts(384)[:6]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -127,7 +137,9 @@ def test_a_bfloat16_checkpoint_runs_float32_from_bfloat16_matrices(tmp_path, nat
 
     model, narrow = run()
     head = model.embed_tokens if arch == "llama" else model.lm_head
-    assert model.layers[0].mlp.down_proj.weight.dtype == head.weight.dtype == torch.bfloat16
+    kept = [w.dtype if w.dtype != torch.uint8 else w.block_format for w in (
+        model.layers[0].mlp.down_proj.weight, model.layers[1].self_attn.qkv_proj.weight, head.weight)]
+    assert kept == [torch.bfloat16 if weights == torch.bfloat16 else "h16"] * 3
     assert model.norm.weight.dtype == torch.float32
     if arch == "qwen2":  # untied: the embedding is only looked up; the q/k/v bias is a vector
         assert model.embed_tokens.weight.dtype == model.layers[0].self_attn.qkv_proj.bias.dtype == torch.float32

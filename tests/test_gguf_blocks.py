@@ -190,22 +190,59 @@ def test_every_other_gguf_type_widens_repacked_bit_for_bit(request, build, monke
         gguf_repack.repack(damaged, 7)
 
 
-@pytest.mark.parametrize("qtype", [11, 23])
+def half_floats(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random float16 bit patterns, infinities and NaNs left out, with zeros, negative zeros,
+    subnormals and the largest values among them, as float16."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 1 << 16, (rows, columns), dtype=np.uint16)
+    bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # exponent all ones: one less
+    bits[0, :6] = [0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF]
+    return bits.view(np.float16)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "x86-64"])
+def test_h16_blocks_are_their_half_floats(request, build):
+    """h16 blocks (32 half floats) widen to the float32 of each half, bit for bit, in each build
+    (F16C, and the portable build's software conversion), and the linear on them (one row of x:
+    read as float16 rows, four at a time) is the linear on those values; infinities widen to
+    infinities."""
+    from pageserve.triton_kernels.cpu_blocks import half_blocks
+
+    lib = request.getfixturevalue({"native": "native_kernels", "avx2": "avx2_kernels",
+                                   "x86-64": "portable_kernels"}[build])
+    values = torch.from_numpy(half_floats(37, 352, seed=1).astype(np.float32))  # (a last 32 past whole 64s)
+    w = half_blocks(values)
+    assert w.block_format == "h16" and w.shape == (37, 704)
+    assert torch.equal(lib.widen(w).view(torch.int32), values.view(torch.int32))
+    x = torch.randn(5, 352, generator=torch.Generator().manual_seed(5)) * 1e-3
+    for rows in (x[:1], x):
+        assert torch.equal(lib(rows, w), lib(rows, values))
+    inf = torch.full((1, 32), float("-inf"))
+    assert torch.equal(lib.widen(half_blocks(inf)), inf)
+    assert half_blocks(values + 2 ** -30) is None and half_blocks(values[:, :48]) is None
+
+
+@pytest.mark.parametrize("qtype", [11, 23, 1])
 def test_bfloat16_arithmetic_on_the_4bit_forms_is_on_their_values(native_kernels, qtype):
-    """Q3_K in k3 and IQ4_XS in l4 through the bfloat16 linear (AVX512-BF16: each block widened,
-    rounded to bfloat16, dotted) give what it gives on their float32 values, at one row of x
-    and at many."""
+    """Q3_K in k3, IQ4_XS in l4 and F16 in h16 through the bfloat16 linear (AVX512-BF16: each
+    block widened, rounded to bfloat16, dotted) give what it gives on their float32 values, at
+    one row of x and at many."""
     from pageserve.runtime.models import gguf_repack
     from pageserve.triton_kernels import cpu_kernels
+    from pageserve.triton_kernels.cpu_blocks import half_blocks
     from tests.kquants import random_blocks
 
     if not native_kernels.has_bf16_dot:
         pytest.skip("no AVX512-BF16 on this CPU")
     lib = cpu_kernels.CpuKernels(native_kernels.path, bf16_dot=True)
-    raw = random_blocks(qtype, 37, 768, np.random.default_rng(qtype))
-    fmt = gguf_repack.REPACKED[qtype][2]
-    w = blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 768)
-    values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
+    if qtype == 1:
+        values = torch.from_numpy(half_floats(37, 768, seed=2).astype(np.float32))
+        w, fmt = half_blocks(values), "h16"
+    else:
+        raw = random_blocks(qtype, 37, 768, np.random.default_rng(qtype))
+        fmt = gguf_repack.REPACKED[qtype][2]
+        w = blocks(torch.from_numpy(gguf_repack.repack(raw, qtype)), fmt, 768)
+        values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
     x = torch.randn(64, 768, generator=torch.Generator().manual_seed(qtype))
     for rows in (1, 5, 64):
         assert torch.equal(lib(x[:rows], w), lib(x[:rows], values)), (fmt, rows)
@@ -293,13 +330,15 @@ Q = gguf.GGMLQuantizationType
 MIXES = {"q4_k_m": ((Q.Q4_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k4", "k4", "k6", "k6", "x8"]),
          "q5_k_m": ((Q.Q5_K, Q.Q6_K, Q.Q6_K, Q.Q6_K), ["k5", "k5", "k6", "k6", "x8"]),
          "q3_k_m": ((Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q3_K), ["k3", "k3", "k4", "k3", "x8"]),
-         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["l4"] * 5)}
+         "iq4_xs": ((Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_XS), ["l4"] * 5),
+         # F16 matrices in h16; a q/k/v of F16 beside Q8_0 stays float32 (x8 holds no half floats)
+         "f16": ((Q.F16, Q.Q8_0, Q.Q8_0, Q.F16), ["h16", "h16", "q8_0", "h16", "torch.float32"])}
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_a_k_quant_gguf_runs_on_its_repacked_blocks(tmp_path, monkeypatch, native_kernels, own_cache, mix):
-    """A Q4_K_M-, Q5_K_M-, Q3_K_M- or IQ4_XS-like file (rows of 256 values) runs on its blocks
+    """A Q4_K_M-, Q5_K_M-, Q3_K_M-, IQ4_XS- or F16-like file (rows of 256 values) runs on its blocks
     (K-quants, Q3_K and IQ4_XS repacked, a fused q/k/v of two types in x8) with HF's greedy
     tokens on the same file, and the same tokens and logprobs as on its dequantized float32 copy.
     Q3_K and IQ4_XS weights are random blocks of the model's spread (gguf cannot quantize them)."""

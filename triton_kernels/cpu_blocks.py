@@ -20,6 +20,8 @@ float32 scale ahead of the codes, little-endian:
                                                                (q - 8) * s1 (16-31) (Q3_K's, TQ's)
     l4  20 bytes: scale s, 16 bytes of nibbles                 value iq4nl(q) * s (IQ4_NL's and
                                                                IQ4_XS's 16 int8 values)
+    h16 64 bytes: 32 half floats                               value h (a float16 checkpoint's,
+                                                               a GGUF F16 matrix's)
 
 each product rounded once (k4's and k5's d * q is exact: d * q - m rounds once). An i4, f4, n4, k4,
 k3 or l4 block's byte i holds value i in its low nibble and value i + 16 in its high one, as
@@ -32,8 +34,19 @@ import torch
 # name -> (format code, bytes a block of 32 values)
 BLOCK_FORMATS = {"q8_0": (2, 34), "q4_0": (3, 18), "q4_1": (4, 20), "i8": (5, 36), "f8": (6, 36), "i4": (7, 21),
                  "f4": (8, 24), "n4": (9, 20), "k4": (10, 24), "k6": (11, 40), "k5": (12, 40),
-                 "x8": (13, 48), "k3": (14, 24), "l4": (15, 20)}
+                 "x8": (13, 48), "k3": (14, 24), "l4": (15, 20), "h16": (16, 64)}
 F8_SCALE_LIMIT = 2.0 ** 120  # the C kernels multiply q / 256 by 256 s: 256 s must stay finite
+
+
+def half_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 matrix as h16 blocks, where every value is a float16 value (bit for bit: -0.0,
+    subnormals and infinities too) and its columns are whole blocks; else None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32:
+        return None
+    half = weight.detach().to(torch.float16)
+    if not torch.equal(half.float().view(torch.int32), weight.detach().view(torch.int32)):
+        return None
+    return blocks(half.view(torch.uint8), "h16", weight.shape[1])
 
 
 def blocks(raw: torch.Tensor, block_format: str, in_features: int) -> torch.Tensor:

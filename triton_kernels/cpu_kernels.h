@@ -75,15 +75,16 @@ static inline float round_bf16(float f) {
    matrix whose parts the file keeps in different ones; K3 (two float32 scales, s0 for values 0-15
    and s1 for 16-31, then nibbles: (q - 8) * s, Q3_K's and the TQ types' codes) and L4 (a float32
    scale, then nibbles, each an index into IQ4_NL's 16 int8 values: iq4nl(q) * s, IQ4_NL's and
-   IQ4_XS's), 4-bit forms of GGUF types the others hold at a byte a code. The low
+   IQ4_XS's), 4-bit forms of GGUF types the others hold at a byte a code; and H16 (32 half
+   floats: a float16 checkpoint's or a GGUF F16 matrix's values, exactly). The low
    nibbles of a block are its values 0-15, the high ones 16-31. A value is widened to the float32 that its dequantizer computes (GGUF's own; for
    the others the float32 product above), each product and sum rounded once, so every sum is
    that of the dequantized float32 matrix, to the bit. */
 /* the block formats: W_Q8_0 and up */
 enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_I8 = 5, W_F8 = 6, W_I4 = 7, W_F4 = 8, W_N4 = 9,
-       W_K4 = 10, W_K6 = 11, W_K5 = 12, W_X8 = 13, W_K3 = 14, W_L4 = 15 };
+       W_K4 = 10, W_K6 = 11, W_K5 = 12, W_X8 = 13, W_K3 = 14, W_L4 = 15, W_H16 = 16 };
 /* or'ed into a format: multiply in bfloat16 (cpu_linear_bf16.c) rather than float32 */
-enum { W_DOT16 = 16 };
+enum { W_DOT16 = 32 };
 
 /* bytes of one block of 32 values */
 static inline long block_bytes(int wtype) {
@@ -100,6 +101,7 @@ static inline long block_bytes(int wtype) {
     case W_X8: return 48;
     case W_K3: return 24;
     case W_L4: return 20;
+    case W_H16: return 64;
     default: return 36; /* W_I8, W_F8 */
     }
 }

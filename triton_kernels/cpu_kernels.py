@@ -42,7 +42,7 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 # what the attention's KV cache may hold, in the order of the C kernels' kv_format codes
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-DOT16 = 16  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
+DOT16 = 32  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
 
 
 class CpuKernels:

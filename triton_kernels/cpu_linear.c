@@ -100,6 +100,7 @@ static void row1_blocks(const float *x, long K, const uint8_t *W, long ldw, long
     case W_X8: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_X8); break;
     case W_K3: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_K3); break;
     case W_L4: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_L4); break;
+    case W_H16: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_H16); break;
     default: row1_blocks_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
@@ -167,6 +168,10 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
     }
 ROW1_512(row1_512, float, load16_f32)
 ROW1_512(row1_16_512, uint16_t, load16_bf16)
+/* h16 blocks as the float16 rows they are (K a multiple of 32: the bfloat16 tail never runs):
+   the block path's sums, in the same accumulators, read as four streams */
+static inline __m512 load16_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+ROW1_512(row1_h16_512, uint16_t, load16_f16)
 
 /* row1 of a block format: two blocks (64 values) into the four accumulators at a time */
 static inline __attribute__((always_inline)) void row1_blocks512_of(const float *x, long K, const uint8_t *W,
@@ -213,6 +218,7 @@ static void row1_blocks512(const float *x, long K, const uint8_t *W, long ldw, l
     case W_X8: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_X8); break;
     case W_K3: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_K3); break;
     case W_L4: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_L4); break;
+    case W_H16: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_H16); break;
     default: row1_blocks512_of(x, K, W, ldw, o0, o1, bias, y, W_Q4_1); /* W_Q4_1 */
     }
 }
@@ -344,6 +350,10 @@ static void tile(const float *x, long R, long K, long ldx, const void *wt, int w
     }
 ROW1(row1, float, load_f32)
 ROW1(row1_16, uint16_t, load_bf16)
+#ifdef __F16C__
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ROW1(row1_h16, uint16_t, load_f16) /* as row1_h16_512 */
+#endif
 #endif
 
 /* one row of x against one float32 weight row w: y[0] (+ bias[0]) */
@@ -522,6 +532,8 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
                 row1_16_512(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
             else if (wtype == W_F32)
                 row1_512(x, K, (const float *)W, ldw, o0, o1, bias, y);
+            else if (wtype == W_H16) /* (ldw: bytes) */
+                row1_h16_512(x, K, (const uint16_t *)W, ldw / 2, o0, o1, bias, y);
             else
                 row1_blocks512(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
 #else
@@ -529,6 +541,10 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
                 row1_16(x, K, (const uint16_t *)W, ldw, o0, o1, bias, y);
             else if (wtype == W_F32)
                 row1(x, K, (const float *)W, ldw, o0, o1, bias, y);
+#ifdef __F16C__
+            else if (wtype == W_H16)
+                row1_h16(x, K, (const uint16_t *)W, ldw / 2, o0, o1, bias, y);
+#endif
             else
                 row1_blocks(x, K, (const uint8_t *)W, ldw, o0, o1, bias, y, wtype);
 #endif

@@ -113,6 +113,7 @@ static void row1(const uint16_t *xb, long K, const void *W, int wtype, long ldw,
     case W_X8: row1_of(xb, K, W, W_X8, ldw, o0, o1, bias, y); break;
     case W_K3: row1_of(xb, K, W, W_K3, ldw, o0, o1, bias, y); break;
     case W_L4: row1_of(xb, K, W, W_L4, ldw, o0, o1, bias, y); break;
+    case W_H16: row1_of(xb, K, W, W_H16, ldw, o0, o1, bias, y); break;
     default: row1_of(xb, K, W, W_Q4_1, ldw, o0, o1, bias, y); /* W_Q4_1 */
     }
 }
@@ -235,6 +236,7 @@ static void rows_fmt(const uint16_t *xb, long R, long kc, long K, const void *W,
     case W_X8: rows_of(xb, R, kc, K, W, W_X8, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     case W_K3: rows_of(xb, R, kc, K, W, W_K3, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     case W_L4: rows_of(xb, R, kc, K, W, W_L4, ldw, o0, o1, bias, y, ldy, wb, sums); break;
+    case W_H16: rows_of(xb, R, kc, K, W, W_H16, ldw, o0, o1, bias, y, ldy, wb, sums); break;
     default: rows_of(xb, R, kc, K, W, W_Q4_1, ldw, o0, o1, bias, y, ldy, wb, sums); /* W_Q4_1 */
     }
 }

@@ -102,6 +102,10 @@ static const float IQ4NL[16] = {-127.0f, -104.0f, -83.0f, -65.0f, -49.0f, -35.0f
 
 /* one block's 32 values, one at a time (the builds without AVX2) */
 static inline void widen_block_scalar(const uint8_t *blk, int wtype, float *o) {
+    if (wtype == W_H16) {
+        for (int j = 0; j < 32; j++) o[j] = f16_to_f32(load_u16(blk + 2 * j));
+        return;
+    }
     if (wtype == W_K4) { /* d * q is exact: one rounding, fused or not */
         float d = f32_at(blk), m = f32_at(blk + 4);
         for (int j = 0; j < 16; j++) {
@@ -195,6 +199,19 @@ static inline __m256i f8_halves(__m128i bytes) {
    rounds once where numpy rounds d * q + m twice, the first time exactly: the same value. */
 static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk, int wtype, __m256 v[4]) {
     __m256 d, m = _mm256_setzero_ps();
+#ifdef __F16C__
+    if (wtype == W_H16) { /* F16C's conversion is exact */
+        for (int g = 0; g < 4; g++) v[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * g)));
+        return;
+    }
+#else
+    if (wtype == W_H16) {
+        float o[32];
+        widen_block_scalar(blk, wtype, o);
+        for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(o + 8 * g);
+        return;
+    }
+#endif
     if (wtype >= W_I8) {
         d = _mm256_set1_ps(f32_at(blk));
     }
@@ -298,6 +315,11 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 /* one block's 32 values in two registers, those of widen_block: a 4-bit block's nibbles index
    the table of the 16 values they stand for (vpermps reads the low 4 bits of each index) */
 static inline __attribute__((always_inline)) void widen_block16(const uint8_t *blk, int wtype, __m512 v[2]) {
+    if (wtype == W_H16) {
+        v[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        v[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        return;
+    }
     if (wtype == W_K5) {
         __m512 d = _mm512_set1_ps(f32_at(blk)), m = _mm512_set1_ps(f32_at(blk + 4));
         for (int g = 0; g < 2; g++)

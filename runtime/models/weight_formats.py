@@ -4,15 +4,17 @@ as it reads it, so every sum is as before, to the bit, and a decode step, which 
 matrix once, reads fewer bytes.
 
 - `narrow_exact_matrices`: bfloat16, where every value's low 16 bits are zero (a checkpoint
-  stored in bfloat16, as most are).
-- `GGUFBlocks`: a GGUF file's own quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and 0.63
+  stored in bfloat16, as most are); else h16 blocks (32 half floats) for each matrix whose
+  values are float16 values (a checkpoint stored in float16).
+- `GGUFBlocks`: a GGUF file's own F16 matrices as h16 blocks (2 bytes a value), and its
+  quantized blocks (Q8_0, Q4_0, Q4_1: 1.06, 0.56 and 0.63
   bytes a value; Q4_K, Q5_K and Q6_K, repacked 32 values a block: 0.75, 1.25 and 1.25; every
   other quantized type but Q8_1, Q8_K, MXFP4, NVFP4 and Q1_0 repacked too: Q3_K and the TQ
   types in 0.75 bytes a value, IQ4_NL and IQ4_XS in 0.625, the rest in 1.25 or Q2_K's 1.5:
   gguf_repack.py), loaded from the file, never dequantized to memory: the
   C kernels widen each to the float32 value gguf's dequantizer gives. A matrix whose parts mix
-  formats (a fused q/k/v) keeps them all in x8; one with a float part (F16, BF16, F32) stays
-  float32. A mixture of experts' experts keep theirs, one matrix an expert."""
+  formats (a fused q/k/v) keeps them all in x8; one with a float part (F16 beside another
+  format, BF16, F32) stays float32. A mixture of experts' experts keep theirs, one matrix an expert."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ import numpy as np
 import torch
 
 from pageserve.runtime.models.gguf_repack import IQ4NL
+from pageserve.triton_kernels.cpu_blocks import half_blocks
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS, blocks
 
 # GGML tensor types kept as blocks -> our name of the format (cpu_kernels.BLOCK_FORMATS)
-GGUF_BLOCKS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
+GGUF_BLOCKS = {8: "q8_0", 2: "q4_0", 3: "q4_1", 1: "h16"}
 
 
 def repack_q4_k(raw: np.ndarray) -> np.ndarray:
@@ -153,14 +156,22 @@ def matrix_owners(model) -> list[torch.nn.Module]:
 
 def narrow_exact_matrices(model) -> int:
     """The float32 matrices in bfloat16, if every value of every one of them is a bfloat16
-    value: half the bytes a step reads (docs/performance.md). Returns the
-    bytes saved (0: some value is not, and all stay float32)."""
+    value; else each whose values are all float16 values in h16 blocks (a float16 checkpoint's):
+    half the bytes a step reads (docs/performance.md). Returns the bytes saved (0: all stay
+    float32)."""
     owners = [m for m in matrix_owners(model) if m.weight.dtype == torch.float32]
-    if not owners or any((m.weight.detach().view(torch.int32) & 0xFFFF).any() for m in owners):
+    if not owners:
         return 0
+    if not any((m.weight.detach().view(torch.int32) & 0xFFFF).any() for m in owners):
+        for m in owners:
+            m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+        return sum(m.weight.numel() * 2 for m in owners)
+    saved = 0
     for m in owners:
-        m.weight = torch.nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
-    return sum(m.weight.numel() * 2 for m in owners)
+        if (half := half_blocks(m.weight)) is not None:
+            m.weight = half
+            saved += half.numel()
+    return saved
 
 
 def round_to_bfloat16(model) -> int:
@@ -219,8 +230,8 @@ class GGUFBlocks:
             weight = getattr(module, param)
             kinds = {formats[name][0] if name in formats else None for name in group}
             *rows, k = weight.shape  # (experts,) rows, columns
-            if None in kinds or weight.dtype != torch.float32 or k % 32:
-                continue  # float32
+            if None in kinds or weight.dtype != torch.float32 or k % 32 or len(kinds) > 1 and "h16" in kinds:
+                continue  # float32 (x8 holds no half floats)
             try:  # this rank's part of each, in blocks of 32 columns (a meta tensor: only shapes)
                 shards = [parallel.shard(model.rename(name.removeprefix("model.")),
                                          torch.empty(formats[name][1], formats[name][2] // 32, device="meta"),
