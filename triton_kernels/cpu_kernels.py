@@ -42,7 +42,6 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 # what the attention's KV cache may hold, in the order of the C kernels' kv_format codes
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-DOT16 = 32  # or'ed into a format code: the C linear multiplies in bfloat16 (cpu_linear_bf16.c)
 
 
 class CpuKernels:
@@ -86,7 +85,14 @@ class CpuKernels:
         if bf16_dot and not self.has_bf16_dot:
             raise ValueError(f"the CPU kernels have no bfloat16 dot product on this CPU ({self.isa})")
         self.bf16_dot = bf16_dot
-        self._dot = DOT16 if bf16_dot else 0
+        # the bit or'ed into a format code for bfloat16 arithmetic, as the library has it (the A/B
+        # benchmarks load libraries built from older commits, whose bit is 16)
+        try:
+            lib.pageserve_dot16_flag.restype = ctypes.c_int
+            dot16 = lib.pageserve_dot16_flag()
+        except AttributeError:
+            dot16 = 16
+        self._dot = dot16 if bf16_dot else 0
         self._lib = lib
         self.path = path
 

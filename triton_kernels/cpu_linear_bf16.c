@@ -386,6 +386,10 @@ int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *
 
 #endif
 
+/* the bit or'ed into a format for bfloat16 arithmetic (a library built before 076a005 lacks
+   this function: its bit is 16) */
+int pageserve_dot16_flag(void) { return W_DOT16; }
+
 /* 1 where this build has the bfloat16 dot product, else 0 */
 int pageserve_has_bf16_dot(void) {
 #ifdef PS_AVX512_BF16
