@@ -43,13 +43,12 @@ def half_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     subnormals and infinities too) and its columns are whole blocks; else None."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 32:
         return None
-    first = weight.detach()[:1]  # (a float32 checkpoint's matrix fails here, before a whole copy)
-    if not torch.equal(first.to(torch.float16).float().view(torch.int32), first.view(torch.int32)):
-        return None
-    half = weight.detach().to(torch.float16)
-    if not torch.equal(half.float().view(torch.int32), weight.detach().view(torch.int32)):
-        return None
-    return blocks(half.view(torch.uint8), "h16", weight.shape[1])
+    w = weight.detach()
+    for part in (w[:1], w):  # (a float32 checkpoint's matrix fails on its first row, before a whole copy)
+        half = part.to(torch.float16)
+        if not torch.equal(half.float().view(torch.int32), part.view(torch.int32)):
+            return None
+    return blocks(half.view(torch.uint8), "h16", w.shape[1])
 
 
 def blocks(raw: torch.Tensor, block_format: str, in_features: int) -> torch.Tensor:

@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
         return;
     }
 #else
-    if (wtype == W_H16) {
+    if (wtype == W_H16 || wtype == W_F8) { /* half floats without F16C: one value at a time */
         float o[32];
         widen_block_scalar(blk, wtype, o);
         for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(o + 8 * g);
@@ -252,21 +252,17 @@ static inline __attribute__((always_inline)) void widen_block(const uint8_t *blk
                                  g < 2 ? d : d1);
         return;
     }
-    if (wtype == W_F8) {
 #ifdef __F16C__
+    if (wtype == W_F8) {
         d = _mm256_mul_ps(d, _mm256_set1_ps(256.0f)); /* exact: (q / 256) * (256 s) is q * s, rounded once */
         for (int h = 0; h < 2; h++) {
             __m256i halves = f8_halves(_mm_loadu_si128((const __m128i *)(blk + 4 + 16 * h)));
             v[2 * h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), d);
             v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), d);
         }
-#else
-        float o[32];
-        widen_block_scalar(blk, wtype, o);
-        for (int g = 0; g < 4; g++) v[g] = _mm256_loadu_ps(o + 8 * g);
-#endif
         return;
     }
+#endif
     /* bytes 0-7 and 8-15 zero-extended to 32 bits: their low nibbles are values 0-15, their
        high nibbles 16-31 (two byte shuffles a block, not ten) */
     const uint8_t *qs = blk + (wtype == W_Q4_1 || wtype == W_N4 || wtype == W_L4 ? 4 : wtype == W_I4 ? 5
