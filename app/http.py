@@ -156,6 +156,8 @@ def engine_error(e: Exception) -> APIError | None:
         return e
     if isinstance(e, ValueError):  # the input processor's InvalidRequest names the field
         return bad_request(str(e), getattr(e, "param", None))
+    if isinstance(e, RecursionError):  # JSON text inside a field (a schema, a call's arguments) nested deeper
+        return bad_request("the request nests JSON too deeply")  # than the body's own MAX_JSON_DEPTH allows
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, ShuttingDownError):

@@ -52,6 +52,8 @@ def schema_to_regex(schema: dict | bool | str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise UnsupportedSchema(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise UnsupportedSchema("the JSON schema is nested too deeply") from None
     if schema is True or schema == {}:
         schema = {"type": "object"}  # "anything": an object, as json_object mode gives
     if not isinstance(schema, dict):

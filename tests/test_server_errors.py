@@ -94,6 +94,10 @@ BAD = [
     ("/tokenize", {"messages": MSG, "continue_final_message": True, "add_generation_prompt": True}, 400, None,
      "cannot both be true"),
     ("/v1/responses", {"input": "hi", "include": ["foo.bar"]}, 400, "include.0", "message.output_text.logprobs"),
+    # JSON text inside a string field, nested past the parser's recursion limit
+    (CHAT, {"messages": MSG, "guided_json": "[" * 5000}, 400, "guided_json", "nested too deeply"),
+    (COMP, {"prompt": "hi", "structured_outputs": {"json": "[" * 5000}}, 400, "structured_outputs.json",
+     "nested too deeply"),
 ]
 
 
@@ -126,6 +130,28 @@ def test_bad_request_then_a_good_one(server, route, body, status, param, words):
                     json={"model": server.model, "messages": MSG, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
     server.wait_idle()
+
+
+def test_call_arguments_nested_past_the_recursion_limit_reach_the_template_as_text(server):
+    """A past tool call's arguments are given to the chat template as an object where they parse;
+    '[' * 5000 made the parser raise RecursionError, and the request a 500."""
+    deep = "[" * 5000
+    calls = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+             {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"model": server.model, "messages": calls}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 100, r.text
+    r = httpx.post(f"{server.url}/v1/responses", timeout=60, json={"model": server.model, "max_output_tokens": 2,
+        "input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+                  {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+    _assert_envelope(r, 400, None, "maximum context length")  # the text's 5000 brackets, as tokens
+
+
+def test_a_recursion_error_is_the_clients():
+    from pageserve.app.http import engine_error
+
+    assert engine_error(RecursionError()).status == 400
 
 
 def test_unknown_fields_are_ignored_nulls_take_defaults_unknown_routes_enveloped(server):

@@ -129,5 +129,5 @@ def tool_dict(tool) -> dict:
 def _arguments(text: str):
     try:
         return json.loads(text or "{}")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # a template gets the text as it came
         return text

@@ -111,7 +111,7 @@ class _CallObject:
     def _close(self, parser: StreamParser) -> None:
         try:
             obj = json.loads("".join(self.chars))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             obj = None
         key = next((k for k in ("arguments", "parameters") if isinstance(obj, dict) and k in obj), None)
         valid = key is not None and isinstance(obj.get("name"), str)
