@@ -77,8 +77,7 @@ async def detokenize(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, DetokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
-    state.engine.check_token_ids(body.tokens, "tokens")
-    return json_response({"prompt": state.detokenize(body.tokens)})
+    return json_response({"prompt": await state.detokenize_checked(body.tokens, "tokens")})
 
 
 async def openapi(request: Request) -> Response:

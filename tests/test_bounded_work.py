@@ -1,7 +1,7 @@
 """What one request may cost the others: a body of millions of token ids is refused without
 holding the event loop (the real server, /health timed throughout), a prompt's length is checked
 before its ids, a conversation is measured by all its text when choosing where to render it,
-large replies and many texts are made off the event loop, and prompt logprobs are bounded per
+large replies, many texts and many ids are made off the event loop, and prompt logprobs are bounded per
 request."""
 
 from __future__ import annotations
@@ -152,6 +152,14 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
     written.clear()
     assert httpx.post(f"{srv.url}/v1/embeddings", json={"model": srv.model, "input": ["a", "b"]}).status_code == 200
     assert set(written) == {False}
+    decoded = []  # a million ids held the loop 0.3 s, checked and decoded on it
+    detokenize = srv.state.detokenize
+    monkeypatch.setattr(srv.state, "detokenize", lambda ids: decoded.append(_on_event_loop()) or detokenize(ids))
+    for n, off in ((20_000, True), (5, False)):
+        r = httpx.post(f"{srv.url}/detokenize", json={"model": srv.model, "tokens": [7] * n}, timeout=60)
+        assert r.status_code == 200 and r.json()["prompt"] and decoded.pop() == (not off), r.text
+    r = httpx.post(f"{srv.url}/detokenize", json={"model": srv.model, "tokens": [7] * 20_000 + [10 ** 9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and not decoded
     srv.wait_idle()
 
 
