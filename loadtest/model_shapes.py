@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,7 +47,7 @@ def build_shape(name: str, root: Path | None = None, **overrides) -> Path:
     import torch
 
     from pageserve.loadtest.tiny_model import build_tiny_model
-    from pageserve.runtime.models.loader import cache_root
+    from pageserve.runtime.models.loader import cache_root, publish
 
     config = shape_config(name, **overrides)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
@@ -62,7 +61,7 @@ def build_shape(name: str, root: Path | None = None, **overrides) -> Path:
     build_tiny_model(tmp, arch=config["model_type"], weights_dtype=getattr(torch, config["torch_dtype"]),
                      initializer_range=0.02, **fields)
     try:
-        os.rename(tmp, out)
-    except OSError:  # another process put it there first
+        publish(tmp, out, "config.json")
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

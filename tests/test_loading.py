@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,6 +76,36 @@ def test_a_copy_elsewhere_finds_the_conversion(tmp_path, monkeypatch):
     changed.parent.mkdir()
     changed.write_bytes(data)
     assert loader._content_key(changed) != loader._content_key(copy)
+
+
+def test_two_starts_converting_at_once_both_load(tmp_path, monkeypatch):
+    """Two processes converting the same file on a fresh cache (two test workers, two servers):
+    the one that finishes second finds the other's folder in place and uses it."""
+    from pageserve.loadtest.tiny_model import build_tiny_model
+    from tests.test_gguf_gemma import write_gguf
+
+    gguf = write_gguf(build_tiny_model(tmp_path / "hf", arch="llama"), tmp_path / "tiny.gguf", "llama")
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path / "cache"))
+    out = resolve_model(str(gguf))
+    theirs = tmp_path / "theirs"
+    shutil.move(out, theirs)
+    real = os.replace
+
+    def finished_first(src, dst):
+        if Path(dst) == out:  # the other process renames its folder into place just before
+            shutil.copytree(theirs, out)
+        real(src, dst)
+
+    monkeypatch.setattr(loader.os, "replace", finished_first)
+    assert resolve_model(str(gguf)) == out
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # its own folder removed
+    monkeypatch.setattr(loader.os, "replace", real)
+    shutil.rmtree(out)
+    out.mkdir()  # a folder that is not a conversion is not taken for one
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OSError):
+        loader.publish(Path(tempfile.mkdtemp(dir=tmp_path)), out, "config.json")
 
 
 def test_missing_and_wrong_paths(tmp_path):

@@ -16,7 +16,6 @@ field: 4 s for a 49k-token vocabulary)."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import struct
@@ -27,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pageserve.runtime.models.loader import GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, read_config
+from pageserve.runtime.models.loader import (GGUF_SOURCE, cache_root, gguf_parsed_once, gguf_source, publish,
+                                             read_config)
 from pageserve.runtime.models.gguf_repack import REPACKED, repack
 from pageserve.runtime.models.weight_formats import GGUF_BLOCKS, GGUF_KQUANTS, as_x8
 from pageserve.triton_kernels.cpu_kernels import BLOCK_FORMATS
@@ -362,7 +362,7 @@ def dense_copy(model_dir: Path) -> Path:
                 name = re.sub(pattern, repl, name)
             tensors[name] = t.contiguous()
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.replace(tmp, out)
+        publish(tmp, out, "model.safetensors")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

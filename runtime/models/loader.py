@@ -147,10 +147,20 @@ def convert_gguf(path: Path) -> Path:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
-        os.replace(tmp, out)
+        publish(tmp, out, "config.json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def publish(tmp: Path, out: Path, marker: str) -> None:
+    """A folder made whole in `tmp` renamed to `out` in the cache; where another process put one
+    there first (two starts on a fresh cache, two test workers), theirs stands."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / marker).is_file():
+            raise
 
 
 def _experts_config(folder: Path, path: Path) -> None:
