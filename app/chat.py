@@ -13,7 +13,7 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, many_logprobs, read_json, reply, until_disconnected
+from pageserve.app.http import api_route, many_logprobs, owner, read_json, reply, until_disconnected
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
 from pageserve.app.reasoning import ReasoningStream
@@ -142,7 +142,8 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults, thinking=budget)
     rid = request_id("chatcmpl", request)
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model, body.priority)
+    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model, body.priority,
+                      owner=owner(request))
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:

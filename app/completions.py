@@ -10,7 +10,7 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, many_logprobs, read_json, reply, until_disconnected
+from pageserve.app.http import api_route, many_logprobs, owner, read_json, reply, until_disconnected
 from pageserve.app.logprobs import completion_logprobs, prompt_logprobs
 from pageserve.app.protocol import CompletionRequest
 from pageserve.app.state import ServerState
@@ -44,7 +44,8 @@ async def completions(request: Request) -> Response:
                              body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,
                              structured=structured_outputs(body)[0], defaults=state.sampling_defaults)
     rid = request_id("cmpl", request)
-    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model, priority=body.priority)
+    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model, priority=body.priority,
+                          owner=owner(request))
     try:  # after start(), which checked the token ids
         echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
     except BaseException:

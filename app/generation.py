@@ -73,14 +73,17 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
 
 def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
           cache_salt: str | None, param: str, images: tuple = (),
-          model: str | None = None, priority: int = 0) -> tuple[RequestStream, dict[str, int]]:
+          model: str | None = None, priority: int = 0, *, owner: str) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
     index (an output's choice index is prompt index x n + its own index). `images`: the one
     prompt's images (runtime.multimodal.ImageItem). `model`: the checked name the request
     gave, whose LoRA adapter it runs under where it names one. Engine ids add a
     random suffix to the response id, so a client that reuses its X-Request-Id never meets
     its earlier request. Each is checked as the engine takes it (an error names `param` for
-    the prompt); nothing is left running if one of them is refused."""
+    the prompt); nothing is left running if one of them is refused. `owner` (http.owner: the
+    API key's tag, "" without keys) salts the prefix cache, so that a key's prompts hit only
+    blocks its own requests wrote: another key's cached tokens, counted in `usage`, would tell
+    it what that key had sent."""
     limit = state.settings.max_prompt_logprobs_tokens
     if params.prompt_logprobs is not None and (total := sum(map(len, prompts))) > limit:
         raise bad_request(f"prompt logprobs (echo with logprobs, or prompt_logprobs) were asked for {total} "
@@ -91,6 +94,8 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     stream = engine.new_stream(len(prompts), param)
     index: dict[str, int] = {}
     suffix = uuid.uuid4().hex[:8]
+    if owner:  # the tag has a fixed length: no two (owner, salt) pairs give one string
+        cache_salt = f"{owner}:{cache_salt or ''}"
     try:
         for i, ids in enumerate(prompts):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"

@@ -18,7 +18,7 @@ from pageserve.app.anthropic_protocol import Conversation, CountTokensRequest, M
 from pageserve.app.chat import chat_prompt
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.generation import cached_tokens, collect, sampling_params, sse_response, start
-from pageserve.app.http import api_route, json_response, read_json, until_disconnected
+from pageserve.app.http import api_route, json_response, owner, read_json, until_disconnected
 from pageserve.app.protocol import (ChatMessage, ChatTool, ContentPart, FunctionCall, FunctionDefinition,
                                     FunctionName, ImageURL, NamedToolChoice, ToolCall)
 from pageserve.app.state import ServerState
@@ -187,7 +187,8 @@ async def create_message(request: Request) -> Response:
     params = sampling_params(view, body.max_tokens, None, structured=grammar, defaults=state.sampling_defaults,
                              thinking=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    stream, _ = start(state, rid, [prompt_ids], params, None, "messages", images, model, body.priority)
+    stream, _ = start(state, rid, [prompt_ids], params, None, "messages", images, model, body.priority,
+                      owner=owner(request))
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
         reasoning = thinking.stream(prompt_text) if thinking is not None else None

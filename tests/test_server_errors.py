@@ -206,6 +206,32 @@ def test_api_keys(guarded):
     assert httpx.get(f"{guarded.url}/v1/models").status_code == 401
 
 
+def test_a_keys_prompts_hit_only_blocks_its_own_requests_wrote(guarded):
+    """The prefix cache is salted by the key: another key's cached tokens in `usage` would
+    confirm, a guess at a time, what that key had sent (a second reader's audit found it)."""
+    secret = "The launch code is tangerine falcon forty two. " * 6
+
+    def cached(key: str, salt: str | None = None, route: str = "/v1/completions") -> int:
+        if route == "/v1/messages":
+            r = httpx.post(f"{guarded.url}{route}", headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+                           json={"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": secret}]})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["cache_read_input_tokens"]
+        body = {"model": "tiny", "prompt": secret, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        r = httpx.post(f"{guarded.url}{route}", json=body, headers=_auth(key))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached("key-one")
+    assert cached("key-one") >= 32  # its own blocks
+    assert cached("key-two") == 0
+    assert cached("key-two") >= 32
+    cached("key-one", salt="shared")
+    assert cached("key-two", salt="shared") == 0  # the same salt from another key: still apart
+    cached("key-one", route="/v1/messages")
+    assert cached("key-two", route="/v1/messages") == 0
+
+
 def test_the_route_table_drives_router_openapi_and_auth(guarded):
     """Every route of the table is served, is in the OpenAPI document (so it is fuzzed), and
     asks for the key exactly when the table says so."""
