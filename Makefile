@@ -28,8 +28,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pageserve serve --host $(HOST) --port $(PORT)
 
+# two worker processes, a test file each at a time: one alone leaves a core idle while its
+# servers start and its clients wait
+TEST_WORKERS ?= 2
 test: $(STAMP) $(NODE_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # against a running server: make loadtest HOST=http://127.0.0.1:8000 USERS=16 TIME=60s
 loadtest: $(STAMP)
