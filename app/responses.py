@@ -388,7 +388,7 @@ async def list_input_items(request: Request) -> Response:
     if order not in ("asc", "desc"):
         raise bad_request("order must be asc or desc", "order")
     limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3) or not 1 <= int(limit) <= 100:
         raise bad_request("limit must be an integer from 1 to 100", "limit")
     after = query.get("after")
 

@@ -234,7 +234,8 @@ def test_store_get_delete_and_input_items(srv, client):
     assert len(page.data) == 20 and page.has_more and page.data[0].content[0].text == "line 44"
     assert [i.content[0].text for i in client.responses.input_items.list(r.id, order="asc", limit=7)] == \
         [f"line {i}" for i in range(45)]
-    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"), ("after=nope", "after")):
+    for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("limit=%C2%B2", "limit"),  # '²': a digit
+                         ("limit=" + "9" * 5000, "limit"), ("order=up", "order"), ("after=nope", "after")):
         bad = httpx.get(f"{srv.url}/v1/responses/{r.id}/input_items?{query}")
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, query
     unstored = client.responses.create(model=srv.model, input="Hi", max_output_tokens=2, store=False)
