@@ -32,6 +32,7 @@ _SUPPORTED = {
 }
 _FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 MAX_SCHEMA_CHARS = 64_000  # a schema written as JSON
 # a schema's regex; outlines-core's grows with the square of an object's optional properties, so
 # a schema of a few KB could take minutes of the grammar worker (every request's grammar waits)
@@ -157,6 +158,7 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
         if key not in _SUPPORTED:
             raise UnsupportedSchema(f"the JSON schema keyword '{key}' (at {path}) is not supported "
                                     f"for structured output")
+    _check_values(node, path)
     if "format" in node and node["format"] not in _FORMATS:
         raise UnsupportedSchema(f"the JSON schema format '{node['format']}' (at {path}) is not supported; "
                                 f"supported: {', '.join(sorted(_FORMATS))}")
@@ -183,6 +185,24 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
         else:
             out[key] = value
     return out
+
+
+def _check_values(node: dict, path: str) -> None:
+    """Keywords whose malformed values outlines-core ignores, refused by name: a count that is
+    not a count, or a `required` that is not a list, constrained nothing at all."""
+    for key in _COUNTS:
+        v = node.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UnsupportedSchema(f"'{key}' (at {path}) must be an integer >= 0, got {v!r}")
+    for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
+        if node.get(lo, 0) > node.get(hi, node.get(lo, 0)):
+            raise UnsupportedSchema(f"'{lo}' {node[lo]} is above '{hi}' {node[hi]} (at {path}): no value fits")
+    required = node.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise UnsupportedSchema(f"'required' (at {path}) must be an array of property names, got {required!r}")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in node and not (isinstance(node[key], list) and node[key]):
+            raise UnsupportedSchema(f"'{key}' (at {path}) must be a non-empty array of schemas")
 
 
 def ascii_digits(regex: str) -> str:

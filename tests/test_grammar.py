@@ -131,6 +131,14 @@ def test_client_regexes(regex, result):
     ({"type": "number", "minimum": -1.7e308, "maximum": 1.7e308}, "up to 10**15"),
     ({"type": "number", "maximum": 1e30}, "up to 10**15"),
     ("{not json", "not valid JSON"),
+    # malformed values outlines-core ignored (a 200 with nothing enforced)
+    ({"type": "array", "items": {"type": "string"}, "maxItems": "x"}, "'maxItems' (at #) must be an integer >= 0"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}},
+     "'minLength' (at #/properties/a) must be an integer >= 0, got -1"),
+    ({"type": "string", "maxLength": True}, "'maxLength' (at #) must be an integer >= 0, got True"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "'minItems' 3 is above 'maxItems' 1"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}, "'required' (at #) must be"),
+    ({"anyOf": []}, "'anyOf' (at #) must be a non-empty array"),
 ])
 def test_what_cannot_be_enforced_is_named(schema, words):
     with pytest.raises(UnsupportedSchema, match=re.escape(words)):
