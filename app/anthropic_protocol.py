@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from pageserve.app.protocol import MAX_STOP, MAX_STOP_LEN, _Body, integer
+from pageserve.app.protocol import MAX_STOP, MAX_STOP_LEN, TOOL_NAME, _Body, integer
 
 
 class TextBlock(_Body):
@@ -84,7 +84,7 @@ class MessageParam(_Body):
 
 class AnthropicTool(_Body):
     type: str | None = None  # "custom" or none: a function the client runs (server tools are refused)
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=TOOL_NAME)  # as the chat tool it becomes
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 

@@ -132,8 +132,12 @@ class StructuredOutputsFields(_Body):
     json_object: bool | None = None
 
 
+# a function's name as OpenAI takes it (and every tool format here writes)
+TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
 class FunctionDefinition(_Body):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -374,7 +378,7 @@ def _typed_items(items):
 
 class ResponsesFunctionTool(_Body):
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None

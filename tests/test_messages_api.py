@@ -161,7 +161,9 @@ def test_errors_in_anthropics_shape(srv, client):
                         # an image goes to the image loader, which knows this model takes none
                         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
                             "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}],
-                          "max_tokens": 5}, "takes no images")):
+                          "max_tokens": 5}, "takes no images"),
+                        ({"messages": ASK, "max_tokens": 5, "tools": [{"name": "has space"}]},
+                         "tools.0.name: String should match pattern")):  # not pydantic's raw text
         r = httpx.post(f"{srv.url}/v1/messages", headers={"x-api-key": KEY}, json=body, timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()
