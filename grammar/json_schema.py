@@ -193,13 +193,13 @@ def _check_values(node: dict, path: str) -> None:
     for key in _COUNTS:
         v = node.get(key, 0)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise UnsupportedSchema(f"'{key}' (at {path}) must be an integer >= 0, got {v!r}")
+            raise UnsupportedSchema(f"'{key}' (at {path}) must be an integer >= 0, got {v!r:.60}")
     for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
         if node.get(lo, 0) > node.get(hi, node.get(lo, 0)):
             raise UnsupportedSchema(f"'{lo}' {node[lo]} is above '{hi}' {node[hi]} (at {path}): no value fits")
     required = node.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise UnsupportedSchema(f"'required' (at {path}) must be an array of property names, got {required!r}")
+        raise UnsupportedSchema(f"'required' (at {path}) must be an array of property names, got {required!r:.60}")
     for key in ("anyOf", "oneOf", "allOf"):
         if key in node and not (isinstance(node[key], list) and node[key]):
             raise UnsupportedSchema(f"'{key}' (at {path}) must be a non-empty array of schemas")
