@@ -100,7 +100,8 @@ _NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id
 def regex_size_bound(schema) -> int:
     """Roughly the most regex characters `schema` can take (as a call's parameters, or as a JSON
     literal in a Python call): each optional property repeats the object's other properties, so
-    an object costs (optional properties + 1) times the sum of its properties, and a `$ref` its
+    an object costs (optional properties + 1) times the sum of its properties, an array twice its
+    item (and additionalProperties' schema), and a `$ref` its
     definition each time it is used (outlines-core writes it out in place). In time linear in
     the schema: a definition is sized once. Any JSON is taken: what is not a valid schema is
     refused later, when it is built."""
@@ -128,15 +129,20 @@ def _size_bound(schema, defs: dict, memo: dict, refs: tuple) -> int:
     for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
         total += sum(_size_bound(s, defs, memo, refs) for s in _list(schema.get(key)))
     kind = schema.get("type")
+    # an array writes its item twice (the first, then the repeated ", item"): nested arrays double
     if "items" in schema:
-        total += _size_bound(schema["items"], defs, memo, refs)
+        total += 2 * _size_bound(schema["items"], defs, memo, refs)
     elif kind == "array" or (isinstance(kind, list) and "array" in kind):
-        total += _ANY_VALUE_CHARS  # items of any kind
+        total += 2 * _ANY_VALUE_CHARS  # items of any kind
     properties = schema.get("properties")
     if isinstance(properties, dict) and properties:
         required = {r for r in _list(schema.get("required")) if isinstance(r, str)}
         optional = len(properties.keys() - required)
         total += (optional + 1) * sum(len(k) + 16 + _size_bound(v, defs, memo, refs) for k, v in properties.items())
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):  # a value schema, written twice (as an array's item) beside each property
+        n = len(properties) if isinstance(properties, dict) else 0
+        total += 2 * (n + 1) * (32 + _size_bound(extra, defs, memo, refs))
     elif properties is None and (kind == "object" or (isinstance(kind, list) and "object" in kind)
                                  or "additionalProperties" in schema):
         total += _ANY_VALUE_CHARS  # any object
@@ -182,6 +188,8 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
             out[key] = _rewrite(value, ranges, counter, f"{path}/{key}")
         elif key == "pattern":
             out[key] = ascii_digits(value)
+        elif key in _COUNTS:
+            out[key] = int(value)
         else:
             out[key] = value
     return out
@@ -190,15 +198,15 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
 def _check_values(node: dict, path: str) -> None:
     """Keywords whose malformed values outlines-core ignores, refused by name: a count that is
     not a count, or a `required` that is not a list, constrained nothing at all."""
-    for key in _COUNTS:
+    for key in _COUNTS:  # 10.0 is an integer to JSON Schema (written as 10 for outlines-core)
         v = node.get(key, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not float(v).is_integer() or v < 0:
             raise UnsupportedSchema(f"'{key}' (at {path}) must be an integer >= 0, got {v!r:.60}")
     for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
         if node.get(lo, 0) > node.get(hi, node.get(lo, 0)):
             raise UnsupportedSchema(f"'{lo}' {node[lo]} is above '{hi}' {node[hi]} (at {path}): no value fits")
-    required = node.get("required", [])
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+    required = node.get("required", [])  # true or false: draft 3's own flag on a property, as before
+    if not isinstance(required, (list, bool)) or not all(isinstance(r, str) for r in _list(required)):
         raise UnsupportedSchema(f"'required' (at {path}) must be an array of property names, got {required!r:.60}")
     for key in ("anyOf", "oneOf", "allOf"):
         if key in node and not (isinstance(node[key], list) and node[key]):

@@ -118,6 +118,12 @@ def test_client_regexes(regex, result):
         assert regex_for(StructuredOutputsParams(regex=regex)) == result
 
 
+def _nested(schema: dict, key: str, levels: int) -> dict:
+    for _ in range(levels):
+        schema = {"type": "array" if key == "items" else "object", key: schema}
+    return schema
+
+
 @pytest.mark.parametrize("schema, words", [
     ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems'"),
@@ -139,10 +145,22 @@ def test_client_regexes(regex, result):
     ({"type": "array", "minItems": 3, "maxItems": 1}, "'minItems' 3 is above 'maxItems' 1"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}, "'required' (at #) must be"),
     ({"anyOf": []}, "'anyOf' (at #) must be a non-empty array"),
+    # each level of arrays (or of additionalProperties' schema) doubles outlines-core's regex, and
+    # the bound missed it: 25 levels of arrays (718 characters) asked for 2.4 GB and aborted the
+    # server. Refused before it is built (at these depths the old bound let it be built, then refused)
+    (_nested({"type": "string"}, "items", 16), "would make a regex of more than"),
+    (_nested({"type": "string"}, "additionalProperties", 14), "would make a regex of more than"),
 ])
 def test_what_cannot_be_enforced_is_named(schema, words):
     with pytest.raises(UnsupportedSchema, match=re.escape(words)):
         schema_to_regex(schema)
+
+
+def test_counts_written_as_floats_and_draft3_required_are_taken():
+    assert schema_to_regex({"type": "string", "maxLength": 3.0}).endswith("{0,3}\"")
+    assert schema_to_regex({"type": "object", "properties": {"a": {"type": "string", "required": True}}})
+    assert len(schema_to_regex(_nested({"type": "string"}, "items", 10))) > 70_000  # still built below the bound
+    assert len(schema_to_regex(_nested({"type": "string"}, "additionalProperties", 10))) > 170_000
 
 
 def test_ascii_digits():
