@@ -157,7 +157,9 @@ def engine_error(e: Exception) -> APIError | None:
     if isinstance(e, ValueError):  # the input processor's InvalidRequest names the field
         return bad_request(str(e), getattr(e, "param", None))
     if isinstance(e, RecursionError):  # JSON text inside a field (a schema, a call's arguments) nested deeper
-        return bad_request("the request nests JSON too deeply")  # than the body's own MAX_JSON_DEPTH allows
+        # than the body's own MAX_JSON_DEPTH allows; logged whole, in case it was our own recursion
+        logger.warning("a request's RecursionError, answered with a 400", exc_info=e)
+        return bad_request("the request nests JSON too deeply")
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, ShuttingDownError):
