@@ -16,16 +16,13 @@ import threading
 import time
 from pathlib import Path
 
-from pageserve.loadtest.common import wait_healthy
+from pageserve.loadtest.common import loopback_socket, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
+    return loopback_socket()
 
 
 class InProcessServer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -78,3 +79,17 @@ def test_accuracy_scores_every_generated_position(tiny_model_dir, capsys):
     assert exact["positions"] >= 40 and exact["top1_agreement"] == 1.0 and exact["max_kl"] < 1e-6
     assert pairs["HF bfloat16 vs HF float32"]["mean_kl"] > exact["mean_kl"]
     assert "top-1 agreement" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_servers_get_ports_below_the_ephemeral_range():
+    """A port of the kernel's ephemeral range, handed to a child to bind, may meanwhile become an
+    outgoing connection's source port (with two test workers a server's bind failed so)."""
+    from pageserve.loadtest.common import free_port
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ranges.is_file():
+        pytest.skip("no Linux port range to stay below")
+    low = int(ranges.read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(1024 <= p < low for p in ports), ports
