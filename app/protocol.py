@@ -132,8 +132,8 @@ class StructuredOutputsFields(_Body):
     json_object: bool | None = None
 
 
-# a function's name as OpenAI takes it (and every tool format here writes)
-TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
+# a function's name as every tool format here writes it; 128 as Anthropic takes (OpenAI: 64), for MCP names
+TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 
 class FunctionDefinition(_Body):
