@@ -22,7 +22,7 @@ from pageserve.runtime.draft_model import draft_model_config
 from pageserve.runtime.encoder_cache import EncoderCacheManager
 from pageserve.runtime.engine_args import GiB, EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
-from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
+from pageserve.runtime.input_processor import InputProcessor, InvalidRequest, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.models import registry
@@ -295,8 +295,9 @@ class LLMEngine:
                 del self._grammar_waiting[rid]
                 try:
                     index = req.grammar.result()
-                except Exception as e:  # noqa: BLE001 - reported to the request's owner
-                    self._fail_request(req.output_id, e if isinstance(e, ValueError) else ValueError(str(e)))
+                except Exception as e:  # noqa: BLE001 - reported to the request's owner, naming its field
+                    self._fail_request(req.output_id, InvalidRequest(
+                        str(e), req.sampling_params.structured_outputs.source or "structured_outputs"))
                     continue
                 req.matcher = self._matcher(req, index)
                 req.grammar = None

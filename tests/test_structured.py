@@ -102,6 +102,7 @@ def test_guided_fields_and_completions(server):
      "json_schema.schema"),
     ({"guided_json": {"type": "string", "format": "ipv6"}}, "guided_json", "format 'ipv6'"),
     ({"guided_regex": "(unclosed"}, "guided_regex", "not a valid regex"),
+    ({"guided_regex": "(?m)^word"}, "guided_regex", "anchored"),  # fails in the grammar worker, not before
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "not several"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
