@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import random
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import httpx
+
+from pageserve.runtime.ports import free_port
 
 
 TOPICS = ["the sun", "a cat", "rain", "music", "a river", "bread", "a computer", "winter", "the moon",
@@ -74,32 +73,6 @@ def save_json(result: dict, path: str | None) -> dict:
         with open(path, "w") as f:
             json.dump({**result, "provenance": provenance()}, f, indent=2)
     return result
-
-
-def loopback_socket() -> socket.socket:
-    """A loopback TCP socket bound to a free port below the kernel's ephemeral range. A port of
-    that range, closed and handed to a child to bind, may meanwhile become the source port of any
-    process's outgoing connection (two test workers made a server's bind fail so)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default; elsewhere a port taken at random below it is as good
-    pick = random.SystemRandom()
-    for attempt in range(65):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:  # the last attempt: any port the kernel gives
-            sock.bind(("127.0.0.1", pick.randrange(max(1024, low - 12000), low) if attempt < 64 and low > 2048 else 0))
-            return sock
-        except OSError:
-            sock.close()
-    raise OSError("no free loopback port")
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (see loopback_socket)."""
-    with loopback_socket() as s:
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout: float, exit_code: Callable[[], int | None] = lambda: None,

@@ -27,7 +27,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import time
 import weakref
 
@@ -39,6 +38,7 @@ from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult
 from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
+from pageserve.runtime.ports import free_port
 from pageserve.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class MultiprocExecutor:
             raise ValueError(f"--node-rank {parallel.node_rank} runs only workers: start that node with "
                              "`pageserve serve --headless` (node 0 runs the engine)")
         self.vocab_size = model_cfg.vocab_size
-        port = parallel.master_port or _free_port(parallel.master_addr)
+        port = parallel.master_port or free_port(parallel.master_addr)
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._dead = False
@@ -329,9 +329,3 @@ def _stop(procs: list, conns: list) -> None:
             proc.join()
     for conn in conns:
         conn.close()
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]

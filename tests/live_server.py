@@ -9,20 +9,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from pageserve.loadtest.common import loopback_socket, wait_healthy
+from pageserve.loadtest.common import wait_healthy
+from pageserve.runtime.ports import port_socket as free_socket
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_socket() -> socket.socket:
-    return loopback_socket()
 
 
 class InProcessServer:

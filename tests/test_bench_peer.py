@@ -85,7 +85,7 @@ def test_accuracy_scores_every_generated_position(tiny_model_dir, capsys):
 def test_servers_get_ports_below_the_ephemeral_range():
     """A port of the kernel's ephemeral range, handed to a child to bind, may meanwhile become an
     outgoing connection's source port (with two test workers a server's bind failed so)."""
-    from pageserve.loadtest.common import free_port
+    from pageserve.runtime.ports import free_port
 
     ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
     if not ranges.is_file():

@@ -18,7 +18,8 @@ import pytest
 
 from pageserve.runtime import LLM, SamplingParams
 from pageserve.runtime.config import SECRET_ENV
-from tests.live_server import ROOT, SubprocessServer, free_socket
+from pageserve.runtime.ports import free_port
+from tests.live_server import ROOT, SubprocessServer
 from tests.test_tensor_parallel import _children, gone, spawned_ranks
 from tests.test_tensor_parallel_models import prompts
 
@@ -31,11 +32,6 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memo
 def _shared_secret(monkeypatch):
     """Both nodes take it from the environment (the subprocesses inherit it)."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
-
-
-def free_port() -> int:
-    with free_socket() as sock:
-        return sock.getsockname()[1]
 
 
 class HeadlessNode:
