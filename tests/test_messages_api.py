@@ -215,6 +215,13 @@ def test_what_claude_code_sends(srv, client):
     with pytest.raises(anthropic.BadRequestError, match="server tools"):
         client.messages.create(model=srv.model, max_tokens=5, messages=ASK,
                                tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    # the second time, the prompt is in the prefix cache: streamed usage splits it as whole usage does
+    client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK)
+    with client.messages.stream(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK) as s:
+        usage = s.get_final_message().usage
+    assert usage.cache_read_input_tokens > 0
+    assert usage.input_tokens + usage.cache_read_input_tokens == client.messages.count_tokens(
+        model=srv.model, messages=ASK).input_tokens
     # an MCP tool's name runs past OpenAI's 64 characters, up to Anthropic's 128
     mcp = {**NOTE, "name": "mcp__" + "a-server" * 6 + "__" + "a_tool" * 10}
     assert len(mcp["name"]) == 115
@@ -223,12 +230,6 @@ def test_what_claude_code_sends(srv, client):
     assert [b.name for b in called.content if b.type == "tool_use"] == ["note"]
     with pytest.raises(anthropic.BadRequestError, match="tools.0.name"):
         client.messages.create(model=srv.model, max_tokens=5, messages=ASK, tools=[{**NOTE, "name": "n" * 129}])
-    # the second time, the prompt is in the prefix cache: streamed usage splits it as whole usage does
-    with client.messages.stream(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK) as s:
-        usage = s.get_final_message().usage
-    assert usage.cache_read_input_tokens > 0
-    assert usage.input_tokens + usage.cache_read_input_tokens == client.messages.count_tokens(
-        model=srv.model, messages=ASK).input_tokens
     srv.wait_idle()
 
 
