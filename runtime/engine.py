@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import time
 
-import torch
 from tokenizers import Tokenizer
 
 from pageserve.grammar.compiler import GrammarCompiler
-from pageserve.grammar.matcher import Matcher, reasoning_end_position
 from pageserve.grammar.vocabulary import backend_tokenizer
-from pageserve.runtime.config import EngineConfig, SchedulingPolicy, SpeculativeConfig
-from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
+from pageserve.runtime.config import EngineConfig, SchedulingPolicy
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
-from pageserve.runtime.draft_model import draft_model_config
 from pageserve.runtime.encoder_cache import EncoderCacheManager
-from pageserve.runtime.engine_args import GiB, EngineArgs
+from pageserve.runtime import engine_setup
+from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
-from pageserve.runtime.input_processor import InputProcessor, InvalidRequest, ProcessedRequest
+from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.models import registry
-from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
-from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from pageserve.runtime.model_runner import ModelRunner
 from pageserve.runtime.multimodal import MultiModalProcessor
 from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
 from pageserve.runtime.outputs import RequestOutput
@@ -35,9 +30,9 @@ from pageserve.runtime.request import LAST_UNFINISHED, Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.spec_decode import make_proposer
 from pageserve.runtime.stats import EngineStats, IterationCounters
+from pageserve.runtime.structured_outputs import StructuredOutputs, advance, check_matcher
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
-from pageserve.runtime.worker import kv_pool_blocks
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,7 +94,7 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
                                      config.scheduler.max_num_seqs, self.grammar.regex,
                                      config.scheduler.policy == SchedulingPolicy.PRIORITY)
-        self._grammar_waiting: dict[str, Request] = {}  # requests whose grammar is compiling
+        self.structured = StructuredOutputs(self.grammar)  # requests' grammars and thinking budgets
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
         self._max_model_len = config.model.max_model_len  # read at every token
@@ -127,46 +122,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        device = args.resolve_device()
-        parallel = args.parallel_config()
-        if device.device.type == "cpu" and parallel.world_size == 1:
-            torch.set_num_threads(device.num_threads)
-            keep_freed_memory()
-            bound_onednn_cache()
-        path = resolve_model(args.model, args.revision, args.download_dir)
-        tokenizer = load_tokenizer(path)
-        model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
-        sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
-        speculative = SpeculativeConfig.parse(args.speculative_config)
-        draft = None if speculative is None or speculative.method != "draft_model" else \
-            draft_model_config(args, speculative, model_cfg, tokenizer, device.device)
-        if parallel.world_size == 1:
-            runner = ModelRunner(model_cfg, device, args.block_size, args.seed, lora=args.lora_config(), draft=draft)
-            executor, num_blocks = UniProcExecutor(runner), kv_pool_blocks(runner, args, sched_cfg)
-        else:  # the workers load their parts and size their pools; one block table must fit them all
-            executor = MultiprocExecutor(args, parallel, model_cfg, device, sched_cfg)
-            num_blocks = executor.num_blocks
+        config, tokenizer, executor = engine_setup.build(args)
         try:
-            # per rank (its stage's layers; the largest stage's); with a draft model's blocks beside the model's
-            block_bytes = executor.runner.block_bytes() if executor.runner else \
-                max(kv_block_bytes(dataclasses.replace(model_cfg, pp_rank=s), args.block_size)
-                    for s in range(parallel.pipeline_parallel_size))
-            num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
-            cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len,
-                                          model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
-            executor.allocate_kv_cache(cache_cfg)
-            config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
-                                  seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,
-                                  multimodal=args.multimodal_config(model_cfg, sched_cfg.max_num_batched_tokens,
-                                                                    device.device),
-                                  lora=args.lora_config(),
-                                  speculative=speculative)
-            logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens in %s (%.2f GiB%s)",
-                        model_cfg.architecture, model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls
-                        else "", num_blocks, args.block_size, str(model_cfg.kv_cache_dtype).removeprefix("torch."),
-                        num_blocks * block_bytes / GiB,
-                        f" per rank, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
-                        f"{parallel.batches_in_flight} batch(es) in flight" if parallel.world_size > 1 else "")
             engine = cls(config, tokenizer, executor)
             started = time.perf_counter()
             engine.warm_up()
@@ -275,45 +232,9 @@ class LLMEngine:
         req.detokenizer = self._detokenizer(req)
         if params.n > 1:
             self.outputs.add_group([req])
-        if p.grammar is not None:
-            # compiled in the grammar worker; the scheduler passes the request over until then
-            req.grammar = self.grammar.submit(p.grammar)
-            req.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self._grammar_waiting[req.request_id] = req
-        elif params.thinking_budget is not None:
-            req.matcher = self._matcher(req, None)
+        self.structured.add(req, p.grammar)
         self.scheduler.add_request(req)
         return req.request_id
-
-    def _resolve_grammars(self) -> None:
-        """Requests whose grammar has compiled may be admitted; a grammar that failed ends its
-        request with the error (see take_failures)."""
-        for rid, req in list(self._grammar_waiting.items()):
-            if req.status != RequestStatus.WAITING_FOR_GRAMMAR:  # aborted meanwhile
-                del self._grammar_waiting[rid]
-            elif req.grammar.done():
-                del self._grammar_waiting[rid]
-                try:
-                    index = req.grammar.result()
-                except Exception as e:  # noqa: BLE001 - reported to the request's owner, naming its field
-                    self._fail_request(req.output_id, InvalidRequest(
-                        str(e), req.sampling_params.structured_outputs.source or "structured_outputs"))
-                    continue
-                req.matcher = self._matcher(req, index)
-                req.grammar = None
-                req.status = RequestStatus.WAITING
-
-    @staticmethod
-    def _matcher(req: Request, index) -> Matcher:
-        """The request's grammar (`index`, None for none) and thinking budget, as one matcher:
-        a budget's end marker is where the grammar starts too."""
-        params = req.sampling_params
-        stop_ids = tuple(dict.fromkeys((*req.eos_token_ids, *params.stop_token_ids)))
-        spec, budget = params.structured_outputs, params.thinking_budget
-        if budget is not None:
-            return Matcher(index, stop_ids, reasoning_end=budget.end, reasoning_start=budget.start,
-                           budget=budget.tokens)
-        return Matcher(index, stop_ids, reasoning_end=spec.reasoning_end, reasoning_start=spec.reasoning_start)
 
     def take_failures(self) -> list[tuple[str, Exception]]:
         """(output id, error) of the requests ended by an error since the last call (a grammar
@@ -347,7 +268,6 @@ class LLMEngine:
         """Abort a request (all its sequences, for n > 1); its blocks are free at once."""
         members = self.outputs.members(request_id) or [self.requests.get(request_id)]
         self.outputs.abort_group(request_id)
-        self._grammar_waiting.pop(request_id, None)
         aborted = False
         for req in members:
             if req is not None and req.request_id in self.requests and not req.status.finished:
@@ -379,8 +299,9 @@ class LLMEngine:
         With a pipeline, up to `batches_in_flight` steps are submitted before the oldest one's
         result is collected, each with its own requests; with async scheduling, two, the newer
         one running decodes ahead of the tokens the older one samples (runtime/scheduler.py)."""
-        if self._grammar_waiting:
-            self._resolve_grammars()
+        if self.structured.waiting:
+            for output_id, error in self.structured.resolve():  # grammars that failed to compile
+                self._fail_request(output_id, error)
         if len(self._in_flight) < self._depth:
             if self.spec is not None:
                 self.spec.propose_all(self.scheduler.idle_running(), self.config.model.max_model_len)
@@ -404,9 +325,8 @@ class LLMEngine:
         except Exception as e:
             raise StepFailed(self._fail_step(sched), e) from e
         if sched.is_empty:
-            if self._grammar_waiting:  # nothing to run but grammars to wait for: no busy loop
-                concurrent.futures.wait([r.grammar for r in self._grammar_waiting.values()],
-                                        timeout=0.02, return_when=concurrent.futures.FIRST_COMPLETED)
+            if self.structured.waiting:  # nothing to run but grammars to wait for: no busy loop
+                self.structured.wait(0.02)
             return []
         runs = self.spec.accept_all(sched.requests, result.spec_tokens) if self.spec is not None else {}
         scheduled = self.scheduler.update_after_step(
@@ -447,7 +367,7 @@ class LLMEngine:
                 self._fail_request(req.output_id, RequestFailedError(
                     f"the engine failed while handling this request's output: {e!r}"))
         self.counters.generation_tokens += len(result.sampled) + sum(map(len, runs.values()))
-        self._record_kv_waste()
+        self.counters.record_step(self.kv.unused_fraction(self.scheduler.running))
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
@@ -503,7 +423,7 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         status = detokenize_and_check_stop(req, token, self._max_model_len)
         if req.matcher is not None and status is None:
-            status = self._advance_grammar(req, token)
+            status = advance(req, token)
         if status is None:
             if req.sampling_params.output_kind is _FINAL_ONLY:
                 return None  # nothing to report before the end
@@ -517,31 +437,6 @@ class LLMEngine:
         if out is not None and out.finished:  # the whole request (all n sequences) is done
             self.counters.count_finished(req.finish_reason)
         return out
-
-    def _advance_grammar(self, req: Request, token: int) -> RequestStatus | None:
-        """Feed the appended token to the request's grammar. While the grammar waits for the
-        end of reasoning, the token is only compared with the end marker: the grammar governs
-        from the next token once the output ends with it (the runner masks only active
-        matchers). Returns FINISHED_STOPPED when the grammar ends the request."""
-        m = req.matcher
-        if m.opening:  # the output's first token: the thinking's opener, or the grammar's first
-            m.opening = False
-            if token == m.reasoning_start:
-                return None
-            m.start = 0
-        elif m.start is None:
-            m.think(token)
-            if m.ends_reasoning(req.token_ids, req.num_prompt_tokens):
-                m.start = req.num_output_tokens
-            return None
-        if m.guide is None:  # a thinking budget alone: nothing to govern after the thinking
-            return None
-        if not m.advance(token):
-            logger.error("request %s sampled token %d that its grammar does not allow", req.request_id, token)
-            return RequestStatus.FINISHED_STOPPED
-        if m.is_terminated():  # the grammar is complete: nothing more to write
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def _fork(self, parent: Request) -> list[Request]:
         """n > 1: the parent's prompt is computed and n first tokens are drawn; the other n - 1
@@ -582,26 +477,5 @@ class LLMEngine:
         swap = self.scheduler.swap
         swap.check_integrity()
         assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
-        for req in self.requests.values():  # where a grammar starts follows from the tokens alone
-            m = req.matcher
-            if m is not None and m.reasoning_end is not None:
-                out = req.output_token_ids
-                if m.reasoning_start is not None and out[:1] != [m.reasoning_start]:
-                    assert m.start == (0 if out else None) and m.opening == (not out), req
-                else:
-                    assert m.start == reasoning_end_position(out, m.reasoning_end), req
-
-    def _record_kv_waste(self) -> None:
-        pool = self.kv.pool
-        slots = (pool.num_blocks - pool.num_free_blocks) * self.kv.block_size
-        if slots:
-            running = self.scheduler.running
-            if self.kv.sliding_window:  # a request holds only its blocks since the window's start
-                held = sum(r.num_computed_tokens - self.kv.num_skipped_blocks(r.num_computed_tokens) * self.kv.block_size
-                           for r in running)
-            else:
-                held = sum(r.num_computed_tokens for r in running)
-            self.counters.kv_waste_sum += max(0.0, 1.0 - held / slots)
-            self.counters.kv_waste_steps += 1
-        self.counters.steps += 1
-
+        for req in self.requests.values():
+            check_matcher(req)

@@ -57,6 +57,19 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def unused_fraction(self, requests) -> float | None:
+        """Of the allocated slots, the fraction not holding a computed token of `requests` (the
+        running ones); None when no block is allocated."""
+        slots = (self.pool.num_blocks - self.pool.num_free_blocks) * self.block_size
+        if not slots:
+            return None
+        if self.sliding_window:  # a request holds only its blocks since the window's start
+            held = sum(r.num_computed_tokens - self.num_skipped_blocks(r.num_computed_tokens) * self.block_size
+                       for r in requests)
+        else:
+            held = sum(r.num_computed_tokens for r in requests)
+        return max(0.0, 1.0 - held / slots)
+
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.req_block_ids.get(request_id, ()))
 

@@ -18,6 +18,13 @@ class IterationCounters:
     step_seconds: float = 0.0  # in the model runner (forward, sampling, swaps, the vision encoder)
     encoder_seconds: float = 0.0  # of which in the vision encoder
 
+    def record_step(self, kv_waste: float | None) -> None:
+        """A step done; `kv_waste`: the KV cache's unused fraction after it (None: nothing held)."""
+        self.steps += 1
+        if kv_waste is not None:
+            self.kv_waste_sum += kv_waste
+            self.kv_waste_steps += 1
+
     def count_finished(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
 

@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model, build_tokenizer
-from pageserve.runtime import engine as engine_module
+from pageserve.runtime import engine_setup
 from pageserve.runtime.model_runner import ModelRunner
 
 SCRIPT_FILE = "pageserve_test_script.json"
@@ -91,7 +91,7 @@ class ScriptedRunner(ModelRunner):
 @contextlib.contextmanager
 def scripted_runner():
     """Engines built meanwhile run a ScriptedRunner (their model directory holds the script)."""
-    with mock.patch.object(engine_module, "ModelRunner", ScriptedRunner):
+    with mock.patch.object(engine_setup, "ModelRunner", ScriptedRunner):
         yield
 
 
