@@ -268,6 +268,7 @@ class LLMEngine:
         """Abort a request (all its sequences, for n > 1); its blocks are free at once."""
         members = self.outputs.members(request_id) or [self.requests.get(request_id)]
         self.outputs.abort_group(request_id)
+        self.structured.waiting.pop(request_id, None)
         aborted = False
         for req in members:
             if req is not None and req.request_id in self.requests and not req.status.finished:

@@ -57,13 +57,13 @@ def build(args: EngineArgs) -> tuple[EngineConfig, object, UniProcExecutor | Mul
                                                                 device.device),
                               lora=args.lora_config(),
                               speculative=speculative)
+        logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens in %s (%.2f GiB%s)",
+                    model_cfg.architecture, model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls
+                    else "", num_blocks, args.block_size, str(model_cfg.kv_cache_dtype).removeprefix("torch."),
+                    num_blocks * block_bytes / GiB,
+                    f" per rank, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
+                    f"{parallel.batches_in_flight} batch(es) in flight" if parallel.world_size > 1 else "")
     except BaseException:
         executor.shutdown()
         raise
-    logger.info("engine ready: %s, %s%s, %d KV blocks of %d tokens in %s (%.2f GiB%s)",
-                model_cfg.architecture, model_cfg.dtype, " (bfloat16 matmuls)" if model_cfg.bf16_matmuls
-                else "", num_blocks, args.block_size, str(model_cfg.kv_cache_dtype).removeprefix("torch."),
-                num_blocks * block_bytes / GiB,
-                f" per rank, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
-                f"{parallel.batches_in_flight} batch(es) in flight" if parallel.world_size > 1 else "")
     return config, tokenizer, executor

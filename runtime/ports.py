@@ -4,6 +4,7 @@ connection, and the child's bind fails (two test workers made a server's bind fa
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -30,8 +31,10 @@ def port_socket(host: str = "127.0.0.1") -> socket.socket:
         try:
             sock.bind((host, port))
             return sock
-        except OSError:
+        except OSError as e:
             sock.close()
+            if e.errno not in (errno.EADDRINUSE, errno.EACCES):  # not this port's fault: no other will do
+                raise
     raise OSError(f"no free port on {host}")
 
 

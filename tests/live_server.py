@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pageserve.loadtest.common import wait_healthy
-from pageserve.runtime.ports import port_socket as free_socket
+from pageserve.runtime.ports import port_socket
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ class InProcessServer:
         self.engine = async_engine.engine
         self.state = ServerState(async_engine, self.engine.tokenizer, self.settings,
                                  self.engine.config.model.max_model_len)
-        self.sock = free_socket()
+        self.sock = port_socket()
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.state), loop="asyncio", http="httptools",
                                 log_level="warning", access_log=False)
@@ -79,7 +79,7 @@ class SubprocessServer:
     def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None,
                  cwd: Path = ROOT, base_env: dict[str, str] | None = None, startup_timeout: float = 120,
                  verify=None):
-        sock = free_socket()
+        sock = port_socket()
         port = sock.getsockname()[1]
         sock.close()
         self.url = f"{'http' if verify is None else 'https'}://127.0.0.1:{port}"

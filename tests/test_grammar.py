@@ -454,6 +454,15 @@ def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):
     assert done[waiting].outputs[0].text in ("yes", "no")
     assert other == "plain"
 
+    engine.grammar.submit = lambda regex: Future()  # a compile that never ends
+    try:
+        aborted = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+            choice=["a"])), request_id="grammar-abort")
+    finally:
+        engine.grammar.submit = real_submit
+    engine.abort_request(aborted)  # a client gone while its grammar compiles: nothing of it is kept
+    assert not engine.structured.waiting and not engine.has_unfinished_requests()
+
 
 @pytest.mark.unit
 def test_a_schema_whose_regex_would_be_huge_is_refused_before_it_is_built(monkeypatch):

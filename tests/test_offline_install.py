@@ -23,7 +23,8 @@ import pytest
 
 from pageserve.loadtest import wheelhouse
 from pageserve.runtime.models.loader import cache_root
-from tests.live_server import ROOT, SubprocessServer, free_socket
+from pageserve.runtime.ports import port_socket
+from tests.live_server import ROOT, SubprocessServer
 
 GiB = 1 << 30
 NETWORK_ERRORS = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
@@ -36,7 +37,7 @@ def _offline_env(home: Path) -> dict[str, str]:
     neither the machine's find-links, extra-index-url nor constraint); every proxy a closed port."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PIP_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    sock = free_socket()
+    sock = port_socket()
     closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.close()
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
