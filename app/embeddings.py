@@ -1,4 +1,4 @@
-"""POST /v1/embeddings: mean-pooled, L2-normalized last hidden states of the served model,
+"""POST /v1/embeddings: the served model's last hidden states pooled (runtime/pooling.py),
 computed as prefill-only requests through the same engine as generation."""
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pageserve.runtime.pooling import PoolerConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,6 +84,8 @@ class ModelConfig:
     # float32 activations rounds each new K and V value as it is written, and the attention widens
     # it as it reads it
     kv_cache_dtype: torch.dtype | None = None
+    # how /v1/embeddings pools the last hidden states (runtime/pooling.py)
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self):
         if self.max_model_len < 1:

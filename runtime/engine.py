@@ -15,7 +15,7 @@ from pageserve.grammar.vocabulary import backend_tokenizer
 from pageserve.runtime.config import EngineConfig, SchedulingPolicy
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
 from pageserve.runtime.encoder_cache import EncoderCacheManager
-from pageserve.runtime import engine_setup
+from pageserve.runtime import engine_setup, pooling
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
@@ -93,7 +93,8 @@ class LLMEngine:
         self.grammar = GrammarCompiler(tokenizer)
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
                                      config.scheduler.max_num_seqs, self.grammar.regex,
-                                     config.scheduler.policy == SchedulingPolicy.PRIORITY)
+                                     config.scheduler.policy == SchedulingPolicy.PRIORITY,
+                                     config.model.pooler.unsupported)
         self.structured = StructuredOutputs(self.grammar)  # requests' grammars and thinking budgets
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
@@ -385,10 +386,10 @@ class LLMEngine:
             # after a recompute, positions already recorded come again: keep the first
             req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
         if part is not None:
-            req.pooled_sum = part if req.pooled_sum is None else req.pooled_sum + part
+            req.pooled_sum = pooling.combine(req.pooled_sum, part, self.config.model.pooler.pooling_type)
             if req.num_computed_tokens == req.num_tokens:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
-                return [self.outputs.embedding_output(req)]
+                return [self.outputs.embedding_output(req, self.config.model.pooler)]
             return []
         if not tokens:
             return []

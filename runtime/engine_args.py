@@ -19,6 +19,7 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
 from pageserve.runtime.pipeline import head_cost, layer_partition
+from pageserve.runtime.pooling import pooler_config
 from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (default: max_loras)
     speculative_config: dict | str | None = None  # {"method": "ngram", ...} or its JSON
+    pooler_config: dict | str | None = None  # {"pooling_type": "LAST", "normalize": true} or its JSON
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -138,6 +140,10 @@ class EngineArgs:
         g.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(quantization.CHOICES) + "}",
                        help="force a quantization method; fp8 quantizes an unquantized checkpoint at load time "
                             "(default: config.json's quantization_config)")
+        g.add_argument("--pooler-config", default=None, metavar="JSON",
+                       help='how /v1/embeddings pools, as vLLM: {"pooling_type": "MEAN" | "LAST" | "CLS", '
+                            '"normalize": true} (default: the model\'s sentence-transformers files, else the mean, '
+                            'normalized)')
         g.add_argument("--max-model-len", type=int, default=None,
                        help="context length, prompt + output (default: the model's own limit)")
         g.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers")
@@ -383,6 +389,7 @@ class EngineArgs:
                 pp_layers=self.pipeline_stages(arch, hf),
                 sliding_window=registry.kv_sliding_window(arch, hf, hf["num_hidden_layers"])
                 if windowed else 0,
+                pooler=pooler_config(path, self.pooler_config),
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None

@@ -36,8 +36,9 @@ class ProcessedRequest:
 
 class InputProcessor:
     def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex,
-                 priority_scheduling: bool = False):
+                 priority_scheduling: bool = False, embeddings_refused: str | None = None):
         self.tokenize = tokenize  # text -> token ids
+        self.embeddings_refused = embeddings_refused  # why the model's embeddings cannot be made here
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -85,6 +86,9 @@ class InputProcessor:
                                 cache_salt, grammar, tuple(mm_items), priority=priority)
 
     def process_embedding(self, prompt: str | list[int], param: str = "input") -> ProcessedRequest:
+        if self.embeddings_refused:
+            raise InvalidRequest(f"this model's embeddings need {self.embeddings_refused}, which pageserve does not "
+                                 "apply")
         ids = self._prompt_ids(prompt, param, self.max_model_len)
         if len(ids) > self.max_model_len:
             raise self.too_long(len(ids), param)

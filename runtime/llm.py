@@ -59,6 +59,19 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
 
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`), as /v1/embeddings gives it: the
+        last hidden states pooled as the model's pooler says (runtime/pooling.py)."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        checked = []
+        for i, p in enumerate(prompts):
+            try:
+                checked.append(self.engine.inputs.process_embedding(p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return self._run([self.engine.add_processed(c) for c in checked], use_tqdm)
+
     def _process(self, prompt, params: SamplingParams, salt: str | None, images, priority: int):
         if images is None:
             return self.engine.inputs.process(prompt, params, salt, priority=priority)

@@ -28,6 +28,7 @@ from pageserve.runtime.multimodal import EncoderOutputs
 from pageserve.runtime.quantization.kv_scales import KVScales
 from pageserve.runtime.quantization.load import BlockStorage, PackedStorage, quantized_load
 from pageserve.runtime.pipeline import StageLink
+from pageserve.runtime.pooling import chunk_part
 from pageserve.runtime.request import child_id
 from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.step_inputs import BlockTables, step_inputs
@@ -387,7 +388,8 @@ class ModelRunner:
         if any(r.pool or r.draft_tokens or r.sampling_params.prompt_logprobs is not None for r in out.requests):
             starts = [0, *itertools.accumulate(len(r.token_ids) for r in out.requests)]
             if any(r.pool for r in out.requests):
-                result.pooled = [hidden[starts[i]:starts[i + 1]].float().sum(dim=0)
+                pooling_type = self.model_cfg.pooler.pooling_type
+                result.pooled = [chunk_part(hidden[starts[i]:starts[i + 1]], pooling_type)
                                  for i, r in enumerate(out.requests) if r.pool]
             if any(r.sampling_params.prompt_logprobs is not None for r in out.requests):
                 result.prompt_logprobs = self._prompt_logprobs(out, hidden, starts)
