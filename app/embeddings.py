@@ -26,28 +26,33 @@ async def embeddings(request: Request) -> Response:
     if body.dimensions is not None:
         raise bad_request("dimensions is not supported: the model has one embedding size", "dimensions")
     inputs = await prompt_token_ids(state, split_prompts(body.input))
-    engine = state.engine
-    base = request_id("embd", request)
-    suffix = uuid.uuid4().hex[:8]
-    stream = engine.new_stream(len(inputs), "input")
-    try:
-        index = {}
-        for i, ids in enumerate(inputs):
-            rid = f"{base}-{suffix}-{i}"
-            engine.add_embedding_request(stream, rid, ids, lora=state.adapters.get(model))
-            index[rid] = i
-        outs = await until_disconnected(request, collect(stream))
-    finally:
-        stream.abort()
+    vectors = await embed(state, request, model, inputs, "input")
 
     def build() -> dict:
         data = []
-        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
-            vector = outs[rid].embedding
+        for i, vector in enumerate(vectors):
             if body.encoding_format == "base64":
                 vector = base64.b64encode(array("f", vector).tobytes()).decode()  # little-endian float32
             data.append({"object": "embedding", "index": i, "embedding": vector})
         num_tokens = sum(len(ids) for ids in inputs)
         return {"object": "list", "data": data, "model": model,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-    return await reply(build, sum(len(out.embedding) for out in outs.values()) >= LARGE_REPLY_FLOATS)
+    return await reply(build, sum(map(len, vectors)) >= LARGE_REPLY_FLOATS)
+
+
+async def embed(state: ServerState, request: Request, model: str, inputs: list[list[int]],
+                params: str | list[str]) -> list[list[float]]:
+    """The embedding of each input, in order (`params`: the request field they came from, or
+    each one's); their requests are aborted if the client goes."""
+    engine = state.engine
+    params = [params] * len(inputs) if isinstance(params, str) else params
+    base = f"{request_id('embd', request)}-{uuid.uuid4().hex[:8]}"
+    stream = engine.new_stream(len(inputs), params[-1])
+    try:
+        ids = [f"{base}-{i}" for i in range(len(inputs))]
+        for rid, tokens, param in zip(ids, inputs, params):
+            engine.add_embedding_request(stream, rid, tokens, param, lora=state.adapters.get(model))
+        outs = await until_disconnected(request, collect(stream))
+    finally:
+        stream.abort()
+    return [outs[rid].embedding for rid in ids]

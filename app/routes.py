@@ -23,6 +23,7 @@ from pageserve.app.messages import count_tokens, create_message
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, ResponsesRequest, TokenizeRequest)
+from pageserve.app.score import RerankRequest, ScoreRequest, rerank, score
 from pageserve.app.responses import create_response, delete_response, get_response, list_input_items
 from pageserve.app.state import ServerSettings, ServerState
 
@@ -103,8 +104,13 @@ ROUTES = (
               "A message (Anthropic's Messages API), whole or streamed as its named events (SSE)", MessagesRequest),
     RouteSpec("/v1/messages/count_tokens", "post", count_tokens,
               "The prompt tokens of a Messages API conversation", CountTokensRequest),
-    RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (mean-pooled last hidden states)",
+    RouteSpec("/v1/embeddings", "post", embeddings, "Embeddings (the last hidden states pooled as the model says)",
               EmbeddingRequest),
+    *(RouteSpec(path, "post", score, "Scores of text pairs: their embeddings' cosine similarity (vLLM's)",
+                ScoreRequest) for path in ("/score", "/v1/score")),
+    *(RouteSpec(path, "post", rerank, "Documents ordered by their embeddings' cosine similarity to a query "
+                "(vLLM's, in the Jina and Cohere shape)", RerankRequest)
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     RouteSpec("/v1/models", "get", models, "The served models and LoRA adapters"),
     RouteSpec("/v1/load_lora_adapter", "post", load_lora_adapter, "Load a LoRA adapter (PEFT directory) to serve",
               LoadLoRAAdapterRequest, lora_admin=True),
