@@ -386,7 +386,7 @@ class LLMEngine:
             # after a recompute, positions already recorded come again: keep the first
             req.prompt_logprobs.extend(entries[len(req.prompt_logprobs) - first:])
         if part is not None:
-            req.pooled_sum = pooling.combine(req.pooled_sum, part, self.config.model.pooler.pooling_type)
+            req.pooled = pooling.combine(req.pooled, part, self.config.model.pooler.pooling_type)
             if req.num_computed_tokens == req.num_tokens:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 return [self.outputs.embedding_output(req, self.config.model.pooler)]

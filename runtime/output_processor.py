@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pageserve.runtime import pooling
 from pageserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pageserve.runtime.pooling import PoolerConfig
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.sampling.params import RequestOutputKind
 
@@ -106,8 +105,8 @@ class OutputProcessor:
         self.groups.pop(output_id, None)
 
     @staticmethod
-    def embedding_output(req: Request, pooler: PoolerConfig) -> RequestOutput:
-        embedding = pooling.embedding(req.pooled_sum, req.num_tokens, pooler)
+    def embedding_output(req: Request, pooler: pooling.PoolerConfig) -> RequestOutput:
+        embedding = pooling.embedding(req.pooled, req.num_tokens, pooler)
         return RequestOutput(
             request_id=req.output_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             finished=True, embedding=embedding, metrics=_metrics(req), lora_request=req.lora)

@@ -46,7 +46,7 @@ class Request:
         "request_id", "prompt_token_ids", "token_ids", "num_prompt_tokens", "sampling_params",
         "status", "num_computed_tokens", "max_tokens", "arrival_time", "stop_reason",
         "eos_token_ids", "prompt", "cache_salt", "first_token_time", "finished_time",
-        "detokenizer", "num_sent_tokens", "pooling", "pooled_sum", "output_id", "index",
+        "detokenizer", "num_sent_tokens", "pooling", "pooled", "output_id", "index",
         "num_samples", "logprobs", "prompt_logprobs", "scheduled_time", "num_prompt_counted",
         "grammar", "matcher", "num_cached_tokens", "mm_items", "encoder_seconds", "lora", "draft_tokens",
         "priority",
@@ -82,7 +82,7 @@ class Request:
         self.num_sent_tokens = 0  # output tokens already handed out (streaming)
         # embedding requests: prefill only, summing the last hidden states of every token
         self.pooling = pooling
-        self.pooled_sum = None
+        self.pooled = None
         # n > 1: the parent samples n first tokens, then forks into n sequences that share the
         # prompt's blocks; all report under output_id with their own index
         self.output_id = request_id

@@ -407,7 +407,7 @@ class Scheduler:
         else:  # recompute: nothing kept but the tokens
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
-            req.pooled_sum = None  # an embedding request pools its tokens again
+            req.pooled = None  # an embedding request pools its tokens again
             self.waiting.appendleft(req)
             self.num_recomputed += 1
         req.draft_tokens = []
