@@ -9,12 +9,21 @@ text."""
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 # prompt tokens given to the decoder as context: enough for it to know whether the first
 # output token starts a word (SentencePiece drops a leading space at the start of a text)
 _CONTEXT_TOKENS = 4
+
+
+@functools.lru_cache(maxsize=16)
+def _stop_prefixes(stop: tuple[str, ...]) -> frozenset[str]:
+    """Shared by the requests (and n > 1 sequences) with the same stop strings: 64 strings of
+    256 characters make 16K prefixes, 3 MB a set."""
+    return frozenset(s[:k] for s in stop for k in range(1, len(s)))
 
 
 class IncrementalDetokenizer:
@@ -39,7 +48,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         # every proper prefix of a stop string: text ending in one is held back
-        self.stop_prefixes = {s[:k] for s in stop for k in range(1, len(s))}
+        self.stop_prefixes = _stop_prefixes(tuple(stop))
 
     def _whole_chars(self, context: list[int]) -> list[int]:
         # context that ends inside a character would leak into the first output text

@@ -68,6 +68,15 @@ def test_held_back_text_is_released_when_the_stop_does_not_come(tokenizer):
     assert not "".join(pieces[:-1]).endswith("abc")
 
 
+def test_requests_with_the_same_stop_strings_share_their_prefixes(tokenizer):
+    """64 stop strings of 256 characters make 16K prefixes (3 MB): a thousand requests (or an
+    n = 128 one's sequences) with the same stops held a set each, 3.4 GB in all."""
+    stops = [f"{i:03d}" + "x" * 253 for i in range(64)]
+    tok = backend_tokenizer(tokenizer)
+    a, b = (IncrementalDetokenizer(tok, [5], list(stops), False, True) for _ in range(2))
+    assert a.stop_prefixes is b.stop_prefixes and len(a.stop_prefixes) == 16200
+
+
 def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer.encode("one two three four", add_special_tokens=False)
     _, found, detok = _stream(tokenizer, ids, stop=["four", "two"])
