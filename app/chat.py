@@ -92,7 +92,7 @@ async def chat_prompt(state: ServerState, body, param: str = "messages") -> tupl
     if images:  # the template wrote the special tokens
         ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False)
         return text, ids, items
-    return text, await state.tokenize(text, add_special_tokens=False), ()
+    return text, await state.tokenize(text, add_special_tokens=False, param=param), ()
 
 
 async def load_images(state: ServerState, messages: list[ChatMessage], param: str) -> list:

@@ -24,9 +24,13 @@ def split_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Texts tokenized; token ids as they are (the engine checks them as it takes them)."""
-    texts = iter(await state.tokenize_all([p for p in prompts if isinstance(p, str)]))
+async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]],
+                           param: str | list[str]) -> list[list[int]]:
+    """Texts tokenized; token ids as they are (the engine checks them as it takes them).
+    `param`: the request field they came from, or each one's."""
+    fields = [param] * len(prompts) if isinstance(param, str) else param
+    texts = iter(await state.tokenize_all([p for p in prompts if isinstance(p, str)],
+                                          [f for p, f in zip(prompts, fields) if isinstance(p, str)]))
     return [next(texts) if isinstance(p, str) else p for p in prompts]
 
 
@@ -38,7 +42,7 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = split_prompts(body.prompt)
-    ids = await prompt_token_ids(state, prompts)
+    ids = await prompt_token_ids(state, prompts, "prompt")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs,
                              body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,

@@ -25,7 +25,7 @@ async def embeddings(request: Request) -> Response:
     model = state.check_model(body.model)
     if body.dimensions is not None:
         raise bad_request("dimensions is not supported: the model has one embedding size", "dimensions")
-    inputs = await prompt_token_ids(state, split_prompts(body.input))
+    inputs = await prompt_token_ids(state, split_prompts(body.input), "input")
     vectors = await embed(state, request, model, inputs, "input")
 
     def build() -> dict:

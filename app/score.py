@@ -58,7 +58,7 @@ async def _scored(state: ServerState, request: Request, model: str, pairs: list[
     for pair in pairs:
         for text, field in zip(pair, fields):
             texts.setdefault(text, field)
-    ids = await prompt_token_ids(state, list(texts))
+    ids = await prompt_token_ids(state, list(texts), list(texts.values()))
     vectors = dict(zip(texts, await embed(state, request, model, ids, list(texts.values()))))
     floats = 2 * len(pairs) * len(next(iter(vectors.values())))
     return await reply(lambda: build(_cosines([(vectors[a], vectors[b]) for a, b in pairs]), sum(map(len, ids))),

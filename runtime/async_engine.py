@@ -170,13 +170,13 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Thread-safe."""
-        return self.engine.tokenize(text, add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+        """Thread-safe; with `param`, a text far too long is refused (Engine.tokenize_all)."""
+        return self.engine.tokenize(text, add_special_tokens, param)
 
-    def tokenize_all(self, texts: list[str]) -> list[list[int]]:
-        """Thread-safe."""
-        return self.engine.tokenize_all(texts)
+    def tokenize_all(self, texts: list[str], param: str | list[str] | None = None) -> list[list[int]]:
+        """Thread-safe; with `param`, a text far too long is refused (Engine.tokenize_all)."""
+        return self.engine.tokenize_all(texts, param=param)
 
     @property
     def image_placeholder(self) -> str | None:

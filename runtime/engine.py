@@ -178,14 +178,22 @@ class LLMEngine:
 
     # ---- requests in ----
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """Thread-safe: the Rust tokenizer is only read."""
-        return self.tokenize_all([text], add_special_tokens)[0]
+        return self.tokenize_all([text], add_special_tokens, param)[0]
 
-    def tokenize_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def tokenize_all(self, texts: list[str], add_special_tokens: bool = True,
+                     param: str | list[str] | None = None) -> list[list[int]]:
         """encode_batch lets go of the GIL while it works (encode holds it: 20 MB of text in a
-        worker thread held the event loop 20 s)."""
-        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        worker thread held the event loop 20 s). With `param` (the request field they came from,
+        or each one's), a text far longer than the context is refused from a part of it."""
+        def encode(texts: list[str]) -> list:
+            return self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        if param is not None:
+            fields = [param] * len(texts) if isinstance(param, str) else param
+            for text, field in zip(texts, fields):
+                self.inputs.check_text_length(text, lambda part: len(encode([part])[0]), field)
+        return [e.ids for e in encode(texts)]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,

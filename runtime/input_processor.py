@@ -6,10 +6,18 @@ request field at fault (`param`), for the server's 400."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.sampling.params import SamplingParams
+
+
+# a text is tokenized whole only once a part of it this many characters per token of the context
+# (doubling from there) is found to fit; English runs about 4 characters a token
+PROBE_CHARS_PER_TOKEN = 8
+# the tokens a part may have beyond the whole text, where it was cut (one at most was seen)
+BOUNDARY_TOKENS = 16
 
 
 class InvalidRequest(ValueError):
@@ -107,10 +115,23 @@ class InputProcessor:
                 raise InvalidRequest(f"{param}: token id {t!r} is outside the vocabulary (valid ids are 0 "
                                      f"to {self.vocab_size - 1})", param)
 
-    def too_long(self, num_tokens: int, param: str) -> InvalidRequest:
+    def too_long(self, num_tokens: int, param: str, at_least: bool = False) -> InvalidRequest:
         return InvalidRequest(
             f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-            f"has {num_tokens} input tokens. Please reduce the length of the input.", param)
+            f"has {'at least ' if at_least else ''}{num_tokens} input tokens. Please reduce the length of the "
+            "input.", param)
+
+    def check_text_length(self, text: str, count: Callable[[str], int], param: str) -> None:
+        """Refuse a text far longer than the context from a part of it (`count`: a text's number
+        of tokens): tokenizing a whole 30 MB prompt took 48 s and 7 GB before its length could be
+        checked. The part tried doubles until it holds more tokens than the context, or is the
+        whole text (which the caller then tokenizes), so a text that fits costs at most twice."""
+        size = PROBE_CHARS_PER_TOKEN * (self.max_model_len + 1)
+        while size < len(text):
+            num_tokens = count(text[:_word_start(text, size)]) - BOUNDARY_TOKENS
+            if num_tokens > self.max_model_len:
+                raise self.too_long(num_tokens, param, at_least=True)
+            size *= 2
 
     def _prompt_ids(self, prompt, param: str, limit: int) -> list[int]:
         """The prompt's token ids, checked: its length against `limit` first, then each id (a
@@ -118,6 +139,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("the prompt is empty", param)
+            self.check_text_length(prompt, lambda part: len(self.tokenize(part)), param)
             ids = self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -130,6 +152,13 @@ class InputProcessor:
             raise self.too_long(len(ids), param)
         self.check_token_ids(ids, param)
         return ids
+
+
+def _word_start(text: str, end: int) -> int:
+    """Where the text's part ends: before the last space of its last 256 characters (so that
+    the part's tokens are the whole text's, up to a word split in two), or at `end`."""
+    space = text.rfind(" ", max(end - 256, 1), end)
+    return space if space > 0 else end
 
 
 def _check_salt(cache_salt) -> None:

@@ -57,7 +57,8 @@ def test_health_keeps_answering_while_8_million_ids_are_refused(tiny_model_dir):
                 if body.endswith(b"]}"):  # the ids' count named
                     assert str(MILLIONS) in answer["body"]["error"]["message"]
                 waits.sort()
-                assert len(waits) >= 10, waits
+                # a prompt text far too long is refused from its first part, at once
+                assert len(waits) >= (1 if status == 400 and body.endswith(b'"}') else 10), waits
                 assert waits[len(waits) // 2] < 0.05 and waits[-1] < 0.5, \
                     f"{path}: /health waited {waits[len(waits) // 2]:.3f} s (median), {waits[-1]:.3f} s (most)"
         ok = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [7] * 100, "max_tokens": 2}, timeout=30)
@@ -79,6 +80,80 @@ def test_a_prompt_too_long_is_refused_before_its_ids_are_read(tiny_llm):
         inputs.process_embedding(too_long)
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         inputs.process([1, 10**9], SamplingParams())
+
+
+@pytest.mark.unit
+def test_a_text_far_too_long_is_refused_from_a_part_of_it(tiny_llm, monkeypatch):
+    """Tokenizing a whole 30 MB prompt took 48 s and 7 GB before its length was checked. A text
+    is now tokenized in parts that double from 8 characters a token of the context: one far too
+    long is refused from the first (naming a lower bound of its tokens), one that fits is
+    tokenized whole, with its exact ids, at most twice over."""
+    from pageserve.runtime.input_processor import PROBE_CHARS_PER_TOKEN, InvalidRequest
+
+    engine = tiny_llm.engine
+    limit = engine.inputs.max_model_len
+    tokenizer, seen = engine._tokenizer, []
+
+    class Recording:
+        def encode_batch(self, texts, **kw):
+            seen.extend(map(len, texts))
+            return tokenizer.encode_batch(texts, **kw)
+    monkeypatch.setattr(engine, "_tokenizer", Recording())
+    first = PROBE_CHARS_PER_TOKEN * (limit + 1)
+    for text in ("hello world " * 250_000, "x" * 3_000_000):
+        seen.clear()
+        with pytest.raises(InvalidRequest, match=f"length is {limit} tokens. However, your request has at "
+                                                 r"least \d+ input tokens") as e:
+            engine.tokenize_all(["fits", text], param="prompt")
+        assert e.value.param == "prompt" and int(str(e.value).split("at least ")[1].split()[0]) > limit
+        assert max(seen) <= first, seen  # only the first part was read
+    with pytest.raises(InvalidRequest, match="at least") as e:  # the offline path, the same check
+        engine.inputs.process("hello world " * 250_000, _params())
+    sparse = "<|endoftext|>" * (limit - 8)  # 13 characters a token: it fits, and runs past the first part
+    seen.clear()
+    assert len(sparse) > first and engine.tokenize_all([sparse], param="input") == [tokenizer.encode(sparse).ids]
+    assert sum(seen) <= 3 * len(sparse), seen
+    over = "hello world " * (limit // 8)  # too long, but shorter than a part: counted whole, exactly
+    with pytest.raises(InvalidRequest, match=f"has {len(tokenizer.encode(over).ids)} input tokens"):
+        engine.inputs.process(engine.tokenize(over, param="prompt"), _params())
+    assert len(engine.tokenize("hello world " * 250_000)) > limit  # without a field (/tokenize): whole
+
+
+def _params():
+    from pageserve.sampling.params import SamplingParams
+
+    return SamplingParams()
+
+
+@pytest.mark.unit
+def test_a_part_of_a_text_has_no_more_tokens_than_the_whole():
+    """What the refusal above rests on: a part cut before a space has no more tokens than the
+    whole text but one (the refusal allows BOUNDARY_TOKENS), for byte-level BPE (GPT-2's split,
+    as Llama 3 and Qwen), a Metaspace one (SentencePiece's, as Llama 2 and Gemma) and one with no
+    split at all. Cut anywhere, the byte-level part had one token more than the whole."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from pageserve.runtime.input_processor import BOUNDARY_TOKENS, _word_start
+
+    assert BOUNDARY_TOKENS >= 1
+
+    rng = random.Random(0)
+    pieces = ["the", " quick", "  ", "\n", "\n\n", ".", "...", "'s", "🙂", "你好", "123456", "\t", "=" * 12,
+              " " * 9, "ab" * 20, "x", ",", "déjà", "\r\n"]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(200, 2000))) for _ in range(40)]
+    for split in (pre_tokenizers.ByteLevel(add_prefix_space=False), pre_tokenizers.Metaspace(), None):
+        tok = Tokenizer(models.BPE())
+        if split is not None:
+            tok.pre_tokenizer = split
+        alphabet = pre_tokenizers.ByteLevel.alphabet() if isinstance(split, pre_tokenizers.ByteLevel) else []
+        tok.train_from_iterator(texts[:20], trainers.BpeTrainer(vocab_size=600, initial_alphabet=alphabet))
+        for text in texts:
+            whole = len(tok.encode(text).ids)
+            for end in rng.sample(range(1, len(text)), 30):
+                part = len(tok.encode(text[:_word_start(text, end)]).ids)
+                assert part - 1 <= whole, (split, text, end, part, whole)
 
 
 @pytest.mark.unit
