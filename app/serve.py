@@ -16,6 +16,7 @@ from pathlib import Path
 import orjson
 import uvicorn
 
+from pageserve.app.http_protocol import HeadLimits, protocol_class
 from pageserve.app.lora import RUNTIME_UPDATING_ENV, parse_lora_modules, runtime_updating_allowed
 from pageserve.app.reasoning import REASONING_PARSERS
 from pageserve.app.state import ServerSettings
@@ -94,6 +95,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="client certificates: 0 not asked for, 1 checked when given, 2 required (mutual TLS; "
                         "needs --ssl-ca-certs)")
     g.add_argument("--max-request-body-mb", type=float, default=32.0, help="larger request bodies get a 413")
+    g.add_argument("--h11-max-incomplete-event-size", type=int, default=HeadLimits.max_bytes, metavar="BYTES",
+                   help="the most bytes of a request's line and headers; more get a 431 (vLLM's name)")
+    g.add_argument("--h11-max-header-count", type=int, default=HeadLimits.max_headers, metavar="N",
+                   help="the most header lines of a request; more get a 431 (vLLM's name)")
     g.add_argument("--max-prompt-logprobs-tokens", type=int, default=32768,
                    help="prompt tokens one request may ask logprobs of (echo with logprobs, or prompt_logprobs)")
     g = parser.add_argument_group("observability")
@@ -265,6 +270,7 @@ def run(ns: argparse.Namespace) -> int:
     # checked before the model loads, so that a bad flag fails in a second
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
     tls = tls_options(ns)
+    head = HeadLimits(ns.h11_max_incomplete_event_size, ns.h11_max_header_count)
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
                                log_stats_interval=float("inf") if ns.disable_log_stats else 5.0,
                                request_timeout=ns.request_timeout)
@@ -288,7 +294,7 @@ def run(ns: argparse.Namespace) -> int:
                 "https" if tls else "http", ns.host, ns.port, " (API key required)" if settings.api_keys else "",
                 "; chat page at /" if settings.enable_frontend else "")
     # uvicorn's own grace period only backs ours up: by then every request has ended
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http="httptools",
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http=protocol_class(head),
                             log_level=ns.uvicorn_log_level, access_log=False,
                             timeout_graceful_shutdown=ns.shutdown_timeout + 5, **tls)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous

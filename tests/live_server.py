@@ -22,9 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class InProcessServer:
-    def __init__(self, engine_args, shutdown_timeout: float = 5.0, **settings):
+    """`head_limits`: app/http_protocol.py's HeadLimits (the defaults when None)."""
+
+    def __init__(self, engine_args, shutdown_timeout: float = 5.0, head_limits=None, **settings):
         import uvicorn
 
+        from pageserve.app.http_protocol import HeadLimits, protocol_class
         from pageserve.app.serve import GracefulServer
         from pageserve.app.server import build_app
         from pageserve.app.state import ServerSettings, ServerState
@@ -39,8 +42,8 @@ class InProcessServer:
                                  self.engine.config.model.max_model_len)
         self.sock = port_socket()
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.state), loop="asyncio", http="httptools",
-                                log_level="warning", access_log=False)
+        config = uvicorn.Config(build_app(self.state), loop="asyncio",
+                                http=protocol_class(head_limits or HeadLimits()), log_level="warning", access_log=False)
         self.server = GracefulServer(config, async_engine, shutdown_timeout)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
