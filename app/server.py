@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from pageserve.app.body_check import BodyChecker
 from pageserve.app.errors import APIError
-from pageserve.app.http import OWNER, json_response
+from pageserve.app.http import OWNER, BodyBudget, json_response
 from pageserve.app.messages import anthropic_error
 from pageserve.app.metrics import Metrics
 from pageserve.app.openapi import openapi_document
@@ -30,6 +30,8 @@ from pageserve.app.state import ServerState
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
+# the request bodies of the largest size (--max-request-body-mb) the server reads at once
+BODIES_AT_ONCE = 8
 
 
 class CrossSiteMiddleware:
@@ -216,6 +218,7 @@ def build_app(state: ServerState) -> Starlette:
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.server = state
     app.state.body_checker = BodyChecker(state.max_model_len)  # bodies of many values, parsed aside first
+    app.state.body_budget = BodyBudget(BODIES_AT_ONCE * state.settings.max_request_body_bytes)
     app.state.metrics = Metrics(state.engine, state.model_name, state.settings.log_requests,
                                 state.settings.log_prompts, state.detokenize)
     app.state.openapi = openapi_document(served)
