@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pageserve.sampling.penalties import TokenCounts, apply_penalties
@@ -79,17 +80,20 @@ class SamplingMetadata:
             if device.type == "cuda" and self.any_truncated:  # for a draw without a sync; in the step's one copy
                 up += [("cut_rows", cut, torch.int64), ("maybe_full_rows", maybe_full, torch.int64)]
 
-        # (row, token, value) triples: logit bias added, and tokens banned by min_tokens
-        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
-        banned = [(i, t) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
-                  for t in (*r.params.stop_token_ids, *(() if r.params.ignore_eos else r.eos_token_ids))]
+        # (row, token, value) of the logit bias and (row, token) of the tokens min_tokens holds
+        # back, from arrays each request made once
+        bias = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]
+        banned = [(i, np.concatenate((r.params.stop_token_array,
+                                      np.asarray(() if r.params.ignore_eos else r.eos_token_ids, dtype=np.int64))))
+                  for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+        banned = [(i, tokens) for i, tokens in banned if len(tokens)]
         if bias:
-            rows_at, tokens, values = zip(*bias)
-            up += [("bias_rows", rows_at, torch.int64), ("bias_tokens", tokens, torch.int64),
-                   ("bias_values", values, torch.float32)]
+            up += [("bias_rows", _repeat_rows([(i, a[0]) for i, a in bias]), torch.int64),
+                   ("bias_tokens", np.concatenate([a[0] for _, a in bias]), torch.int64),
+                   ("bias_values", np.concatenate([a[1] for _, a in bias]), torch.float32)]
         if banned:
-            rows_at, tokens = zip(*banned)
-            up += [("banned_rows", rows_at, torch.int64), ("banned_tokens", tokens, torch.int64)]
+            up += [("banned_rows", _repeat_rows(banned), torch.int64),
+                   ("banned_tokens", np.concatenate([tokens for _, tokens in banned]), torch.int64)]
 
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         if pen:
@@ -129,6 +133,11 @@ def sync_free_rows(params: list[SamplingParams], truncated: list[bool], vocab_si
     maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
                   if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
     return cut, maybe_full
+
+
+def _repeat_rows(rows: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """Each row index as many times as its array has entries."""
+    return np.repeat([i for i, _ in rows], [len(a) for _, a in rows])
 
 
 def _upload_many(items: list[tuple], device: torch.device) -> list[torch.Tensor]:

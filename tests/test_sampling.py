@@ -123,14 +123,14 @@ def test_the_draw_without_a_sync_takes_the_same_tokens(vocab):
     assert sync_free_rows(params, truncated, vocab) == (meta.cut_rows.tolist(), meta.maybe_full_rows.tolist())
 
 
-def _reference_process(logits, params, prompts, histories):
+def _reference_process(logits, params, prompts, histories, eos=None):
     """Straightforward per-row, per-token loops."""
     out = logits.clone()
     for i, p in enumerate(params):
         for t, b in p.logit_bias.items():
             out[i, t] += b
         if len(histories[i]) < p.min_tokens:
-            for t in (1, *p.stop_token_ids):  # 1 is the EOS in _rows
+            for t in ((() if p.ignore_eos else eos[i]) if eos else (1,)) + tuple(p.stop_token_ids):  # 1: _rows' EOS
                 out[i, t] = -math.inf
         seen = set(prompts[i]) | set(histories[i])
         for t in range(out.shape[1]):
@@ -152,16 +152,18 @@ def test_penalties_and_logit_bias_match_a_plain_reference():
             frequency_penalty=rng.uniform(-2, 2) if i % 4 else 0.0,
             repetition_penalty=rng.uniform(0.5, 2.0) if i % 2 else 1.0,
             logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randint(0, 4))},
-            min_tokens=rng.choice([0, 3, 10]), stop_token_ids=[rng.randrange(2, vocab)], max_tokens=20))
+            min_tokens=rng.choice([0, 3, 10]) if i % 5 else 20, ignore_eos=i % 5 == 0, max_tokens=20,
+            stop_token_ids=[rng.randrange(2, vocab) for _ in range(i % 3)]))
         prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 10))])
         histories.append([rng.randrange(vocab) for _ in range(rng.randint(0, 15))])
     logits = torch.randn(batch, vocab)
     counts = TokenCounts(vocab, torch.device("cpu"), capacity=2)  # grows on the way
-    rows = [SampleRow(f"r{i}", p, prompts[i] + histories[i], len(prompts[i]), (1,))
+    eos = [((), (1,), (1, 2))[i % 3] for i in range(batch)]  # a model may name none, one or several
+    rows = [SampleRow(f"r{i}", p, prompts[i] + histories[i], len(prompts[i]), eos[i])
             for i, p in enumerate(params)]
     meta = SamplingMetadata(rows, torch.device("cpu"), vocab, counts=counts)
     ours = process_logits(logits.clone(), meta)
-    ref = _reference_process(logits, params, prompts, histories)
+    ref = _reference_process(logits, params, prompts, histories, eos)
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
     finite = ~torch.isinf(ref)
     assert torch.allclose(ours[finite], ref[finite], atol=1e-4)
