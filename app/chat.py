@@ -142,8 +142,8 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults, thinking=budget)
     rid = request_id("chatcmpl", request)
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model, body.priority,
-                      owner=owner(request))
+    stream, _ = await start(state, rid, [prompt_ids], params, body.cache_salt, "messages", images, model,
+                            body.priority, owner=owner(request))
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
     if body.stream:

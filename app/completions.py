@@ -13,7 +13,7 @@ from pageserve.app.generation import (cached_tokens, collect, request_id, sampli
 from pageserve.app.http import api_route, many_logprobs, owner, read_json, reply, until_disconnected
 from pageserve.app.logprobs import completion_logprobs, prompt_logprobs
 from pageserve.app.protocol import CompletionRequest
-from pageserve.app.state import ServerState
+from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
 from pageserve.app.structured import structured_outputs
 
 
@@ -48,10 +48,12 @@ async def completions(request: Request) -> Response:
                              body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,
                              structured=structured_outputs(body)[0], defaults=state.sampling_defaults)
     rid = request_id("cmpl", request)
-    stream, index = start(state, rid, ids, params, body.cache_salt, "prompt", model=model, priority=body.priority,
-                          owner=owner(request))
+    stream, index = await start(state, rid, ids, params, body.cache_salt, "prompt", model=model,
+                                priority=body.priority, owner=owner(request))
     try:  # after start(), which checked the token ids
-        echo = [p if isinstance(p, str) else state.detokenize(p) for p in prompts] if body.echo else None
+        echo = None if not body.echo else await off_loop_if(
+            sum(len(p) for p in prompts if not isinstance(p, str)) > LONG_TEXT,
+            lambda: [p if isinstance(p, str) else state.detokenize(p) for p in prompts])
     except BaseException:
         stream.abort()
         raise

@@ -15,7 +15,7 @@ from pageserve.app.errors import bad_request
 from pageserve.app.generation import collect, request_id
 from pageserve.app.http import LARGE_REPLY_FLOATS, api_route, read_json, reply, until_disconnected
 from pageserve.app.protocol import EmbeddingRequest
-from pageserve.app.state import ServerState
+from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
 
 
 @api_route
@@ -43,15 +43,18 @@ async def embeddings(request: Request) -> Response:
 async def embed(state: ServerState, request: Request, model: str, inputs: list[list[int]],
                 params: str | list[str]) -> list[list[float]]:
     """The embedding of each input, in order (`params`: the request field they came from, or
-    each one's); their requests are aborted if the client goes."""
+    each one's), checked off the event loop when they are many ids; their requests are aborted
+    if the client goes."""
     engine = state.engine
     params = [params] * len(inputs) if isinstance(params, str) else params
     base = f"{request_id('embd', request)}-{uuid.uuid4().hex[:8]}"
     stream = engine.new_stream(len(inputs), params[-1])
     try:
         ids = [f"{base}-{i}" for i in range(len(inputs))]
-        for rid, tokens, param in zip(ids, inputs, params):
-            engine.add_embedding_request(stream, rid, tokens, param, lora=state.adapters.get(model))
+        checked = await off_loop_if(sum(map(len, inputs)) > LONG_TEXT, lambda: [
+            engine.check_embedding_request(tokens, param) for tokens, param in zip(inputs, params)])
+        for rid, one in zip(ids, checked):
+            engine.add_checked(stream, rid, one, lora=state.adapters.get(model))
         outs = await until_disconnected(request, collect(stream))
     finally:
         stream.abort()

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.http import engine_error
 from pageserve.app.json_out import dumps
-from pageserve.app.state import ServerState
+from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
 from pageserve.runtime.async_engine import RequestFailedError
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request_stream import RequestStream
@@ -71,16 +71,17 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
 
-def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-          cache_salt: str | None, param: str, images: tuple = (),
-          model: str | None = None, priority: int = 0, *, owner: str) -> tuple[RequestStream, dict[str, int]]:
+async def start(state: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                cache_salt: str | None, param: str, images: tuple = (),
+                model: str | None = None, priority: int = 0, *, owner: str) -> tuple[RequestStream, dict[str, int]]:
     """Hand every prompt to the engine; returns the stream and engine request id -> prompt
     index (an output's choice index is prompt index x n + its own index). `images`: the one
     prompt's images (runtime.multimodal.ImageItem). `model`: the checked name the request
     gave, whose LoRA adapter it runs under where it names one. Engine ids add a
     random suffix to the response id, so a client that reuses its X-Request-Id never meets
     its earlier request. Each is checked as the engine takes it (an error names `param` for
-    the prompt); nothing is left running if one of them is refused. `owner` (http.owner: the
+    the prompt), in a worker thread when they hold many token ids (1,000 prompts of 8,000 held
+    the event loop 0.95 s); nothing is left running if one of them is refused. `owner` (http.owner: the
     API key's tag, "" without keys) salts the prefix cache, so that a key's prompts hit only
     blocks its own requests wrote: another key's cached tokens, counted in `usage`, would tell
     it what that key had sent."""
@@ -97,9 +98,11 @@ def start(state: ServerState, base_id: str, prompts: list[list[int]], params: Sa
     if owner:  # the tag has a fixed length: no two (owner, salt) pairs give one string
         cache_salt = f"{owner}:{cache_salt or ''}"
     try:
-        for i, ids in enumerate(prompts):
+        checked = await off_loop_if(sum(map(len, prompts)) > LONG_TEXT, lambda: [
+            engine.check_request(ids, params, cache_salt, param, images, priority) for ids in prompts])
+        for i, request in enumerate(checked):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
-            engine.add_request(stream, rid, ids, params, cache_salt, param, images, lora, priority)
+            engine.add_checked(stream, rid, request, lora)
             index[rid] = i
     except BaseException:
         stream.abort()

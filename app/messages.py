@@ -187,8 +187,8 @@ async def create_message(request: Request) -> Response:
     params = sampling_params(view, body.max_tokens, None, structured=grammar, defaults=state.sampling_defaults,
                              thinking=budget)
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    stream, _ = start(state, rid, [prompt_ids], params, None, "messages", images, model, body.priority,
-                      owner=owner(request))
+    stream, _ = await start(state, rid, [prompt_ids], params, None, "messages", images, model, body.priority,
+                            owner=owner(request))
     head = {"id": rid, "type": "message", "role": "assistant", "model": model}
     if body.stream:
         reasoning = thinking.stream(prompt_text) if thinking is not None else None

@@ -182,8 +182,8 @@ async def create_response(request: Request) -> Response:
     params = sampling_params(body, body.max_output_tokens, (body.top_logprobs or 0) if want_logprobs else None,
                              structured=grammar, defaults=state.sampling_defaults)
     rid = item_id("resp")  # never the client's X-Request-Id: a stored response's id must be unique
-    stream, _ = start(state, rid, [prompt_ids], params, body.cache_salt, "input", images, model, body.priority,
-                      owner=who)
+    stream, _ = await start(state, rid, [prompt_ids], params, body.cache_salt, "input", images, model,
+                            body.priority, owner=who)
     answer = _Answer(state, body, rid, model, params.temperature, params.top_p, len(prompt_ids), parse_tools,
                      want_logprobs, thinking, previous, items, who)
     if body.stream:

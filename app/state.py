@@ -6,9 +6,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pageserve.app.errors import APIError
 from pageserve.app.lora import Adapters
@@ -21,8 +22,16 @@ from pageserve.grammar.vocabulary import token_byte_table
 from pageserve.runtime.async_engine import AsyncEngine
 from pageserve.sampling.params import SamplingParams
 
-# a prompt longer than this (characters) is tokenized in a worker thread, off the event loop
+# a prompt longer than this (characters, or token ids) is tokenized or checked in a worker thread
 LONG_TEXT = 4096
+T = TypeVar("T")
+
+
+async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
+    """work(), in a worker thread when `large` (the event loop goes on serving meanwhile)."""
+    return await asyncio.to_thread(work) if large else work()
+
+
 # what a model's generation_config.json may set for requests that leave it unset (as vLLM)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 logger = logging.getLogger(__name__)
@@ -186,4 +195,4 @@ class ServerState:
         def work() -> str:
             self.engine.check_token_ids(token_ids, param)
             return self.detokenize(token_ids)
-        return await asyncio.to_thread(work) if len(token_ids) > LONG_TEXT else work()
+        return await off_loop_if(len(token_ids) > LONG_TEXT, work)

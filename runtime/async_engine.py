@@ -225,18 +225,28 @@ class AsyncEngine:
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
                     params: SamplingParams, cache_salt: str | None = None, param: str = "prompt",
                     images: tuple = (), lora: LoRARequest | None = None, priority: int = 0) -> None:
-        """Check the request now, once (InvalidRequest naming the field at fault, `param` for
-        the prompt), and queue it for the next step; its outputs go to `stream`. `images`: what
-        process_images made of the prompt's images. `lora`: an adapter add_lora has read."""
-        checked = self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True,
-                                             mm_items=images, priority=priority)
-        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)),
-                      deltas=params.output_kind == RequestOutputKind.DELTA)
+        """Check the request now, once (check_request), and queue it for the next step; its
+        outputs go to `stream`. `lora`: an adapter add_lora has read."""
+        self.add_checked(stream, request_id, self.check_request(prompt, params, cache_salt, param, images, priority),
+                         lora)
 
-    def add_embedding_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],
-                              param: str = "input", lora: LoRARequest | None = None) -> None:
-        checked = self.engine.inputs.process_embedding(prompt, param)
-        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)))
+    def check_request(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                      param: str = "prompt", images: tuple = (), priority: int = 0) -> ProcessedRequest:
+        """The request checked, once (InvalidRequest naming the field at fault, `param` for the
+        prompt). `images`: what process_images made of the prompt's images. Thread-safe, so that
+        a request of many token ids is checked off the event loop."""
+        return self.engine.inputs.process(prompt, params, cache_salt, param, strict_max_tokens=True,
+                                          mm_items=images, priority=priority)
+
+    def check_embedding_request(self, prompt: str | list[int], param: str = "input") -> ProcessedRequest:
+        """As check_request, for an embedding's prompt."""
+        return self.engine.inputs.process_embedding(prompt, param)
+
+    def add_checked(self, stream: RequestStream, request_id: str, checked: ProcessedRequest,
+                    lora: LoRARequest | None = None) -> None:
+        """Queue a request that check_request (or check_embedding_request) passed."""
+        deltas = checked.params is not None and checked.params.output_kind == RequestOutputKind.DELTA
+        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)), deltas=deltas)
 
     @property
     def lora_enabled(self) -> bool:
