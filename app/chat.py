@@ -13,7 +13,8 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, many_logprobs, owner, read_json, reply, until_disconnected
+from pageserve.app.http import (api_route, many_entries, many_logprobs, off_loop_if, owner, read_json, reply,
+                                until_disconnected)
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
 from pageserve.app.reasoning import ReasoningStream
@@ -200,7 +201,8 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: in
         cached = max(cached, cached_tokens(out))
         for c in out.outputs:
             num_generated += len(c.token_ids)
-            logprobs = chat_logprobs(c.logprobs, state.token_text) if c.logprobs else None
+            logprobs = None if not c.logprobs else await off_loop_if(
+                many_entries(c.logprobs), lambda c=c: chat_logprobs(c.logprobs, state.token_text))
             text = c.text
             if thinking is not None:
                 reasoning, text = thinking[c.index].feed(c.text, last=c.finish_reason is not None)

@@ -10,10 +10,11 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import api_route, many_logprobs, owner, read_json, reply, until_disconnected
+from pageserve.app.http import (api_route, many_entries, many_logprobs, off_loop_if, owner, read_json, reply,
+                                until_disconnected)
 from pageserve.app.logprobs import completion_logprobs, prompt_logprobs
 from pageserve.app.protocol import CompletionRequest
-from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
+from pageserve.app.state import LONG_TEXT, ServerState
 from pageserve.app.structured import structured_outputs
 
 
@@ -127,7 +128,8 @@ async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tu
         for c in out.outputs:
             num_generated += len(c.token_ids)
             i = job.index[out.request_id] * job.n + c.index
-            choice = job.choice(out, c, first=i not in started, final=False)
+            choice = await off_loop_if(many_entries(c.logprobs),
+                                       lambda c=c, i=i: job.choice(out, c, first=i not in started, final=False))
             if choice["text"] or choice["logprobs"] or c.finish_reason is not None or "prompt_logprobs" in choice:
                 started.add(i)  # (a piece held back, by a stop string, is no first piece)
                 yield chunk(choice)

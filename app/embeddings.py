@@ -13,9 +13,9 @@ from starlette.responses import Response
 from pageserve.app.completions import prompt_token_ids, split_prompts
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import collect, request_id
-from pageserve.app.http import LARGE_REPLY_FLOATS, api_route, read_json, reply, until_disconnected
+from pageserve.app.http import LARGE_REPLY_FLOATS, api_route, off_loop_if, read_json, reply, until_disconnected
 from pageserve.app.protocol import EmbeddingRequest
-from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
+from pageserve.app.state import LONG_TEXT, ServerState
 
 
 @api_route

@@ -13,9 +13,9 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
 from pageserve.app.errors import APIError, bad_request
-from pageserve.app.http import engine_error
+from pageserve.app.http import engine_error, off_loop_if
 from pageserve.app.json_out import dumps
-from pageserve.app.state import LONG_TEXT, ServerState, off_loop_if
+from pageserve.app.state import LONG_TEXT, ServerState
 from pageserve.runtime.async_engine import RequestFailedError
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request_stream import RequestStream

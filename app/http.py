@@ -24,6 +24,7 @@ from pageserve.runtime.async_engine import (EngineDeadError, QueueFullError, Req
 logger = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
 
 # where the API-key check leaves who is calling (app/server.py): a hash of the key, never the key
 OWNER = "pageserve.owner"
@@ -55,6 +56,18 @@ def many_logprobs(num_tokens: int, top: int | None) -> bool:
     """Whether `num_tokens` tokens' logprobs with `top` alternatives each (None: no logprobs)
     make a large reply."""
     return top is not None and num_tokens * (1 + top) >= LARGE_REPLY_ENTRIES
+
+
+def many_entries(entries) -> bool:
+    """Whether a sequence's TokenLogprobs (None: none asked for) make a large piece of a reply:
+    an unread stream's backlog comes as one piece (128 of 8,000 tokens with 20 alternatives
+    held the event loop 5.5 s)."""
+    return bool(entries) and many_logprobs(len(entries), entries[0].num_top)
+
+
+async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
+    """work(), in a worker thread when `large` (the event loop goes on serving meanwhile)."""
+    return await asyncio.to_thread(work) if large else work()
 
 
 async def reply(build: Callable[[], dict], large: bool) -> Response:

@@ -6,12 +6,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from pageserve.app.errors import APIError
+from pageserve.app.http import off_loop_if
 from pageserve.app.lora import Adapters
 from pageserve.app.logprobs import TokenText
 from pageserve.app.media import MediaLoader, MediaSettings
@@ -24,13 +24,6 @@ from pageserve.sampling.params import SamplingParams
 
 # a prompt longer than this (characters, or token ids) is tokenized or checked in a worker thread
 LONG_TEXT = 4096
-T = TypeVar("T")
-
-
-async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
-    """work(), in a worker thread when `large` (the event loop goes on serving meanwhile)."""
-    return await asyncio.to_thread(work) if large else work()
-
 
 # what a model's generation_config.json may set for requests that leave it unset (as vLLM)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

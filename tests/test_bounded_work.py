@@ -213,6 +213,23 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
         assert r.status_code == 200, r.text
         assert set(written) == {not off}, (path, written)
     monkeypatch.setattr(http, "LARGE_REPLY_ENTRIES", 10)  # a response (n is 1) stores itself from the thread
+    # a streamed piece of many logprob entries (an unread stream's backlog comes as one) is made
+    # off the loop too: here 1 token with 20 alternatives is "many", 1 with 2 is not
+    from pageserve.app import chat, completions
+
+    formatted = []
+    for module, name in ((chat, "chat_logprobs"), (completions, "completion_logprobs")):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, fn=fn: formatted.append(_on_event_loop()) or fn(*a))
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        for top, off in ((20, True), (2, False)):
+            many = {"top_logprobs": top} if "messages" in body else {"logprobs": top}
+            formatted.clear()
+            with httpx.stream("POST", f"{srv.url}{path}", timeout=60, json={
+                    "model": srv.model, "max_tokens": 3, "ignore_eos": True, "stream": True, **body, **many}) as r:
+                assert r.status_code == 200 and sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= 3
+            assert formatted and set(formatted) == {not off}, (path, top, formatted)
     written.clear()
     r = httpx.post(f"{srv.url}/v1/responses", json={"model": srv.model, "input": "hi", "max_output_tokens": 8,
                                                      "top_logprobs": 20}, timeout=60)

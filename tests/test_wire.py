@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import time
 import types
+from array import array
 import typing
 
 import msgpack
@@ -118,8 +119,13 @@ def step(num_requests: int = 5, tokens: int = 40) -> SchedulerOutput:
                            finished_ids=["done-1", "done-2#1"], freed_images=[b"\x00" * 16, bytes(range(16))])
 
 
+def top(pairs: list[tuple[int, float]]) -> tuple[bytes, bytes]:
+    """TokenLogprobs' two arrays of (token id, log-probability) pairs."""
+    return array("i", [t for t, _ in pairs]).tobytes(), array("f", [lp for _, lp in pairs]).tobytes()
+
+
 def logprobs(t: int) -> TokenLogprobs:
-    return TokenLogprobs(t, -0.25 * t, t % 7 + 1, [(t, -0.25 * t), (t + 1, -1.5), (2 ** 31, float("-inf"))])
+    return TokenLogprobs(t, -0.25 * t, t % 7 + 1, *top([(t, -0.25 * t), (t + 1, -1.5), (2 ** 31 - 1, float("-inf"))]))
 
 
 def result() -> StepResult:
@@ -456,7 +462,7 @@ def test_speed_against_pickle():
              "later decode step, 64 x 1 new tokens": ("execute", (step(64, 1),)),
              "later decode step, plain sampling": ("execute", (_plain(step(64, 1)),)),
              "answer: 64 tokens with 5 logprobs each": ("ok", StepResult(
-                 sampled=list(range(64)), logprobs={f"req-{i}": TokenLogprobs(i, -0.5, 1, [(i, -0.5)] * 5)
+                 sampled=list(range(64)), logprobs={f"req-{i}": TokenLogprobs(i, -0.5, 1, *top([(i, -0.5)] * 5))
                                                     for i in range(64)}))}
     for name, msg in cases.items():
         for r in msg[1][0].requests if msg[0] == "execute" else ():
