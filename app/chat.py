@@ -80,25 +80,27 @@ async def chat_prompt(state: ServerState, body, param: str = "messages") -> tupl
     """The rendered conversation (what a reasoning parser reads), its token ids (each image's
     tokens in place) and its images (runtime.multimodal.ImageItem). `param`: the request field
     the messages came from, for errors."""
-    images = await load_images(state, body.messages, param)
-    placeholder = state.engine.image_placeholder if images else ""
-    args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-            getattr(body, "tools", None), template_kwargs(body),
-            tool_format(state.settings.tool_call_parser), placeholder)
-    # a big conversation renders off the loop, so that streams go on meanwhile
-    if len(body.messages) > 64 or _text_size(body) > LONG_TEXT:
-        text = await asyncio.to_thread(render_chat, *args)
-    else:
-        text = render_chat(*args)
-    if images:  # the template wrote the special tokens
-        ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False)
-        return text, ids, items
+    with state.media.holding() as take:  # the decoded images, until the prompt is made of them
+        images = await load_images(state, body.messages, param, take)
+        placeholder = state.engine.image_placeholder if images else ""
+        args = (state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                getattr(body, "tools", None), template_kwargs(body),
+                tool_format(state.settings.tool_call_parser), placeholder)
+        # a big conversation renders off the loop, so that streams go on meanwhile
+        if len(body.messages) > 64 or _text_size(body) > LONG_TEXT:
+            text = await asyncio.to_thread(render_chat, *args)
+        else:
+            text = render_chat(*args)
+        if images:  # the template wrote the special tokens
+            ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False)
+            return text, ids, items
     return text, await state.tokenize(text, add_special_tokens=False, param=param), ()
 
 
-async def load_images(state: ServerState, messages: list[ChatMessage], param: str) -> list:
+async def load_images(state: ServerState, messages: list[ChatMessage], param: str, take) -> list:
     """The messages' images in order, decoded and checked (a 400 names the part; the Responses
-    API's, its `input`: its items are not these messages one for one)."""
+    API's, its `input`: its items are not these messages one for one). `take`: the request's
+    MediaLoader.holding()."""
     parts = [(f"{param}.{i}.content.{j}" if param == "messages" else param, url)
              for i, m in enumerate(messages) for j, url in m.image_urls()]
     if not parts:
@@ -109,7 +111,7 @@ async def load_images(state: ServerState, messages: list[ChatMessage], param: st
     if len(parts) > limit:
         raise bad_request(f"{len(parts)} images in one prompt; this server takes at most {limit} "
                           "(--limit-mm-per-prompt)", parts[limit][0])
-    return [await state.media.load(url, where) for where, url in parts]
+    return [await state.media.load(url, where, take) for where, url in parts]
 
 
 @api_route

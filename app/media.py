@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
 import ipaddress
 import re
 import socket
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from pageserve.app.errors import bad_request
+from pageserve.app.errors import APIError, bad_request
 
 FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}  # GIF: its first frame
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
@@ -28,7 +31,10 @@ MAX_REDIRECTS = 3
 class MediaSettings:
     allowed_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may name; none: data: URLs only
     max_image_bytes: int = 20 << 20
-    max_pixels: int = 40_000_000
+    max_pixels: int = 40_000_000  # an image's
+    # the decoded images held at once, across requests, from decoding until their request's
+    # prompt is made (8 images of 40 million pixels in one request took 3.65 GB)
+    max_pixels_at_once: int = 160_000_000
     fetch_timeout: float = 10.0
 
 
@@ -43,17 +49,44 @@ class MediaLoader:
         self.settings = settings
         self.resolve = resolve or _resolve
         self.public = public
+        self.pixels_held = 0  # by the requests in holding()
+        self._lock = threading.Lock()  # images decode in worker threads
 
-    async def load(self, url: str, param: str):
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[Callable[[int, str], None]]:
+        """A request's images: `take(pixels, param)` before each is decoded; all are given back
+        on exit. Images that together pass max_pixels_at_once are a 400; images that would pass
+        it beside other requests' a 503 with Retry-After."""
+        taken = 0
+
+        def take(pixels: int, param: str) -> None:
+            nonlocal taken
+            cap = self.settings.max_pixels_at_once
+            with self._lock:
+                if taken + pixels > cap:
+                    raise bad_request(f"the request's images have more than {cap} pixels together, more than "
+                                      "this server decodes at once", param)
+                if self.pixels_held + pixels > cap:
+                    raise APIError(503, "the server is decoding other requests' images, as many pixels as it "
+                                        "holds at once: retry", param, "server_overloaded", {"Retry-After": "1"})
+                self.pixels_held += pixels
+                taken += pixels
+        try:
+            yield take
+        finally:
+            with self._lock:
+                self.pixels_held -= taken
+
+    async def load(self, url: str, param: str, take: Callable[[int, str], None] = lambda pixels, param: None):
         """A decoded, checked PIL image from a data: or allowed http(s) URL (400 naming
-        `param` otherwise)."""
+        `param` otherwise); `take` (holding()'s) is given its pixels before they are decoded."""
         if url[:5].lower() == "data:":
             data = self._data_url(url, param)
         elif url[:7].lower() == "http://" or url[:8].lower() == "https://":
             data = await self._fetch(url, param)
         else:
             raise bad_request("an image URL is a data: URL (base64) or an http(s) URL", param)
-        return await asyncio.to_thread(self.decode, data, param)
+        return await asyncio.to_thread(self.decode, data, param, take)
 
     def _data_url(self, url: str, param: str) -> bytes:
         m = _DATA_URL.match(url)
@@ -69,7 +102,7 @@ class MediaLoader:
         except (binascii.Error, ValueError):
             raise bad_request("the data: URL is not valid base64", param) from None
 
-    def decode(self, data: bytes, param: str):
+    def decode(self, data: bytes, param: str, take: Callable[[int, str], None] = lambda pixels, param: None):
         """The image, its size checked from the header before its pixels are decoded."""
         from PIL import Image, UnidentifiedImageError
 
@@ -86,6 +119,7 @@ class MediaLoader:
         if w * h > self.settings.max_pixels:
             raise bad_request(f"the image has {w}x{h} pixels, more than the {self.settings.max_pixels} this "
                               "server decodes", param)
+        take(w * h, param)
         try:
             image.seek(0)
             image.load()

@@ -187,6 +187,32 @@ def test_decompression_bomb_refused_before_decoding(server):
     assert r.json()["error"]["param"] == "messages.0.content.1"  # the image part
 
 
+def test_decoded_images_share_a_pixel_budget(server):
+    """Decoded images are held until their prompt is made: a request's together past the
+    budget is a 400 naming the image; one that would pass it beside another request's a 503
+    with Retry-After; every pixel is given back when the request is done."""
+    from pageserve.app.media import MediaLoader, MediaSettings
+
+    saved = server.state.media
+    loader = server.state.media = MediaLoader(MediaSettings(max_pixels_at_once=5000))
+    try:
+        def ask(*urls):
+            return httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                              json={"model": "llava", "messages": image_message(*urls), "max_tokens": 2})
+        one = data_url(png(random_image(3, 60, 60)))  # 3,600 pixels
+        r = ask(one, one)
+        assert r.status_code == 400 and "more than 5000 pixels together" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "messages.0.content.2" and loader.pixels_held == 0
+        with loader.holding() as take:  # another request's images
+            take(2000, "messages.0.content.1")
+            r = ask(one)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "server_overloaded" and loader.pixels_held == 2000
+        assert ask(one).status_code == 200 and loader.pixels_held == 0
+    finally:
+        server.state.media = saved
+
+
 def test_a_text_model_refuses_images(tiny_server):
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60,
                    json={"model": tiny_server.model, "max_tokens": 4,
