@@ -23,10 +23,13 @@ async def embeddings(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, EmbeddingRequest, state.settings.max_request_body_bytes)
     model = state.check_model(body.model)
-    if body.dimensions is not None:
-        raise bad_request("dimensions is not supported: the model has one embedding size", "dimensions")
+    pooler = state.engine.pooler
+    if body.dimensions is not None and (error := pooler.dimensions_error(body.dimensions, state.engine.hidden_size)):
+        raise bad_request(f"dimensions {body.dimensions}: {error}", "dimensions")
     inputs = await prompt_token_ids(state, split_prompts(body.input), "input")
     vectors = await embed(state, request, model, inputs, "input")
+    if body.dimensions is not None:  # Matryoshka: the first values, normalized again
+        vectors = [pooler.shorten(v, body.dimensions) for v in vectors]
 
     def build() -> dict:
         data = []

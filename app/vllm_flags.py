@@ -13,7 +13,6 @@ NOT_TAKEN = {
     "--tokenizer-mode": _SAME_TOKENIZER,
     "--tokenizer-revision": _SAME_TOKENIZER,
     "--load-format": "the weights are read from the model's safetensors or GGUF files, whichever it has",
-    "--hf-overrides": "the model's config.json is read as it is",
     "--cpu-offload-gb": "the weights stay on the device; spread a larger model with --tensor-parallel-size or "
                         "--pipeline-parallel-size",
     "--num-gpu-blocks-override": "the KV pool is sized by --gpu-memory-utilization (CUDA) or --kv-cache-memory "

@@ -21,6 +21,7 @@ from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.input_processor import InvalidRequest, ProcessedRequest
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime.pooling import PoolerConfig
 from pageserve.runtime.request_stream import RequestStream
 from pageserve.runtime.stats import EngineStats
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
@@ -177,6 +178,15 @@ class AsyncEngine:
     def tokenize_all(self, texts: list[str], param: str | list[str] | None = None) -> list[list[int]]:
         """Thread-safe; with `param`, a text far too long is refused (Engine.tokenize_all)."""
         return self.engine.tokenize_all(texts, param=param)
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """How the model's embeddings are pooled (and whether they are Matryoshka ones)."""
+        return self.engine.config.model.pooler
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.config.model.hidden_size
 
     @property
     def image_placeholder(self) -> str | None:

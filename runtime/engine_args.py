@@ -19,7 +19,7 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
 from pageserve.runtime.models import registry
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
 from pageserve.runtime.pipeline import head_cost, layer_partition
-from pageserve.runtime.pooling import pooler_config
+from pageserve.runtime.pooling import apply_hf_overrides, pooler_config
 from pageserve.triton_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # adapters kept in host memory (default: max_loras)
     speculative_config: dict | str | None = None  # {"method": "ngram", ...} or its JSON
     pooler_config: dict | str | None = None  # {"pooling_type": "LAST", "normalize": true} or its JSON
+    hf_overrides: dict | str | None = None  # config.json's Matryoshka keys set (pooling.HF_OVERRIDES)
     debug_checks: bool = False
 
     def __post_init__(self):
@@ -119,6 +120,7 @@ class EngineArgs:
         if self.cuda_graph_sizes is not None and not all(n >= 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
         self.lora_config()
+        apply_hf_overrides({}, self.hf_overrides)
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
             raise ValueError("--async-scheduling does not take --speculative-config yet")
         if self.async_scheduling and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -144,6 +146,9 @@ class EngineArgs:
                        help='how /v1/embeddings pools, as vLLM: {"pooling_type": "MEAN" | "LAST" | "CLS", '
                             '"normalize": true} (default: the model\'s sentence-transformers files, else the mean, '
                             'normalized)')
+        g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                       help='set is_matryoshka or matryoshka_dimensions of config.json, as vLLM: '
+                            '{"is_matryoshka": true} lets /v1/embeddings take dimensions')
         g.add_argument("--max-model-len", type=int, default=None,
                        help="context length, prompt + output (default: the model's own limit)")
         g.add_argument("--seed", type=int, default=0, help="seed of the sampler's random numbers")
@@ -342,6 +347,7 @@ class EngineArgs:
         return kv
 
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
+        hf = apply_hf_overrides(hf, self.hf_overrides)
         arch = hf["architectures"][0]
         heads = hf["num_attention_heads"]
         model_max = hf.get("max_position_embeddings", 2048)
@@ -389,7 +395,7 @@ class EngineArgs:
                 pp_layers=self.pipeline_stages(arch, hf),
                 sliding_window=registry.kv_sliding_window(arch, hf, hf["num_hidden_layers"])
                 if windowed else 0,
-                pooler=pooler_config(path, self.pooler_config),
+                pooler=pooler_config(path, self.pooler_config, hf),
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None

@@ -24,18 +24,51 @@ class PoolerConfig:
     # a sentence-transformers module after the pooling that is not applied here (a Dense
     # projection): embeddings are refused rather than served different from the model's own
     unsupported: str | None = None
+    # Matryoshka: a request may ask for the first `dimensions` values only (those listed, where
+    # the model lists them), as config.json's is_matryoshka and matryoshka_dimensions say
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        dims = self.matryoshka_dimensions
+        if dims is not None and (not isinstance(dims, tuple) or not dims
+                                 or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims)):
+            raise ValueError(f"matryoshka_dimensions must be a list of positive integers, got {dims!r}")
+
+    def dimensions_error(self, dimensions: int, size: int) -> str | None:
+        """Why a request may not ask for `dimensions` values of embeddings of `size` (None: it may)."""
+        if not self.matryoshka:
+            return ("the model does not say it was trained for Matryoshka embeddings (is_matryoshka or "
+                    "matryoshka_dimensions in its config.json, or --hf-overrides): its first values alone would "
+                    "embed poorly")
+        if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            return f"the model takes dimensions {', '.join(map(str, self.matryoshka_dimensions))} only"
+        if dimensions > size:
+            return f"the model's embeddings have {size} values, fewer than {dimensions}"
+        return None
+
+    def shorten(self, vector: list[float], dimensions: int) -> list[float]:
+        """A Matryoshka embedding's first `dimensions` values, normalized again where the pooling
+        normalizes (the same as normalizing only the shortened one)."""
+        short = torch.tensor(vector[:dimensions], dtype=torch.float32)
+        if self.normalize:
+            short = short / short.norm().clamp_min(1e-12)
+        return short.tolist()
 
 
-def pooler_config(model_dir: str | Path, override: dict | str | None = None) -> PoolerConfig:
-    """The model's pooling: its sentence-transformers files, then `override` (--pooler-config:
-    {"pooling_type": "LAST", "normalize": true}, or its JSON) on top."""
+def pooler_config(model_dir: str | Path, override: dict | str | None = None, hf: dict | None = None) -> PoolerConfig:
+    """The model's pooling: its sentence-transformers files and `hf` (config.json, for
+    Matryoshka), then `override` (--pooler-config: {"pooling_type": "LAST", "normalize": true},
+    or its JSON) on top."""
     config = _sentence_transformers_config(Path(model_dir))
+    hf = hf or {}
+    dims = hf.get("matryoshka_dimensions")
+    config = dataclasses.replace(config, matryoshka=bool(hf.get("is_matryoshka")) or dims is not None,
+                                 matryoshka_dimensions=tuple(dims) if isinstance(dims, list) else dims)
     if override is None:
         return config
     if isinstance(override, str):
@@ -51,6 +84,29 @@ def pooler_config(model_dir: str | Path, override: dict | str | None = None) -> 
     if isinstance(override.get("pooling_type"), str):
         override = {**override, "pooling_type": override["pooling_type"].upper()}
     return dataclasses.replace(config, **override)
+
+
+# what --hf-overrides may set of config.json here (the rest is read as it is)
+HF_OVERRIDES = ("is_matryoshka", "matryoshka_dimensions")
+
+
+def apply_hf_overrides(hf: dict, overrides: dict | str | None) -> dict:
+    """config.json with --hf-overrides on top (a JSON object), as vLLM's, for the keys in
+    HF_OVERRIDES (Qwen3-Embedding's Matryoshka: {"is_matryoshka": true})."""
+    if overrides is None:
+        return hf
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as e:
+            raise ValueError(f"--hf-overrides is not JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError("--hf-overrides must be a JSON object")
+    other = sorted(set(overrides) - set(HF_OVERRIDES))
+    if other:
+        raise ValueError(f"--hf-overrides sets {' and '.join(HF_OVERRIDES)} here, not {', '.join(other)}: the rest "
+                         "of config.json is read as it is")
+    return {**hf, **overrides}
 
 
 def _sentence_transformers_config(model_dir: Path) -> PoolerConfig:

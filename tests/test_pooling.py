@@ -88,3 +88,56 @@ def test_a_pooling_not_reproduced_is_refused(tmp_path):
     with pytest.raises(ValueError, match="module Dense"):
         llm.embed("hello")
     assert llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs  # generation still serves
+
+
+@pytest.mark.unit
+def test_matryoshka_read_from_config_json_and_hf_overrides(tmp_path):
+    from pageserve.runtime.pooling import apply_hf_overrides
+
+    assert not pooler_config(tmp_path, hf={}).matryoshka
+    assert pooler_config(tmp_path, hf={"is_matryoshka": True}) == PoolerConfig(matryoshka=True)
+    listed = pooler_config(tmp_path, hf={"matryoshka_dimensions": [8, 16]})
+    assert listed.matryoshka and listed.matryoshka_dimensions == (8, 16)
+    assert apply_hf_overrides({"a": 1}, '{"is_matryoshka": true}') == {"a": 1, "is_matryoshka": True}
+    for bad, words in (('{"num_hidden_layers": 2}', "not num_hidden_layers"), ("[1]", "JSON object"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=words):
+            apply_hf_overrides({}, bad)
+    with pytest.raises(ValueError, match="positive integers"):
+        pooler_config(tmp_path, hf={"matryoshka_dimensions": [8, 0]})
+    assert "Matryoshka" in PoolerConfig().dimensions_error(8, 64)
+    assert "dimensions 8, 16 only" in listed.dimensions_error(12, 64)
+    assert "64 values, fewer than 128" in PoolerConfig(matryoshka=True).dimensions_error(128, 64)
+    assert listed.dimensions_error(16, 64) is None
+    v = [3.0, 4.0, 12.0]
+    assert PoolerConfig(matryoshka=True).shorten(v, 2) == pytest.approx([0.6, 0.8])
+    assert PoolerConfig(normalize=False, matryoshka=True).shorten(v, 2) == [3.0, 4.0]
+
+
+@pytest.mark.server
+def test_embeddings_take_dimensions_where_the_model_is_matryoshka(tiny_model_dir, tiny_server):
+    """vLLM's `--hf-overrides '{"is_matryoshka": true}'` (as for Qwen3-Embedding): `dimensions`
+    gives the first values of the same embedding, normalized again; elsewhere it is a 400."""
+    import httpx
+
+    from pageserve.runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    r = httpx.post(f"{tiny_server.url}/v1/embeddings", json={"input": "hello", "dimensions": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions" and "Matryoshka" in r.text
+    srv = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                     max_model_len=256, hf_overrides='{"matryoshka_dimensions": [8, 32]}'))
+    try:
+        def embed(**extra):
+            r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": ["hello there", "a b c"], **extra}, timeout=30)
+            return r.status_code, r.json()
+        status, full = embed()
+        assert status == 200 and len(full["data"][0]["embedding"]) == 64
+        status, short = embed(dimensions=8)
+        assert status == 200
+        for whole, part in zip(full["data"], short["data"]):
+            expected = torch.nn.functional.normalize(torch.tensor(whole["embedding"][:8]), dim=0)
+            assert len(part["embedding"]) == 8 and torch.allclose(torch.tensor(part["embedding"]), expected, atol=1e-6)
+        status, body = embed(dimensions=12)
+        assert status == 400 and "dimensions 8, 32 only" in body["error"]["message"]
+    finally:
+        srv.stop()
