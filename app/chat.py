@@ -160,22 +160,21 @@ async def chat_completions(request: Request) -> Response:
     out = next(iter(outs.values()))
     num_generated = sum(len(c.token_ids) for c in out.outputs)
 
-    def build() -> dict:
-        choices = []
-        for c in out.outputs:
-            message = {"role": "assistant"}
-            text = c.text
-            if thinking is not None:  # vLLM's field and its newer name
-                reasoning, text = thinking.extract(c.text, prompt_text)
-                message.update(reasoning_content=reasoning, reasoning=reasoning)
-            content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
-            message.update(content=content, tool_calls=calls)
-            choices.append({
-                "index": c.index, "message": message,
+    def choice(c) -> dict:
+        message = {"role": "assistant"}
+        text = c.text
+        if thinking is not None:  # vLLM's field and its newer name
+            reasoning, text = thinking.extract(c.text, prompt_text)
+            message.update(reasoning_content=reasoning, reasoning=reasoning)
+        content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
+        message.update(content=content, tool_calls=calls)
+        return {"index": c.index, "message": message,
                 "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
                 "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-                "stop_reason": c.stop_reason})
-        return {"object": "chat.completion", **head, "choices": choices,
+                "stop_reason": c.stop_reason}
+
+    def build() -> dict:  # each choice made as it is written
+        return {"object": "chat.completion", **head, "choices": map(choice, out.outputs),
                 "usage": usage(len(prompt_ids), num_generated, cached_tokens(out))}
     return await reply(build, many_logprobs(num_generated, params.logprobs))
 

@@ -71,10 +71,10 @@ async def completions(request: Request) -> Response:
 
     num_generated = sum(len(c.token_ids) for r in index for c in outs[r].outputs)
 
-    def build() -> dict:
-        choices = [job.choice(outs[r], c, first=True, final=True) for r in index for c in outs[r].outputs]
-        choices.sort(key=lambda c: c["index"])
-        return {**head, "choices": choices,
+    def build() -> dict:  # the choices in index order, each made as it is written
+        order = sorted(((r, c) for r in index for c in outs[r].outputs),
+                       key=lambda pair: index[pair[0]] * body.n + pair[1].index)
+        return {**head, "choices": (job.choice(outs[r], c, first=True, final=True) for r, c in order),
                 "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
     large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, params.prompt_logprobs)
     return await reply(build, large)

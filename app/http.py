@@ -71,19 +71,23 @@ async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
 
 
 async def reply(build: Callable[[], dict], large: bool) -> Response:
-    """The dict `build` makes, as JSON; made off the event loop when `large`."""
+    """The dict `build` makes, as JSON; made off the event loop when `large`. A value of the
+    dict may be an iterator (of choices): a large reply makes and writes its items one at a time."""
     if large:
         body = await asyncio.to_thread(lambda: _dumps_in_pieces(build()))
         return Response(body, media_type="application/json")
-    return json_response(build())
+    return json_response({k: list(v) if isinstance(v, Iterator) else v for k, v in build().items()})
 
 
 def _dumps_in_pieces(value: dict) -> bytes:
     """`value` as JSON, its lists (choices, data, output) an item at a time: one orjson call
-    holds the GIL throughout, and an 81 MB reply written at once held the event loop 0.66 s."""
+    holds the GIL throughout, and an 81 MB reply written at once held the event loop 0.66 s.
+    An iterator's items are made as they are written, and each is let go of once written: the
+    dicts of 128 choices of 8,000 tokens with 20 logprobs each, made whole, took 2 GB and freeing
+    them held the event loop 1.6 s."""
     parts = []
     for key, v in value.items():
-        written = b"[" + b",".join(map(dumps, v)) + b"]" if isinstance(v, list) else dumps(v)
+        written = b"[" + b",".join(map(dumps, v)) + b"]" if isinstance(v, (list, Iterator)) else dumps(v)
         parts.append(dumps(key) + b":" + written)
     return b"{" + b",".join(parts) + b"}"
 

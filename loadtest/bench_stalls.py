@@ -1,6 +1,7 @@
 """What one heavy but valid request costs everyone else: each case runs against a real server
 while a second client asks /health every 10 ms, and prints how long /health waited at most (a
-stalled event loop answers nothing) and how long the request took.
+stalled event loop answers nothing), how long the request took, and how much the server's
+memory (its processes' RSS) grew at most meanwhile.
 
     python -m pageserve.loadtest.bench_stalls [--model DIR] [--output-json PATH]
 
@@ -22,41 +23,68 @@ from pageserve.loadtest.common import save_json, start_server
 SLOW_REGEX = "[ab]*a[ab]{40}"  # an automaton that grows exponentially: compiles until its time limit
 
 
-def _health_waits(url: str, stop: threading.Event, waits: list[float]) -> None:
+def _rss_mib(pid: int) -> float:
+    """The resident memory of `pid` and its children (the body checker, grammar compilers)."""
+    total, pids = 0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            total += next(int(line.split()[1]) for line in open(f"/proc/{p}/status") if line.startswith("VmRSS"))
+            pids += [int(c) for c in open(f"/proc/{p}/task/{p}/children").read().split()]
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def _health_waits(url: str, pid: int, stop: threading.Event, waits: list[float], rss: list[float]) -> None:
     with httpx.Client(timeout=120) as client:
         while not stop.is_set():
             t = time.perf_counter()
             client.get(f"{url}/health")
             waits.append(time.perf_counter() - t)
+            rss.append(_rss_mib(pid))
             time.sleep(0.01)
 
 
-def _timed(url: str, path: str, body: dict) -> dict:
-    """The request's status and seconds, and /health's waits meanwhile."""
-    stop, waits = threading.Event(), []
-    poller = threading.Thread(target=_health_waits, args=(url, stop, waits))
+def _timed(url: str, pid: int, path: str, body: dict | bytes) -> dict:
+    """The request's status and seconds, and /health's waits and the server's RSS meanwhile."""
+    stop, waits, rss = threading.Event(), [], []
+    before = _rss_mib(pid)
+    poller = threading.Thread(target=_health_waits, args=(url, pid, stop, waits, rss))
     poller.start()
     time.sleep(0.05)
     t = time.perf_counter()
-    r = httpx.post(f"{url}{path}", json=body, timeout=600)
+    if isinstance(body, bytes):
+        r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=600)
+    else:
+        r = httpx.post(f"{url}{path}", json=body, timeout=600)
     seconds = time.perf_counter() - t
     stop.set()
     poller.join()
     waits.sort()
     return {"status": r.status_code, "request_s": round(seconds, 2), "health_max_s": round(waits[-1], 3),
-            "health_p50_s": round(waits[len(waits) // 2], 3), "health_samples": len(waits)}
+            "health_p50_s": round(waits[len(waits) // 2], 3), "health_samples": len(waits),
+            "rss_growth_mib": round(max(rss, default=before) - before)}
 
 
-def cases(url: str, model: str) -> dict[str, dict]:
+def cases(url: str, pid: int, model: str) -> dict[str, dict]:
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 490,
             "ignore_eos": True}
     out = {
-        "chat n=128, 20 logprobs, 490 tokens": _timed(url, "/v1/chat/completions", {
+        "chat n=128, 20 logprobs, 490 tokens": _timed(url, pid, "/v1/chat/completions", {
             **chat, "n": 128, "logprobs": True, "top_logprobs": 20}),
-        "completions n=128, 20 logprobs, 490 tokens": _timed(url, "/v1/completions", {
+        "completions n=128, 20 logprobs, 490 tokens": _timed(url, pid, "/v1/completions", {
             "model": model, "prompt": "hi", "max_tokens": 490, "ignore_eos": True, "n": 128, "logprobs": 20}),
-        "embeddings, 1,000 short inputs": _timed(url, "/v1/embeddings", {
+        "embeddings, 1,000 short inputs": _timed(url, pid, "/v1/embeddings", {
             "model": model, "input": [f"a short text, number {i}" for i in range(1000)]}),
+        # refused as too long (a 400)
+        "completions, a prompt of 30 MB of text": _timed(url, pid, "/v1/completions", b'{"model": "%s", '
+                                                          b'"max_tokens": 1, "prompt": "%s"}' % (
+                                                              model.encode(), b"hello world " * (30 << 20 >> 4))),
+        # per-request sampling arrays (the tiny model's vocabulary has 384 tokens)
+        "completions n=128, logit_bias 383, 256 stop ids, min_tokens, 200 tokens": _timed(url, pid, "/v1/completions", {
+            "model": model, "prompt": "hi", "n": 128, "max_tokens": 200, "min_tokens": 200, "temperature": 1.0,
+            "logit_bias": {str(i): 0.01 for i in range(383)}, "stop_token_ids": list(range(256))}),
     }
     # a stored response of 20 MB (reasoning items the template does not render), then 1,000
     # references to its one message
@@ -66,14 +94,14 @@ def cases(url: str, model: str) -> dict[str, dict]:
         "model": model, "input": [*thoughts, {"role": "user", "content": "x"}], "max_output_tokens": 1}).json()
     message = httpx.get(f"{url}/v1/responses/{stored['id']}/input_items", params={"limit": 1}).json()["data"][0]
     refs = [{"type": "item_reference", "id": message["id"]}] * 1000
-    out["responses, 1,000 item references"] = _timed(url, "/v1/responses", {
+    out["responses, 1,000 item references"] = _timed(url, pid, "/v1/responses", {
         "model": model, "input": refs, "max_output_tokens": 1, "store": False})
     # a grammar that compiles until its limit, then a small guided_choice beside it
     slow = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", timeout=600, json={
         "model": model, "prompt": "a", "max_tokens": 1, "guided_regex": SLOW_REGEX}))
     slow.start()
     time.sleep(1.0)
-    out["guided_choice beside a slow grammar"] = _timed(url, "/v1/completions", {
+    out["guided_choice beside a slow grammar"] = _timed(url, pid, "/v1/completions", {
         "model": model, "prompt": "yes or no?", "max_tokens": 3, "guided_choice": ["yes", "no"]})
     slow.join()
     return out
@@ -92,13 +120,14 @@ def main(argv: list[str] | None = None) -> dict:
     proc, url = start_server(["--model", model, "--dtype", "float32", "--max-model-len", "1024",
                               "--kv-cache-memory", "0.5", "--served-model-name", "m"])
     try:
-        results = cases(url, "m")
+        results = cases(url, proc.pid, "m")
     finally:
         proc.terminate()
         proc.wait(30)
-    print(f"{'case':45s} {'status':>6s} {'request s':>9s} {'/health max s':>13s} {'p50 s':>6s}")
+    print(f"{'case':72s} {'status':>6s} {'request s':>9s} {'/health max s':>13s} {'p50 s':>6s} {'+RSS MiB':>8s}")
     for name, r in results.items():
-        print(f"{name:45s} {r['status']:6d} {r['request_s']:9.2f} {r['health_max_s']:13.3f} {r['health_p50_s']:6.3f}")
+        print(f"{name:72s} {r['status']:6d} {r['request_s']:9.2f} {r['health_max_s']:13.3f} {r['health_p50_s']:6.3f} "
+              f"{r['rss_growth_mib']:8d}")
     return save_json({"cases": results}, args.output_json)
 
 

@@ -194,6 +194,10 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
 
     value = {"id": "x", "choices": [{"a": [1, 2.5, None]}, {"b": "line\u2028break"}], "data": [], "usage": {"n": 1}}
     assert http._dumps_in_pieces(value) == http.dumps(value)  # the same bytes as written at once
+    # an iterator of choices is written as the list it makes, each item made as it is written
+    made = []
+    lazy = {**value, "choices": (made.append(c) or c for c in value["choices"])}
+    assert http._dumps_in_pieces(lazy) == http.dumps(value) and made == value["choices"]
     srv, written, tokenized = tiny_server, [], []
     dumps = http.dumps
     monkeypatch.setattr(http, "dumps", lambda value: written.append(_on_event_loop()) or dumps(value))
