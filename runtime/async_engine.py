@@ -202,7 +202,10 @@ class AsyncEngine:
     def process_images(self, text: str, images: list, param: str = "prompt",
                        add_special_tokens: bool = True) -> tuple[list[int], tuple]:
         """Thread-safe (run it off the event loop): the prompt's token ids with each image's
-        tokens in place of its placeholder, and the images for add_request."""
+        tokens in place of its placeholder, and the images for add_request. A text far longer
+        than the context is refused first (Engine.tokenize_all)."""
+        self.engine.inputs.check_text_length(text, lambda part: len(self.engine.tokenize(part, add_special_tokens)),
+                                             param)
         return self.engine.images.process(text, images, add_special_tokens, param)
 
     def stats(self) -> EngineStats:

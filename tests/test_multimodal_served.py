@@ -213,6 +213,14 @@ def test_decoded_images_share_a_pixel_budget(server):
         server.state.media = saved
 
 
+def test_a_text_far_too_long_beside_an_image_is_refused_from_a_part(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "llava", "max_tokens": 2,
+        "messages": image_message(data_url(png(random_image(4, 20, 20))), text="hello world " * 200_000)})
+    assert r.status_code == 400 and "has at least" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages"
+
+
 def test_a_text_model_refuses_images(tiny_server):
     r = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60,
                    json={"model": tiny_server.model, "max_tokens": 4,
