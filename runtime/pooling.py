@@ -71,16 +71,7 @@ def pooler_config(model_dir: str | Path, override: dict | str | None = None, hf:
                                  matryoshka_dimensions=tuple(dims) if isinstance(dims, list) else dims)
     if override is None:
         return config
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except ValueError as e:
-            raise ValueError(f"--pooler-config is not JSON: {e}") from None
-    if not isinstance(override, dict):
-        raise ValueError("--pooler-config must be a JSON object")
-    unknown = set(override) - {"pooling_type", "normalize"}
-    if unknown:
-        raise ValueError(f"--pooler-config takes pooling_type and normalize, not {', '.join(sorted(unknown))}")
+    override = _json_object(override, "--pooler-config", ("pooling_type", "normalize"))
     if isinstance(override.get("pooling_type"), str):
         override = {**override, "pooling_type": override["pooling_type"].upper()}
     return dataclasses.replace(config, **override)
@@ -95,18 +86,23 @@ def apply_hf_overrides(hf: dict, overrides: dict | str | None) -> dict:
     HF_OVERRIDES (Qwen3-Embedding's Matryoshka: {"is_matryoshka": true})."""
     if overrides is None:
         return hf
-    if isinstance(overrides, str):
+    return {**hf, **_json_object(overrides, "--hf-overrides", HF_OVERRIDES,
+                                 "; the rest of config.json is read as it is")}
+
+
+def _json_object(value: dict | str, flag: str, keys: tuple[str, ...], why: str = "") -> dict:
+    """A flag's JSON object (or the dict itself), of `keys` only."""
+    if isinstance(value, str):
         try:
-            overrides = json.loads(overrides)
+            value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"--hf-overrides is not JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError("--hf-overrides must be a JSON object")
-    other = sorted(set(overrides) - set(HF_OVERRIDES))
-    if other:
-        raise ValueError(f"--hf-overrides sets {' and '.join(HF_OVERRIDES)} here, not {', '.join(other)}: the rest "
-                         "of config.json is read as it is")
-    return {**hf, **overrides}
+            raise ValueError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ValueError(f"{flag} takes {' and '.join(keys)}, not {', '.join(unknown)}{why}")
+    return value
 
 
 def _sentence_transformers_config(model_dir: Path) -> PoolerConfig:
