@@ -76,10 +76,12 @@ def _text_size(body) -> int:
     return size + len(orjson.dumps(getattr(body, "chat_template_kwargs", None)))
 
 
-async def chat_prompt(state: ServerState, body, param: str = "messages") -> tuple[str, list[int], tuple]:
+async def chat_prompt(state: ServerState, body, param: str = "messages",
+                      bounded: bool = True) -> tuple[str, list[int], tuple]:
     """The rendered conversation (what a reasoning parser reads), its token ids (each image's
     tokens in place) and its images (runtime.multimodal.ImageItem). `param`: the request field
-    the messages came from, for errors."""
+    the messages came from, for errors. `bounded`: a text far longer than the context is refused
+    (not for /tokenize, which counts any)."""
     with state.media.holding() as take:  # the decoded images, until the prompt is made of them
         images = await load_images(state, body.messages, param, take)
         placeholder = state.engine.image_placeholder if images else ""
@@ -92,9 +94,9 @@ async def chat_prompt(state: ServerState, body, param: str = "messages") -> tupl
         else:
             text = render_chat(*args)
         if images:  # the template wrote the special tokens
-            ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False)
+            ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False, bounded)
             return text, ids, items
-    return text, await state.tokenize(text, add_special_tokens=False, param=param), ()
+    return text, await state.tokenize(text, add_special_tokens=False, param=param if bounded else None), ()
 
 
 async def load_images(state: ServerState, messages: list[ChatMessage], param: str, take) -> list:

@@ -128,8 +128,9 @@ async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tu
         for c in out.outputs:
             num_generated += len(c.token_ids)
             i = job.index[out.request_id] * job.n + c.index
-            choice = await off_loop_if(many_entries(c.logprobs),
-                                       lambda c=c, i=i: job.choice(out, c, first=i not in started, final=False))
+            first = i not in started  # (the first piece also carries the prompt's logprobs)
+            large = many_entries(c.logprobs) or first and many_entries(out.prompt_logprobs)
+            choice = await off_loop_if(large, lambda c=c, first=first: job.choice(out, c, first=first, final=False))
             if choice["text"] or choice["logprobs"] or c.finish_reason is not None or "prompt_logprobs" in choice:
                 started.add(i)  # (a piece held back, by a stop string, is no first piece)
                 yield chunk(choice)

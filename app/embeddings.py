@@ -51,11 +51,12 @@ async def embed(state: ServerState, request: Request, model: str, inputs: list[l
     engine = state.engine
     params = [params] * len(inputs) if isinstance(params, str) else params
     base = f"{request_id('embd', request)}-{uuid.uuid4().hex[:8]}"
-    stream = engine.new_stream(len(inputs), params[-1])
+    ids = [f"{base}-{i}" for i in range(len(inputs))]
+    engine.check_accepting(len(inputs), params[-1])  # before the checks, which may take a while
+    checked = await off_loop_if(sum(map(len, inputs)) > LONG_TEXT, lambda: [
+        engine.check_embedding_request(tokens, param) for tokens, param in zip(inputs, params)])
+    stream = engine.new_stream(len(inputs), params[-1])  # checked again: nothing awaits from here to the queue
     try:
-        ids = [f"{base}-{i}" for i in range(len(inputs))]
-        checked = await off_loop_if(sum(map(len, inputs)) > LONG_TEXT, lambda: [
-            engine.check_embedding_request(tokens, param) for tokens, param in zip(inputs, params)])
         for rid, one in zip(ids, checked):
             engine.add_checked(stream, rid, one, lora=state.adapters.get(model))
         outs = await until_disconnected(request, collect(stream))

@@ -59,10 +59,11 @@ def many_logprobs(num_tokens: int, top: int | None) -> bool:
 
 
 def many_entries(entries) -> bool:
-    """Whether a sequence's TokenLogprobs (None: none asked for) make a large piece of a reply:
-    an unread stream's backlog comes as one piece (128 of 8,000 tokens with 20 alternatives
-    held the event loop 5.5 s)."""
-    return bool(entries) and many_logprobs(len(entries), entries[0].num_top)
+    """Whether a sequence's TokenLogprobs (None: none asked for; a prompt's start with None)
+    make a large piece of a reply: an unread stream's backlog comes as one piece (128 of 8,000
+    tokens with 20 alternatives held the event loop 5.5 s)."""
+    first = next((e for e in entries or () if e is not None), None)
+    return first is not None and many_logprobs(len(entries), first.num_top)
 
 
 async def off_loop_if(large: bool, work: Callable[[], T]) -> T:

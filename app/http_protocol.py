@@ -61,11 +61,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if self._head_bytes > self.limits.max_bytes:
                 self._refuse(*self._too_large())
 
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a request is closed too
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._named_bytes, self._num_headers = True, 0, 0, 0
-        self._cancel_timer()
-        self._head_timer = self.loop.call_later(self.limits.timeout, self._head_timed_out)
+        self._arm()
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -108,20 +111,38 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self._responding():  # a pipelined head waits while the answer before it is written
+            self._arm()
+        elif self._in_head:
             self._refuse(408, f"the request's headers did not arrive within {self.limits.timeout:g} s")
+        elif self.cycle is None:  # nothing came since the connection was made
+            self.transport.close()
+
+    def _arm(self) -> None:
+        self._cancel_timer()
+        self._head_timer = self.loop.call_later(self.limits.timeout, self._head_timed_out)
 
     def _cancel_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _responding(self) -> bool:
+        """An earlier request's answer is still being written on this connection."""
+        return self.cycle is not None and not self.cycle.response_complete
+
     def _refuse(self, status: int, message: str) -> None:
         """The error envelope the API's clients read, then the connection closed (the rest of
-        the request is not read)."""
+        the request is not read). Behind an answer still being written (pipelining), the
+        connection is only closed: bytes of ours would land inside that answer."""
         self.logger.warning("refused a request from %s: %s", self.client, message)
         self._in_head = False
         self._cancel_timer()
+        if self._responding():
+            self.transport.close()
+            return
         code = "request_header_fields_too_large" if status == 431 else "request_timeout"
         body = dumps(APIError(status, message, code=code).envelope())
         self.transport.write(b"".join([

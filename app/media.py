@@ -57,12 +57,14 @@ class MediaLoader:
         """A request's images: `take(pixels, param)` before each is decoded; all are given back
         on exit. Images that together pass max_pixels_at_once are a 400; images that would pass
         it beside other requests' a 503 with Retry-After."""
-        taken = 0
+        taken, closed = 0, False
 
         def take(pixels: int, param: str) -> None:
             nonlocal taken
             cap = self.settings.max_pixels_at_once
             with self._lock:
+                if closed:  # the request is gone (cancelled while a decode thread went on)
+                    raise APIError(503, "the request ended while its images were read", param)
                 if taken + pixels > cap:
                     raise bad_request(f"the request's images have more than {cap} pixels together, more than "
                                       "this server decodes at once", param)
@@ -76,6 +78,7 @@ class MediaLoader:
         finally:
             with self._lock:
                 self.pixels_held -= taken
+                closed = True
 
     async def load(self, url: str, param: str, take: Callable[[int, str], None] = lambda pixels, param: None):
         """A decoded, checked PIL image from a data: or allowed http(s) URL (400 naming

@@ -67,7 +67,7 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request, TokenizeRequest, state.settings.max_request_body_bytes)
     state.check_model(body.model)
     if body.messages is not None:
-        _, ids, _ = await chat_prompt(state, body)
+        _, ids, _ = await chat_prompt(state, body, bounded=False)
     else:
         ids = await state.tokenize(body.prompt, body.add_special_tokens)
     return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})

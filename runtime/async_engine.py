@@ -199,13 +199,14 @@ class AsyncEngine:
         images = self.engine.images
         return images.max_images if images is not None else 0
 
-    def process_images(self, text: str, images: list, param: str = "prompt",
-                       add_special_tokens: bool = True) -> tuple[list[int], tuple]:
+    def process_images(self, text: str, images: list, param: str = "prompt", add_special_tokens: bool = True,
+                       bounded: bool = True) -> tuple[list[int], tuple]:
         """Thread-safe (run it off the event loop): the prompt's token ids with each image's
-        tokens in place of its placeholder, and the images for add_request. A text far longer
-        than the context is refused first (Engine.tokenize_all)."""
-        self.engine.inputs.check_text_length(text, lambda part: len(self.engine.tokenize(part, add_special_tokens)),
-                                             param)
+        tokens in place of its placeholder, and the images for add_request. `bounded`: a text
+        far longer than the context is refused first (Engine.tokenize_all)."""
+        if bounded:
+            self.engine.inputs.check_text_length(
+                text, lambda part: len(self.engine.tokenize(part, add_special_tokens)), param)
         return self.engine.images.process(text, images, add_special_tokens, param)
 
     def stats(self) -> EngineStats:
@@ -217,7 +218,9 @@ class AsyncEngine:
         """Compile a grammar ahead of the first request that needs it (in the grammar worker)."""
         return self.engine.grammar.submit(regex)
 
-    def _check_accepting(self, num_requests: int, param: str) -> None:
+    def check_accepting(self, num_requests: int, param: str) -> None:
+        """Whether `num_requests` more would be taken now (InvalidRequest, QueueFullError,
+        ShuttingDownError or EngineDeadError if not)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self._closed or self._draining:
@@ -232,7 +235,7 @@ class AsyncEngine:
     def new_stream(self, num_requests: int = 1, param: str = "prompt") -> RequestStream:
         """A stream for `num_requests` engine requests, refused when they would not fit in the
         queue (InvalidRequest naming `param`, the prompts, when they never would)."""
-        self._check_accepting(num_requests, param)
+        self.check_accepting(num_requests, param)
         return RequestStream(self)
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],

@@ -94,7 +94,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenize, config.model.vocab_size, config.model.max_model_len,
                                      config.scheduler.max_num_seqs, self.grammar.regex,
                                      config.scheduler.policy == SchedulingPolicy.PRIORITY,
-                                     config.model.pooler.unsupported)
+                                     config.model.pooler.unsupported,
+                                     max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=0))
         self.structured = StructuredOutputs(self.grammar)  # requests' grammars and thinking budgets
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
         self.spec = None if config.speculative is None else make_proposer(config.speculative)

@@ -44,8 +44,10 @@ class ProcessedRequest:
 
 class InputProcessor:
     def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex,
-                 priority_scheduling: bool = False, embeddings_refused: str | None = None):
+                 priority_scheduling: bool = False, embeddings_refused: str | None = None, max_token_chars: int = 0):
         self.tokenize = tokenize  # text -> token ids
+        # the most characters one token's text has (its vocabulary entry's; 0: not known)
+        self.max_token_chars = max_token_chars
         self.embeddings_refused = embeddings_refused  # why the model's embeddings cannot be made here
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -125,7 +127,11 @@ class InputProcessor:
         """Refuse a text far longer than the context from a part of it (`count`: a text's number
         of tokens): tokenizing a whole 30 MB prompt took 48 s and 7 GB before its length could be
         checked. The part tried doubles until it holds more tokens than the context, or is the
-        whole text (which the caller then tokenizes), so a text that fits costs at most twice."""
+        whole text (which the caller then tokenizes), so a text that fits costs at most twice.
+        A text longer than the longest token times the context (four times over: a normalizer
+        may fold a few characters into one) is refused without any part."""
+        if self.max_token_chars and len(text) > 4 * self.max_token_chars * (self.max_model_len + 1):
+            raise self.too_long(len(text) // (4 * self.max_token_chars), param, at_least=True)
         size = PROBE_CHARS_PER_TOKEN * (self.max_model_len + 1)
         while size < len(text):
             num_tokens = count(text[:_word_start(text, size)]) - BOUNDARY_TOKENS

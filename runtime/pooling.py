@@ -86,8 +86,13 @@ def apply_hf_overrides(hf: dict, overrides: dict | str | None) -> dict:
     HF_OVERRIDES (Qwen3-Embedding's Matryoshka: {"is_matryoshka": true})."""
     if overrides is None:
         return hf
-    return {**hf, **_json_object(overrides, "--hf-overrides", HF_OVERRIDES,
-                                 "; the rest of config.json is read as it is")}
+    values = _json_object(overrides, "--hf-overrides", HF_OVERRIDES, "; the rest of config.json is read as it is")
+    if not isinstance(values.get("is_matryoshka", False), bool):
+        raise ValueError(f"--hf-overrides: is_matryoshka must be true or false, got {values['is_matryoshka']!r}")
+    dims = values.get("matryoshka_dimensions")
+    if dims is not None:  # checked as the pooler will take it
+        PoolerConfig(matryoshka_dimensions=tuple(dims) if isinstance(dims, list) else dims)
+    return {**hf, **values}
 
 
 def _json_object(value: dict | str, flag: str, keys: tuple[str, ...], why: str = "") -> dict:

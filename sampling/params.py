@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _GREEDY_BELOW = 1e-5
+_NO_ID = 2 ** 63  # no vocabulary is this large (and the sampler keeps token ids in int64)
 MAX_LOGPROBS = 20
 MAX_N = 128
 
@@ -182,8 +183,8 @@ class SamplingParams:
         if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
             raise ValueError("thinking_budget must be a ThinkingBudget")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if any(not _is_int(t) or not 0 <= t < _NO_ID for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids}")
         self.stop_token_array = np.array(self.stop_token_ids, dtype=np.int64)
         try:  # the member itself: the engine tests it by identity
             self.output_kind = RequestOutputKind(self.output_kind)
@@ -203,7 +204,7 @@ class SamplingParams:
                 token = int(k)  # OpenAI sends the ids as JSON object keys (strings)
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
-            if token < 0 or isinstance(k, bool):
+            if not 0 <= token < _NO_ID or isinstance(k, bool):
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {k!r}")
             if not _is_number(v) or not -100.0 <= v <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k}")

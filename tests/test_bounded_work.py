@@ -100,7 +100,14 @@ def test_a_text_far_too_long_is_refused_from_a_part_of_it(tiny_llm, monkeypatch)
             return tokenizer.encode_batch(texts, **kw)
     monkeypatch.setattr(engine, "_tokenizer", Recording())
     first = PROBE_CHARS_PER_TOKEN * (limit + 1)
-    for text in ("hello world " * 250_000, "x" * 3_000_000):
+    outright = 4 * 13 * (limit + 1)  # past this, refused from its length (13: the longest token's characters)
+    assert engine.inputs.max_token_chars == 13
+    for text in ("<|endoftext|>" * (outright // 13 + 1), "hello world " * 250_000):
+        seen.clear()
+        with pytest.raises(InvalidRequest, match="at least"):
+            engine.tokenize_all([text], param="prompt")
+        assert not seen
+    for text in ("hello world " * (outright // 12), "x" * outright):  # from the first part
         seen.clear()
         with pytest.raises(InvalidRequest, match=f"length is {limit} tokens. However, your request has at "
                                                  r"least \d+ input tokens") as e:
@@ -117,6 +124,18 @@ def test_a_text_far_too_long_is_refused_from_a_part_of_it(tiny_llm, monkeypatch)
     with pytest.raises(InvalidRequest, match=f"has {len(tokenizer.encode(over).ids)} input tokens"):
         engine.inputs.process(engine.tokenize(over, param="prompt"), _params())
     assert len(engine.tokenize("hello world " * 250_000)) > limit  # without a field (/tokenize): whole
+
+
+@pytest.mark.server
+def test_tokenize_counts_any_text_while_prompts_far_too_long_are_refused(tiny_server):
+    text = "hello world " * 2000  # about 20,000 tokens, against a context of 512
+    for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+        r = httpx.post(f"{tiny_server.url}/tokenize", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["count"] > 10_000, r.text
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                       ("/v1/completions", {"prompt": text}), ("/v1/embeddings", {"input": text})):
+        r = httpx.post(f"{tiny_server.url}{path}", json={"max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 400 and "has at least" in r.json()["error"]["message"], r.text
 
 
 def _params():
@@ -234,6 +253,15 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
                     "model": srv.model, "max_tokens": 3, "ignore_eos": True, "stream": True, **body, **many}) as r:
                 assert r.status_code == 200 and sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= 3
             assert formatted and set(formatted) == {not off}, (path, top, formatted)
+    # the first piece of a stream carries the prompt's logprobs, without logprobs of its own
+    monkeypatch.setattr(completions, "prompt_logprobs", lambda *a, fn=completions.prompt_logprobs:
+                        formatted.append(_on_event_loop()) or fn(*a))
+    formatted.clear()
+    with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60, json={
+            "model": srv.model, "prompt": "hello world, hello world", "max_tokens": 2, "stream": True,
+            "prompt_logprobs": 5}) as r:
+        assert r.status_code == 200 and "prompt_logprobs" in r.read().decode()
+    assert formatted == [False], formatted  # made in a worker thread
     written.clear()
     r = httpx.post(f"{srv.url}/v1/responses", json={"model": srv.model, "input": "hi", "max_output_tokens": 8,
                                                      "top_logprobs": 20}, timeout=60)
@@ -258,18 +286,21 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and not decoded
     # prompts of token ids are checked (and echoed) off the loop when they are many ids: 1,000
     # prompts of 8,000 held it 0.95 s, and 1.4-2.3 s with echo
-    checked = []
+    checked, order = [], []
     for name in ("check_request", "check_embedding_request"):
         check = getattr(srv.state.engine, name)
-        monkeypatch.setattr(srv.state.engine, name,
-                            lambda *a, check=check, **kw: checked.append(_on_event_loop()) or check(*a, **kw))
+        monkeypatch.setattr(srv.state.engine, name, lambda *a, check=check, **kw: checked.append(_on_event_loop())
+                            or order.append("check") or check(*a, **kw))
+    new_stream = srv.state.engine.new_stream  # the queue's room is taken after the checks' await, not before
+    monkeypatch.setattr(srv.state.engine, "new_stream", lambda *a: order.append("stream") or new_stream(*a))
     for prompts, off in (([[7] * 400] * 12, True), ([[7] * 400] * 2, False)):
         for path, body in (("/v1/completions", {"prompt": prompts, "max_tokens": 1, "echo": True}),
                            ("/v1/embeddings", {"input": prompts})):
-            checked.clear(), decoded.clear()
+            checked.clear(), decoded.clear(), order.clear()
             r = httpx.post(f"{srv.url}{path}", json={"model": srv.model, **body}, timeout=120)
             assert r.status_code == 200, r.text
             assert checked == [not off] * len(prompts), (path, checked)
+            assert order == ["check"] * len(prompts) + ["stream"], (path, order)
             assert decoded == ([not off] * len(prompts) if "echo" in body else []), (path, decoded)
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": srv.model, "prompt": [[7] * 400] * 11 + [[10 ** 9]]})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text

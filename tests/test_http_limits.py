@@ -103,6 +103,22 @@ def test_a_head_too_slow_gets_a_408(server):
     _serves(server)
 
 
+def test_a_connection_that_sends_nothing_is_closed(server):
+    with _connect(server) as sock:
+        started = time.monotonic()
+        assert sock.recv(1) == b""  # closed, with no answer
+    assert LIMITS["timeout"] <= time.monotonic() - started < LIMITS["timeout"] + 5
+    _serves(server)
+
+
+def test_a_keep_alive_connection_serves_requests_after_the_head_timeout(server):
+    """The timer runs from each request's first byte: one connection, two requests apart."""
+    with httpx.Client(timeout=30) as client:
+        for _ in range(2):
+            assert client.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+            time.sleep(LIMITS["timeout"] / 2)
+
+
 def _upload(server, declared: int, sent: int) -> socket.socket:
     """A JSON body of `declared` bytes, of which `sent` are sent."""
     sock = _connect(server)

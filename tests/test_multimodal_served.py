@@ -191,6 +191,7 @@ def test_decoded_images_share_a_pixel_budget(server):
     """Decoded images are held until their prompt is made: a request's together past the
     budget is a 400 naming the image; one that would pass it beside another request's a 503
     with Retry-After; every pixel is given back when the request is done."""
+    from pageserve.app.errors import APIError
     from pageserve.app.media import MediaLoader, MediaSettings
 
     saved = server.state.media
@@ -209,6 +210,11 @@ def test_decoded_images_share_a_pixel_budget(server):
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
             assert r.json()["error"]["code"] == "server_overloaded" and loader.pixels_held == 2000
         assert ask(one).status_code == 200 and loader.pixels_held == 0
+        with loader.holding() as late:  # a decode thread that outlives its cancelled request
+            pass
+        with pytest.raises(APIError, match="ended"):
+            late(100, "messages.0.content.1")
+        assert loader.pixels_held == 0
     finally:
         server.state.media = saved
 

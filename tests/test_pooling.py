@@ -99,7 +99,8 @@ def test_matryoshka_read_from_config_json_and_hf_overrides(tmp_path):
     listed = pooler_config(tmp_path, hf={"matryoshka_dimensions": [8, 16]})
     assert listed.matryoshka and listed.matryoshka_dimensions == (8, 16)
     assert apply_hf_overrides({"a": 1}, '{"is_matryoshka": true}') == {"a": 1, "is_matryoshka": True}
-    for bad, words in (('{"num_hidden_layers": 2}', "not num_hidden_layers"), ("[1]", "JSON object"), ("{", "not JSON")):
+    for bad, words in (('{"num_hidden_layers": 2}', "not num_hidden_layers"), ("[1]", "JSON object"), ("{", "not JSON"),
+                       ('{"is_matryoshka": "false"}', "true or false"), ('{"matryoshka_dimensions": 5}', "list of")):
         with pytest.raises(ValueError, match=words):
             apply_hf_overrides({}, bad)
     with pytest.raises(ValueError, match="positive integers"):

@@ -76,6 +76,8 @@ BAD = [
     (CHAT, {"messages": MSG, "stop": "x" * 300}, 400, "stop", "at most 256"),
     (COMP, {"prompt": [[1]] * 3000}, 400, "prompt", "at most 2048"),
     (CHAT, {"messages": MSG, "logit_bias": {"99999999": 5}}, 400, "logit_bias", "outside the vocabulary"),
+    (CHAT, {"messages": MSG, "logit_bias": {str(2 ** 64): 5}}, 400, "logit_bias", "token ids"),  # beyond int64
+    (COMP, {"prompt": "hi", "stop_token_ids": [2 ** 64 - 1]}, 400, "stop_token_ids", "token ids"),
     (CHAT, {"messages": MSG, "logit_bias": {"5": 500}}, 400, "logit_bias", "[-100, 100]"),
     (CHAT, {"messages": MSG, "n": 500}, 400, "n", "less than or equal"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
