@@ -1,9 +1,9 @@
 """uvicorn's httptools protocol with bounds on a request's head (its request line and headers):
 its bytes, its header lines and the time it takes to arrive. The head is read before any route
-or the API-key check sees the request, and httptools keeps a header whole until it ends: 2 GB of
-header lines grew the server by 4.4 GB, and a head sent a byte at a time held its connection
-for ever. A head over a bound gets a 431 (its size) or a 408 (its time), and the connection is
-closed. The flags keep vLLM's names (it serves with h11 there)."""
+or the API-key check sees the request: its lines pile up until it ends (2 GB of them grew the
+server by 4.4 GB), httptools holds an unfinished header whole, and a head sent a byte at a time
+held its connection for ever. A head over a bound gets a 431 (its size) or a 408 (its time),
+and the connection is closed. The flags keep vLLM's names (it serves with h11 there)."""
 
 from __future__ import annotations
 

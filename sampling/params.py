@@ -6,9 +6,8 @@ from __future__ import annotations
 import enum
 import json as _json
 import math
+from array import array
 from dataclasses import dataclass, field
-
-import numpy as np
 
 _GREEDY_BELOW = 1e-5
 _NO_ID = 2 ** 63  # no vocabulary is this large (and the sampler keeps token ids in int64)
@@ -123,10 +122,12 @@ class SamplingParams:
     # greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens mask, no
     # penalties, no log-probabilities (set from the fields above: the sampler reads it every row)
     plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
-    # logit_bias as arrays (token ids int64, values float32), made once: a step concatenates
-    # them (256 rows of 1,024 entries, rebuilt as Python triples, took 0.32 s a step)
-    bias_arrays: tuple = field(init=False, repr=False, compare=False, default=())
-    stop_token_array: np.ndarray | None = field(init=False, repr=False, compare=False, default=None)  # int64
+    # logit_bias's token ids (int64s) and values (float32s), and stop_token_ids (int64s), packed
+    # once: a step concatenates them (256 rows of 1,024 logit_bias entries, rebuilt as Python
+    # triples, took 0.32 s a step)
+    bias_tokens: bytes = field(init=False, repr=False, compare=False, default=b"")
+    bias_values: bytes = field(init=False, repr=False, compare=False, default=b"")
+    stop_tokens: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
         for name in ("n", "top_k", "min_tokens"):
@@ -162,8 +163,8 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         self.logit_bias = self._check_logit_bias(self.logit_bias)
-        self.bias_arrays = (np.fromiter(self.logit_bias.keys(), np.int64, len(self.logit_bias)),
-                            np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)))
+        self.bias_tokens = array("q", self.logit_bias.keys()).tobytes()
+        self.bias_values = array("f", self.logit_bias.values()).tobytes()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -185,7 +186,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or not 0 <= t < _NO_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids}")
-        self.stop_token_array = np.array(self.stop_token_ids, dtype=np.int64)
+        self.stop_tokens = array("q", self.stop_token_ids).tobytes()
         try:  # the member itself: the engine tests it by identity
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -95,8 +95,9 @@ class SamplingMetadata:
 
         # (row, token, value) of the logit bias and (row, token) of the tokens min_tokens holds
         # back, from arrays each request made once
-        bias = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]
-        banned = [(i, np.concatenate((r.params.stop_token_array,
+        bias = [(i, (np.frombuffer(p.bias_tokens, np.int64), np.frombuffer(p.bias_values, np.float32)))
+                for i, p in enumerate(params) if p.logit_bias]
+        banned = [(i, np.concatenate((np.frombuffer(r.params.stop_tokens, np.int64),
                                       np.asarray(() if r.params.ignore_eos else r.eos_token_ids, dtype=np.int64))))
                   for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         banned = [(i, tokens) for i, tokens in banned if len(tokens)]
