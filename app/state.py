@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -167,16 +166,12 @@ class ServerState:
     async def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """`param`: the request field of a prompt, which is refused when far longer than the
         context; None for /tokenize, which counts any text, as vLLM's does."""
-        if len(text) > LONG_TEXT:
-            return await asyncio.to_thread(self.engine.tokenize, text, add_special_tokens, param)
-        return self.engine.tokenize(text, add_special_tokens, param)
+        return await off_loop_if(len(text) > LONG_TEXT, lambda: self.engine.tokenize(text, add_special_tokens, param))
 
     async def tokenize_all(self, texts: list[str], param: str | list[str]) -> list[list[int]]:
         """Many prompts (a completions or embeddings list), in a worker thread when together they
         are long (2,048 short ones held the event loop up to 3.4 s)."""
-        if sum(map(len, texts)) > LONG_TEXT:
-            return await asyncio.to_thread(self.engine.tokenize_all, texts, param)
-        return self.engine.tokenize_all(texts, param)
+        return await off_loop_if(sum(map(len, texts)) > LONG_TEXT, lambda: self.engine.tokenize_all(texts, param))
 
     def detokenize(self, token_ids: list[int]) -> str:
         # _decode: decode's own conversion of the list held the event loop 0.2 s for a million ids
