@@ -21,6 +21,7 @@ from pageserve.runtime.executor import ExecutorDeadError, MultiprocExecutor, Uni
 from pageserve.runtime.input_processor import InputProcessor, ProcessedRequest
 from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.lora import LoRAError, LoRARequest
+from pageserve.runtime.lora.pins import AdapterPins
 from pageserve.runtime.models import registry
 from pageserve.runtime.model_runner import ModelRunner
 from pageserve.runtime.multimodal import MultiModalProcessor
@@ -98,6 +99,7 @@ class LLMEngine:
                                      max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=0))
         self.structured = StructuredOutputs(self.grammar)  # requests' grammars and thinking budgets
         self._failures: list[tuple[str, Exception]] = []  # output ids ended by an error
+        self._lora_pins = AdapterPins()  # the adapters live requests run under, held in host memory
         self.spec = None if config.speculative is None else make_proposer(config.speculative)
         self._max_model_len = config.model.max_model_len  # read at every token
         self._stream_interval = config.scheduler.stream_interval
@@ -214,7 +216,7 @@ class LLMEngine:
         self.executor.add_lora(lora)
 
     def remove_lora(self, lora_int_id: int) -> None:
-        """Forget the adapter (a running request of it reads it again from its directory)."""
+        """Forget the adapter (the requests running under it keep it until they end)."""
         if self.config.lora is not None:
             self.executor.remove_lora(lora_int_id)
 
@@ -236,6 +238,8 @@ class LLMEngine:
                                 p.cache_salt, pooling, arrival_time, p.mm_items)
         req.lora = p.lora
         req.priority = p.priority
+        if p.lora is not None:
+            self._lora_pins.add(req)
         if pooling:
             self.scheduler.add_request(req)
             return req.request_id
@@ -313,6 +317,9 @@ class LLMEngine:
         if self.structured.waiting:
             for output_id, error in self.structured.resolve():  # grammars that failed to compile
                 self._fail_request(output_id, error)
+        if self._lora_pins.pending:
+            for output_id, error in self._lora_pins.sync(self.executor):  # adapters that could not be read
+                self._fail_request(output_id, RequestFailedError(str(error)))
         if len(self._in_flight) < self._depth:
             if self.spec is not None:
                 self.spec.propose_all(self.scheduler.idle_running(), self.config.model.max_model_len)
@@ -459,6 +466,8 @@ class LLMEngine:
         for child in children:
             self.requests[child.request_id] = child
         self.outputs.groups[parent.output_id].extend(children)
+        if parent.lora is not None:
+            self._lora_pins.add(parent, len(children))
         copies = self.scheduler.fork(parent, children)
         if copies:
             self.executor.copy_blocks(copies)
@@ -482,6 +491,8 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
         del self.requests[req.request_id]
+        if req.lora is not None:
+            self._lora_pins.finish(req)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

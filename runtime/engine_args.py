@@ -218,7 +218,8 @@ class EngineArgs:
                        help="distinct adapters in one step: the device slots sized at start-up")
         g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank the slots take")
         g.add_argument("--max-cpu-loras", type=int, default=None,
-                       help="adapters kept loaded in host memory, least recently used out (default: --max-loras)")
+                       help="idle adapters kept loaded in host memory, least recently used out; those of live "
+                            "requests stay too (default: --max-loras)")
         g = parser.add_argument_group("speculative decoding")
         g.add_argument("--speculative-config", default=None,
                        help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4} or '

@@ -80,8 +80,11 @@ class UniProcExecutor:
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs(max_num_seqs)
 
-    def add_lora(self, lora: LoRARequest) -> None:
-        self.runner.lora.load(lora)
+    def add_lora(self, lora: LoRARequest, pin: bool = False) -> None:
+        self.runner.lora.load(lora, pin)
+
+    def unpin_lora(self, lora_int_id: int) -> None:
+        self.runner.lora.unpin(lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.lora.remove(lora_int_id)
@@ -147,12 +150,17 @@ class MultiprocExecutor:
     def warm_up(self, max_num_seqs: int) -> None:
         self._call("warm_up", max_num_seqs, timeout=START_TIMEOUT_S)
 
-    def add_lora(self, lora: LoRARequest) -> None:
+    def add_lora(self, lora: LoRARequest, pin: bool = False) -> None:
         """Every rank reads its part of the adapter (LoRAError with the first rank's reason)."""
-        errors = [e for e in self._call("add_lora", lora, every=True) if e]
+        errors = [e for e in self._call("add_lora", lora, pin, every=True) if e]
         if errors:
+            if pin:
+                self._call("unpin_lora", lora.lora_int_id)
             self._call("remove_lora", lora.lora_int_id)
             raise LoRAError(errors[0])
+
+    def unpin_lora(self, lora_int_id: int) -> None:
+        self._call("unpin_lora", lora_int_id)
 
     def remove_lora(self, lora_int_id: int) -> None:
         self._call("remove_lora", lora_int_id)

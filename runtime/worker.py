@@ -229,9 +229,9 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
         runner.warm_up_kernels()
         runner.capture_cuda_graphs(max_num_seqs)
 
-    def add_lora(lora: LoRARequest) -> str | None:  # every rank reads its part: an error is the request's
+    def add_lora(lora: LoRARequest, pin: bool) -> str | None:  # each rank reads its part; an error is the request's
         try:
-            runner.lora.load(lora)
+            runner.lora.load(lora, pin)
         except LoRAError as e:
             return str(e)
         return None
@@ -239,6 +239,7 @@ def _serve(rank: int, runner: ModelRunner, conn, relay: Relay | None) -> None:
     receive = _inbox(rank, conn, relay)
     methods = {"execute": execute, "copy_blocks": runner.copy_blocks,
                "allocate_kv_cache": allocate, "warm_up": warm_up, "add_lora": add_lora,
+               "unpin_lora": lambda lora_int_id: runner.lora.unpin(lora_int_id),
                "remove_lora": lambda lora_int_id: runner.lora.remove(lora_int_id)}
     while True:
         try:

@@ -7,7 +7,9 @@ cannot be served refused with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from pageserve.loadtest.tiny_lora import peft_adapter, write_adapter
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, LoRARequest, SamplingParams
+from pageserve.runtime.engine import RequestFailedError
 from pageserve.runtime.lora import LoRAError
 from tests.conftest import assert_pool_clean
 from tests.hf_reference import hf_greedy
@@ -174,6 +177,63 @@ def test_adapters_under_async_scheduling(llama_case, llama_llm):
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=per_prompt)) == want
     assert_pool_clean(llm.engine)
 
+def run_served(engine, requests) -> tuple[dict, dict]:
+    """Add (request id, prompt, adapter) as the server does (the adapter not read on the way
+    in), step until done: (tokens by id, error by id)."""
+    for rid, prompt, lora in requests:
+        engine.add_processed(dataclasses.replace(engine.inputs.process(prompt, GREEDY), lora=lora), rid)
+    done, failed = {}, {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        failed.update(engine.take_failures())
+    return done, failed
+
+
+def test_a_live_request_keeps_its_adapter_and_a_lost_one_fails_alone(llama_case, tmp_path):
+    """Host memory for one adapter (--max-cpu-loras 1), one slot, two adapters: each stays in
+    host memory while a request runs under it, so its files can go meanwhile; once idle it
+    leaves, and a new request naming it fails alone before its step while its batch-mates (the
+    other adapter, the base model) run on."""
+    base, adapters = llama_case
+    a0, a1 = (LoRARequest(f"a{i}", i + 1, str(shutil.copytree(a, tmp_path / f"a{i}")))
+              for i, a in enumerate(adapters[:2]))
+    want = {"0": peft_greedy(base, adapters[0], PROMPTS[:1])[0], "1": peft_greedy(base, adapters[1], PROMPTS[1:2])[0],
+            "base": hf_greedy(base, PROMPTS[2:], NEW_TOKENS)[0]}
+    engine = lora_llm(base, max_loras=1, max_cpu_loras=1).engine
+    manager = engine.runner.lora
+    engine.add_processed(dataclasses.replace(engine.inputs.process(PROMPTS[0], GREEDY), lora=a0), "0")
+    engine.add_processed(dataclasses.replace(engine.inputs.process(PROMPTS[1], GREEDY), lora=a1), "1")
+    engine.step()  # a0's request runs; a1's waits for the slot, its adapter read all the same
+    assert sorted(manager.in_host) == [1, 2]
+    shutil.rmtree(a1.lora_path)
+    done, failed = run_served(engine, [])
+    assert done == {"0": want["0"], "1": want["1"]} and not failed
+    assert manager.in_host == [2]  # the least recently pinned
+    run_served(engine, [("again", PROMPTS[0], a0)])
+    assert manager.in_host == [1]
+    done, failed = run_served(engine, [("lost", PROMPTS[1], a1), ("0", PROMPTS[0], a0), ("base", PROMPTS[2], None)])
+    assert done == {"0": want["0"], "base": want["base"]}
+    assert list(failed) == ["lost"] and isinstance(failed["lost"], RequestFailedError)
+    assert "adapter_config.json" in str(failed["lost"]) or "does not exist" in str(failed["lost"])
+    assert_pool_clean(engine)
+
+
+def test_an_adapter_removed_under_a_running_request_goes_when_it_ends(llama_case, llama_llm, tmp_path):
+    base, adapters = llama_case
+    lora = LoRARequest("gone", 7, str(shutil.copytree(adapters[0], tmp_path / "gone")))
+    engine = llama_llm.engine
+    engine.add_processed(dataclasses.replace(engine.inputs.process(PROMPTS[0], GREEDY), lora=lora), "r")
+    engine.step()
+    engine.remove_lora(lora.lora_int_id)
+    shutil.rmtree(lora.lora_path)
+    done, failed = run_served(engine, [])
+    assert done == {"r": peft_greedy(base, adapters[0], PROMPTS[:1])[0]} and not failed
+    assert 7 in engine.runner.lora.in_host  # let go at the next step
+    run_served(engine, [("next", PROMPTS[1], None)])
+    assert 7 not in engine.runner.lora.in_host
+    assert_pool_clean(engine)
+
+
 def test_adapters_that_cannot_be_served_are_refused(llama_case, llama_llm, tiny_llm, tmp_path):
     base, adapters = llama_case
     llm = llama_llm
@@ -247,6 +307,11 @@ def test_tensor_parallel_ranks_split_the_adapters_as_the_weights(llama_case):
         check_parity(base, adapters, llm)
         with pytest.raises(LoRAError, match="does not exist"):
             llm.engine.add_lora(LoRARequest("bad", 9, str(base / "missing")))
-        assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == [hf_greedy(base, PROMPTS[:1], NEW_TOKENS)[0]]
+        alone = hf_greedy(base, PROMPTS[:1], NEW_TOKENS)[0]
+        assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == [alone]
+        # named by a request, not read before: the ranks fail that request alone, before its step
+        done, failed = run_served(llm.engine, [("lost", PROMPTS[0], LoRARequest("lost", 10, str(base / "gone"))),
+                                               ("base", PROMPTS[0], None)])
+        assert done == {"base": alone} and list(failed) == ["lost"]
     finally:
         llm.engine.shutdown()

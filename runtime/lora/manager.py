@@ -1,5 +1,6 @@
 """Adapters in host memory and in device slots, per model runner. `load` reads an adapter into
-host memory (up to --max-cpu-loras, least recently used out); `batch` puts the step's adapters
+host memory (up to --max-cpu-loras, least recently used out, never one pinned because a live
+request runs under it: see pins.py); `batch` puts the step's adapters
 in slots (at most --max-loras, which the scheduler keeps a step within; a slot no request of
 the step uses is rewritten, least recently used first) and maps each token to its slot. A slot
 is written between steps, so an adapter's arrival costs its own copy and never a stall of the
@@ -35,35 +36,73 @@ class LoRAManager:
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, least recent first
         self._slot_ids: list[int | None] = [None] * config.max_loras  # the adapter id in each slot
         self._slot_used = [0.0] * config.max_loras  # when each slot last served a step
+        self._pinned: set[int] = set()  # adapter ids kept in host memory whatever --max-cpu-loras says
+        self._removed: set[int] = set()  # pinned adapters removed meanwhile: they go when unpinned
         self._lock = threading.RLock()  # load() runs in the server's threads, batch() in the step's
         logger.info("LoRA: %d slots of rank %d, %.1f MiB of adapter weights beside the model", config.max_loras,
                     config.max_lora_rank, self.slots.nbytes / 2 ** 20)
 
-    def load(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter read into host memory (LoRAError if it cannot be served), or found there."""
+    def load(self, lora: LoRARequest, pin: bool = False) -> LoRAAdapter:
+        """The adapter read into host memory (LoRAError if it cannot be served), or found there;
+        with `pin`, held there until `unpin`."""
+        lora_id = lora.lora_int_id
         with self._lock:
-            adapter = self._host.get(lora.lora_int_id)
+            adapter = self._host.get(lora_id)
             if adapter is not None:
-                self._host.move_to_end(lora.lora_int_id)
+                self._host.move_to_end(lora_id)
+                self._hold(lora_id, pin)
                 return adapter
         started = time.perf_counter()
         adapter = load_adapter(lora.lora_name, lora.lora_path, self.targets, self.config.max_lora_rank, self._shard)
         with self._lock:
-            self._host[lora.lora_int_id] = adapter
-            self._host.move_to_end(lora.lora_int_id)
-            while len(self._host) > self.config.max_cpu_loras:
-                self._host.popitem(last=False)
+            self._host[lora_id] = adapter
+            self._host.move_to_end(lora_id)
+            self._hold(lora_id, pin)
+            self._trim()
         logger.info("LoRA adapter %s (rank %d, %.1f MiB) read from %s in %.3f s", lora.lora_name, adapter.rank,
                     adapter.nbytes / 2 ** 20, lora.lora_path, time.perf_counter() - started)
         return adapter
 
-    def remove(self, lora_int_id: int) -> None:
-        """Forget the adapter: out of host memory, its slot free."""
+    @property
+    def in_host(self) -> list[int]:
+        """The ids of the adapters in host memory, least recently used first."""
         with self._lock:
-            self._host.pop(lora_int_id, None)
-            for i, held in enumerate(self._slot_ids):
-                if held == lora_int_id:
-                    self._slot_ids[i] = None
+            return list(self._host)
+
+    def _hold(self, lora_id: int, pin: bool) -> None:
+        self._removed.discard(lora_id)  # loaded again: served again
+        if pin:
+            self._pinned.add(lora_id)
+
+    def _trim(self) -> None:
+        """Least recently used first, out of host memory down to --max-cpu-loras, pins kept."""
+        excess = len(self._host) - self.config.max_cpu_loras
+        for lora_id in [i for i in self._host if i not in self._pinned][:max(0, excess)]:
+            del self._host[lora_id]
+
+    def unpin(self, lora_int_id: int) -> None:
+        """No live request runs under the adapter any more."""
+        with self._lock:
+            self._pinned.discard(lora_int_id)
+            if lora_int_id in self._removed:
+                self._forget(lora_int_id)
+            self._trim()
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forget the adapter: out of host memory, its slot free (once its live requests end,
+        when it is pinned)."""
+        with self._lock:
+            if lora_int_id in self._pinned:
+                self._removed.add(lora_int_id)
+            else:
+                self._forget(lora_int_id)
+
+    def _forget(self, lora_int_id: int) -> None:
+        self._removed.discard(lora_int_id)
+        self._host.pop(lora_int_id, None)
+        for i, held in enumerate(self._slot_ids):
+            if held == lora_int_id:
+                self._slot_ids[i] = None
 
     def _slot_for(self, lora: LoRARequest, needed: set[int]) -> int:
         ids = self._slot_ids
@@ -73,7 +112,7 @@ class LoRAManager:
         if not free:
             raise RuntimeError(f"more adapters in one step than --max-loras ({len(ids)})")
         slot = min(free, key=lambda i: (ids[i] is not None, self._slot_used[i]))
-        self.slots.fill(slot, self.load(lora))  # read again where host memory let it go
+        self.slots.fill(slot, self.load(lora))  # in host memory: the engine pins its requests' adapters
         ids[slot] = lora.lora_int_id
         return slot
 
