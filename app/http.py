@@ -109,24 +109,47 @@ class BodyBudget:
         self.used = 0
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Callable[[int], None]]:
-        """A function to call with the body's size so far; what it took is given back on exit."""
-        taken = 0
-
-        def grow(size: int) -> None:
-            nonlocal taken
-            more = size - BODY_FREE_BYTES - taken
-            if more <= 0:
-                return
-            if self.used + more > self.max_bytes:
-                raise APIError(503, f"the server is reading {self.used >> 20} MB of other request bodies, its "
-                                    "most at once: retry", code="server_overloaded", headers={"Retry-After": "1"})
-            self.used += more
-            taken += more
+    def reading(self) -> Iterator["BodyReading"]:
+        """The body's share; what it took is given back on exit (or, after `hold_until`, when
+        that future is done)."""
+        reading = BodyReading(self)
         try:
-            yield grow
+            yield reading
         finally:
-            self.used -= taken
+            if not reading.held:
+                reading.release()
+
+
+class BodyReading:
+    def __init__(self, budget: BodyBudget):
+        self.budget, self.taken, self.held = budget, 0, False
+
+    def grow(self, size: int) -> None:
+        """The body is `size` bytes so far (a 503 when that passes the budget)."""
+        budget = self.budget
+        more = size - BODY_FREE_BYTES - self.taken
+        if more <= 0:
+            return
+        if budget.used + more > budget.max_bytes:
+            raise APIError(503, f"the server is reading {budget.used >> 20} MB of other request bodies, its "
+                                "most at once: retry", code="server_overloaded", headers={"Retry-After": "1"})
+        budget.used += more
+        self.taken += more
+
+    def hold_until(self, future: asyncio.Future) -> None:
+        """The bytes stay taken until `future` (a thread parsing them) is done, even when the
+        request is gone before: its error, if any, is its request's, or nobody's."""
+        self.held = True
+
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: no "never retrieved" log for a request that is gone
+            self.release()
+        future.add_done_callback(done)
+
+    def release(self) -> None:
+        self.budget.used -= self.taken
+        self.taken = 0
 
 
 async def read_body(request: Request, max_bytes: int, grow: Callable[[int], None] = lambda size: None) -> bytes:
@@ -163,16 +186,18 @@ async def read_json(request: Request, model: type[Body], max_bytes: int) -> Body
     the app's BodyChecker, in its own process, and then parsed in a worker thread: the event
     loop never holds still for it."""
     _check_json_media(request)
-    budget: BodyBudget | None = getattr(request.app.state, "body_budget", None)
-    with budget.reading() if budget is not None else contextlib.nullcontext(lambda size: None) as grow:
-        raw = await read_body(request, max_bytes, grow)
+    budget: BodyBudget = getattr(request.app.state, "body_budget", None) or BodyBudget(sys.maxsize)
+    with budget.reading() as reading:
+        raw = await read_body(request, max_bytes, reading.grow)
         checker: BodyChecker | None = getattr(request.app.state, "body_checker", None)
         max_tokens = checker.max_tokens if checker is not None else sys.maxsize
         try:
             if checker is None or raw.count(b",") <= MANY_VALUES:
                 return _validate(model, parse(raw, max_tokens))
             await checker.check(raw)
-            return await asyncio.to_thread(lambda: _validate(model, parse(raw, max_tokens)))
+            parsing = asyncio.ensure_future(asyncio.to_thread(lambda: _validate(model, parse(raw, max_tokens))))
+            reading.hold_until(parsing)  # a cancelled request's thread parses on, holding the bytes
+            return await asyncio.shield(parsing)
         except BodyError as e:
             raise bad_request(str(e), e.param) from None
 

@@ -163,3 +163,29 @@ def test_bodies_read_at_once_share_a_budget(server):
     finally:
         app.state.body_budget = saved
     _serves(server)
+
+
+def test_a_body_being_parsed_keeps_its_share_after_its_request_is_gone():
+    """A request cancelled while a worker thread parses its body: the thread holds the bytes, so
+    the budget counts them until it ends."""
+    import asyncio
+    import threading
+
+    from pageserve.app.http import BODY_FREE_BYTES, BodyBudget
+
+    async def cancelled_mid_parse() -> None:
+        budget, parsed = BodyBudget(10 << 20), threading.Event()
+        with budget.reading() as reading:
+            reading.grow(BODY_FREE_BYTES + 1000)
+            parsing = asyncio.ensure_future(asyncio.to_thread(parsed.wait))
+            reading.hold_until(parsing)
+        assert budget.used == 1000
+        parsed.set()
+        await parsing
+        await asyncio.sleep(0)
+        assert budget.used == 0
+        with budget.reading() as reading:  # the usual path: given back on exit
+            reading.grow(BODY_FREE_BYTES + 10)
+            assert budget.used == 10
+        assert budget.used == 0
+    asyncio.run(cancelled_mid_parse())
