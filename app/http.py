@@ -8,12 +8,12 @@ import contextlib
 import functools
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from pageserve.app.body_check import MANY_VALUES, BodyChecker, BodyError, parse
 from pageserve.app.errors import APIError, bad_request, from_validation_error
@@ -72,25 +72,47 @@ async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
 
 
 async def reply(build: Callable[[], dict], large: bool) -> Response:
-    """The dict `build` makes, as JSON; made off the event loop when `large`. A value of the
-    dict may be an iterator (of choices): a large reply makes and writes its items one at a time."""
+    """The dict `build` makes, as JSON. A value of the dict may be an iterator (of choices).
+    When `large`, the dict is made off the event loop and written in pieces (see json_pieces)."""
     if large:
-        body = await asyncio.to_thread(lambda: _dumps_in_pieces(build()))
-        return Response(body, media_type="application/json")
+        pieces = json_pieces(await asyncio.to_thread(build))
+        return StreamingResponse(_off_loop(pieces), media_type="application/json")
     return json_response({k: list(v) if isinstance(v, Iterator) else v for k, v in build().items()})
 
 
-def _dumps_in_pieces(value: dict) -> bytes:
-    """`value` as JSON, its lists (choices, data, output) an item at a time: one orjson call
-    holds the GIL throughout, and an 81 MB reply written at once held the event loop 0.66 s.
-    An iterator's items are made as they are written, and each is let go of once written: the
-    dicts of 128 choices of 8,000 tokens with 20 logprobs each, made whole, took 2 GB and freeing
-    them held the event loop 1.6 s."""
-    parts = []
-    for key, v in value.items():
-        written = b"[" + b",".join(map(dumps, v)) + b"]" if isinstance(v, (list, Iterator)) else dumps(v)
-        parts.append(dumps(key) + b":" + written)
-    return b"{" + b",".join(parts) + b"}"
+# a large reply is written in pieces of about this many bytes
+REPLY_PIECE_BYTES = 1 << 20
+
+
+def json_pieces(value: dict) -> Iterator[bytes]:
+    """`value` as JSON in pieces of about REPLY_PIECE_BYTES, its lists (choices, data, output)
+    an item at a time. One orjson call holds the GIL throughout (an 81 MB reply written at once
+    held the event loop 0.66 s); a reply made whole is copied whole again on its way out; and
+    an iterator's items are made as they are written and let go of once written (the dicts of
+    128 choices of 8,000 tokens with 20 logprobs each, made whole, took 2 GB)."""
+    parts, size = [b"{"], 1
+    for i, (key, v) in enumerate(value.items()):
+        parts.append(b"," + dumps(key) + b":" if i else dumps(key) + b":")
+        if not isinstance(v, (list, Iterator)):
+            parts.append(dumps(v))
+            continue
+        parts.append(b"[")
+        for j, item in enumerate(v):
+            written = dumps(item)
+            parts.append(b"," + written if j else written)
+            size += len(written)
+            if size >= REPLY_PIECE_BYTES:
+                yield b"".join(parts)
+                parts, size = [], 0
+        parts.append(b"]")
+    parts.append(b"}")
+    yield b"".join(parts)
+
+
+async def _off_loop(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """Each piece made in a worker thread, then written, so that a slow reader holds one piece."""
+    while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+        yield piece
 
 
 # a body whose next bytes take longer than this to come is cut off with a 408 (as nginx's)

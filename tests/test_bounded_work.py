@@ -212,11 +212,14 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
     from pageserve.app import embeddings, http
 
     value = {"id": "x", "choices": [{"a": [1, 2.5, None]}, {"b": "line\u2028break"}], "data": [], "usage": {"n": 1}}
-    assert http._dumps_in_pieces(value) == http.dumps(value)  # the same bytes as written at once
+    assert list(http.json_pieces(value)) == [http.dumps(value)]  # the same bytes as written at once
     # an iterator of choices is written as the list it makes, each item made as it is written
     made = []
     lazy = {**value, "choices": (made.append(c) or c for c in value["choices"])}
-    assert http._dumps_in_pieces(lazy) == http.dumps(value) and made == value["choices"]
+    assert b"".join(http.json_pieces(lazy)) == http.dumps(value) and made == value["choices"]
+    monkeypatch.setattr(http, "REPLY_PIECE_BYTES", 8)  # past 8 bytes of items, a piece goes out
+    pieces = list(http.json_pieces(value))
+    assert b"".join(pieces) == http.dumps(value) and len(pieces) == 3, pieces
     srv, written, tokenized = tiny_server, [], []
     dumps = http.dumps
     monkeypatch.setattr(http, "dumps", lambda value: written.append(_on_event_loop()) or dumps(value))
