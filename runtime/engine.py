@@ -319,7 +319,7 @@ class LLMEngine:
                 self._fail_request(output_id, error)
         if self._lora_pins.pending:
             for output_id, error in self._lora_pins.sync(self.executor):  # adapters that could not be read
-                self._fail_request(output_id, RequestFailedError(str(error)))
+                self._fail_request(output_id, RequestFailedError(f"its LoRA adapter cannot be served: {error}"))
         if len(self._in_flight) < self._depth:
             if self.spec is not None:
                 self.spec.propose_all(self.scheduler.idle_running(), self.config.model.max_model_len)

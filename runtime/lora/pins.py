@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pageserve.runtime.lora.adapter import LoRAError
+from pageserve.runtime.executor import ExecutorDeadError
 
 
 class AdapterPins:
@@ -33,7 +33,7 @@ class AdapterPins:
     def pending(self) -> bool:
         return bool(self._new) or len(self._pinned) > len(self._users)
 
-    def sync(self, executor) -> list[tuple[str, LoRAError]]:
+    def sync(self, executor) -> list[tuple[str, Exception]]:
         """Between steps: pin the adapters of the requests added since the last call, unpin
         those no live request runs under. Returns (output id, error) for each new request
         whose adapter could not be read (every rank's part)."""
@@ -47,7 +47,9 @@ class AdapterPins:
                     executor.add_lora(req.lora, pin=True)
                     self._pinned.add(lora_id)
                     continue
-                except LoRAError as e:
+                except ExecutorDeadError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - most often a LoRAError: it fails these requests, not the step
                     errors[lora_id] = e
             failed.append((req.output_id, errors[lora_id]))
         self._new.clear()
