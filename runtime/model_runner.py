@@ -34,7 +34,8 @@ from pageserve.runtime.scheduler import SchedulerOutput
 from pageserve.runtime.step_inputs import BlockTables, step_inputs
 from pageserve.runtime.step_sampler import StepSampler
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, build_step, warm_up_steps, worst_case_steps
-from pageserve.sampling.sampler import TokenLogprobs, topk_logprobs
+from pageserve.sampling.logprobs import TokenLogprobs
+from pageserve.sampling.sampler import topk_logprobs
 from pageserve.triton_kernels import cpu_kernels, torch_ops
 
 logger = logging.getLogger(__name__)

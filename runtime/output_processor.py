@@ -97,7 +97,8 @@ class OutputProcessor:
             text, ids = new_text, tokens[req.num_prompt_tokens + start:]
             logprobs = req.logprobs[start:] if req.logprobs is not None else None
         else:
-            text, ids, logprobs = detok.text[:detok.sent], req.output_token_ids, req.logprobs
+            text, ids = detok.text[:detok.sent], req.output_token_ids
+            logprobs = req.logprobs[:] if req.logprobs is not None else None  # as they stand now
         return CompletionOutput(req.index, text, ids, req.finish_reason if finished else None,
                                 req.stop_reason, logprobs)
 

@@ -6,6 +6,7 @@ import copy
 import enum
 import time
 
+from pageserve.sampling.logprobs import LogprobsList
 from pageserve.sampling.params import SamplingParams
 
 
@@ -88,7 +89,7 @@ class Request:
         self.output_id = request_id
         self.index = 0
         self.num_samples = sampling_params.n  # tokens drawn at the next sample: n until forked
-        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.logprobs: LogprobsList | None = LogprobsList() if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
         # structured output: the grammar's compile future until it is ready, then its matcher
         # (which waits for the end of the reasoning when asked to: Matcher.start)
@@ -106,7 +107,7 @@ class Request:
         child.index, child.num_samples = index, 1
         child.status = RequestStatus.WAITING  # the scheduler's fork makes it RUNNING
         child.token_ids = list(self.token_ids)
-        child.logprobs = list(self.logprobs) if self.logprobs is not None else None
+        child.logprobs = self.logprobs.copy() if self.logprobs is not None else None
         child.matcher = self.matcher.fork() if self.matcher is not None else None
         child.detokenizer, child.stop_reason, child.num_sent_tokens = None, None, 0
         return child

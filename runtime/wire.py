@@ -35,7 +35,7 @@ from pageserve.runtime.multimodal import ImageItem
 from pageserve.runtime.scheduler import ScheduledRequest, SchedulerOutput
 from pageserve.runtime.step_sampler import fill_grammar_rows
 from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, ThinkingBudget
-from pageserve.sampling.sampler import TokenLogprobs
+from pageserve.sampling.logprobs import TokenLogprobs
 
 
 class WireError(ValueError):

@@ -33,7 +33,7 @@ from pageserve.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerOu
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.wire import MaskRow, WireError, decode, encode
 from pageserve.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams, ThinkingBudget
-from pageserve.sampling.sampler import TokenLogprobs
+from pageserve.sampling.logprobs import TokenLogprobs
 
 pytestmark = pytest.mark.unit
 
