@@ -93,6 +93,19 @@ class LogprobsList:
     def __iter__(self) -> Iterator[TokenLogprobs]:
         return map(self._item, range(self._start, self._end()))
 
+    def __add__(self, other) -> LogprobsList:
+        """The items of both (a stream's unread pieces merged): two pieces in a row of one
+        list join as one view of it, anything else as a new list."""
+        if not len(other):
+            return self[:]
+        if isinstance(other, LogprobsList) and other._cols is self._cols and other._stop is not None \
+                and self._stop == other._start:
+            return LogprobsList(_cols=self._cols, _start=self._start, _stop=other._stop)
+        joined = self.copy()
+        for e in other:
+            joined.append(e)
+        return joined
+
     def __eq__(self, other) -> bool:
         try:
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))

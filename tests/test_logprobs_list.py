@@ -64,3 +64,19 @@ def test_the_collector_walks_no_object_per_token():
     gc.collect()
     assert len(gc.get_objects()) - before < 50
     assert sum(map(len, lists)) == 40_000
+
+
+def test_pieces_join_as_a_stream_merges_them():
+    """A slow reader's unread pieces (output_processor's views) merge back into one run."""
+    rng = random.Random(6)
+    packed = LogprobsList(entry(rng, 3) for _ in range(3))
+    first = packed[0:3]
+    packed.append(entry(rng, 3))
+    packed.append(entry(rng, 3))
+    second, third = packed[3:4], packed[4:5]
+    joined = first + second + third
+    assert joined == list(packed) and joined._cols is packed._cols  # views of the same arrays
+    assert first + LogprobsList() == first and first + [] == first
+    other = LogprobsList([entry(rng, 2)])
+    assert first + other == list(first) + list(other) and (first + other)._cols is not packed._cols
+    assert second + first == [packed[3], *first]  # not in a row: a list of its own

@@ -91,8 +91,9 @@ def test_an_output_without_sequences_passes_beside_unread_deltas():
 @pytest.mark.engine
 def test_a_reader_behind_the_engine_gets_the_whole_text_in_fewer_pieces(tiny_model_dir):
     """A streamed request whose reader waits until the request has finished gets its output in
-    one merged piece, equal to what a reader at every step gets in pieces."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    one merged piece, equal to what a reader at every step gets in pieces, logprobs included."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)
 
     async def run() -> tuple[list[RequestOutput], list[RequestOutput]]:
         eng = AsyncEngine.build(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
@@ -115,3 +116,5 @@ def test_a_reader_behind_the_engine_gets_the_whole_text_in_fewer_pieces(tiny_mod
     assert merged[0].outputs[0].token_ids == [t for p in pieces for t in p.outputs[0].token_ids]
     assert merged[0].outputs[0].text == "".join(p.outputs[0].text for p in pieces)
     assert merged[0].outputs[0].finish_reason == "length"
+    logprobs = merged[0].outputs[0].logprobs
+    assert len(logprobs) == 12 and logprobs == [e for p in pieces for e in p.outputs[0].logprobs]
