@@ -218,6 +218,7 @@ class LLMEngine:
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget the adapter (the requests running under it keep it until they end)."""
         if self.config.lora is not None:
+            self._lora_pins.release_idle(self.executor)  # their last requests may have ended since the last step
             self.executor.remove_lora(lora_int_id)
 
     def add_embedding_request(self, prompt: str | list[int], request_id: str | None = None,
@@ -384,6 +385,8 @@ class LLMEngine:
                 logger.exception("request %s failed after the model step", req.output_id)
                 self._fail_request(req.output_id, RequestFailedError(
                     f"the engine failed while handling this request's output: {e!r}"))
+        if self._lora_pins.idle:  # adapters whose last request this step finished
+            self._lora_pins.release_idle(self.executor)
         self.counters.generation_tokens += len(result.sampled) + sum(map(len, runs.values()))
         self.counters.record_step(self.kv.unused_fraction(self.scheduler.running))
         if self.config.debug_checks:
@@ -501,3 +504,4 @@ class LLMEngine:
         assert set(swap.req_blocks) == {r.request_id for r in self.scheduler.swapped}
         for req in self.requests.values():
             check_matcher(req)
+        self._lora_pins.check_integrity(self.requests.values())

@@ -219,6 +219,8 @@ def test_a_live_request_keeps_its_adapter_and_a_lost_one_fails_alone(llama_case,
 
 
 def test_an_adapter_removed_under_a_running_request_goes_when_it_ends(llama_case, llama_llm, tmp_path):
+    """Unloaded while its request runs (its files gone too): the request ends as it began, and
+    the adapter is gone with it; an id used again then reads its new directory."""
     base, adapters = llama_case
     lora = LoRARequest("gone", 7, str(shutil.copytree(adapters[0], tmp_path / "gone")))
     engine = llama_llm.engine
@@ -228,9 +230,15 @@ def test_an_adapter_removed_under_a_running_request_goes_when_it_ends(llama_case
     shutil.rmtree(lora.lora_path)
     done, failed = run_served(engine, [])
     assert done == {"r": peft_greedy(base, adapters[0], PROMPTS[:1])[0]} and not failed
-    assert 7 in engine.runner.lora.in_host  # let go at the next step
-    run_served(engine, [("next", PROMPTS[1], None)])
     assert 7 not in engine.runner.lora.in_host
+    # an idle adapter removed goes at once: the same id then serves other weights
+    again = LoRARequest("again", 8, str(adapters[0]))
+    run_served(engine, [("a", PROMPTS[0], again)])
+    assert 8 in engine.runner.lora.in_host
+    engine.remove_lora(8)
+    assert 8 not in engine.runner.lora.in_host
+    done, _ = run_served(engine, [("b", PROMPTS[0], LoRARequest("again", 8, str(adapters[1])))])
+    assert done == {"b": peft_greedy(base, adapters[1], PROMPTS[:1])[0]}
     assert_pool_clean(engine)
 
 

@@ -112,7 +112,11 @@ class LoRAManager:
         if not free:
             raise RuntimeError(f"more adapters in one step than --max-loras ({len(ids)})")
         slot = min(free, key=lambda i: (ids[i] is not None, self._slot_used[i]))
-        self.slots.fill(slot, self.load(lora))  # in host memory: the engine pins its requests' adapters
+        # in host memory: the engine pins its requests' adapters (load() would also undo a removal)
+        adapter = self._host.get(lora.lora_int_id)
+        if adapter is not None:
+            self._host.move_to_end(lora.lora_int_id)
+        self.slots.fill(slot, adapter if adapter is not None else self.load(lora))
         ids[slot] = lora.lora_int_id
         return slot
 

@@ -31,7 +31,12 @@ class AdapterPins:
 
     @property
     def pending(self) -> bool:
-        return bool(self._new) or len(self._pinned) > len(self._users)
+        return bool(self._new) or self.idle
+
+    @property
+    def idle(self) -> bool:
+        """Whether an adapter is pinned that no live request runs under."""
+        return any(i not in self._users for i in self._pinned)
 
     def sync(self, executor) -> list[tuple[str, Exception]]:
         """Between steps: pin the adapters of the requests added since the last call, unpin
@@ -53,7 +58,17 @@ class AdapterPins:
                     errors[lora_id] = e
             failed.append((req.output_id, errors[lora_id]))
         self._new.clear()
+        self.release_idle(executor)
+        return failed
+
+    def release_idle(self, executor) -> None:
+        """Unpin the adapters no live request runs under (at the end of the step that finished
+        their last request, or before an adapter is removed)."""
         for lora_id in [i for i in self._pinned if i not in self._users]:
             executor.unpin_lora(lora_id)
             self._pinned.discard(lora_id)
-        return failed
+
+    def check_integrity(self, requests) -> None:
+        """The counts are those of the live requests given."""
+        live = Counter(r.lora.lora_int_id for r in requests if r.lora is not None)
+        assert live == self._users, f"adapter users {dict(self._users)}, live requests {dict(live)}"
