@@ -73,10 +73,13 @@ async def off_loop_if(large: bool, work: Callable[[], T]) -> T:
 
 async def reply(build: Callable[[], dict], large: bool) -> Response:
     """The dict `build` makes, as JSON. A value of the dict may be an iterator (of choices).
-    When `large`, the dict is made off the event loop and written in pieces (see json_pieces)."""
+    When `large`, the dict is made off the event loop and written in pieces (see json_pieces):
+    a fault while making the first piece is still an error reply, one in a later piece cuts the
+    reply short (the status is sent by then)."""
     if large:
         pieces = json_pieces(await asyncio.to_thread(build))
-        return StreamingResponse(_off_loop(pieces), media_type="application/json")
+        first = await asyncio.to_thread(next, pieces)
+        return StreamingResponse(_off_loop(first, pieces), media_type="application/json")
     return json_response({k: list(v) if isinstance(v, Iterator) else v for k, v in build().items()})
 
 
@@ -109,10 +112,13 @@ def json_pieces(value: dict) -> Iterator[bytes]:
     yield b"".join(parts)
 
 
-async def _off_loop(pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """Each piece made in a worker thread, then written, so that a slow reader holds one piece."""
-    while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+async def _off_loop(first: bytes, pieces: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """`first`, then each piece made in a worker thread and written, so that a slow reader holds
+    one piece."""
+    piece: bytes | None = first
+    while piece is not None:
         yield piece
+        piece = await asyncio.to_thread(next, pieces, None)
 
 
 # a body whose next bytes take longer than this to come is cut off with a 408 (as nginx's)

@@ -6,6 +6,7 @@ request."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -220,6 +221,12 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
     monkeypatch.setattr(http, "REPLY_PIECE_BYTES", 8)  # past 8 bytes of items, a piece goes out
     pieces = list(http.json_pieces(value))
     assert b"".join(pieces) == http.dumps(value) and len(pieces) == 3, pieces
+
+    def broken():
+        raise RuntimeError("a choice that cannot be made")
+        yield
+    with pytest.raises(RuntimeError):  # made before the reply starts: the route's error reply
+        asyncio.run(http.reply(lambda: {"id": "x", "choices": broken()}, large=True))
     srv, written, tokenized = tiny_server, [], []
     dumps = http.dumps
     monkeypatch.setattr(http, "dumps", lambda value: written.append(_on_event_loop()) or dumps(value))
