@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -20,9 +21,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or string that ended it, if any
-    # per output token, when asked for: the engine's TokenLogprobs; LLM.generate hands out vLLM's
-    # dict[token_id, Logprob] (the sampled token, then the top ones)
-    logprobs: list | None = None
+    # per output token, when asked for: the engine's TokenLogprobs (in a LogprobsList, read as a
+    # list); LLM.generate hands out vLLM's dict[token_id, Logprob] (the sampled token, then the top ones)
+    logprobs: Sequence | None = None
 
 
 @dataclass(slots=True)
@@ -67,5 +68,5 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None  # embedding requests: the pooled, normalized vector
-    prompt_logprobs: list | None = None  # None for the first token, then as CompletionOutput.logprobs
+    prompt_logprobs: Sequence | None = None  # None for the first token, then as CompletionOutput.logprobs
     lora_request: object = None  # the LoRARequest it ran under (None: the base model)

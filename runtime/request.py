@@ -90,7 +90,8 @@ class Request:
         self.index = 0
         self.num_samples = sampling_params.n  # tokens drawn at the next sample: n until forked
         self.logprobs: LogprobsList | None = LogprobsList() if sampling_params.logprobs is not None else None
-        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs: LogprobsList | None = \
+            LogprobsList([None]) if sampling_params.prompt_logprobs is not None else None
         # structured output: the grammar's compile future until it is ready, then its matcher
         # (which waits for the end of the reasoning when asked to: Matcher.start)
         self.grammar = None

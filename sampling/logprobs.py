@@ -1,5 +1,5 @@
 """Log-probabilities of sampled tokens: one token's (TokenLogprobs, as a step makes them) and a
-sequence's (LogprobsList, packed in arrays for as long as the request lives)."""
+sequence's or a prompt's (LogprobsList, packed in arrays for as long as the request lives)."""
 
 from __future__ import annotations
 
@@ -43,25 +43,34 @@ class LogprobsList:
     the cyclic garbage collector walks every live object, and a million of them (n=128 over
     8,000 tokens) made its full passes hold every thread, the event loop's too, up to 1.3 s.
     It reads as a list: an item is made when it is read, and a slice is a view of the same
-    arrays (they only grow, so a view stays true)."""
+    arrays (they only grow, so a view stays true). An item may be None (a prompt's first
+    token has nothing before it): its rank is kept as 0."""
     __slots__ = ("_cols", "_start", "_stop")
 
     def __init__(self, items=(), *, _cols: _Columns | None = None, _start: int = 0, _stop: int | None = None):
         self._cols = _cols if _cols is not None else _Columns()
         self._start, self._stop = _start, _stop
-        for item in items:
-            self.append(item)
+        self.extend(items)
 
-    def append(self, e: TokenLogprobs) -> None:
+    def append(self, e: TokenLogprobs | None) -> None:
         if self._stop is not None:
             raise TypeError("a view of a LogprobsList does not grow")
         c = self._cols
-        c.token_ids.append(e.token_id)
-        c.logprobs.append(e.logprob)
-        c.ranks.append(e.rank)
-        c.top_ids += e.top_ids
-        c.top_logprobs += e.top_logprobs
+        if e is None:
+            c.token_ids.append(0)
+            c.logprobs.append(0.0)
+            c.ranks.append(0)
+        else:
+            c.token_ids.append(e.token_id)
+            c.logprobs.append(e.logprob)
+            c.ranks.append(e.rank)
+            c.top_ids += e.top_ids
+            c.top_logprobs += e.top_logprobs
         c.top_ends.append(len(c.top_ids))
+
+    def extend(self, items) -> None:
+        for e in items:
+            self.append(e)
 
     def copy(self) -> LogprobsList:
         """A list of its own, with the same items (a forked sequence's)."""
@@ -73,8 +82,10 @@ class LogprobsList:
     def __len__(self) -> int:
         return self._end() - self._start
 
-    def _item(self, i: int) -> TokenLogprobs:
+    def _item(self, i: int) -> TokenLogprobs | None:
         c = self._cols
+        if not c.ranks[i]:
+            return None
         begin, end = c.top_ends[i - 1] if i else 0, c.top_ends[i]
         return TokenLogprobs(c.token_ids[i], c.logprobs[i], c.ranks[i], bytes(c.top_ids[begin:end]),
                              bytes(c.top_logprobs[begin:end]))
@@ -90,7 +101,7 @@ class LogprobsList:
             raise IndexError("LogprobsList index out of range")
         return self._item(self._start + index % n)
 
-    def __iter__(self) -> Iterator[TokenLogprobs]:
+    def __iter__(self) -> Iterator[TokenLogprobs | None]:
         return map(self._item, range(self._start, self._end()))
 
     def __add__(self, other) -> LogprobsList:
@@ -102,8 +113,7 @@ class LogprobsList:
                 and self._stop == other._start:
             return LogprobsList(_cols=self._cols, _start=self._start, _stop=other._stop)
         joined = self.copy()
-        for e in other:
-            joined.append(e)
+        joined.extend(other)
         return joined
 
     def __eq__(self, other) -> bool:

@@ -37,6 +37,9 @@ def test_reads_back_what_was_appended():
         packed[6]
     assert packed[1:4] == entries[1:4] and packed[::2] == entries[::2] and packed[5:2] == []
     assert LogprobsList(entries) == packed
+    prompt = LogprobsList([None])  # a prompt's: nothing before its first token
+    prompt.extend(entries[:2])
+    assert list(prompt) == [None, *entries[:2]] and prompt[0] is None and prompt[1:] == entries[:2]
 
 
 def test_a_slice_stays_as_it_was_and_a_copy_is_its_own():

@@ -9,6 +9,7 @@ from pageserve.runtime.kv_cache_manager import KVCacheManager
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
 from pageserve.runtime.swap_space import SwapSpace
+from pageserve.sampling.logprobs import TokenLogprobs
 from pageserve.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -265,8 +266,8 @@ def test_a_fork_copies_every_field_but_what_each_sequence_owns():
     assert (child.request_id, child.index, child.num_samples) == ("r#2", 2, 1)
     assert child.status == RequestStatus.WAITING  # running only once the scheduler has forked it
     child.token_ids.append(9)
-    child.logprobs.append("x")
-    assert parent.token_ids == [1, 2, 3] and parent.logprobs == []
+    child.logprobs.append(TokenLogprobs(9, -0.5, 1, b"", b""))
+    assert parent.token_ids == [1, 2, 3] and parent.logprobs == [] and len(child.logprobs) == 1
 
 
 def test_a_scheduled_request_carries_the_requests_own_fields():
