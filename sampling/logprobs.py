@@ -39,9 +39,9 @@ class _Columns:
 
 
 class LogprobsList:
-    """A sequence's sampled tokens' TokenLogprobs, in a few arrays rather than an object each:
+    """A sequence's (or a prompt's) TokenLogprobs, in a few arrays rather than an object each:
     the cyclic garbage collector walks every live object, and a million of them (n=128 over
-    8,000 tokens) made its full passes hold every thread, the event loop's too, up to 1.3 s.
+    8,000 tokens) made its full passes hold every thread, the event loop's too, 1.3-2.0 s.
     It reads as a list: an item is made when it is read, and a slice is a view of the same
     arrays (they only grow, so a view stays true). An item may be None (a prompt's first
     token has nothing before it): its rank is kept as 0."""
