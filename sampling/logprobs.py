@@ -47,10 +47,15 @@ class LogprobsList:
     token has nothing before it): its rank is kept as 0."""
     __slots__ = ("_cols", "_start", "_stop")
 
-    def __init__(self, items=(), *, _cols: _Columns | None = None, _start: int = 0, _stop: int | None = None):
-        self._cols = _cols if _cols is not None else _Columns()
-        self._start, self._stop = _start, _stop
+    def __init__(self, items=()):
+        self._cols, self._start, self._stop = _Columns(), 0, None
         self.extend(items)
+
+    def _view(self, start: int, stop: int) -> LogprobsList:
+        """Items start to stop of the same arrays (indices into them)."""
+        view = LogprobsList.__new__(LogprobsList)
+        view._cols, view._start, view._stop = self._cols, start, stop
+        return view
 
     def append(self, e: TokenLogprobs | None) -> None:
         if self._stop is not None:
@@ -95,7 +100,7 @@ class LogprobsList:
             start, stop, step = index.indices(len(self))
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            return LogprobsList(_cols=self._cols, _start=self._start + start, _stop=self._start + max(start, stop))
+            return self._view(self._start + start, self._start + max(start, stop))
         n = len(self)
         if not -n <= index < n:
             raise IndexError("LogprobsList index out of range")
@@ -111,7 +116,7 @@ class LogprobsList:
             return self[:]
         if isinstance(other, LogprobsList) and other._cols is self._cols and other._stop is not None \
                 and self._stop == other._start:
-            return LogprobsList(_cols=self._cols, _start=self._start, _stop=other._stop)
+            return self._view(self._start, other._stop)
         joined = self.copy()
         joined.extend(other)
         return joined
