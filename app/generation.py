@@ -84,7 +84,7 @@ async def start(state: ServerState, base_id: str, prompts: list[list[int]], para
     the event loop 0.95 s); nothing is left running if one of them is refused. `owner` (http.owner: the
     API key's tag, "" without keys) salts the prefix cache, so that a key's prompts hit only
     blocks its own requests wrote: another key's cached tokens, counted in `usage`, would tell
-    it what that key had sent."""
+    it what that key had sent; and its grammars compile in its own turn, beside other keys'."""
     limit = state.settings.max_prompt_logprobs_tokens
     if params.prompt_logprobs is not None and (total := sum(map(len, prompts))) > limit:
         raise bad_request(f"prompt logprobs (echo with logprobs, or prompt_logprobs) were asked for {total} "
@@ -103,7 +103,7 @@ async def start(state: ServerState, base_id: str, prompts: list[list[int]], para
     try:
         for i, request in enumerate(checked):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"
-            engine.add_checked(stream, rid, request, lora)
+            engine.add_checked(stream, rid, request, lora, owner)
             index[rid] = i
     except BaseException:
         stream.abort()

@@ -3,19 +3,19 @@
 The regex is built on the caller's thread (fast, and where a bad schema must fail: the HTTP
 handler turns that into a 400). The Index, the slow part (a DFA over the whole vocabulary;
 from milliseconds to seconds), is compiled off the event loop and the engine thread, in child
-processes with time and memory limits (grammar/worker.py), two at once, and kept in an LRU
-cache, so the same schema is compiled once; one that failed is not tried again. A request whose
+processes with time and memory limits (grammar/worker.py), two at once in turn across API keys,
+and kept in an LRU cache, so the same schema is compiled once; one that failed is not tried again. A request whose
 grammar is still compiling waits in the scheduler without holding up the others."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import re
+import itertools
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future
 
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from pageserve.grammar.regexes import choice_regex, json_object_regex
@@ -58,21 +58,33 @@ class _LRU(OrderedDict):
 
 class GrammarCompiler:
     def __init__(self, tokenizer, cache_size: int = 64, timeout: float = 60.0,
-                 memory_bytes: int = 4 << 30, workers: int = 2):
+                 memory_bytes: int = 4 << 30, workers: int = 2, spares: int = 2, patience: float = 2.0):
         """`workers`: compiles that run at once, each in its own child process, so one grammar
-        that takes up to `timeout` to compile does not hold up every other request's."""
+        that takes up to `timeout` to compile does not hold up every other request's. Waiting
+        compiles are taken in turn across owners (API keys), the owner with the fewest running
+        first. An owner with none running that finds every child held by compiles older than
+        `patience` seconds gets one of `spares` more children: while one is free, one key's slow
+        grammars hold up another key's for `patience` at most."""
         self.tokenizer = tokenizer
         self.timeout, self.memory_bytes = timeout, memory_bytes
+        self.workers, self.spares, self.patience = workers, spares, patience
         self._vocabulary: tuple | None = None  # (eos, tokens), read on the first compile
-        self._idle: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
-        self._workers: list[CompileWorker] = []  # every child started, for shutdown
+        self._vocabulary_lock = threading.Lock()
+        self._idle: list[CompileWorker] = []
+        self._workers: list[CompileWorker] = []  # every child running, for shutdown
         self.vocab_len = 0
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the dispatcher's: a compile came or ended
         self._regexes = _LRU(256)  # spec key -> regex
         self._indexes = _LRU(cache_size)  # regex -> CompiledGrammar
         self._failed = _LRU(256)  # regex -> the error it gave (not compiled again)
-        self._inflight: dict[str, Future] = {}
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
+        self._inflight: dict[str, Future] = {}  # regex waiting or compiling -> its future
+        self._waiting: dict[str, deque[str]] = {}  # owner -> its regexes to compile
+        self._running: dict[str, float] = {}  # regex compiling -> when it started
+        self._owners_running: Counter[str] = Counter()
+        self._served: dict[str, int] = {}  # owner with compiles waiting or running -> its last turn
+        self._turns = itertools.count()
+        self._dispatcher: threading.Thread | None = None
         self._closed = False
 
     def regex(self, spec: StructuredOutputsParams) -> str:
@@ -85,12 +97,14 @@ class GrammarCompiler:
                 self._regexes.put(key, cached)
         return cached
 
-    def submit(self, regex: str) -> Future:
-        """The compiled grammar for `regex`: done at once when cached (or known to fail), else compiled
-        in the worker."""
+    def submit(self, regex: str, owner: str = "") -> Future:
+        """The compiled grammar for `regex`: done at once when cached (or known to fail), else
+        compiled in a child process in `owner`'s turn."""
         with self._lock:
             index = self._indexes.get_fresh(regex)
             failed = self._failed.get_fresh(regex)
+            if self._closed and index is None:
+                failed = "the server is shutting down"
             if index is not None or failed is not None:
                 done: Future = Future()
                 if index is not None:
@@ -100,60 +114,125 @@ class GrammarCompiler:
                 return done
             future = self._inflight.get(regex)
             if future is None:
-                future = self._inflight[regex] = self._pool.submit(self._compile, regex)
+                future = self._inflight[regex] = Future()
+                self._waiting.setdefault(owner, deque()).append(regex)
+                if self._dispatcher is None:
+                    self._dispatcher = threading.Thread(target=self._dispatch, name="grammar-dispatch", daemon=True)
+                    self._dispatcher.start()
+                self._wake.notify()
             return future
 
-    def _compile(self, regex: str) -> CompiledGrammar:
+    def _dispatch(self) -> None:
+        """Start each waiting compile, in its own thread, when _next_owner says whose is next."""
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                owner, wait = self._next_owner(now)
+                if owner is None:
+                    self._wake.wait(wait)
+                    continue
+                waiting = self._waiting[owner]
+                regex = waiting.popleft()
+                if not waiting:
+                    del self._waiting[owner]
+                self._running[regex] = now
+                self._owners_running[owner] += 1
+                self._served[owner] = next(self._turns)
+                threading.Thread(target=self._run, args=(regex, owner), name="grammar", daemon=True).start()
+
+    def _next_owner(self, now: float) -> tuple[str | None, float | None]:
+        """(whose compile starts now, None) or (None, seconds until one may: None for when
+        a compile comes or ends). Called under the lock."""
+        if not self._waiting:
+            return None, None
+        turn = min(self._waiting, key=lambda o: (self._owners_running[o], self._served.get(o, -1)))
+        if len(self._running) < self.workers:
+            return turn, None
+        if self._owners_running[turn] or len(self._running) >= self.workers + self.spares:
+            return None, None
+        wait = max(self._running.values()) + self.patience - now  # from the youngest compile's start
+        return (turn, None) if wait <= 0 else (None, wait)
+
+    def _run(self, regex: str, owner: str) -> None:
+        with self._lock:
+            future = self._inflight[regex]
         try:
-            if self._closed:
-                raise UnsupportedSchema("the server is shutting down")
-            worker = self._take_worker()
-            t0 = time.perf_counter()
-            try:
-                index = worker.compile(regex)
-            except CompilerStopped as e:  # shutdown: nothing wrong with the grammar
-                logger.info("%s", e)
-                raise UnsupportedSchema(str(e)) from None
-            except CompileError as e:
-                logger.warning("a grammar failed to compile: %s", e)
-                with self._lock:
-                    self._failed.put(regex, str(e))
-                raise UnsupportedSchema(str(e)) from None
-            finally:
-                self._idle.put(worker)
-            seconds = time.perf_counter() - t0
-            logger.info("compiled a grammar in %.2f s (%d regex chars)", seconds, len(regex))
-            with self._lock:
-                self._indexes.put(regex, index)
-            return index
+            future.set_result(self._compile(regex))
+        except BaseException as e:  # noqa: BLE001 - the future carries it to the requests waiting
+            future.set_exception(e)
         finally:
             with self._lock:
+                del self._running[regex]
+                self._owners_running[owner] -= 1
+                if not self._owners_running[owner]:
+                    del self._owners_running[owner]
+                    if owner not in self._waiting:
+                        del self._served[owner]
                 self._inflight.pop(regex, None)
+                self._wake.notify()
+
+    def _compile(self, regex: str) -> CompiledGrammar:
+        worker = self._take_worker()
+        t0 = time.perf_counter()
+        try:
+            index = worker.compile(regex)
+        except CompilerStopped as e:  # shutdown: nothing wrong with the grammar
+            logger.info("%s", e)
+            raise UnsupportedSchema(str(e)) from None
+        except CompileError as e:
+            logger.warning("a grammar failed to compile: %s", e)
+            with self._lock:
+                self._failed.put(regex, str(e))
+            raise UnsupportedSchema(str(e)) from None
+        finally:
+            self._give_back(worker)
+        seconds = time.perf_counter() - t0
+        logger.info("compiled a grammar in %.2f s (%d regex chars)", seconds, len(regex))
+        with self._lock:
+            self._indexes.put(regex, index)
+        return index
 
     def _take_worker(self) -> CompileWorker:
-        """An idle child, or a new one (no more are made than the pool has threads)."""
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            pass
+        """An idle child, or a new one (no more are made than compiles run at once)."""
         with self._lock:
             if self._closed:
                 raise UnsupportedSchema("the server is shutting down")
+            if self._idle:
+                return self._idle.pop()
+        with self._vocabulary_lock:  # read once, without holding up submit()
             if self._vocabulary is None:
                 from pageserve.grammar.vocabulary import vocabulary_tokens
 
                 eos, tokens, self.vocab_len = vocabulary_tokens(self.tokenizer)
                 self._vocabulary = eos, tokens
-            worker = CompileWorker(*self._vocabulary, self.timeout, self.memory_bytes)
+        worker = CompileWorker(*self._vocabulary, self.timeout, self.memory_bytes)
+        with self._lock:
             self._workers.append(worker)
+            if self._closed:  # shutdown() came meanwhile and did not see it
+                worker.close()
         return worker
 
-    def shutdown(self) -> None:
-        """Stop compiling: queued compiles are dropped, the child process is ended."""
-        self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def _give_back(self, worker: CompileWorker) -> None:
+        """Keep `workers` idle children; a spare's is ended."""
         with self._lock:
+            spare = len(self._idle) >= self.workers or self._closed
+            if spare:
+                self._workers.remove(worker)
+            else:
+                self._idle.append(worker)
+        if spare:
+            worker.close()
+
+    def shutdown(self) -> None:
+        """Stop compiling: waiting compiles fail, the children are ended."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+            dropped = [self._inflight.pop(r) for waiting in self._waiting.values() for r in waiting]
+            self._waiting.clear()
             workers = list(self._workers)
+        for future in dropped:
+            future.set_exception(UnsupportedSchema("the server is shutting down"))
         for worker in workers:
             worker.close()
 

@@ -259,10 +259,11 @@ class AsyncEngine:
         return self.engine.inputs.process_embedding(prompt, param)
 
     def add_checked(self, stream: RequestStream, request_id: str, checked: ProcessedRequest,
-                    lora: LoRARequest | None = None) -> None:
-        """Queue a request that check_request (or check_embedding_request) passed."""
+                    lora: LoRARequest | None = None, owner: str = "") -> None:
+        """Queue a request that check_request (or check_embedding_request) passed. `owner`: who
+        sent it (an API key's tag), for whose turn its grammar compiles in."""
         deltas = checked.params is not None and checked.params.output_kind == RequestOutputKind.DELTA
-        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora)), deltas=deltas)
+        self._enqueue(stream, _PendingRequest(request_id, replace(checked, lora=lora, owner=owner)), deltas=deltas)
 
     @property
     def lora_enabled(self) -> bool:

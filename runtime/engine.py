@@ -247,7 +247,7 @@ class LLMEngine:
         req.detokenizer = self._detokenizer(req)
         if params.n > 1:
             self.outputs.add_group([req])
-        self.structured.add(req, p.grammar)
+        self.structured.add(req, p.grammar, p.owner)
         self.scheduler.add_request(req)
         return req.request_id
 

@@ -40,6 +40,7 @@ class ProcessedRequest:
     mm_items: tuple = ()  # multimodal.ImageItem of each image, in prompt order
     lora: LoRARequest | None = None  # the adapter it runs under
     priority: int = 0  # --scheduling-policy priority: the lowest value runs first
+    owner: str = ""  # who sent it (the API key's tag): whose turn its grammar compiles in
 
 
 class InputProcessor:

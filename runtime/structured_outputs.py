@@ -21,11 +21,11 @@ class StructuredOutputs:
         self.compiler = compiler
         self.waiting: dict[str, Request] = {}  # request id -> request whose grammar is compiling
 
-    def add(self, req: Request, grammar: str | None) -> None:
-        """A new request: its grammar (a regex, None for none) is sent to be compiled, or its
-        thinking budget alone gets a matcher."""
+    def add(self, req: Request, grammar: str | None, owner: str = "") -> None:
+        """A new request: its grammar (a regex, None for none) is sent to be compiled in
+        `owner`'s turn, or its thinking budget alone gets a matcher."""
         if grammar is not None:
-            req.grammar = self.compiler.submit(grammar)
+            req.grammar = self.compiler.submit(grammar, owner)
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting[req.request_id] = req
         elif req.sampling_params.thinking_budget is not None:

@@ -430,7 +430,7 @@ def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):
 
     slow: Future = Future()
     real_submit = engine.grammar.submit
-    engine.grammar.submit = lambda regex: slow
+    engine.grammar.submit = lambda regex, owner="": slow
     try:
         waiting = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
             choice=["yes", "no"])), request_id="grammar-wait")
@@ -454,7 +454,7 @@ def test_engine_constrained_requests_and_waiting_for_grammar(tiny_llm):
     assert done[waiting].outputs[0].text in ("yes", "no")
     assert other == "plain"
 
-    engine.grammar.submit = lambda regex: Future()  # a compile that never ends
+    engine.grammar.submit = lambda regex, owner="": Future()  # a compile that never ends
     try:
         aborted = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
             choice=["a"])), request_id="grammar-abort")

@@ -1,0 +1,160 @@
+"""Whose grammar compiles next: compiles are taken in turn across owners (API keys), and an
+owner with none running gets a spare child when every child is held by a slow compile, so one
+key's hostile regexes do not hold up another key's structured output."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pageserve.grammar import compiler as compiler_module
+from pageserve.grammar.compiler import GrammarCompiler
+from pageserve.grammar.json_schema import UnsupportedSchema
+from pageserve.grammar.worker import CompiledGrammar
+
+pytestmark = pytest.mark.unit
+SLOW = ("[ab]*a[ab]{40}", "[ab]*b[ab]{40}", "[ab]*c[ab]{40}")  # automata that grow exponentially
+
+
+class _GatedWorker:
+    """A child whose compile of a regex ends when the test opens that regex's gate."""
+    started: list[str] = []
+    gates: dict[str, threading.Event] = {}
+
+    def __init__(self, *args):
+        pass
+
+    def compile(self, regex: str) -> CompiledGrammar:
+        _GatedWorker.started.append(regex)
+        assert _GatedWorker.gates.setdefault(regex, threading.Event()).wait(30)
+        return CompiledGrammar(None, frozenset())
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    monkeypatch.setattr(compiler_module, "CompileWorker", _GatedWorker)
+    _GatedWorker.started, _GatedWorker.gates = [], {}
+    made = []
+
+    def make(**kwargs) -> GrammarCompiler:
+        c = GrammarCompiler(None, **kwargs)
+        c._vocabulary = (0, {})
+        made.append(c)
+        return c
+    yield make
+    for gate in _GatedWorker.gates.values():
+        gate.set()
+    for c in made:
+        c.shutdown()
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _open(regex: str) -> None:
+    _GatedWorker.gates.setdefault(regex, threading.Event()).set()
+
+
+def test_owners_take_turns(gated):
+    """One child: the owner served last waits behind one that has not been served."""
+    c = gated(workers=1, spares=0)
+    futures = [c.submit("a1", "A")]
+    _until(lambda: _GatedWorker.started == ["a1"])
+    futures += [c.submit("a2", "A"), c.submit("a3", "A"), c.submit("b1", "B"), c.submit("b2", "B")]
+    for regex in ("a1", "b1", "a2", "b2", "a3"):
+        _open(regex)
+    for f in futures:
+        assert f.result(timeout=10) is not None
+    assert _GatedWorker.started == ["a1", "b1", "a2", "b2", "a3"]
+
+
+def test_an_owner_with_nothing_running_gets_a_spare_after_the_patience(gated):
+    c = gated(workers=1, spares=1, patience=0.2)
+    a1 = c.submit("a1", "A")
+    _until(lambda: _GatedWorker.started == ["a1"])
+    c.submit("a2", "A")
+    b1 = c.submit("b1", "B")
+    _until(lambda: len(_GatedWorker.started) == 2)
+    assert _GatedWorker.started == ["a1", "b1"]  # a2 waits: A has a compile running
+    _open("b1")
+    assert b1.result(timeout=10) is not None and not a1.done()
+    c.submit("c1", "C")  # the spare is free again: C gets it
+    _until(lambda: len(_GatedWorker.started) == 3)
+    assert _GatedWorker.started[2] == "c1"
+    c.submit("d1", "D")  # every child is busy, none spare: D waits for one to end
+    time.sleep(0.5)
+    assert len(_GatedWorker.started) == 3
+    _open("a1")
+    _until(lambda: len(_GatedWorker.started) == 4)
+    assert _GatedWorker.started[3] == "d1"  # D was never served, A just was
+
+
+def test_one_owner_gets_no_spare(gated):
+    """Without API keys every request is one owner's: its compiles wait for the workers."""
+    c = gated(workers=1, spares=1, patience=0.1)
+    c.submit("x1")
+    c.submit("x2")
+    time.sleep(0.5)
+    assert _GatedWorker.started == ["x1"]
+
+
+def test_shutdown_fails_the_compiles_that_wait(gated):
+    c = gated(workers=1, spares=0)
+    c.submit("a1", "A")
+    waiting = c.submit("b1", "B")
+    _until(lambda: _GatedWorker.started == ["a1"])
+    c.shutdown()
+    with pytest.raises(UnsupportedSchema, match="shutting down"):
+        waiting.result(timeout=10)
+    with pytest.raises(UnsupportedSchema, match="shutting down"):
+        c.submit("c1", "C").result(timeout=10)
+
+
+def test_a_key_s_hostile_regexes_hold_up_no_other_key(tiny_model_dir):
+    """Over HTTP, two keys: A's two regexes whose automata never finish hold both compile
+    children; B's choice still compiles (on a spare child) and B's request is answered while A's
+    compiles run on."""
+    from pageserve.runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                   max_model_len=256), api_keys=("key-a", "key-b"))
+    try:
+        grammar = s.engine.grammar
+        assert (grammar.workers, grammar.spares) == (2, 2)
+
+        def post(key: str, extra: dict, timeout: float) -> httpx.Response:
+            return httpx.post(f"{s.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": s.model, "prompt": "hi", "max_tokens": 3, **extra}, timeout=timeout)
+
+        outcomes = []
+
+        def hostile(regex: str) -> None:
+            try:
+                outcomes.append(post("key-a", {"guided_regex": regex}, 10).status_code)
+            except httpx.ReadTimeout:
+                outcomes.append("no answer")
+
+        threads = [threading.Thread(target=hostile, args=(r,)) for r in SLOW[:2]]
+        for t in threads:
+            t.start()
+        _until(lambda: len(grammar._running) == 2, 10)
+        started = time.monotonic()
+        r = post("key-b", {"guided_choice": ["yes", "no"]}, 60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+        assert time.monotonic() - started < 8 and len(grammar._running) == 2 and not outcomes  # A's run on
+        for t in threads:
+            t.join()
+        assert outcomes == ["no answer"] * 2
+    finally:
+        s.stop()
