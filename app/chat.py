@@ -55,12 +55,14 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
 
 def template_kwargs(body) -> dict | None:
     """The chat template's extra variables: a request's reasoning effort as vLLM passes it
-    (`reasoning_effort`, and `enable_thinking`: false for "none", true for any other), under the
-    request's own chat_template_kwargs, which win."""
+    (`reasoning_effort`, and `enable_thinking`: false for "none", true for any other) and its
+    `documents`, under the request's own chat_template_kwargs, which win."""
     kwargs, effort = getattr(body, "chat_template_kwargs", None), getattr(body, "reasoning_effort", None)
-    if effort is None:
+    documents = getattr(body, "documents", None)
+    if effort is None and documents is None:
         return kwargs
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none", **(kwargs or {})}
+    given = {} if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return {**given, **({} if documents is None else {"documents": documents}), **(kwargs or {})}
 
 
 def _text_size(body) -> int:
@@ -73,7 +75,8 @@ def _text_size(body) -> int:
             size += len(call.function.name) + len(call.function.arguments)
     for tool in getattr(body, "tools", None) or ():
         size += len(tool.function.description or "") + len(orjson.dumps(tool.function.parameters))
-    return size + len(orjson.dumps(getattr(body, "chat_template_kwargs", None)))
+    return size + len(orjson.dumps(getattr(body, "chat_template_kwargs", None))) + len(
+        orjson.dumps(getattr(body, "documents", None)))
 
 
 async def chat_prompt(state: ServerState, body, param: str = "messages",
@@ -93,10 +96,15 @@ async def chat_prompt(state: ServerState, body, param: str = "messages",
             text = await asyncio.to_thread(render_chat, *args)
         else:
             text = render_chat(*args)
+        keep = state.truncation(body)
         if images:  # the template wrote the special tokens
             ids, items = await asyncio.to_thread(state.engine.process_images, text, images, param, False, bounded)
+            if keep is not None and len(ids) > keep:
+                raise bad_request(f"truncate_prompt_tokens ({keep}) would cut this conversation's images out of "
+                                  f"its {len(ids)} tokens", "truncate_prompt_tokens")
             return text, ids, items
-    return text, await state.tokenize(text, add_special_tokens=False, param=param if bounded else None), ()
+    return text, await state.tokenize(text, add_special_tokens=False, param=param if bounded else None,
+                                      keep_last=keep), ()
 
 
 async def load_images(state: ServerState, messages: list[ChatMessage], param: str, take) -> list:

@@ -26,13 +26,14 @@ def split_prompts(prompt) -> list[str | list[int]]:
 
 
 async def prompt_token_ids(state: ServerState, prompts: list[str | list[int]],
-                           param: str | list[str]) -> list[list[int]]:
+                           param: str | list[str], keep_last: int | None = None) -> list[list[int]]:
     """Texts tokenized; token ids as they are (the engine checks them as it takes them).
-    `param`: the request field they came from, or each one's."""
+    `param`: the request field they came from, or each one's. `keep_last`: each prompt's last
+    tokens only (ServerState.truncation)."""
     fields = [param] * len(prompts) if isinstance(param, str) else param
     texts = iter(await state.tokenize_all([p for p in prompts if isinstance(p, str)],
-                                          [f for p, f in zip(prompts, fields) if isinstance(p, str)]))
-    return [next(texts) if isinstance(p, str) else p for p in prompts]
+                                          [f for p, f in zip(prompts, fields) if isinstance(p, str)], keep_last))
+    return [next(texts) if isinstance(p, str) else p if keep_last is None else p[-keep_last:] for p in prompts]
 
 
 @api_route
@@ -43,7 +44,10 @@ async def completions(request: Request) -> Response:
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     prompts = split_prompts(body.prompt)
-    ids = await prompt_token_ids(state, prompts, "prompt")
+    keep = state.truncation(body)
+    ids = await prompt_token_ids(state, prompts, "prompt", keep)
+    if keep is not None:  # what is echoed is what the model read
+        prompts = ids
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs,
                              body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,

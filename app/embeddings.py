@@ -26,7 +26,7 @@ async def embeddings(request: Request) -> Response:
     pooler = state.engine.pooler
     if body.dimensions is not None and (error := pooler.dimensions_error(body.dimensions, state.engine.hidden_size)):
         raise bad_request(f"dimensions {body.dimensions}: {error}", "dimensions")
-    inputs = await prompt_token_ids(state, split_prompts(body.input), "input")
+    inputs = await prompt_token_ids(state, split_prompts(body.input), "input", state.truncation(body))
     vectors = await embed(state, request, model, inputs, "input")
     if body.dimensions is not None:  # Matryoshka: the first values, normalized again
         vectors = [pooler.shorten(v, body.dimensions) for v in vectors]

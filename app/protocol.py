@@ -29,6 +29,7 @@ PromptText = Annotated[str, Field(min_length=1)]
 MAX_PROMPTS = 2048  # prompts (or inputs) in one request, as OpenAI's embeddings allow
 MAX_STOP = 64  # stop strings, each at most MAX_STOP_LEN characters
 MAX_STOP_LEN = 256
+MAX_ALLOWED_TOKENS = 65_536  # allowed_token_ids: a step masks each row's vocabulary from them
 MAX_GRAMMAR_CHARS = 64_000  # a regex for structured output
 
 
@@ -178,11 +179,15 @@ class SamplingFields(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
+                         Field(max_length=MAX_STOP)] | None = None
     prompt_logprobs: integer(ge=0, le=20) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    truncate_prompt_tokens: integer(ge=-1) | None = None  # vLLM's: keep the prompt's last N tokens
     priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0  # --scheduling-policy priority: the lowest first
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
     response_format: ResponseFormat | None = None
@@ -190,6 +195,23 @@ class SamplingFields(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    # vLLM fields refused by name, not ignored: each would change what is written
+    use_beam_search: bool = False
+    logits_processors: list | None = None
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value):
+        if value:
+            raise ValueError("beam search is not supported: ask for n sequences with logprobs and pick")
+        return value
+
+    @field_validator("logits_processors")
+    @classmethod
+    def _no_logits_processors(cls, value):
+        if value:
+            raise ValueError("custom logits processors are not run: the server applies only its own sampling fields")
+        return value
 
 
 def _not_both_prompts(cls, data):
@@ -213,6 +235,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None  # vLLM's: the template's
+    chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM does by default
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, value):
+        if value is not None:
+            raise ValueError("a chat template sent with a request is not run: start the server with --chat-template")
+        return value
     # the template's reasoning_effort (and enable_thinking: false for "none"), as vLLM passes it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     thinking_token_budget: integer(ge=0) | None = None  # vLLM's: at most this many tokens of thinking
@@ -245,6 +276,7 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: integer(ge=1) | None = None
     user: str | None = None
+    truncate_prompt_tokens: integer(ge=-1) | None = None
 
 
 class TokenizeRequest(_Body):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pageserve.app.errors import APIError
+from pageserve.app.errors import APIError, bad_request
 from pageserve.app.http import off_loop_if
 from pageserve.app.lora import Adapters
 from pageserve.app.logprobs import TokenText
@@ -163,15 +163,34 @@ class ServerState:
                            code="model_not_found")
         return name
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None,
+                       keep_last: int | None = None) -> list[int]:
         """`param`: the request field of a prompt, which is refused when far longer than the
-        context; None for /tokenize, which counts any text, as vLLM's does."""
-        return await off_loop_if(len(text) > LONG_TEXT, lambda: self.engine.tokenize(text, add_special_tokens, param))
+        context; None for /tokenize, which counts any text, as vLLM's does. `keep_last`: the
+        prompt's last tokens only (truncate_prompt_tokens)."""
+        return await off_loop_if(len(text) > LONG_TEXT,
+                                 lambda: self.engine.tokenize(text, add_special_tokens, param, keep_last))
 
-    async def tokenize_all(self, texts: list[str], param: str | list[str]) -> list[list[int]]:
+    async def tokenize_all(self, texts: list[str], param: str | list[str],
+                           keep_last: int | None = None) -> list[list[int]]:
         """Many prompts (a completions or embeddings list), in a worker thread when together they
         are long (2,048 short ones held the event loop up to 3.4 s)."""
-        return await off_loop_if(sum(map(len, texts)) > LONG_TEXT, lambda: self.engine.tokenize_all(texts, param))
+        return await off_loop_if(sum(map(len, texts)) > LONG_TEXT,
+                                 lambda: self.engine.tokenize_all(texts, param, keep_last))
+
+    def truncation(self, body) -> int | None:
+        """How many of its prompt's last tokens a request keeps (vLLM's truncate_prompt_tokens: -1
+        for the context length); None: all."""
+        keep = getattr(body, "truncate_prompt_tokens", None)
+        if keep is None:
+            return None
+        if keep == 0:
+            raise bad_request("truncate_prompt_tokens must be at least 1, or -1 for the context length",
+                              "truncate_prompt_tokens")
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) is larger than the model's context length "
+                              f"({self.max_model_len})", "truncate_prompt_tokens")
+        return self.max_model_len if keep == -1 else keep
 
     def detokenize(self, token_ids: list[int]) -> str:
         # _decode: decode's own conversion of the list held the event loop 0.2 s for a million ids

@@ -171,13 +171,16 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
-        """Thread-safe; with `param`, a text far too long is refused (Engine.tokenize_all)."""
-        return self.engine.tokenize(text, add_special_tokens, param)
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None,
+                 keep_last: int | None = None) -> list[int]:
+        """Thread-safe; with `param`, a text far too long is refused; with `keep_last`, only its
+        last tokens are kept (Engine.tokenize_all)."""
+        return self.engine.tokenize(text, add_special_tokens, param, keep_last)
 
-    def tokenize_all(self, texts: list[str], param: str | list[str] | None = None) -> list[list[int]]:
-        """Thread-safe; with `param`, a text far too long is refused (Engine.tokenize_all)."""
-        return self.engine.tokenize_all(texts, param=param)
+    def tokenize_all(self, texts: list[str], param: str | list[str] | None = None,
+                     keep_last: int | None = None) -> list[list[int]]:
+        """Thread-safe; as tokenize, for many texts."""
+        return self.engine.tokenize_all(texts, param=param, keep_last=keep_last)
 
     @property
     def pooler(self) -> PoolerConfig:

@@ -181,17 +181,21 @@ class LLMEngine:
 
     # ---- requests in ----
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, param: str | None = None,
+                 keep_last: int | None = None) -> list[int]:
         """Thread-safe: the Rust tokenizer is only read."""
-        return self.tokenize_all([text], add_special_tokens, param)[0]
+        return self.tokenize_all([text], add_special_tokens, param, keep_last)[0]
 
     def tokenize_all(self, texts: list[str], add_special_tokens: bool = True,
-                     param: str | list[str] | None = None) -> list[list[int]]:
+                     param: str | list[str] | None = None, keep_last: int | None = None) -> list[list[int]]:
         """encode_batch lets go of the GIL while it works (encode holds it: 20 MB of text in a
         worker thread held the event loop 20 s). With `param` (the request field they came from,
-        or each one's), a text far longer than the context is refused from a part of it."""
+        or each one's), a text far longer than the context is refused from a part of it.
+        `keep_last`: each text's last tokens only (InputProcessor.last_tokens), however long it is."""
         def encode(texts: list[str]) -> list:
             return self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        if keep_last is not None:
+            return [self.inputs.last_tokens(text, keep_last, lambda t: encode([t])[0].ids) for text in texts]
         if param is not None:
             fields = [param] * len(texts) if isinstance(param, str) else param
             for text, field in zip(texts, fields):

@@ -46,7 +46,7 @@ class ProcessedRequest:
 class InputProcessor:
     def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex,
                  priority_scheduling: bool = False, embeddings_refused: str | None = None, max_token_chars: int = 0):
-        self.tokenize = tokenize  # text -> token ids
+        self.tokenize = tokenize  # (text, add_special_tokens=True) -> token ids
         # the most characters one token's text has (its vocabulary entry's; 0: not known)
         self.max_token_chars = max_token_chars
         self.embeddings_refused = embeddings_refused  # why the model's embeddings cannot be made here
@@ -74,8 +74,10 @@ class InputProcessor:
         if params.n > self.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) is larger than the server's --max-num-seqs "
                                  f"({self.max_num_seqs})", "n")
-        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                                ("allowed_token_ids", params.allowed_token_ids or ())):
             self.check_token_ids(token_ids, name)
+        params.set_bad_words(lambda word: self.tokenize(word, False))
         _check_salt(cache_salt)
         self._check_priority(priority)
         grammar = None
@@ -140,6 +142,24 @@ class InputProcessor:
                 raise self.too_long(num_tokens, param, at_least=True)
             size *= 2
 
+    def last_tokens(self, text: str, keep: int, encode: Callable[[str], list[int]]) -> list[int]:
+        """The text's last `keep` tokens (vLLM's truncate_prompt_tokens), with the special tokens
+        `encode` puts in front (BOS) kept first among them, as a tokenizer truncating on the
+        left does. Read from a tail of the text that doubles until it holds them, so a text far
+        longer than the context is not tokenized whole."""
+        head = encode("")
+        size = PROBE_CHARS_PER_TOKEN * (keep + BOUNDARY_TOKENS + 1)
+        while True:
+            start = _word_end(text, len(text) - size) if size < len(text) else 0
+            ids = encode(text[start:])
+            if ids[:len(head)] != head:  # (a tokenizer that adds its specials elsewhere)
+                head = []
+            ids = ids[len(head) + (BOUNDARY_TOKENS if start else 0):]
+            if not start or len(ids) >= keep - len(head):
+                break
+            size *= 2
+        return (head + ids[max(len(ids) - keep + len(head), 0):])[-keep:]
+
     def _prompt_ids(self, prompt, param: str, limit: int) -> list[int]:
         """The prompt's token ids, checked: its length against `limit` first, then each id (a
         million ids take a tenth of a second to check)."""
@@ -159,6 +179,13 @@ class InputProcessor:
             raise self.too_long(len(ids), param)
         self.check_token_ids(ids, param)
         return ids
+
+
+def _word_end(text: str, start: int) -> int:
+    """Where a tail of the text begins: at the first space of the 256 characters from `start`
+    (so that the tail's tokens are the whole text's, past a word split in two), or at `start`."""
+    space = text.find(" ", start, start + 256)
+    return space if space > 0 else start
 
 
 def _word_start(text: str, end: int) -> int:

@@ -225,13 +225,14 @@ class Scheduler:
         request, in flight in a step that samples its next token, takes a slot for that token
         in this step where it can without preempting anything (its part goes into `out`).
         Not where the host must see the token first: a grammar (or thinking a budget bounds),
-        drafts, n > 1 forks, a min_tokens mask, or a token that may be its last by length."""
+        drafts, n > 1 forks, a min_tokens mask, bad words of several tokens, or a token that may
+        be its last by length."""
         tokens = req.token_ids
         num_tokens = len(tokens)
         num_output = num_tokens - req.num_prompt_tokens
         p = req.sampling_params
         if req.pooling or (req.matcher is not None and req.matcher.reads_tokens) or req.num_samples != 1 \
-                or req.draft_tokens or num_output < p.min_tokens:
+                or req.draft_tokens or num_output < p.min_tokens or p.bans_by_context:
             return False
         rid = req.request_id
         ahead = self._in_flight[rid]

@@ -119,6 +119,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
     thinking_budget: ThinkingBudget | None = None  # a bound on a reasoning model's thinking
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    bad_words: list[str] = field(default_factory=list)  # words the output never writes (vLLM's)
+    # each bad word's token ids, with and without a space before it: set by set_bad_words
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False, default=())
     # greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens mask, no
     # penalties, no log-probabilities (set from the fields above: the sampler reads it every row)
     plain_greedy: bool = field(init=False, repr=False, compare=False, default=False)
@@ -128,6 +132,7 @@ class SamplingParams:
     bias_tokens: bytes = field(init=False, repr=False, compare=False, default=b"")
     bias_values: bytes = field(init=False, repr=False, compare=False, default=b"")
     stop_tokens: bytes = field(init=False, repr=False, compare=False, default=b"")
+    allowed_tokens: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self):
         for name in ("n", "top_k", "min_tokens"):
@@ -187,13 +192,53 @@ class SamplingParams:
         if any(not _is_int(t) or not 0 <= t < _NO_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (non-negative integers), got {self.stop_token_ids}")
         self.stop_tokens = array("q", self.stop_token_ids).tobytes()
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            ids = self.allowed_token_ids = list(ids) if isinstance(ids, (list, tuple)) else ids
+            if not isinstance(ids, list) or not ids or any(not _is_int(t) or not 0 <= t < _NO_ID for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids}")
+            self.allowed_tokens = array("q", ids).tobytes()
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be words (strings that are not blank), got {self.bad_words!r}")
         try:  # the member itself: the engine tests it by identity
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
             raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                              f"got {self.output_kind!r}") from None
         self.plain_greedy = (self.temperature == 0.0 and not self.logit_bias and not self.min_tokens
-                             and self.logprobs is None and not self.has_penalties)
+                             and self.logprobs is None and not self.has_penalties
+                             and self.allowed_token_ids is None and not self.bad_words)
+
+    def set_bad_words(self, encode) -> None:
+        """Tokenize bad_words once (`encode`: text -> token ids, no special tokens): each word as
+        it stands and after a space (a word inside a text starts with one), where that gives
+        other tokens than a space's own before the word's. vLLM keeps the second form only when
+        it has as many tokens as the first, so a word that is one token after a space but two
+        at the start of a text (" rainbow", "rain" "bow") is still written inside a text."""
+        if self.bad_words_token_ids or not self.bad_words:
+            return
+        ids = []
+        for word in self.bad_words:
+            plain, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+            if not plain:
+                continue
+            ids.append(tuple(plain))
+            if spaced != plain and spaced[1:] != plain:
+                ids.append(tuple(spaced))
+        self.bad_words_token_ids = tuple(ids)
+
+    def banned_after(self, tokens, start: int) -> list[int]:
+        """The tokens bad_words forbid next in a sequence (`tokens`, whose output begins at
+        `start`): the last token of each word whose other tokens end the output."""
+        n = len(tokens)
+        return [w[-1] for w in self.bad_words_token_ids
+                if len(w) == 1 or (n - start >= len(w) - 1 and tuple(tokens[n - len(w) + 1:]) == w[:-1])]
+
+    @property
+    def bans_by_context(self) -> bool:
+        """Whether what bad_words forbid depends on the tokens before (a word of several tokens)."""
+        return any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @staticmethod
     def _check_logit_bias(bias) -> dict[int, float]:

@@ -1,7 +1,7 @@
 """Batched sampling: every logits processor works on the whole batch in a few tensor ops.
 
-Order, as vLLM applies them: logit bias, the min_tokens mask, penalties (all of which also
-change greedy picks), then temperature, min-p, top-k and top-p, then one draw per row by
+Order, as vLLM applies them: allowed tokens, logit bias, the min_tokens and bad_words masks,
+penalties (all of which also change greedy picks), then temperature, min-p, top-k and top-p, then one draw per row by
 inverse CDF. Log-probabilities are those of the model's own distribution (before any
 processor)."""
 
@@ -45,7 +45,7 @@ class SamplingMetadata:
         self.generators = generators or {}  # row -> the request's own seeded generator
         self.bitmask = None  # packed int32 [B, ceil(V / 32)] of allowed tokens (structured output)
         self.apply_bitmask = None
-        self.bias = self.banned = self.penalty_rows = None
+        self.bias = self.banned = self.penalty_rows = self.allowed = None
         if all(p.plain_greedy for p in params):  # an argmax and nothing else (most greedy batches)
             self.all_greedy = self.any_greedy = True
             self.logprob_rows, self.max_logprobs, self.num_logprobs = [], 0, []
@@ -72,14 +72,14 @@ class SamplingMetadata:
             if device.type == "cuda" and self.any_truncated:  # for a draw without a sync; in the step's one copy
                 up += [("cut_rows", cut, torch.int64), ("maybe_full_rows", maybe_full, torch.int64)]
 
-        # (row, token, value) of the logit bias and (row, token) of the tokens min_tokens holds
-        # back, from arrays each request made once
+        # (row, token, value) of the logit bias and (row, token) of the tokens min_tokens or
+        # bad_words hold back, from arrays each request made once
         bias = [(i, (np.frombuffer(p.bias_tokens, np.int64), np.frombuffer(p.bias_values, np.float32)))
                 for i, p in enumerate(params) if p.logit_bias]
-        banned = [(i, np.concatenate((np.frombuffer(r.params.stop_tokens, np.int64),
-                                      np.asarray(() if r.params.ignore_eos else r.eos_token_ids, dtype=np.int64))))
-                  for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+        banned = [(i, _banned(r)) for i, r in enumerate(rows)
+                  if r.num_output_tokens < r.params.min_tokens or r.params.bad_words_token_ids]
         banned = [(i, tokens) for i, tokens in banned if len(tokens)]
+        allowed = [(i, np.frombuffer(p.allowed_tokens, np.int64)) for i, p in enumerate(params) if p.allowed_tokens]
         if bias:
             up += [("bias_rows", _repeat_rows([(i, a[0]) for i, a in bias]), torch.int64),
                    ("bias_tokens", np.concatenate([a[0] for _, a in bias]), torch.int64),
@@ -87,6 +87,10 @@ class SamplingMetadata:
         if banned:
             up += [("banned_rows", _repeat_rows(banned), torch.int64),
                    ("banned_tokens", np.concatenate([tokens for _, tokens in banned]), torch.int64)]
+        if allowed:  # the rows, and (index among them, token) of what each may sample
+            up += [("allowed_rows", [i for i, _ in allowed], torch.int64),
+                   ("allowed_at", _repeat_rows([(j, a) for j, (_, a) in enumerate(allowed)]), torch.int64),
+                   ("allowed_tokens", np.concatenate([a for _, a in allowed]), torch.int64)]
 
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         if pen:
@@ -106,6 +110,8 @@ class SamplingMetadata:
             self.bias = (self.bias_rows, self.bias_tokens, self.bias_values)
         if banned:
             self.banned = (self.banned_rows, self.banned_tokens)
+        if allowed:
+            self.allowed = (self.allowed_rows, self.allowed_at, self.allowed_tokens)
 
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         self.logprob_rows = [i for i, _ in want]
@@ -126,6 +132,18 @@ def sync_free_rows(params: list[SamplingParams], truncated: list[bool], vocab_si
     maybe_full = [i for i, (t, p) in enumerate(zip(truncated, params))
                   if not (t and (0 < min(p.top_k, vocab_size) <= k or k == vocab_size))]
     return cut, maybe_full
+
+
+def _banned(row: SampleRow) -> np.ndarray:
+    """What the row may not sample next: its stop and EOS tokens while min_tokens holds them
+    back, and the tokens its bad words forbid after its output."""
+    p, parts = row.params, []
+    if row.num_output_tokens < p.min_tokens:
+        eos = () if p.ignore_eos else row.eos_token_ids
+        parts += [np.frombuffer(p.stop_tokens, np.int64), np.asarray(eos, np.int64)]
+    if p.bad_words_token_ids:
+        parts.append(np.asarray(p.banned_after(row.token_ids, row.num_prompt_tokens), np.int64))
+    return np.concatenate(parts)
 
 
 def _repeat_rows(rows: list[tuple[int, np.ndarray]]) -> np.ndarray:
@@ -260,13 +278,20 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor, sync_fre
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Grammar masks, bias, min_tokens mask and penalties: [B, V] float32 in, a new tensor out
+    """Grammar masks, allowed tokens, bias, the min_tokens and bad_words masks and penalties:
+    [B, V] float32 in, a new tensor out
     (the raw logits stay as they are, for the logprobs)."""
-    if meta.bias is None and meta.banned is None and meta.penalty_rows is None and meta.bitmask is None:
+    if meta.bias is None and meta.banned is None and meta.penalty_rows is None and meta.bitmask is None \
+            and meta.allowed is None:
         return logits
     logits = logits.clone()
     if meta.bitmask is not None:
         meta.apply_bitmask(logits, meta.bitmask)
+    if meta.allowed is not None:
+        rows, at, tokens = meta.allowed
+        keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[at, tokens] = True
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
     if meta.bias is not None:
         logits.index_put_(meta.bias[:2], meta.bias[2], accumulate=True)
     if meta.banned is not None:

@@ -1,0 +1,150 @@
+"""vLLM's request extras beyond OpenAI's fields: allowed_token_ids, bad_words and
+truncate_prompt_tokens, in the sampler, the engine and through the API (the default model, so
+that words and spaces tokenize as they do in use)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from pageserve.sampling.params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.mark.unit
+def test_bad_words_tokenized_with_and_without_a_space_and_matched_on_the_output_s_tail():
+    vocab = {"cat": [1], " cat": [2], "big dog": [3, 4], " big dog": [5, 4], "ox": [6], " ox": [7, 6],
+             "rainbow": [10, 11], " rainbow": [12]}
+    p = SamplingParams(bad_words=["cat", " big dog", "ox", "rainbow"])
+    p.set_bad_words(lambda text: vocab[text])
+    # " ox" is a space's token and then "ox"'s: banning "ox" covers it
+    assert p.bad_words_token_ids == ((1,), (2,), (3, 4), (5, 4), (6,), (10, 11), (12,)) and p.bans_by_context
+    prompt = [9, 3]  # a word's first token in the prompt does not count
+    assert sorted(p.banned_after(prompt, 2)) == [1, 2, 6, 12]
+    assert sorted(p.banned_after(prompt + [8, 5], 2)) == [1, 2, 4, 6, 12]
+    assert sorted(p.banned_after(prompt + [10], 2)) == [1, 2, 6, 11, 12]
+    assert not p.plain_greedy and not SamplingParams(temperature=0).bad_words_token_ids
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kw, message", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(bad_words=["  "]), "bad_words"),
+])
+def test_bad_values_are_refused_by_name(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+@pytest.mark.unit
+def test_the_last_tokens_of_a_long_text_are_read_from_its_tail():
+    """A text far longer than the context: its last tokens, the tokenizer's BOS first as a
+    tokenizer truncating on the left keeps it, read from a tail a fraction of the text."""
+    from pageserve.runtime.input_processor import InputProcessor
+
+    inputs = InputProcessor(None, 1000, 2048, 8, None)
+    text = " ".join(f"w{i}" for i in range(10_000))
+    read = []
+
+    def encode(t: str) -> list[int]:  # a BOS, then one token a word
+        read.append(len(t))
+        return [0] + [int(w[1:]) + 1 for w in t.split(" ") if w]
+    assert inputs.last_tokens(text, 100, encode) == [0] + list(range(9902, 10_001))
+    assert max(read) < len(text) / 10
+    assert inputs.last_tokens("w1 w2", 100, encode) == [0, 2, 3]
+    assert inputs.last_tokens(text, 100, lambda t: encode(t)[1:]) == list(range(9901, 10_001))  # no BOS
+
+
+@pytest.mark.server
+def test_allowed_token_ids_bound_every_sampled_token(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    allowed = server.engine.tokenize(" red green blue", add_special_tokens=False)
+    assert len(allowed) == 3
+    for temperature in (0.0, 1.0):
+        r = client.completions.create(model=server.model, prompt="Colours:", max_tokens=12, temperature=temperature,
+                                      seed=3, extra_body={"allowed_token_ids": allowed})
+        assert r.usage.completion_tokens == 12 and re.fullmatch("( red| green| blue)+", r.choices[0].text), r
+
+
+@pytest.mark.server
+def test_bad_words_are_never_written_and_change_nothing_before_them(server):
+    """The greedy answer without the word, then with it banned: the same tokens up to where the
+    word would have been finished, and the word nowhere."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+    def ask(**extra):
+        r = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           logprobs=True, extra_body=extra)
+        return r.choices[0].message.content, [e.token for e in r.choices[0].logprobs.content]
+    text, tokens = ask()
+    word = next(w.strip(".,") for w in text.split() if len(w.strip(".,")) > 3)  # a word the model writes
+    banned, banned_tokens = ask(bad_words=[word])
+    assert word not in banned, (word, banned)
+    at = text.index(word)
+    same = 0
+    while same < len(tokens) and len("".join(tokens[:same + 1])) <= at:
+        same += 1
+    assert banned_tokens[:same] == tokens[:same]
+
+
+@pytest.mark.server
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server):
+    long_text = "The story so far: " + "and then nothing happened " * 2000 + "The end is"  # ~10k tokens
+    url = f"{server.url}/v1"
+
+    def post(route: str, **body) -> httpx.Response:
+        return httpx.post(f"{url}/{route}", json={"temperature": 0, **body}, timeout=60)
+    r = post("completions", prompt=long_text, max_tokens=4)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    whole = server.engine.tokenize(long_text)
+    r = post("completions", prompt=long_text, max_tokens=4, truncate_prompt_tokens=50, echo=True)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50, r.text
+    same = post("completions", prompt=whole[-50:], max_tokens=4).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == server.state.detokenize(whole[-50:]) + same  # echoed: what it read
+    r = post("completions", prompt=[whole[-300:], whole[-20:]], max_tokens=4, truncate_prompt_tokens=49)
+    assert r.json()["usage"]["prompt_tokens"] == 49 + 20, r.text
+    message = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 2}
+    r = post("chat/completions", **message, truncate_prompt_tokens=-1)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]  # no room left
+    r = post("chat/completions", **message, truncate_prompt_tokens=64)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 64, r.text
+    r = post("embeddings", input=[long_text, "short"], truncate_prompt_tokens=32)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 32 + 1, r.text
+    for bad in (0, 4096, -2):
+        r = post("completions", prompt="hi", truncate_prompt_tokens=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("route, field, value", [
+    ("completions", "use_beam_search", True), ("chat/completions", "use_beam_search", True),
+    ("completions", "logits_processors", ["my.module:Processor"]),
+    ("chat/completions", "chat_template", "{{ messages }}"),
+])
+def test_what_would_change_the_output_unseen_is_refused_by_name(server, route, field, value):
+    body = {"prompt": "hi"} if route == "completions" else {"messages": MESSAGES}
+    r = httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 2, field: value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    unset = False if value is True else None
+    assert httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 2, field: unset},
+                      timeout=60).status_code == 200
+
+
+@pytest.mark.unit
+def test_documents_reach_the_template(server):
+    import copy
+
+    from pageserve.app.chat import render_chat, template_kwargs
+    from pageserve.app.protocol import ChatCompletionRequest
+
+    tokenizer = copy.copy(server.state.tokenizer)
+    tokenizer.chat_template = ("{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "documents": [
+        {"title": "Spectrum", "text": "seven colours"}], "chat_template_kwargs": {"other": 1}})
+    assert render_chat(tokenizer, body.messages, template_kwargs=template_kwargs(body)).startswith(
+        "[Spectrum: seven colours]Name three")
