@@ -28,9 +28,20 @@ class EncoderCacheManager:
     def schedulable(self, req: Request, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `start` the request may compute this step: the
         chunk ends before the first image it reaches whose output does not fit in what is left
-        (and, with whole_images, before an image it would cut)."""
+        (and, with whole_images, before an image it would cut). Where that leaves none while
+        the request holds outputs, those are of images it has computed, kept for their copies
+        later in the prompt (no image it is partway through is before the one that stops it):
+        they go, to be encoded again when reached, so that they cannot keep the request (and
+        the budget they hold, every other one) waiting for good."""
         if not req.mm_items:
             return num_new
+        tokens = self._schedulable(req, start, num_new)
+        if not tokens and self.held.get(req.request_id):
+            self.release(req)
+            tokens = self._schedulable(req, start, num_new)
+        return tokens
+
+    def _schedulable(self, req: Request, start: int, num_new: int) -> int:
         held = self.held.get(req.request_id, ())
         need = encode = 0
         counted: set[bytes] = set()

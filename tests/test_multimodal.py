@@ -189,6 +189,27 @@ def test_encoder_cache_budget_holds_one_image_at_a_time(family):
     assert_pool_clean(llm.engine)
 
 
+def test_an_image_repeated_later_in_a_prompt_cannot_stall_it(family):
+    """[a, b, a] under a budget of one and a half images: a's output, kept for its second copy,
+    leaves no room for b; it goes (and is encoded again), and the answer is the one a budget
+    for all three gives."""
+    import threading
+
+    a, b = random_image(21, 40, 50), random_image(22, 30, 30)
+    case = prompt(family.fmt("<image> and <image> then <image>, say"), [a, b, a])
+    probe = llm_for(family, max_model_len=1024)
+    want = probe.generate([case], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    one_image = max(item.nbytes for item in probe.engine.images.process(case["prompt"], [a, b, a])[1])
+    llm = llm_for(family, max_model_len=1024, mm_encoder_cache_mb=1.5 * one_image / 2 ** 20)
+    got = []
+    worker = threading.Thread(target=lambda: got.extend(llm.generate([case], GREEDY, use_tqdm=False)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert got and got[0].outputs[0].token_ids == want
+    assert llm.engine.scheduler.encoder_cache.used == 0
+    assert_pool_clean(llm.engine)
+
+
 def test_image_input_errors(family, tiny_llm):
     llm = llm_for(family, limit_mm_per_prompt='{"image": 1}')
     image = random_image(1, 30, 30)
@@ -265,6 +286,27 @@ def test_encoder_cache_manager_budget_and_whole_images():
     assert whole.schedulable(a, 0, 14) == 14
     assert whole.schedulable(a, 12, 1) == 0  # resumed inside x (a prefix hit): the rest at once or nothing
     assert whole.schedulable(a, 12, 2) == 2
+
+
+@pytest.mark.unit
+def test_outputs_kept_for_later_copies_go_when_they_leave_no_room():
+    from pageserve.runtime.encoder_cache import EncoderCacheManager
+    from pageserve.runtime.multimodal import ImageItem
+    from pageserve.runtime.request import Request
+
+    x, y, x2 = (ImageItem(d, o, 4, 4, 400, {}) for d, o in ((b"x", 2), (b"y", 10), (b"x", 20)))
+    r = Request("r", list(range(40)), SamplingParams(), 4, (), mm_items=(x, y, x2))
+    cache = EncoderCacheManager(budget_bytes=600)
+    assert cache.schedulable(r, 0, 40) == 10  # y does not fit beside x
+    cache.hold(r, 0, 10)
+    r.num_computed_tokens = 10
+    cache.release_done(r)
+    assert cache.refs == {b"x": 1}  # kept for its copy at 20
+    assert cache.schedulable(r, 10, 30) == 10  # x goes so that y fits; x comes back at 20
+    assert cache.used == 0 and cache.take_freed() == [b"x"]
+    other = Request("o", list(range(40)), SamplingParams(), 4, (), mm_items=(ImageItem(b"z", 0, 4, 4, 400, {}),))
+    cache.hold(other, 0, 40)
+    assert cache.schedulable(r, 10, 30) == 0  # another request's image: r waits, holding nothing
 
 
 @pytest.mark.unit
