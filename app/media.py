@@ -22,7 +22,9 @@ from urllib.parse import urljoin, urlsplit
 
 from pageserve.app.errors import APIError, bad_request
 
-FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}  # GIF: its first frame
+# GIF: its first frame. MPO: a JPEG with more pictures after its first (Ultra HDR's gain map,
+# a camera's multi-picture JPEG), which Pillow names apart: its first, as any JPEG decoder shows
+FORMATS = {"PNG", "JPEG", "MPO", "WEBP", "GIF"}
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
 MAX_REDIRECTS = 3
 

@@ -133,14 +133,23 @@ class MultiModalProcessor:
         self.max_image_tokens = max_image_tokens
 
     def check_images(self, images: list, param: str) -> None:
+        """A processor that scales an image's shortest side to a fixed length (CLIP's, LLaVA-1.5's)
+        scales a thin image up before it crops: a 1 x 20,000 image became 336 x 6.7 million
+        floats. Such an image is refused where what the processor makes passes max_pixels."""
         if len(images) > self.max_images:
             raise InvalidRequest(f"{len(images)} images in one prompt; this server takes at most "
                                  f"{self.max_images} (--limit-mm-per-prompt)", param)
+        size = getattr(getattr(self.hf, "image_processor", None), "size", None)
+        edge = size.get("shortest_edge") if isinstance(size, dict) else None
         for i, image in enumerate(images):
             w, h = image.size
             if w * h > self.max_pixels:
                 raise InvalidRequest(f"image {i} has {w}x{h} pixels, more than the {self.max_pixels} "
                                      "this server decodes", param)
+            if edge and edge * edge * max(w, h) > self.max_pixels * max(min(w, h), 1):
+                raise InvalidRequest(f"image {i} ({w}x{h}) is too thin: this model's processor scales its "
+                                     f"shorter side to {edge} pixels, which makes more than the "
+                                     f"{self.max_pixels} pixels this server decodes", param)
 
     def process(self, text: str, images: list, add_special_tokens: bool = True,
                 param: str = "prompt") -> tuple[list[int], tuple[ImageItem, ...]]:

@@ -96,9 +96,11 @@ def test_jpeg_webp_gif_and_responses_input_image(server):
     image = random_image(3, 36, 36)
     c = client(server)
     answers = set()
-    for fmt, mime in (("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")):
+    # MPO: a JPEG with a second picture (an Ultra HDR photo's gain map), which Pillow names apart
+    for fmt, mime in (("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif"), ("MPO", "image/jpeg")):
         buf = io.BytesIO()
-        image.save(buf, format=fmt)
+        image.save(buf, format=fmt, **({"save_all": True, "append_images": [random_image(4, 18, 18)]}
+                                       if fmt == "MPO" else {}))
         r = c.chat.completions.create(model="llava", messages=image_message(data_url(buf.getvalue(), mime)),
                                       temperature=0, max_tokens=8)
         assert r.choices[0].finish_reason in ("stop", "length")
