@@ -391,7 +391,6 @@ class LLMEngine:
                     f"the engine failed while handling this request's output: {e!r}"))
         if self._lora_pins.idle:  # adapters whose last request this step finished
             self._lora_pins.release_idle(self.executor)
-        self.counters.generation_tokens += len(result.sampled) + sum(map(len, runs.values()))
         self.counters.record_step(self.kv.unused_fraction(self.scheduler.running))
         if self.config.debug_checks:
             self.check_integrity()
@@ -441,6 +440,7 @@ class LLMEngine:
         """What the request reports after the token (None: nothing yet). logprobs: the
         token's TokenLogprobs where the request asked for them."""
         req.token_ids.append(token)
+        self.counters.generation_tokens += 1  # not a speculative run's tokens past the one that ends it
         if req.logprobs is not None:
             assert logprobs is not None, f"no logprobs for {req.request_id}"
             req.logprobs.append(logprobs)

@@ -293,6 +293,12 @@ def test_draft_model_that_is_the_model_accepts_every_draft(looping_model_dir, pl
     assert tokens(again) == want and all(o.metrics.num_cached_tokens > 0 for o in again)
     stats = llm.engine.spec.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 400, stats
+    # a stop token inside a run: the run's tokens past it are not counted as generated
+    stops = [SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, stop_token_ids=[w[9]]) for w in want]
+    counted = [e.engine.stats().generation_tokens for e in (plain, llm)]
+    got = tokens(llm.generate(prompts(), stops, use_tqdm=False))
+    assert got == tokens(plain.generate(prompts(), stops, use_tqdm=False))
+    assert [e.engine.stats().generation_tokens - c for e, c in zip((plain, llm), counted)] == [sum(map(len, got))] * 2
     assert_pool_clean(llm.engine)
 
 
