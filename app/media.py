@@ -27,6 +27,7 @@ from pageserve.app.errors import APIError, bad_request
 FORMATS = {"PNG", "JPEG", "MPO", "WEBP", "GIF"}
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
 MAX_REDIRECTS = 3
+_SPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,9 @@ class MediaLoader:
     async def load(self, url: str, param: str, take: Callable[[int, str], None] = lambda pixels, param: None):
         """A decoded, checked PIL image from a data: or allowed http(s) URL (400 naming
         `param` otherwise); `take` (holding()'s) is given its pixels before they are decoded."""
-        if url[:5].lower() == "data:":
-            data = self._data_url(url, param)
-        elif url[:7].lower() == "http://" or url[:8].lower() == "https://":
+        if url[:5].lower() == "data:":  # base64 read off the event loop (20 MB took it 0.12 s)
+            return await asyncio.to_thread(lambda: self.decode(self._data_url(url, param), param, take))
+        if url[:7].lower() == "http://" or url[:8].lower() == "https://":
             data = await self._fetch(url, param)
         else:
             raise bad_request("an image URL is a data: URL (base64) or an http(s) URL", param)
@@ -102,6 +103,9 @@ class MediaLoader:
         body = url[m.end():]
         if len(body) * 3 // 4 > self.settings.max_image_bytes:
             raise bad_request(f"the image is larger than {self.settings.max_image_bytes} bytes", param)
+        if _SPACE.search(body):  # base64 in lines (MIME's 76 characters), as some clients write it
+            body = _SPACE.sub("", body)
+        body += "=" * (-len(body) % 4)  # and without its padding
         try:
             return base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):

@@ -48,6 +48,20 @@ def image_digest(image) -> bytes:
     return h.digest()
 
 
+def _rgb(image):
+    """The image in RGB, what is transparent on white, as a viewer shows it (and vLLM makes
+    RGBA images): dropping the alpha would show the colours under it, often black or noise."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        from PIL import Image
+
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def image_token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(offset, length) of each run of `token` in `ids`."""
     runs, i, n = [], 0, len(ids)
@@ -160,7 +174,7 @@ class MultiModalProcessor:
         if found != len(images):
             raise InvalidRequest(f"the prompt has {found} image placeholders ({self.placeholder!r}) for "
                                  f"{len(images)} images", param)
-        images = [im.convert("RGB") if im.mode != "RGB" else im for im in images]
+        images = [_rgb(im) for im in images]
         kwargs = {"images": images} if images else {}
         try:
             out = self.hf(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)

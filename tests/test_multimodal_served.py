@@ -176,6 +176,32 @@ def test_bad_images_get_a_400_naming_the_part(server, content, status, message):
     server.wait_idle()
 
 
+def test_base64_in_lines_or_unpadded_is_read_and_transparency_is_white(server):
+    """Base64 as MIME writes it (76-character lines) or without its padding is the same image;
+    what is transparent is white (as vLLM makes RGBA images), not the colours under it."""
+    from PIL import Image
+
+    from pageserve.app.media import MediaLoader, MediaSettings
+    from pageserve.runtime.multimodal import image_digest, _rgb
+
+    raw = png(random_image(5, 20, 20))
+    text = base64.b64encode(raw).decode()
+    loader = MediaLoader(MediaSettings())
+    for body in ("\r\n".join(text[i:i + 76] for i in range(0, len(text), 76)), text.rstrip("=") + "\n"):
+        assert loader._data_url("data:image/png;base64," + body, "p") == raw
+    r = client(server).chat.completions.create(model="llava", max_tokens=2, messages=image_message(
+        "data:image/png;base64," + "\n".join(text[i:i + 76] for i in range(0, len(text), 76))))
+    assert r.choices[0].finish_reason in ("stop", "length")
+    white = Image.new("RGB", (4, 4), (255, 255, 255))
+    hidden_red = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
+    keyed = Image.new("P", (4, 4), 0)
+    keyed.info["transparency"] = 0
+    for image in (hidden_red, hidden_red.convert("LA"), keyed):
+        assert image_digest(_rgb(image)) == image_digest(white), image.mode
+    half = _rgb(Image.new("RGBA", (1, 1), (0, 0, 0, 128))).getpixel((0, 0))
+    assert all(126 <= c <= 128 for c in half)
+
+
 def test_decompression_bomb_refused_before_decoding(server):
     """A 1-bit PNG of 64 M pixels is a few KB; its header alone refuses it."""
     from PIL import Image
