@@ -20,6 +20,7 @@ from pageserve.runtime.engine import LLMEngine, RequestFailedError, StepFailed
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.input_processor import InvalidRequest, ProcessedRequest
 from pageserve.runtime.lora.request import LoRARequest
+from pageserve.runtime.multimodal import HeldImages, ImagesHeldError  # noqa: F401 - the app maps it to a 503
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.pooling import PoolerConfig
 from pageserve.runtime.request_stream import RequestStream
@@ -59,6 +60,7 @@ class AsyncEngine:
                  executor: ThreadPoolExecutor | None = None, log_stats_interval: float = 5.0,
                  request_timeout: float | None = None):
         self.engine = engine
+        self.held_images = HeldImages()  # the processor tensors of the requests in flight
         self.request_timeout = request_timeout
         self._deadlines: dict[str, float] = {}  # request id -> monotonic time it must end by
         # called on the loop thread with each request's finished output, and with aborted ids
@@ -210,7 +212,9 @@ class AsyncEngine:
         if bounded:
             self.engine.inputs.check_text_length(
                 text, lambda part: len(self.engine.tokenize(part, add_special_tokens)), param)
-        return self.engine.images.process(text, images, add_special_tokens, param)
+        ids, items = self.engine.images.process(text, images, add_special_tokens, param)
+        self.held_images.take(items, param)  # ImagesHeldError (a 503) past what requests may hold
+        return ids, items
 
     def stats(self) -> EngineStats:
         """The engine's figures; requests handed in but not yet in the engine count as waiting."""

@@ -10,7 +10,9 @@ embeddings."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +21,48 @@ from pageserve.runtime.input_processor import InvalidRequest
 
 # a decoded image may hold at most this many pixels (PIL's own bomb limit is 89 M)
 DEFAULT_MAX_PIXELS = 40_000_000
+# the processor tensors that the server's requests in flight may hold together
+MAX_HELD_IMAGE_BYTES = 8 << 30
+
+
+class ImagesHeldError(RuntimeError):
+    """The requests in flight hold as many processed images as the server keeps: retry."""
+
+
+class HeldImages:
+    """The bytes of processor tensors (ImageItem.data) that requests in flight hold. A request
+    keeps its images' tensors until it ends (a preempted one encodes them again), so the queue's
+    requests with their images each could hold more than the machine has: Qwen2.5-VL's float32
+    patches are 24 bytes a pixel, 77 MB for a 4,096-token image. Each item's share is given back
+    when its tensors are freed, however its request ended."""
+
+    def __init__(self, limit: int = MAX_HELD_IMAGE_BYTES):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, items, param: str) -> None:
+        """Count `items` (just made) as held: InvalidRequest if they alone pass the limit,
+        ImagesHeldError if they would beside what is held."""
+        sizes = [sum(t.nbytes for t in item.data.values() if isinstance(t, torch.Tensor)) for item in items]
+        total = sum(sizes)
+        if total > self.limit:
+            raise InvalidRequest(f"the prompt's images become {total / 2 ** 20:.0f} MiB of tensors, more than "
+                                 f"the {self.limit / 2 ** 20:.0f} MiB this server holds", param)
+        with self._lock:
+            if self.held + total > self.limit:
+                raise ImagesHeldError("the requests in flight hold as many images as the server keeps "
+                                      f"({self.limit / 2 ** 20:.0f} MiB of tensors): retry")
+            self.held += total
+        for item, size in zip(items, sizes):
+            tensors = [t for t in item.data.values() if isinstance(t, torch.Tensor)]
+            if tensors:  # the dict holds them all: they go together
+                weakref.finalize(tensors[0], self._give, size)
+            else:
+                self._give(size)
+
+    def _give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
 
 
 @dataclass(frozen=True, slots=True, eq=False)

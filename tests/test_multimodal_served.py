@@ -202,6 +202,41 @@ def test_base64_in_lines_or_unpadded_is_read_and_transparency_is_white(server):
     assert all(126 <= c <= 128 for c in half)
 
 
+def test_processed_images_held_by_requests_in_flight_are_bounded(server):
+    """A request holds its images' processor tensors until it ends: past what the server holds,
+    a new one is a 503 with Retry-After (or a 400 when its own images are more); each share comes
+    back when its tensors are freed."""
+    import gc
+
+    from pageserve.runtime.multimodal import ImagesHeldError
+
+    engine, held = server.state.engine, server.state.engine.held_images
+    text = "USER: <image>\nWhat is this? ASSISTANT:"
+    _, items = engine.process_images(text, [random_image(6, 30, 30)], "messages")
+    one = held.held
+    assert one > 0
+    limit, held.limit = held.limit, one * 3 // 2
+    try:
+        with pytest.raises(ImagesHeldError):
+            engine.process_images(text, [random_image(7, 30, 30)], "messages")
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "llava", "max_tokens": 2, "messages": image_message(data_url(png(random_image(8, 30, 30))))})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        with pytest.raises(ValueError, match="more than the"):
+            engine.process_images(text.replace("<image>", "<image><image>"), [random_image(7, 30, 30)] * 2, "m")
+        del items
+        gc.collect()
+        assert held.held == 0
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "model": "llava", "max_tokens": 2, "messages": image_message(data_url(png(random_image(8, 30, 30))))})
+        assert r.status_code == 200, r.text
+        server.wait_idle()
+        gc.collect()
+        assert held.held == 0  # the request's share came back when it ended
+    finally:
+        held.limit = limit
+
+
 def test_decompression_bomb_refused_before_decoding(server):
     """A 1-bit PNG of 64 M pixels is a few KB; its header alone refuses it."""
     from PIL import Image
