@@ -159,10 +159,11 @@ async def chat_completions(request: Request) -> Response:
                             body.priority, owner=owner(request))
     created = int(time.time())
     head = {"id": rid, "created": created, "model": model}
+    labels, with_ids = state.token_labels(body), bool(body.return_token_ids)
     if body.stream:
         streams = [thinking.stream(prompt_text) for _ in range(body.n)] if thinking is not None else None
-        return sse_response(_chunks(state, stream, head, body.n, len(prompt_ids), stream_usage(body), tool_parser,
-                                    streams), stream)
+        return sse_response(_chunks(state, stream, head, body.n, prompt_ids, stream_usage(body), tool_parser,
+                                    streams, labels, with_ids), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
@@ -179,59 +180,69 @@ async def chat_completions(request: Request) -> Response:
         content, calls = tool_parser.parse(text or "", c.finish_reason == "length") if tool_parser else (text, [])
         message.update(content=content, tool_calls=calls)
         return {"index": c.index, "message": message,
-                "logprobs": chat_logprobs(c.logprobs, state.token_text) if c.logprobs is not None else None,
+                "logprobs": chat_logprobs(c.logprobs, labels) if c.logprobs is not None else None,
                 "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
-                "stop_reason": c.stop_reason}
+                "stop_reason": c.stop_reason, **({"token_ids": list(c.token_ids)} if with_ids else {})}
 
     def build() -> dict:  # each choice made as it is written
         return {"object": "chat.completion", **head, "choices": map(choice, out.outputs),
-                "usage": usage(len(prompt_ids), num_generated, cached_tokens(out))}
+                "usage": usage(len(prompt_ids), num_generated, cached_tokens(out)),
+                **({"prompt_token_ids": prompt_ids} if with_ids else {})}
     return await reply(build, many_logprobs(num_generated, params.logprobs))
 
 
-async def _chunks(state: ServerState, stream, head: dict, n: int, num_prompt: int,
+async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: list[int],
                   usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None,
-                  thinking: list[ReasoningStream] | None):
-    """`thinking`: each choice's reasoning split, when a reasoning parser is on."""
+                  thinking: list[ReasoningStream] | None, labels, with_ids: bool):
+    """`thinking`: each choice's reasoning split, when a reasoning parser is on. `labels`: how
+    logprob entries name tokens. `with_ids` (return_token_ids): the prompt's token ids on the
+    first chunk, and each piece's own on the first chunk made of it."""
     include_usage, continuous = usage_mode
     num_generated = cached = 0
+    num_prompt = len(prompt_ids)
 
-    def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
+    def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None, token_ids=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
+        if with_ids:
+            choice["token_ids"] = token_ids or []
         c = {"object": "chat.completion.chunk", **head, "choices": [choice]}
         if include_usage:
             c["usage"] = usage(num_prompt, num_generated, cached) if continuous else None
         return c
 
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        first = chunk(i, {"role": "assistant", "content": ""})
+        yield {**first, "prompt_token_ids": prompt_ids} if with_ids and i == 0 else first
     parsers = [tool_parser.stream_parser() for _ in range(n)] if tool_parser else None
     async for out in stream:
         cached = max(cached, cached_tokens(out))
         for c in out.outputs:
             num_generated += len(c.token_ids)
             logprobs = None if not c.logprobs else await off_loop_if(
-                many_entries(c.logprobs), lambda c=c: chat_logprobs(c.logprobs, state.token_text))
+                many_entries(c.logprobs), lambda c=c: chat_logprobs(c.logprobs, labels))
+            ids = list(c.token_ids) if with_ids else None  # on the first chunk of this piece, as logprobs
             text = c.text
             if thinking is not None:
                 reasoning, text = thinking[c.index].feed(c.text, last=c.finish_reason is not None)
                 if reasoning:
-                    yield chunk(c.index, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=logprobs)
-                    logprobs = None
+                    yield chunk(c.index, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=logprobs,
+                                token_ids=ids)
+                    logprobs = ids = None
             if parsers is None:
-                if text or logprobs:
-                    yield chunk(c.index, {"content": text}, logprobs=logprobs)
+                if text or logprobs or ids:
+                    yield chunk(c.index, {"content": text}, logprobs=logprobs, token_ids=ids)
             else:
                 parser = parsers[c.index]
                 deltas = parser.feed(text)
                 if c.finish_reason is not None:
                     deltas += parser.finish(c.finish_reason == "length")
                 for i, delta in enumerate(deltas):
-                    yield chunk(c.index, delta, logprobs=logprobs if i == 0 else None)
-                if logprobs and not deltas:
-                    yield chunk(c.index, {"content": ""}, logprobs=logprobs)
+                    yield chunk(c.index, delta, logprobs=logprobs, token_ids=ids)
+                    logprobs = ids = None
+                if (logprobs or ids) and not deltas:
+                    yield chunk(c.index, {"content": ""}, logprobs=logprobs, token_ids=ids)
             if c.finish_reason is not None:
                 reason = c.finish_reason
                 # calls cut short (a stop string inside one) are not calls, as in the whole answer

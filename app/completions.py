@@ -65,7 +65,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     num_prompt = sum(len(p) for p in ids)
-    job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None, body.prompt_logprobs is not None)
+    job = _Job(state, index, ids, body.n, echo, echo_logprobs is not None, body.prompt_logprobs is not None, body)
     if body.stream:
         return sse_response(_chunks(job, stream, head, num_prompt, stream_usage(body)), stream)
     try:
@@ -88,10 +88,13 @@ class _Job:
     """One completions request's prompts and how its choices are numbered and echoed."""
 
     def __init__(self, state: ServerState, index: dict[str, int], prompt_ids: list[list[int]], n: int,
-                 echo: list[str] | None, echo_logprobs: bool, prompt_logprobs: bool = False):
-        """prompt_logprobs: vLLM's field asked for, given on each choice's first piece."""
+                 echo: list[str] | None, echo_logprobs: bool, prompt_logprobs: bool = False, body=None):
+        """prompt_logprobs: vLLM's field asked for, given on each choice's first piece. `body`: the
+        request, for how its logprobs name tokens and whether it asks for token ids."""
         self.state, self.index, self.prompt_ids, self.n = state, index, prompt_ids, n
         self.echo, self.echo_logprobs, self.prompt_logprobs = echo, echo_logprobs, prompt_logprobs
+        self.labels = state.token_labels(body)
+        self.token_ids = bool(getattr(body, "return_token_ids", None))
         self.offsets: dict[int, int] = {}  # choice -> characters streamed so far (text_offset)
 
     def choice(self, out, c, first: bool, final: bool) -> dict:
@@ -102,14 +105,18 @@ class _Job:
         logprobs = None
         if c.logprobs is not None:
             prompt_lps = out.prompt_logprobs if first and self.echo_logprobs else None
-            logprobs = completion_logprobs(c.logprobs, self.state.token_text, prompt_lps,
-                                           self.prompt_ids[p], self.offsets.get(i, 0))
+            logprobs = completion_logprobs(c.logprobs, self.labels, prompt_lps, self.prompt_ids[p],
+                                           self.offsets.get(i, 0))
             if not final:
                 self.offsets[i] = self.offsets.get(i, 0) + len(echo) + len(c.text)
         choice = {"index": i, "text": echo + c.text, "logprobs": logprobs,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if first and self.prompt_logprobs and out.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs, self.prompt_ids[p], self.state.token_text)
+            choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs, self.prompt_ids[p], self.labels)
+        if self.token_ids:  # vLLM's places: the prompt's on each choice's first piece, the piece's own
+            if first:
+                choice["prompt_token_ids"] = self.prompt_ids[p]
+            choice["token_ids"] = list(c.token_ids)
         return choice
 
 
@@ -135,7 +142,8 @@ async def _chunks(job: _Job, stream, head: dict, num_prompt: int, usage_mode: tu
             first = i not in started  # (the first piece also carries the prompt's logprobs)
             large = many_entries(c.logprobs) or first and many_entries(out.prompt_logprobs)
             choice = await off_loop_if(large, lambda c=c, first=first: job.choice(out, c, first=first, final=False))
-            if choice["text"] or choice["logprobs"] or c.finish_reason is not None or "prompt_logprobs" in choice:
+            if choice["text"] or choice["logprobs"] or c.finish_reason is not None or "prompt_logprobs" in choice \
+                    or choice.get("token_ids"):
                 started.add(i)  # (a piece held back, by a stop string, is no first piece)
                 yield chunk(choice)
     if include_usage:

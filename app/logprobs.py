@@ -18,6 +18,10 @@ class TokenText:
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="replace")
 
+    def label(self, token_id: int) -> str:
+        """How a logprob entry names the token: its text."""
+        return self.text(token_id)
+
     def chat(self, token_id: int) -> tuple[str, list[int]]:
         """The text and the byte list of a chat logprob entry, made once per token: a reply of
         128 choices with 20 alternatives has 1.3 million entries of a few thousand tokens."""
@@ -25,6 +29,18 @@ class TokenText:
         if found is None:
             found = self._chat[token_id] = (self.text(token_id), list(self.bytes(token_id)))
         return found
+
+
+class TokenIdLabels(TokenText):
+    """vLLM's return_tokens_as_token_ids: a logprob entry names its token "token_id:N", so that
+    tokens whose bytes are not whole UTF-8 characters are told apart."""
+
+    def label(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def chat(self, token_id: int) -> tuple[str, list[int]]:
+        label = self.label(token_id)
+        return label, list(label.encode())
 
 
 def chat_logprobs(entries, tt: TokenText) -> dict:
@@ -45,17 +61,17 @@ def completion_logprobs(entries, tt: TokenText, prompt_entries=None, prompt_ids=
         pairs += [(tid, e) for tid, e in zip(prompt_ids, prompt_entries)]
     pairs += [(e.token_id, e) for e in entries]
     for tid, e in pairs:
-        text = tt.text(tid)
-        tokens.append(text)
+        label = tt.label(tid)
+        tokens.append(label)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(tt.text(tid))
         if e is None:
             token_lps.append(None)
             tops.append(None)
             continue
         token_lps.append(e.logprob)
-        top = {tt.text(t): lp for t, lp in e.top}
-        top.setdefault(text, e.logprob)  # OpenAI's map always holds the chosen token
+        top = {tt.label(t): lp for t, lp in e.top}
+        top.setdefault(label, e.logprob)  # OpenAI's map always holds the chosen token
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -68,8 +84,8 @@ def prompt_logprobs(entries, prompt_ids, tt: TokenText) -> list:
         if e is None:
             out.append(None)
             continue
-        m = {str(tid): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tt.text(tid)}}
+        m = {str(tid): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tt.label(tid)}}
         for rank, (t, lp) in enumerate(e.top, 1):  # (JSON's keys are strings)
-            m.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": tt.text(t)})
+            m.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": tt.label(t)})
         out.append(m)
     return out

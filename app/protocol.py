@@ -195,6 +195,8 @@ class SamplingFields(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids too
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob entries name tokens "token_id:N"
     # vLLM fields refused by name, not ignored: each would change what is written
     use_beam_search: bool = False
     logits_processors: list | None = None

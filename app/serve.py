@@ -61,6 +61,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='sampling defaults set on top of --generation-config\'s, e.g. \'{"temperature": 0.5}\' '
                         "(temperature, top_p, top_k, min_p, repetition_penalty)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='name each logprob entry\'s token "token_id:N" (as a request\'s '
+                        'return_tokens_as_token_ids does)')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     g.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
@@ -196,7 +199,8 @@ def settings_from_args(ns: argparse.Namespace, model: str) -> ServerSettings:
                           max_prompt_logprobs_tokens=ns.max_prompt_logprobs_tokens,
                           reasoning_parser=ns.reasoning_parser,
                           lora_modules=parse_lora_modules(ns.lora_modules),
-                          allow_runtime_lora_updating=runtime_updating_allowed(ns.allow_runtime_lora_updating))
+                          allow_runtime_lora_updating=runtime_updating_allowed(ns.allow_runtime_lora_updating),
+                          return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
 
 
 def tls_options(ns: argparse.Namespace) -> dict:

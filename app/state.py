@@ -12,7 +12,7 @@ from typing import Any
 from pageserve.app.errors import APIError, bad_request
 from pageserve.app.http import off_loop_if
 from pageserve.app.lora import Adapters
-from pageserve.app.logprobs import TokenText
+from pageserve.app.logprobs import TokenIdLabels, TokenText
 from pageserve.app.media import MediaLoader, MediaSettings
 from pageserve.app.reasoning import ReasoningParser, reasoning_parser_class
 from pageserve.app.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
@@ -97,6 +97,7 @@ class ServerSettings:
     allowed_media_domains: tuple[str, ...] = ()  # hosts http(s) image URLs may name (none: data: URLs only)
     lora_modules: tuple = ()  # --lora-modules: app/lora.py's LoRAModule, read at start-up
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter served
+    return_tokens_as_token_ids: bool = False  # every logprob entry names its token "token_id:N"
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -126,6 +127,7 @@ class ServerState:
     max_model_len: int
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText = field(init=False)
+    token_id_labels: TokenIdLabels = field(init=False)  # return_tokens_as_token_ids
 
     sampling_defaults: dict = field(init=False)
     responses: ResponseStore = field(init=False)  # stored Responses API answers
@@ -135,6 +137,7 @@ class ServerState:
 
     def __post_init__(self):
         self.token_text = TokenText(token_byte_table(self.tokenizer))
+        self.token_id_labels = TokenIdLabels(self.token_text.table)
         if self.settings.chat_template is not None:
             self.tokenizer.chat_template = self.settings.chat_template
         self.sampling_defaults = generation_defaults(self.settings.generation_config,
@@ -177,6 +180,12 @@ class ServerState:
         are long (2,048 short ones held the event loop up to 3.4 s)."""
         return await off_loop_if(sum(map(len, texts)) > LONG_TEXT,
                                  lambda: self.engine.tokenize_all(texts, param, keep_last))
+
+    def token_labels(self, body) -> TokenText:
+        """How the request's logprob entries name tokens: by text, or as "token_id:N" where it or
+        the server asks (return_tokens_as_token_ids)."""
+        as_ids = getattr(body, "return_tokens_as_token_ids", None) or self.settings.return_tokens_as_token_ids
+        return self.token_id_labels if as_ids else self.token_text
 
     def truncation(self, body) -> int | None:
         """How many of its prompt's last tokens a request keeps (vLLM's truncate_prompt_tokens: -1

@@ -4,6 +4,7 @@ that words and spaces tokenize as they do in use)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -148,3 +149,56 @@ def test_documents_reach_the_template(server):
         {"title": "Spectrum", "text": "seven colours"}], "chat_template_kwargs": {"other": 1}})
     assert render_chat(tokenizer, body.messages, template_kwargs=template_kwargs(body)).startswith(
         "[Spectrum: seven colours]Name three")
+
+
+def _events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.server
+def test_return_token_ids_whole_and_streamed(server):
+    """The prompt's token ids and each choice's, where vLLM puts them: completions' on the choice,
+    chat's prompt ids on the response (the first chunk when streamed); streamed pieces' ids add up
+    to the whole answer's."""
+    url = f"{server.url}/v1"
+    body = {"prompt": "Colours of the rainbow:", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(f"{url}/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == server.engine.tokenize(body["prompt"])
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 12
+    assert server.state.detokenize(choice["token_ids"]) == choice["text"]
+    events = _events(f"{url}/completions", body)
+    assert events[0]["choices"][0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == choice["token_ids"]
+    assert all("prompt_token_ids" not in c for e in events[1:] for c in e["choices"])
+
+    chat = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(f"{url}/chat/completions", json=chat, timeout=60).json()
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    assert whole["prompt_token_ids"] == rendered and len(whole["choices"][0]["token_ids"]) == 12
+    events = _events(f"{url}/chat/completions", chat)
+    assert events[0]["prompt_token_ids"] == rendered and all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    plain = httpx.post(f"{url}/chat/completions", json={**chat, "return_token_ids": None}, timeout=60).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+@pytest.mark.server
+def test_return_tokens_as_token_ids_names_logprob_entries_by_id(server):
+    url = f"{server.url}/v1"
+    body = {"max_tokens": 6, "temperature": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = httpx.post(f"{url}/completions", json={**body, "prompt": "Hello", "logprobs": 2}, timeout=60).json()
+    lp, ids = r["choices"][0]["logprobs"], r["choices"][0]["token_ids"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    assert lp["text_offset"][-1] == len(server.state.detokenize(ids[:-1]))  # offsets still count the text
+    r = httpx.post(f"{url}/chat/completions", json={**body, "messages": MESSAGES, "logprobs": True,
+                                                     "top_logprobs": 2}, timeout=60).json()
+    content, ids = r["choices"][0]["logprobs"]["content"], r["choices"][0]["token_ids"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
