@@ -20,10 +20,11 @@ from pageserve.app.http import api_route, json_response, many_logprobs, owner, r
 from pageserve.app.json_out import dumps
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
-                                    NamedToolChoice, ResponsesRequest, ToolCall)
+                                    NamedToolChoice, ToolCall)
 from pageserve.app.reasoning import ReasoningStream
 from pageserve.app.response_output import ResponseOutput, item_id
 from pageserve.app.response_store import ChainTooLong, StoredResponse, check_chain, find_items
+from pageserve.app.responses_protocol import ResponsesRequest
 from pageserve.app.state import ServerState
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
 from pageserve.grammar.matcher import reasoning_end_position

@@ -22,9 +22,10 @@ from pageserve.app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
 from pageserve.app.messages import count_tokens, create_message
 from pageserve.app.openapi import package_version
 from pageserve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    EmbeddingRequest, ResponsesRequest, TokenizeRequest)
-from pageserve.app.score import RerankRequest, ScoreRequest, rerank, score
+                                    EmbeddingRequest, TokenizeRequest)
 from pageserve.app.responses import create_response, delete_response, get_response, list_input_items
+from pageserve.app.responses_protocol import ResponsesRequest
+from pageserve.app.score import RerankRequest, ScoreRequest, rerank, score
 from pageserve.app.state import ServerSettings, ServerState
 
 

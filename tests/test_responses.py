@@ -323,7 +323,7 @@ def test_a_call_that_is_not_valid_closes_incomplete(fmt, pieces):
     `incomplete` (the whole chat answer leaves such a call out), the valid one `completed`."""
     from types import SimpleNamespace
 
-    from pageserve.app.protocol import ResponsesRequest
+    from pageserve.app.responses_protocol import ResponsesRequest
     from pageserve.app.responses import _Answer
     from pageserve.app.tools import tool_format
 
@@ -350,7 +350,7 @@ def test_logprobs_of_text_the_tool_parser_holds_back_are_kept(streamed):
     from types import SimpleNamespace
 
     from pageserve.app.logprobs import TokenText
-    from pageserve.app.protocol import ResponsesRequest
+    from pageserve.app.responses_protocol import ResponsesRequest
     from pageserve.app.responses import _Answer
     from pageserve.app.tools import tool_format
 
