@@ -58,8 +58,11 @@ class ToolResultBlock(_Body):
             return self.content
         return "\n".join(b.text for b in self.content if b.type == "text")
 
-    def images(self) -> list[ImageBlock]:
-        return [] if isinstance(self.content, str) else [b for b in self.content if b.type == "image"]
+    def images(self) -> list[tuple[int, ImageBlock]]:
+        """(index in the content, block) of each image."""
+        if isinstance(self.content, str):
+            return []
+        return [(k, b) for k, b in enumerate(self.content) if b.type == "image"]
 
 
 class ThinkingBlock(_Body):

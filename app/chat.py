@@ -111,8 +111,8 @@ async def load_images(state: ServerState, messages: list[ChatMessage], param: st
     """The messages' images in order, decoded and checked (a 400 names the part; the Responses
     API's, its `input`: its items are not these messages one for one). `take`: the request's
     MediaLoader.holding()."""
-    parts = [(f"{param}.{i}.content.{j}" if param == "messages" else param, url)
-             for i, m in enumerate(messages) for j, url in m.image_urls()]
+    parts = [(source or (f"{param}.{i}.content.{j}" if param == "messages" else param), url)
+             for i, m in enumerate(messages) for j, url, source in m.image_urls()]
     if not parts:
         return []
     if state.engine.image_placeholder is None:

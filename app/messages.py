@@ -45,7 +45,10 @@ def _anthropic_route(handler):
         response = await inner(request)
         if response.status_code >= 400 and response.media_type == "application/json":
             envelope = orjson.loads(response.body)["error"]
-            error = APIError(response.status_code, envelope["message"])
+            where = envelope.get("param")  # Anthropic's errors name the field in the message
+            message = envelope["message"] if not where or envelope["message"].startswith(where) else \
+                f"{where}: {envelope['message']}"
+            error = APIError(response.status_code, message)
             headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
             return json_response(anthropic_error(error), response.status_code, headers or None)
         return response
@@ -76,7 +79,7 @@ def chat_messages(body: Conversation) -> list[ChatMessage]:
             elif block.type == "image":
                 if m.role == "assistant":
                     raise bad_request("an assistant message cannot hold an image", where)
-                parts.append(ContentPart(type="image_url", image_url=ImageURL(url=block.source.as_url())))
+                parts.append(_image_part(block, where))
             elif block.type == "tool_use":
                 if m.role != "assistant":
                     raise bad_request("tool_use blocks belong to assistant messages", where)
@@ -89,8 +92,7 @@ def chat_messages(body: Conversation) -> list[ChatMessage]:
                 text = ("Error: " if block.is_error else "") + block.text()
                 messages.append(ChatMessage(role="tool", content=text, tool_call_id=block.tool_use_id,
                                             name=names.get(block.tool_use_id)))
-                parts += [ContentPart(type="image_url", image_url=ImageURL(url=image.source.as_url()))
-                          for image in block.images()]
+                parts += [_image_part(image, f"{where}.content.{k}") for k, image in block.images()]
             elif block.type == "thinking":
                 thinking.append(block.thinking)
             # redacted_thinking: nothing a template can show
@@ -106,6 +108,13 @@ def chat_messages(body: Conversation) -> list[ChatMessage]:
     if not any(m.role != "system" for m in messages):
         raise bad_request("the messages hold nothing to answer", "messages")
     return messages
+
+
+def _image_part(block, where: str) -> ContentPart:
+    """An image block as a chat image part that names, in errors, where the client put it."""
+    part = ContentPart(type="image_url", image_url=ImageURL(url=block.source.as_url()))
+    part._source = where
+    return part
 
 
 def _tools(state: ServerState, body: Conversation, plan: bool = True):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 def _integral(value):
@@ -60,6 +60,8 @@ class ContentPart(_Body):
     type: Literal["text", "image_url"]
     text: str | None = None
     image_url: ImageURL | None = None
+    # where in the client's body a part made from another API's (Anthropic's blocks) came from
+    _source: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -106,11 +108,13 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part.text if part.type == "text" else image_placeholder for part in self.content)
 
-    def image_urls(self) -> list[tuple[int, str]]:
-        """(part index, URL) of each image part."""
+    def image_urls(self) -> list[tuple[int, str, str | None]]:
+        """(part index, URL, where the part came from if it was made from another API's) of each
+        image part."""
         if not isinstance(self.content, list):
             return []
-        return [(j, part.image_url.url) for j, part in enumerate(self.content) if part.type == "image_url"]
+        return [(j, part.image_url.url, part._source) for j, part in enumerate(self.content)
+                if part.type == "image_url"]
 
 
 class JsonSchemaFormat(_Body):

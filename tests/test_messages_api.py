@@ -206,8 +206,11 @@ def test_what_claude_code_sends(srv, client):
                                     system=[{"type": "text", "text": "You are terse.",
                                              "cache_control": {"type": "ephemeral"}}])
     assert answer.content[0].type == "thinking"
-    with pytest.raises(anthropic.BadRequestError, match="takes no images"):  # routed to the image loader
-        client.messages.create(model=srv.model, max_tokens=5, messages=[*ASK, {"role": "assistant", "content": [
+    # routed to the image loader; the error names where the client put the image
+    where = r"messages\.2\.content\.0\.content\.1: .*takes no images"
+    with pytest.raises(anthropic.BadRequestError, match=where):
+        client.messages.create(model=srv.model, max_tokens=5, system="Be brief.", messages=[*ASK, {
+            "role": "assistant", "content": [
             {"type": "tool_use", "id": "t1", "name": "note", "input": {"text": "x"}}]}, {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "t1", "content": [
                     {"type": "text", "text": "a picture"},
