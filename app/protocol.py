@@ -162,6 +162,16 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
+def _refused(name: str, why: str):
+    """A validator that refuses a vLLM field when it is set: dropped unseen, it would change the
+    output."""
+    def check(cls, value):
+        if value:
+            raise ValueError(why)
+        return value
+    return field_validator(name)(classmethod(check))
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by chat and completions."""
 
@@ -204,20 +214,10 @@ class SamplingFields(_Body):
     # vLLM fields refused by name, not ignored: each would change what is written
     use_beam_search: bool = False
     logits_processors: list | None = None
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value):
-        if value:
-            raise ValueError("beam search is not supported: ask for n sequences with logprobs and pick")
-        return value
-
-    @field_validator("logits_processors")
-    @classmethod
-    def _no_logits_processors(cls, value):
-        if value:
-            raise ValueError("custom logits processors are not run: the server applies only its own sampling fields")
-        return value
+    _no_beam_search = _refused("use_beam_search", "beam search is not supported: ask for n sequences with "
+                                                  "logprobs and pick")
+    _no_logits_processors = _refused("logits_processors", "custom logits processors are not run: the server "
+                                                          "applies only its own sampling fields")
 
 
 def _not_both_prompts(cls, data):
@@ -243,13 +243,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None  # vLLM's: the template's
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM does by default
-
-    @field_validator("chat_template")
-    @classmethod
-    def _no_request_template(cls, value):
-        if value is not None:
-            raise ValueError("a chat template sent with a request is not run: start the server with --chat-template")
-        return value
+    _no_request_template = _refused("chat_template", "a chat template sent with a request is not run: start the "
+                                                     "server with --chat-template")
     # the template's reasoning_effort (and enable_thinking: false for "none"), as vLLM passes it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     thinking_token_budget: integer(ge=0) | None = None  # vLLM's: at most this many tokens of thinking
