@@ -4,14 +4,15 @@ The regex is built on the caller's thread (fast, and where a bad schema must fai
 handler turns that into a 400). The Index, the slow part (a DFA over the whole vocabulary;
 from milliseconds to seconds), is compiled off the event loop and the engine thread, in child
 processes with time and memory limits (grammar/worker.py), two at once in turn across API keys,
-and kept in an LRU cache, so the same schema is compiled once; one that failed is not tried again. A request whose
-grammar is still compiling waits in the scheduler without holding up the others."""
+and kept in an LRU cache, so the same schema is compiled once; one that failed is not tried
+again. A request whose grammar is still compiling waits in the scheduler without holding up the
+others."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
-import itertools
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -138,7 +139,11 @@ class GrammarCompiler:
                 self._running[regex] = now
                 self._owners_running[owner] += 1
                 self._served[owner] = next(self._turns)
-                threading.Thread(target=self._run, args=(regex, owner), name="grammar", daemon=True).start()
+                try:
+                    threading.Thread(target=self._run, args=(regex, owner), name="grammar", daemon=True).start()
+                except RuntimeError as e:  # no thread could start (the process's limit): this compile fails
+                    self._done(regex, owner)
+                    self._inflight.pop(regex).set_exception(UnsupportedSchema(f"the grammar compiler is busy: {e}"))
 
     def _next_owner(self, now: float) -> tuple[str | None, float | None]:
         """(whose compile starts now, None) or (None, seconds until one may: None for when
@@ -162,14 +167,18 @@ class GrammarCompiler:
             future.set_exception(e)
         finally:
             with self._lock:
-                del self._running[regex]
-                self._owners_running[owner] -= 1
-                if not self._owners_running[owner]:
-                    del self._owners_running[owner]
-                    if owner not in self._waiting:
-                        del self._served[owner]
+                self._done(regex, owner)
                 self._inflight.pop(regex, None)
                 self._wake.notify()
+
+    def _done(self, regex: str, owner: str) -> None:
+        """A compile is no longer running (under the lock)."""
+        del self._running[regex]
+        self._owners_running[owner] -= 1
+        if not self._owners_running[owner]:
+            del self._owners_running[owner]
+            if owner not in self._waiting:
+                del self._served[owner]
 
     def _compile(self, regex: str) -> CompiledGrammar:
         worker = self._take_worker()

@@ -159,3 +159,22 @@ def test_a_key_s_hostile_regexes_hold_up_no_other_key(tiny_model_dir):
     for t in threads:
         t.join(30)
 
+
+
+def test_a_compile_whose_thread_cannot_start_fails_alone(gated, monkeypatch):
+    c = gated(workers=1, spares=0)
+    _open("warm")
+    c.submit("warm").result(timeout=10)  # the dispatcher thread is up
+    real_start = compiler_module.threading.Thread.start
+    calls = []
+
+    def start(thread):
+        calls.append(thread.name)
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+    monkeypatch.setattr(compiler_module.threading.Thread, "start", start)
+    with pytest.raises(UnsupportedSchema, match="busy: can't start new thread"):
+        c.submit("a1", "A").result(timeout=10)
+    _open("a2")
+    assert c.submit("a2", "A").result(timeout=10) is not None  # the dispatcher serves on
