@@ -25,6 +25,8 @@ from pageserve.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+DISPATCHER_IDLE = 30.0  # seconds the dispatcher thread waits with nothing to do before it ends
+
 
 def regex_for(spec: StructuredOutputsParams) -> str:
     """The regex a structured-output request must match. ValueError naming what is wrong."""
@@ -83,7 +85,7 @@ class GrammarCompiler:
         self._waiting: dict[str, deque[str]] = {}  # owner -> its regexes to compile
         self._running: dict[str, float] = {}  # regex compiling -> when it started
         self._owners_running: Counter[str] = Counter()
-        self._served: dict[str, int] = {}  # owner with compiles waiting or running -> its last turn
+        self._served: dict[str, int] = {}  # owner -> its last turn (owners are API keys: a few)
         self._turns = itertools.count()
         self._dispatcher: threading.Thread | None = None
         self._closed = False
@@ -116,6 +118,8 @@ class GrammarCompiler:
             future = self._inflight.get(regex)
             if future is None:
                 future = self._inflight[regex] = Future()
+            if regex not in self._running and regex not in self._waiting.get(owner, ()):
+                # waiting in another owner's queue too: it starts in whichever turn comes first
                 self._waiting.setdefault(owner, deque()).append(regex)
                 if self._dispatcher is None:
                     self._dispatcher = threading.Thread(target=self._dispatch, name="grammar-dispatch", daemon=True)
@@ -124,18 +128,24 @@ class GrammarCompiler:
             return future
 
     def _dispatch(self) -> None:
-        """Start each waiting compile, in its own thread, when _next_owner says whose is next."""
+        """Start each waiting compile, in its own thread, when _next_owner says whose is next;
+        end after a while with nothing to do (a compiler no one shuts down is not kept alive)."""
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
                 owner, wait = self._next_owner(now)
                 if owner is None:
-                    self._wake.wait(wait)
+                    if not self._wake.wait(wait if wait is not None else DISPATCHER_IDLE) and wait is None \
+                            and not self._waiting and not self._running:
+                        self._dispatcher = None
+                        return
                     continue
                 waiting = self._waiting[owner]
                 regex = waiting.popleft()
                 if not waiting:
                     del self._waiting[owner]
+                if regex in self._running or regex not in self._inflight:  # started in another owner's turn
+                    continue
                 self._running[regex] = now
                 self._owners_running[owner] += 1
                 self._served[owner] = next(self._turns)
@@ -177,8 +187,6 @@ class GrammarCompiler:
         self._owners_running[owner] -= 1
         if not self._owners_running[owner]:
             del self._owners_running[owner]
-            if owner not in self._waiting:
-                del self._served[owner]
 
     def _compile(self, regex: str) -> CompiledGrammar:
         worker = self._take_worker()

@@ -178,3 +178,33 @@ def test_a_compile_whose_thread_cannot_start_fails_alone(gated, monkeypatch):
         c.submit("a1", "A").result(timeout=10)
     _open("a2")
     assert c.submit("a2", "A").result(timeout=10) is not None  # the dispatcher serves on
+
+
+def test_a_grammar_another_owner_waits_for_too_starts_in_either_turn(gated):
+    """B asks for the grammar A has queued behind its own: B's turn is its own, not the end of
+    A's queue."""
+    c = gated(workers=1, spares=1, patience=0.2)
+    c.submit("a1", "A")
+    _until(lambda: _GatedWorker.started == ["a1"])
+    c.submit("a2", "A")
+    a_shared = c.submit("shared", "A")
+    b_shared = c.submit("shared", "B")
+    assert b_shared is a_shared
+    _until(lambda: len(_GatedWorker.started) == 2)
+    assert _GatedWorker.started == ["a1", "shared"]  # on the spare, in B's turn
+    _open("shared")
+    assert b_shared.result(timeout=10) is not None
+    for regex in ("a1", "a2"):
+        _open(regex)
+    assert c.submit("a2", "A").result(timeout=10) is not None
+    assert _GatedWorker.started == ["a1", "shared", "a2"]  # A's entry for it was passed over
+
+
+def test_the_dispatcher_thread_ends_when_idle(gated, monkeypatch):
+    monkeypatch.setattr(compiler_module, "DISPATCHER_IDLE", 0.1)
+    c = gated(workers=1, spares=0)
+    _open("x")
+    c.submit("x").result(timeout=10)
+    _until(lambda: c._dispatcher is None)
+    _open("y")
+    assert c.submit("y").result(timeout=10) is not None  # a new one starts
