@@ -38,7 +38,8 @@ class HeldImages:
 
     def __init__(self, limit: int = MAX_HELD_IMAGE_BYTES):
         self.limit, self.held = limit, 0
-        self._lock = threading.Lock()
+        # re-entrant: a collection while the lock is held may free an item and give its share back
+        self._lock = threading.RLock()
 
     def take(self, items, param: str) -> None:
         """Count `items` (just made) as held: InvalidRequest if they alone pass the limit,
@@ -49,10 +50,12 @@ class HeldImages:
             raise InvalidRequest(f"the prompt's images become {total / 2 ** 20:.0f} MiB of tensors, more than "
                                  f"the {self.limit / 2 ** 20:.0f} MiB this server holds", param)
         with self._lock:
-            if self.held + total > self.limit:
-                raise ImagesHeldError("the requests in flight hold as many images as the server keeps "
-                                      f"({self.limit / 2 ** 20:.0f} MiB of tensors): retry")
-            self.held += total
+            fits = self.held + total <= self.limit
+            if fits:
+                self.held += total
+        if not fits:
+            raise ImagesHeldError("the requests in flight hold as many images as the server keeps "
+                                  f"({self.limit / 2 ** 20:.0f} MiB of tensors): retry")
         for item, size in zip(items, sizes):
             tensors = [t for t in item.data.values() if isinstance(t, torch.Tensor)]
             if tensors:  # the dict holds them all: they go together
@@ -90,6 +93,14 @@ def image_digest(image) -> bytes:
     h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
     h.update(image.tobytes())
     return h.digest()
+
+
+def _own(data: dict) -> dict:
+    """An image's tensors, each its own copy where it is a view of the batch's (LLaVA-NeXT's
+    patches, padded to the prompt's largest image): the batch is freed with the processor's
+    output, and what the image keeps is what HeldImages counts."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > v.nbytes else v
+            for k, v in data.items()}
 
 
 def _rgb(image):
@@ -232,7 +243,7 @@ class MultiModalProcessor:
         for image, (offset, length, data) in zip(images, spans, strict=True):
             mask = torch.tensor(ids[offset:offset + length]) == self.image_token_id
             n = int(mask.sum())
-            items.append(ImageItem(image_digest(image), offset, length, n, n * self.row_bytes, data,
+            items.append(ImageItem(image_digest(image), offset, length, n, n * self.row_bytes, _own(data),
                                    None if n == length else mask))
         for i, item in enumerate(items):
             if self.max_image_tokens is not None and item.length > self.max_image_tokens:

@@ -336,3 +336,34 @@ def test_encoder_step_budget_lets_one_image_a_step_through():
     wide = EncoderCacheManager(budget_bytes=10_000, step_tokens=8)
     wide.begin_step()
     assert wide.schedulable(a, 0, 40) == 40  # 8 tokens: both of a's
+
+
+@pytest.mark.unit
+def test_held_images_give_back_from_a_collection_inside_the_lock_and_count_own_copies():
+    """A collection may run while take() holds the lock and free an item, whose finalizer gives
+    its share back on that thread: the lock is re-entrant. An image's tensor that is a view of
+    the batch's is copied, so what it keeps is what is counted."""
+    import gc
+    import threading
+
+    from pageserve.runtime.multimodal import HeldImages, ImageItem, _own
+
+    held = HeldImages(limit=10_000)
+    item = ImageItem(b"d", 0, 4, 4, 400, {"pixel_values": torch.zeros(600, dtype=torch.uint8)})
+    held.take([item], "p")
+    cycle = [item]
+    cycle.append(cycle)
+    del item, cycle
+
+    def collect_inside():
+        with held._lock:
+            gc.collect()  # the finalizer runs _give() here
+    worker = threading.Thread(target=collect_inside, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and held.held == 0
+    batch = torch.zeros(3, 100)
+    own = _own({"pixel_values": batch[1], "sizes": [1, 2]})
+    assert own["pixel_values"].untyped_storage().nbytes() == 400 and own["sizes"] == [1, 2]
+    whole = torch.zeros(5)
+    assert _own({"x": whole})["x"] is whole
