@@ -95,6 +95,18 @@ def image_digest(image) -> bytes:
     return h.digest()
 
 
+def _upscaled_edge(processor) -> int | None:
+    """The length an image processor scales every image's shorter side to, keeping its aspect,
+    before it crops the middle (CLIP's, LLaVA-1.5's); None for the others (LLaVA-NeXT's tiles
+    the image first; Qwen2-VL's `shortest_edge` is a pixel count)."""
+    if processor is None or not getattr(processor, "do_center_crop", False) \
+            or getattr(processor, "image_grid_pinpoints", None):
+        return None
+    size = getattr(processor, "size", None)
+    edge = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
+    return edge if isinstance(edge, int) and edge > 0 else None
+
+
 def _own(data: dict) -> dict:
     """An image's tensors, each its own copy where it is a view of the batch's (LLaVA-NeXT's
     patches, padded to the prompt's largest image): the batch is freed with the processor's
@@ -208,8 +220,7 @@ class MultiModalProcessor:
         if len(images) > self.max_images:
             raise InvalidRequest(f"{len(images)} images in one prompt; this server takes at most "
                                  f"{self.max_images} (--limit-mm-per-prompt)", param)
-        size = getattr(getattr(self.hf, "image_processor", None), "size", None)
-        edge = size.get("shortest_edge") if isinstance(size, dict) else None
+        edge = _upscaled_edge(getattr(self.hf, "image_processor", None))
         for i, image in enumerate(images):
             w, h = image.size
             if w * h > self.max_pixels:

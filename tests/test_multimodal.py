@@ -13,7 +13,7 @@ import torch
 from pageserve.loadtest.tiny_vlm import (QWEN_PLACEHOLDER, build_gemma3, build_idefics3, build_llava, build_llava_next,
                                          build_qwen2_5_vl, random_image)
 from pageserve.runtime import LLM, SamplingParams
-from pageserve.runtime.multimodal import DEFAULT_MAX_PIXELS
+from pageserve.runtime.multimodal import DEFAULT_MAX_PIXELS, _upscaled_edge
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -222,8 +222,9 @@ def test_image_input_errors(family, tiny_llm):
         tiny_llm.generate(prompt("<image>", [image]), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt takes"):
         LLM(str(family.dir), limit_mm_per_prompt='{"video": 1}')
-    size = getattr(getattr(llm.engine.images.hf, "image_processor", None), "size", None)
-    if edge := isinstance(size, dict) and size.get("shortest_edge"):  # scaled up whole before it is cropped
+    edge = _upscaled_edge(getattr(llm.engine.images.hf, "image_processor", None))
+    assert bool(edge) == (family.name == "llava")  # CLIP's: scaled up whole before it is cropped
+    if edge:
         thin = random_image(2, 1, DEFAULT_MAX_PIXELS // edge ** 2 + 10)
         with pytest.raises(ValueError, match="too thin"):
             llm.generate(prompt(family.fmt(chat("<image>")), [thin]), GREEDY, use_tqdm=False)
