@@ -46,8 +46,9 @@ async def completions(request: Request) -> Response:
     prompts = split_prompts(body.prompt)
     keep = state.truncation(body)
     ids = await prompt_token_ids(state, prompts, "prompt", keep)
-    if keep is not None:  # what is echoed is what the model read
-        prompts = ids
+    if keep is not None:  # what is echoed is what the model read, less the BOS a text was given
+        head = state.engine.tokenize("")
+        prompts = [q[len(head):] if isinstance(p, str) and q[:len(head)] == head else q for p, q in zip(prompts, ids)]
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, body.max_tokens, body.logprobs,
                              body.prompt_logprobs if body.prompt_logprobs is not None else echo_logprobs,

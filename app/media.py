@@ -101,10 +101,10 @@ class MediaLoader:
         if m.group("mime") and not m.group("mime").lower().startswith("image/"):
             raise bad_request(f"the data: URL holds {m.group('mime')}, not an image", param)
         body = url[m.end():]
-        if len(body) * 3 // 4 > self.settings.max_image_bytes:
-            raise bad_request(f"the image is larger than {self.settings.max_image_bytes} bytes", param)
         if _SPACE.search(body):  # base64 in lines (MIME's 76 characters), as some clients write it
             body = _SPACE.sub("", body)
+        if len(body) * 3 // 4 > self.settings.max_image_bytes:
+            raise bad_request(f"the image is larger than {self.settings.max_image_bytes} bytes", param)
         body += "=" * (-len(body) % 4)  # and without its padding
         try:
             return base64.b64decode(body, validate=True)

@@ -195,7 +195,9 @@ class LLMEngine:
         def encode(texts: list[str]) -> list:
             return self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         if keep_last is not None:
-            return [self.inputs.last_tokens(text, keep_last, lambda t: encode([t])[0].ids) for text in texts]
+            fields = [param] * len(texts) if isinstance(param, str) or param is None else param
+            return [self.inputs.last_tokens(text, keep_last, lambda t: encode([t])[0].ids, field or "prompt")
+                    for text, field in zip(texts, fields)]
         if param is not None:
             fields = [param] * len(texts) if isinstance(param, str) else param
             for text, field in zip(texts, fields):

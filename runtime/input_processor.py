@@ -18,6 +18,8 @@ from pageserve.sampling.params import SamplingParams
 PROBE_CHARS_PER_TOKEN = 8
 # the tokens a part may have beyond the whole text, where it was cut (one at most was seen)
 BOUNDARY_TOKENS = 16
+# how far before the tokens it must hold a tail of a text may have to begin (truncate_prompt_tokens)
+MAX_TAIL_CHARS = 1 << 20
 
 
 class InvalidRequest(ValueError):
@@ -142,23 +144,32 @@ class InputProcessor:
                 raise self.too_long(num_tokens, param, at_least=True)
             size *= 2
 
-    def last_tokens(self, text: str, keep: int, encode: Callable[[str], list[int]]) -> list[int]:
-        """The text's last `keep` tokens (vLLM's truncate_prompt_tokens), with the special tokens
-        `encode` puts in front (BOS) kept first among them, as a tokenizer truncating on the
-        left does. Read from a tail of the text that doubles until it holds them, so a text far
-        longer than the context is not tokenized whole."""
-        head = encode("")
-        size = PROBE_CHARS_PER_TOKEN * (keep + BOUNDARY_TOKENS + 1)
+    def last_tokens(self, text: str, keep: int, encode: Callable[[str], list[int]], param: str = "prompt") -> list[int]:
+        """The text's last `keep` tokens (vLLM's truncate_prompt_tokens), the special tokens `encode`
+        puts around every text (BOS; BERT's [CLS] and [SEP]) kept among them, as a tokenizer that
+        truncates on the left keeps them. Read from a tail of the text, cut where whitespace
+        begins a word (no pre-tokenizer merges across it), that doubles until it holds them: a
+        text far longer than the context is not tokenized whole. A text with no whitespace in
+        MAX_TAIL_CHARS before those tokens (one long run, which BPE may merge differently from
+        its start) is refused."""
+        head, tail = _specials(encode)
+        room = max(keep - len(head) - len(tail), 0)
+        size = PROBE_CHARS_PER_TOKEN * (room + BOUNDARY_TOKENS + 1)
         while True:
-            start = _word_end(text, len(text) - size) if size < len(text) else 0
+            start = _space_before(text, len(text) - size) if size < len(text) else 0
+            if len(text) - start > max(MAX_TAIL_CHARS, 2 * size):
+                raise InvalidRequest(f"truncate_prompt_tokens: the text has no whitespace to cut it at in its last "
+                                     f"{MAX_TAIL_CHARS} characters; send its end only", param)
             ids = encode(text[start:])
-            if ids[:len(head)] != head:  # (a tokenizer that adds its specials elsewhere)
-                head = []
-            ids = ids[len(head) + (BOUNDARY_TOKENS if start else 0):]
-            if not start or len(ids) >= keep - len(head):
+            body = ids[len(head):] if ids[:len(head)] == head else ids
+            if tail and body[len(body) - len(tail):] == tail:
+                body = body[:len(body) - len(tail)]
+            if start:
+                body = body[BOUNDARY_TOKENS:]  # (a tokenizer that marks the start of a text, as SentencePiece)
+            if not start or len(body) >= room:
                 break
             size *= 2
-        return (head + ids[max(len(ids) - keep + len(head), 0):])[-keep:]
+        return (head + body[len(body) - room:] if room else head) + tail
 
     def _prompt_ids(self, prompt, param: str, limit: int) -> list[int]:
         """The prompt's token ids, checked: its length against `limit` first, then each id (a
@@ -181,11 +192,20 @@ class InputProcessor:
         return ids
 
 
-def _word_end(text: str, start: int) -> int:
-    """Where a tail of the text begins: at the first space of the 256 characters from `start`
-    (so that the tail's tokens are the whole text's, past a word split in two), or at `start`."""
-    space = text.find(" ", start, start + 256)
-    return space if space > 0 else start
+def _space_before(text: str, end: int) -> int:
+    """Where a tail holding at least text[end:] begins: at the last space or line break before
+    `end`, or 0 (the whole text) where there is none."""
+    return max(text.rfind(" ", 0, end + 1), text.rfind("\n", 0, end + 1), 0)
+
+
+def _specials(encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
+    """The special tokens `encode` puts before and after every text."""
+    empty, probe = encode(""), encode("a")
+    n = 0
+    while n < min(len(empty), len(probe)) and empty[n] == probe[n]:
+        n += 1
+    after = empty[n:]
+    return empty[:n], after if probe[len(probe) - len(after):] == after else []
 
 
 def _word_start(text: str, end: int) -> int:

@@ -53,11 +53,27 @@ def test_the_last_tokens_of_a_long_text_are_read_from_its_tail():
 
     def encode(t: str) -> list[int]:  # a BOS, then one token a word
         read.append(len(t))
-        return [0] + [int(w[1:]) + 1 for w in t.split(" ") if w]
+        return [0] + [int(w[1:]) + 1 if w[1:].isdigit() else 10**6 for w in t.split(" ") if w]
     assert inputs.last_tokens(text, 100, encode) == [0] + list(range(9902, 10_001))
     assert max(read) < len(text) / 10
     assert inputs.last_tokens("w1 w2", 100, encode) == [0, 2, 3]
     assert inputs.last_tokens(text, 100, lambda t: encode(t)[1:]) == list(range(9901, 10_001))  # no BOS
+    assert inputs.last_tokens(text.replace(" ", "\n"), 100, lambda t: encode(t.replace("\n", " "))) == \
+        [0] + list(range(9902, 10_001))  # lines cut as well as spaces
+    # specials on both ends (BERT's [CLS] ... [SEP]) both kept
+    assert inputs.last_tokens(text, 100, lambda t: encode(t) + [-1]) == [0] + list(range(9903, 10_001)) + [-1]
+    with pytest.raises(ValueError, match="no whitespace"):  # one run longer than a tail may be
+        inputs.last_tokens("x " + "=" * (2 << 20), 100, encode)
+
+
+@pytest.mark.unit
+def test_the_last_tokens_of_a_run_without_spaces_are_the_whole_text_s(server):
+    """A run BPE merges from its start ('=' x 20,001 on SmolLM2's tokenizer): no tail cut inside
+    it gives its tokens, so it is read whole."""
+    engine = server.engine
+    for text in ("=" * 20_001, "a" * 20_001, "say " + "=" * 5001 + " then 12345678901234567890 " * 50):
+        whole = engine.tokenize(text)
+        assert engine.tokenize(text, keep_last=10) == whole[-10:], text[:20]
 
 
 @pytest.mark.server
