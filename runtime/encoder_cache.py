@@ -35,13 +35,14 @@ class EncoderCacheManager:
         the budget they hold, every other one) waiting for good."""
         if not req.mm_items:
             return num_new
-        tokens = self._schedulable(req, start, num_new)
-        if not tokens and self.held.get(req.request_id):
+        tokens, no_room = self._schedulable(req, start, num_new)
+        if not tokens and no_room and self.held.get(req.request_id):
             self.release(req)
-            tokens = self._schedulable(req, start, num_new)
+            tokens, _ = self._schedulable(req, start, num_new)
         return tokens
 
-    def _schedulable(self, req: Request, start: int, num_new: int) -> int:
+    def _schedulable(self, req: Request, start: int, num_new: int) -> tuple[int, bool]:
+        """(tokens, whether the chunk stops at an image for want of room in the budget)."""
         held = self.held.get(req.request_id, ())
         need = encode = 0
         counted: set[bytes] = set()
@@ -51,17 +52,17 @@ class EncoderCacheManager:
             if item.end <= start:
                 continue
             if self.whole_images and item.end > start + num_new:
-                return max(0, item.offset - start)
+                return max(0, item.offset - start), False
             d = item.digest
             if d in held or d in self.refs or d in counted:
                 continue
-            if self.used + need + item.nbytes > self.budget or not self._may_encode(encode + item.num_embeds,
-                                                                                     first=not encode):
-                return max(0, item.offset - start)
+            no_room = self.used + need + item.nbytes > self.budget
+            if no_room or not self._may_encode(encode + item.num_embeds, first=not encode):
+                return max(0, item.offset - start), no_room
             need += item.nbytes
             encode += item.num_embeds
             counted.add(d)
-        return num_new
+        return num_new, False
 
     def _may_encode(self, tokens: int, first: bool) -> bool:
         """Within this step's encoder budget (a step's first image always is)."""
