@@ -326,3 +326,16 @@ def test_prompt_for_a_template_without_tools(name):
     assert dicts[2]["name"] == "get_weather"
     assert dicts[2]["tool_call_id"] == dicts[1]["tool_calls"][0]["id"] == (
         "def123456" if name == "mistral" else "call_abcdef123456")
+
+
+@pytest.mark.parametrize("name", TOOL_PARSERS)
+def test_auto_grammar_writes_one_call_without_parallel_tool_calls(compiler, name):
+    """parallel_tool_calls false: the auto grammar stops after one call (hermes' let a second
+    block follow)."""
+    fmt, tok = tool_format(name), compiler.tokenizer
+    calls = TWO_CALLS[name].replace(', "tags": ["a", {"x": "}]"}]', "").replace(', tags=["a", {"x": "}]"}]', "")
+    calls = calls.replace("'celsius'", '"celsius"')  # the grammar writes double quotes
+    ids = tok.encode(calls, add_special_tokens=False)
+    for parallel in (True, False):
+        m = Matcher(compiler.submit(fmt.lazy_regex(FUNCTIONS, parallel)).result(), (tok.eos_token_id,))
+        assert all(m.advance(t) for t in ids) == parallel, parallel

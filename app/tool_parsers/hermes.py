@@ -32,7 +32,7 @@ class Hermes(ToolFormat):
         return in_a_row(self._block(functions), "\\n?", parallel)
 
     def lazy_regex(self, functions, parallel):
-        return free_text_and_calls(OPEN, self._block(functions), again=True)
+        return free_text_and_calls(OPEN, self._block(functions), again=parallel)
 
     def region(self):
         return JsonCalls(closer=CLOSE)
