@@ -170,6 +170,11 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
                                 f"supported: {', '.join(sorted(_FORMATS))}")
     if "pattern" in node:
         check_pattern(node["pattern"], f"the pattern at {path}")
+        if "minLength" in node or "maxLength" in node:  # outlines-core would keep the lengths, drop the pattern
+            raise UnsupportedSchema(f"a pattern with minLength or maxLength (at {path}) cannot both be enforced; "
+                                    "write the length into the pattern (e.g. ^[a-z]{1,8}$)")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        node = _merged_objects(node, path)
     kind = node.get("type")
     if any(b in node for b in _BOUNDS) and ("enum" in node or "const" in node):
         node = _filter_by_bounds(node, path)  # the listed values are the grammar; bounds prune them
@@ -193,6 +198,30 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
         else:
             out[key] = value
     return out
+
+
+_OBJECT_PARTS = {"type", "properties", "required", "title", "description"}
+
+
+def _merged_objects(node: dict, path: str) -> dict:
+    """A node whose allOf holds several subschemas: outlines-core writes them one after another
+    (two objects back to back, not JSON), so object schemas written in place (type, properties,
+    required) are merged into one here; anything else is refused."""
+    parts = [node, *node["allOf"]]
+    properties: dict = {}
+    required: list = []
+    for i, part in enumerate(parts):
+        own = {} if not isinstance(part, dict) else part.keys() - {"allOf"} if part is node else part.keys()
+        if not isinstance(part, dict) or own - _OBJECT_PARTS or part.get("type", "object") != "object":
+            raise UnsupportedSchema(f"allOf with several subschemas (at {path}) is supported where each is an "
+                                    "object schema written in place (type, properties, required); merge them")
+        _check_values(part, path if part is node else f"{path}/allOf/{i - 1}")
+        for name, schema in (part.get("properties") or {}).items():
+            if properties.setdefault(name, schema) != schema:
+                raise UnsupportedSchema(f"allOf (at {path}) gives the property '{name}' two schemas")
+        required += [r for r in _list(part.get("required")) if r not in required]
+    merged = {k: v for k, v in node.items() if k not in ("allOf", "properties", "required")}
+    return {**merged, "type": "object", "properties": properties, **({"required": required} if required else {})}
 
 
 def _check_values(node: dict, path: str) -> None:

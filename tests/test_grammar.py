@@ -145,6 +145,14 @@ def _nested(schema: dict, key: str, levels: int) -> dict:
     ({"type": "array", "minItems": 3, "maxItems": 1}, "'minItems' 3 is above 'maxItems' 1"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}, "'required' (at #) must be"),
     ({"anyOf": []}, "'anyOf' (at #) must be a non-empty array"),
+    # outlines-core kept the lengths and dropped the pattern; wrote allOf's objects back to back
+    ({"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 3}, "a pattern with minLength or maxLength (at #)"),
+    ({"allOf": [{"$ref": "#/$defs/A"}, {"type": "object"}], "$defs": {"A": {"type": "object"}}},
+     "allOf with several subschemas (at #)"),
+    ({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
+     "gives the property 'a' two schemas"),
+    ({"allOf": [{"properties": {"a": {"type": "string"}}, "required": "a"}, {"type": "object"}]},
+     "'required' (at #/allOf/0) must be"),
     # each level of arrays (or of additionalProperties' schema) doubles outlines-core's regex, and
     # the bound missed it: 25 levels of arrays (718 characters) asked for 2.4 GB and aborted the
     # server. Refused before it is built (at these depths the old bound let it be built, then refused)
@@ -154,6 +162,14 @@ def _nested(schema: dict, key: str, levels: int) -> dict:
 def test_what_cannot_be_enforced_is_named(schema, words):
     with pytest.raises(UnsupportedSchema, match=re.escape(words)):
         schema_to_regex(schema)
+
+
+def test_all_of_object_schemas_are_merged_into_one_object():
+    regex = schema_to_regex({"type": "object", "description": "both", "allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "string", "enum": ["x"]}}, "required": ["b"]}]})
+    assert re.fullmatch(regex, '{"a": 1, "b": "x"}') and not re.fullmatch(regex, '{"a": 1}{"b": "x"}')
+    assert not re.fullmatch(regex, '{"a": 1}')
 
 
 def test_counts_written_as_floats_and_draft3_required_are_taken():
