@@ -7,6 +7,7 @@ shape: {"type": "error", "error": {"type", "message"}}."""
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from types import SimpleNamespace
 
@@ -224,11 +225,20 @@ async def create_message(request: Request) -> Response:
 
 
 def _tool_use(call_id: str, name: str, arguments: str) -> dict:
+    """`input` is the call's own JSON text where it is an object: read back, a number past a
+    double's range would fail and an integer past 64 bits lose digits (the stream sends it as
+    written, too)."""
+    arguments = arguments or "{}"
     try:
-        args = orjson.loads(arguments or "{}")
-    except orjson.JSONDecodeError:  # (the parsers hand out valid calls only)
-        args = {}
-    return {"type": "tool_use", "id": call_id, "name": name, "input": args if isinstance(args, dict) else {}}
+        args = json.loads(arguments, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # (the parsers hand out valid calls only)
+        args = None
+    return {"type": "tool_use", "id": call_id, "name": name,
+            "input": orjson.Fragment(arguments.encode()) if isinstance(args, dict) else {}}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def _stop(c, called: bool) -> dict:

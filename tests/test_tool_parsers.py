@@ -339,3 +339,25 @@ def test_auto_grammar_writes_one_call_without_parallel_tool_calls(compiler, name
     for parallel in (True, False):
         m = Matcher(compiler.submit(fmt.lazy_regex(FUNCTIONS, parallel)).result(), (tok.eos_token_id,))
         assert all(m.advance(t) for t in ids) == parallel, parallel
+
+
+def test_a_pythonic_number_json_cannot_write_makes_no_call():
+    """1e400 is a float Python reads as inf, which JSON has no way to write: not a call (its
+    arguments would be `Infinity`, which JSON.parse refuses)."""
+    fmt = tool_format("pythonic")
+    for text in ("[f(x=1e400)]", "[f(x=[1, -1e400])]"):
+        assert fmt.parse(text)[1] == [], text
+        assert all("Infinity" not in a for _, _, a in stream(fmt, list(text))[1])
+    assert json.loads(fmt.parse("[f(x=1e300)]")[1][0]["function"]["arguments"]) == {"x": 1e300}
+
+
+def test_an_anthropic_tool_use_keeps_the_call_s_numbers_as_written():
+    """A number past a double's range or an integer past 64 bits: Messages' whole answer gives
+    the call's JSON as written (it was `{}`, and the integer lost its last digits)."""
+    from pageserve.app.json_out import dumps
+    from pageserve.app.messages import _tool_use
+
+    written = '{"a": 1e+400, "id": 123456789012345678901234}'
+    out = json.loads(dumps(_tool_use("t", "f", written)))
+    assert out["input"]["id"] == 123456789012345678901234 and out["input"]["a"] == float("inf")
+    assert json.loads(dumps(_tool_use("t", "f", '{"a": NaN}')))["input"] == {}  # not JSON: no input

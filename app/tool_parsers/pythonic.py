@@ -118,8 +118,11 @@ class PythonCalls:
             value = _value(ast.parse(source, mode="eval").body, source)
         except (SyntaxError, ValueError):
             return False
-        parser.add_arguments(("{" if not self.args else ", ") + json.dumps(key, ensure_ascii=False) + ": " +
-                             json.dumps(value, ensure_ascii=False))
+        try:  # a literal such as 1e400 is a float Python keeps as inf, which JSON cannot write
+            written = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return False
+        parser.add_arguments(("{" if not self.args else ", ") + json.dumps(key, ensure_ascii=False) + ": " + written)
         self.args[key] = value
         return True
 
