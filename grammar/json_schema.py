@@ -93,6 +93,7 @@ def check_size(schema: dict) -> None:
 
 
 _ANY_VALUE_CHARS = 14_000  # outlines-core's regex for an untyped value, as a property writes it
+_ANY_TYPES = ("string", "number", "boolean", "null", "object", "array")
 _NO_CONSTRAINT = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
                   "deprecated", "readOnly", "writeOnly", "nullable"}
 
@@ -165,20 +166,24 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
             raise UnsupportedSchema(f"the JSON schema keyword '{key}' (at {path}) is not supported "
                                     f"for structured output")
     _check_values(node, path)
+    if not node.keys() - _NO_CONSTRAINT:  # any value: outlines-core's own regex for it lost its group
+        node = {**node, "type": list(_ANY_TYPES)}  # ({"x": {}} let `null` alone be the whole output)
     if "format" in node and node["format"] not in _FORMATS:
         raise UnsupportedSchema(f"the JSON schema format '{node['format']}' (at {path}) is not supported; "
                                 f"supported: {', '.join(sorted(_FORMATS))}")
     if "pattern" in node:
         check_pattern(node["pattern"], f"the pattern at {path}")
-        if "minLength" in node or "maxLength" in node:  # outlines-core would keep the lengths, drop the pattern
-            raise UnsupportedSchema(f"a pattern with minLength or maxLength (at {path}) cannot both be enforced; "
-                                    "write the length into the pattern (e.g. ^[a-z]{1,8}$)")
+    if ("enum" in node or "const" in node) and node.keys() & _LISTED_CONSTRAINTS:
+        node = _filter_listed(node, path)  # the listed values are the grammar; the rest prune them
+    elif "pattern" in node and ("minLength" in node or "maxLength" in node):  # outlines-core drops the pattern
+        raise UnsupportedSchema(f"a pattern with minLength or maxLength (at {path}) cannot both be enforced; "
+                                "write the length into the pattern (e.g. ^[a-z]{1,8}$)")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         node = _merged_objects(node, path)
+    if isinstance(node.get("required"), list) and node["required"]:
+        node = _required_properties(node, path)
     kind = node.get("type")
-    if any(b in node for b in _BOUNDS) and ("enum" in node or "const" in node):
-        node = _filter_by_bounds(node, path)  # the listed values are the grammar; bounds prune them
-    elif any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
+    if any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
         marker = f"PSRANGE{next(counter)}X"
         ranges[marker] = _number_regex(node, integer=kind == "integer", path=path)
         return {"const": marker}
@@ -278,22 +283,56 @@ def check_pattern(pattern, what: str) -> None:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
 
 
-def _filter_by_bounds(node: dict, path: str) -> dict:
+# what prunes an enum's or const's values (outlines-core writes the values and ignores these)
+_LISTED_CONSTRAINTS = {"type", "minLength", "maxLength", "pattern", *_BOUNDS}
+_IS_TYPE = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: not isinstance(v, bool) and (isinstance(v, int) or isinstance(v, float) and v.is_integer()),
+    "number": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _filter_listed(node: dict, path: str) -> dict:
+    """An enum or const beside type, length, pattern or numeric bounds: the values they allow."""
     lo, lo_excl, hi, hi_excl = _bound(node, path)
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
+    pattern = node.get("pattern")
 
-    def inside(v) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return True  # bounds constrain numbers only
-        return (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)
+    def allowed(v) -> bool:
+        if kinds is not None and not any(_IS_TYPE.get(k, lambda v: False)(v) for k in kinds):
+            return False
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)
+        if isinstance(v, str):
+            return (node.get("minLength", 0) <= len(v) <= node.get("maxLength", len(v))
+                    and (pattern is None or re.search(pattern, v) is not None))
+        return True
 
-    out = {k: v for k, v in node.items() if k not in _BOUNDS}
-    values = node["enum"] if "enum" in node else [node["const"]]
-    kept = [v for v in values if inside(v)]
+    out = {k: v for k, v in node.items() if k not in _LISTED_CONSTRAINTS and k != "const"}
+    kept = [v for v in (node["enum"] if "enum" in node else [node["const"]]) if allowed(v)]
     if not kept:
-        raise UnsupportedSchema(f"the bounds at {path} exclude every value of its enum or const")
-    out.pop("const", None)
+        raise UnsupportedSchema(f"the type, length, pattern or bounds at {path} exclude every value of its "
+                                "enum or const")
     out["enum"] = kept
     return out
+
+
+def _required_properties(node: dict, path: str) -> dict:
+    """A required property that `properties` does not name may hold any value (outlines-core
+    would never write it); where additionalProperties is false, no object fits."""
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    missing = [r for r in node["required"] if isinstance(r, str) and r not in properties]
+    if not missing:
+        return node
+    if node.get("additionalProperties") is False:
+        raise UnsupportedSchema(f"'required' (at {path}) names {missing[0]!r}, which 'properties' does not "
+                                "name and additionalProperties false forbids")
+    return {**node, "properties": {**properties, **{name: {} for name in missing}}}
 
 
 # ---- numeric ranges ----

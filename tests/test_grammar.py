@@ -153,6 +153,9 @@ def _nested(schema: dict, key: str, levels: int) -> dict:
      "gives the property 'a' two schemas"),
     ({"allOf": [{"properties": {"a": {"type": "string"}}, "required": "a"}, {"type": "object"}]},
      "'required' (at #/allOf/0) must be"),
+    ({"type": "string", "maxLength": 1, "enum": ["bb"]}, "exclude every value of its enum or const"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"],
+      "additionalProperties": False}, "names 'zz', which 'properties' does not name"),
     # each level of arrays (or of additionalProperties' schema) doubles outlines-core's regex, and
     # the bound missed it: 25 levels of arrays (718 characters) asked for 2.4 GB and aborted the
     # server. Refused before it is built (at these depths the old bound let it be built, then refused)
@@ -170,6 +173,27 @@ def test_all_of_object_schemas_are_merged_into_one_object():
         {"properties": {"b": {"type": "string", "enum": ["x"]}}, "required": ["b"]}]})
     assert re.fullmatch(regex, '{"a": 1, "b": "x"}') and not re.fullmatch(regex, '{"a": 1}{"b": "x"}')
     assert not re.fullmatch(regex, '{"a": 1}')
+
+
+def test_an_enum_keeps_the_values_its_type_length_and_pattern_allow():
+    """outlines-core writes an enum's values and ignores what stands beside them."""
+    regex = schema_to_regex({"type": "integer", "enum": [1, "x", 2.0, True]})
+    assert re.fullmatch(regex, "1") and not re.fullmatch(regex, '"x"') and not re.fullmatch(regex, "true")
+    regex = schema_to_regex({"type": "string", "enum": ["ab", "abc", "b"], "pattern": "^a", "maxLength": 2})
+    assert re.fullmatch(regex, '"ab"') and not re.fullmatch(regex, '"abc"') and not re.fullmatch(regex, '"b"')
+
+
+def test_a_required_property_properties_does_not_name_is_written():
+    regex = schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]})
+    assert re.fullmatch(regex, '{"a": 1, "zz": "any"}') and not re.fullmatch(regex, '{"a": 1}')
+
+
+def test_a_property_of_any_value_holds_one_json_value():
+    """outlines-core's regex for a value of any kind is an alternation without its group: as a
+    property's it let `null` alone be the whole output, and a description alone was refused."""
+    for value in ({}, {"description": "anything"}):
+        regex = schema_to_regex({"type": "object", "properties": {"x": value}, "required": ["x"]})
+        assert re.fullmatch(regex, '{"x": [1, {"k": null}]}') and not re.fullmatch(regex, "null")
 
 
 def test_counts_written_as_floats_and_draft3_required_are_taken():
