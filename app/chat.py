@@ -238,7 +238,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
                 deltas = parser.feed(text)
                 if c.finish_reason is not None:
                     deltas += parser.finish(c.finish_reason == "length")
-                for i, delta in enumerate(deltas):
+                for delta in deltas:
                     yield chunk(c.index, delta, logprobs=logprobs, token_ids=ids)
                     logprobs = ids = None
                 if (logprobs or ids) and not deltas:
