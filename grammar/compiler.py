@@ -122,8 +122,19 @@ class GrammarCompiler:
                 # waiting in another owner's queue too: it starts in whichever turn comes first
                 self._waiting.setdefault(owner, deque()).append(regex)
                 if self._dispatcher is None:
-                    self._dispatcher = threading.Thread(target=self._dispatch, name="grammar-dispatch", daemon=True)
-                    self._dispatcher.start()
+                    dispatcher = threading.Thread(target=self._dispatch, name="grammar-dispatch", daemon=True)
+                    try:
+                        dispatcher.start()
+                    except RuntimeError as e:  # no thread could start (the process's limit)
+                        self._waiting[owner].pop()
+                        if not self._waiting[owner]:
+                            del self._waiting[owner]
+                        if not any(regex in queue for queue in self._waiting.values()):
+                            self._inflight.pop(regex)
+                        failed: Future = Future()
+                        failed.set_exception(UnsupportedSchema(f"the grammar compiler is busy: {e}"))
+                        return failed
+                    self._dispatcher = dispatcher
                 self._wake.notify()
             return future
 
@@ -245,7 +256,9 @@ class GrammarCompiler:
         with self._lock:
             self._closed = True
             self._wake.notify()
-            dropped = [self._inflight.pop(r) for waiting in self._waiting.values() for r in waiting]
+            # a regex may wait in several owners' queues, or be one that runs already
+            waiting = {r for queue in self._waiting.values() for r in queue if r not in self._running}
+            dropped = [f for f in (self._inflight.pop(r, None) for r in waiting) if f is not None]
             self._waiting.clear()
             workers = list(self._workers)
         for future in dropped:

@@ -180,7 +180,8 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
                                 "write the length into the pattern (e.g. ^[a-z]{1,8}$)")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         node = _merged_objects(node, path)
-    if isinstance(node.get("required"), list) and node["required"]:
+    elsewhere = node.keys() & {"$ref", "anyOf", "oneOf", "allOf"}  # where its properties may be named
+    if isinstance(node.get("required"), list) and node["required"] and not elsewhere:
         node = _required_properties(node, path)
     kind = node.get("type")
     if any(b in node for b in _BOUNDS) and kind in ("integer", "number"):

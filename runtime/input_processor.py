@@ -169,7 +169,7 @@ class InputProcessor:
             if not start or len(body) >= room:
                 break
             size *= 2
-        return (head + body[len(body) - room:] if room else head) + tail
+        return (head + body[max(len(body) - room, 0):] if room else head) + tail
 
     def _prompt_ids(self, prompt, param: str, limit: int) -> list[int]:
         """The prompt's token ids, checked: its length against `limit` first, then each id (a
@@ -193,9 +193,13 @@ class InputProcessor:
 
 
 def _space_before(text: str, end: int) -> int:
-    """Where a tail holding at least text[end:] begins: at the last space or line break before
-    `end`, or 0 (the whole text) where there is none."""
-    return max(text.rfind(" ", 0, end + 1), text.rfind("\n", 0, end + 1), 0)
+    """Where a tail holding at least text[end:] begins: at the start of the last run of
+    whitespace that begins before `end` (inside a run, BPE would merge what is left of it
+    otherwise), or 0 (the whole text) where there is none."""
+    cut = max(text.rfind(c, 0, end + 1) for c in " \n\t\r")
+    while cut > 0 and text[cut - 1].isspace():
+        cut -= 1
+    return max(cut, 0)
 
 
 def _specials(encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:

@@ -186,6 +186,10 @@ def test_an_enum_keeps_the_values_its_type_length_and_pattern_allow():
 def test_a_required_property_properties_does_not_name_is_written():
     regex = schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]})
     assert re.fullmatch(regex, '{"a": 1, "zz": "any"}') and not re.fullmatch(regex, '{"a": 1}')
+    # named behind a $ref: its own schema holds, not "any value"
+    regex = schema_to_regex({"$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                             "$ref": "#/$defs/A", "required": ["x"]})
+    assert re.fullmatch(regex, '{"x": 1}') and not re.fullmatch(regex, '{"x": "s"}')
 
 
 def test_a_property_of_any_value_holds_one_json_value():

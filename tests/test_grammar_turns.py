@@ -112,10 +112,13 @@ def test_shutdown_fails_the_compiles_that_wait(gated):
     c = gated(workers=1, spares=0)
     c.submit("a1", "A")
     waiting = c.submit("b1", "B")
+    shared = c.submit("s", "A")
+    assert c.submit("s", "B") is shared  # queued for both owners
     _until(lambda: _GatedWorker.started == ["a1"])
     c.shutdown()
-    with pytest.raises(UnsupportedSchema, match="shutting down"):
-        waiting.result(timeout=10)
+    for future in (waiting, shared):
+        with pytest.raises(UnsupportedSchema, match="shutting down"):
+            future.result(timeout=10)
     with pytest.raises(UnsupportedSchema, match="shutting down"):
         c.submit("c1", "C").result(timeout=10)
 

@@ -57,6 +57,7 @@ def test_the_last_tokens_of_a_long_text_are_read_from_its_tail():
     assert inputs.last_tokens(text, 100, encode) == [0] + list(range(9902, 10_001))
     assert max(read) < len(text) / 10
     assert inputs.last_tokens("w1 w2", 100, encode) == [0, 2, 3]
+    assert inputs.last_tokens("w1 w2 w3", 5, encode) == [0, 2, 3, 4]  # fewer than N: all of them
     assert inputs.last_tokens(text, 100, lambda t: encode(t)[1:]) == list(range(9901, 10_001))  # no BOS
     assert inputs.last_tokens(text.replace(" ", "\n"), 100, lambda t: encode(t.replace("\n", " "))) == \
         [0] + list(range(9902, 10_001))  # lines cut as well as spaces
@@ -68,10 +69,11 @@ def test_the_last_tokens_of_a_long_text_are_read_from_its_tail():
 
 @pytest.mark.unit
 def test_the_last_tokens_of_a_run_without_spaces_are_the_whole_text_s(server):
-    """A run BPE merges from its start ('=' x 20,001 on SmolLM2's tokenizer): no tail cut inside
-    it gives its tokens, so it is read whole."""
+    """A run BPE merges from its start ('=' x 20,001 on SmolLM2's tokenizer, or 1,000 line
+    breaks): no tail cut inside it gives its tokens, so it is read from before it."""
     engine = server.engine
-    for text in ("=" * 20_001, "a" * 20_001, "say " + "=" * 5001 + " then 12345678901234567890 " * 50):
+    for text in ("=" * 20_001, "a" * 20_001, "say " + "=" * 5001 + " then 12345678901234567890 " * 50,
+                 "start " + "\n" * 1000 + " tail words", "start" + " " * 1001 + "tail"):  # cut before a run
         whole = engine.tokenize(text)
         assert engine.tokenize(text, keep_last=10) == whole[-10:], text[:20]
 
