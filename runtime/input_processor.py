@@ -79,7 +79,7 @@ class InputProcessor:
         for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
                                 ("allowed_token_ids", params.allowed_token_ids or ())):
             self.check_token_ids(token_ids, name)
-        params.set_bad_words(lambda word: self.tokenize(word, False))
+        params = params.with_bad_words(lambda word: self.tokenize(word, False))
         _check_salt(cache_salt)
         self._check_priority(priority)
         grammar = None

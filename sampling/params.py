@@ -3,6 +3,7 @@ ValueError that starts with the field's name."""
 
 from __future__ import annotations
 
+import copy
 import enum
 import json as _json
 import math
@@ -121,7 +122,7 @@ class SamplingParams:
     thinking_budget: ThinkingBudget | None = None  # a bound on a reasoning model's thinking
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     bad_words: list[str] = field(default_factory=list)  # words the output never writes (vLLM's)
-    # each bad word's token ids, with and without a space before it: set by set_bad_words
+    # each bad word's token ids, with and without a space before it: set by with_bad_words
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False, default=())
     # greedy with nothing for the sampler to do but an argmax: no bias, no min_tokens mask, no
     # penalties, no log-probabilities (set from the fields above: the sampler reads it every row)
@@ -210,14 +211,15 @@ class SamplingParams:
                              and self.logprobs is None and not self.has_penalties
                              and self.allowed_token_ids is None and not self.bad_words)
 
-    def set_bad_words(self, encode) -> None:
-        """Tokenize bad_words once (`encode`: text -> token ids, no special tokens): each word as
-        it stands and after a space (a word inside a text starts with one), where that gives
+    def with_bad_words(self, encode) -> SamplingParams:
+        """These params with bad_words tokenized (`encode`: text -> token ids, no special tokens),
+        as a copy: the caller's object may go to another engine with another tokenizer. Each word
+        as it stands and after a space (a word inside a text starts with one), where that gives
         other tokens than a space's own before the word's. vLLM keeps the second form only when
         it has as many tokens as the first, so a word that is one token after a space but two
         at the start of a text (" rainbow", "rain" "bow") is still written inside a text."""
-        if self.bad_words_token_ids or not self.bad_words:
-            return
+        if not self.bad_words:
+            return self
         ids = []
         for word in self.bad_words:
             plain, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
@@ -226,7 +228,9 @@ class SamplingParams:
             ids.append(tuple(plain))
             if spaced != plain and spaced[1:] != plain:
                 ids.append(tuple(spaced))
-        self.bad_words_token_ids = tuple(ids)
+        params = copy.copy(self)
+        params.bad_words_token_ids = tuple(ids)
+        return params
 
     def banned_after(self, tokens, start: int) -> list[int]:
         """The tokens bad_words forbid next in a sequence (`tokens`, whose output begins at

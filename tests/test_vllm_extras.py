@@ -20,8 +20,11 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
 def test_bad_words_tokenized_with_and_without_a_space_and_matched_on_the_output_s_tail():
     vocab = {"cat": [1], " cat": [2], "big dog": [3, 4], " big dog": [5, 4], "ox": [6], " ox": [7, 6],
              "rainbow": [10, 11], " rainbow": [12]}
-    p = SamplingParams(bad_words=["cat", " big dog", "ox", "rainbow"])
-    p.set_bad_words(lambda text: vocab[text])
+    given = SamplingParams(bad_words=["cat", " big dog", "ox", "rainbow"])
+    p = given.with_bad_words(lambda text: vocab[text])
+    # a copy: the caller's params may go to another engine with another tokenizer
+    assert p is not given and not given.bad_words_token_ids
+    assert given.with_bad_words(lambda text: [7]).bad_words_token_ids == ((7,),) * 4
     # " ox" is a space's token and then "ox"'s: banning "ox" covers it
     assert p.bad_words_token_ids == ((1,), (2,), (3, 4), (5, 4), (6,), (10, 11), (12,)) and p.bans_by_context
     prompt = [9, 3]  # a word's first token in the prompt does not count
