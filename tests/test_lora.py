@@ -274,6 +274,21 @@ def test_adapters_that_cannot_be_served_are_refused(llama_case, llama_llm, tiny_
         tiny_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a0", 1, str(good)))
 
 
+def test_lora_alpha_defaults_to_peft_s(tmp_path):
+    """An adapter_config.json without lora_alpha scales by PEFT's default alpha, 8, over r."""
+    from pageserve.runtime.lora.adapter import Target, load_adapter
+
+    def scaled_b(path):
+        return load_adapter("a", path, {"0.o_proj": Target(32, (32,))}, max_rank=8).weights["0.o_proj"][0][1]
+
+    given = write_adapter(tmp_path / "given", {"o_proj": (32, 32)}, 1, rank=4, alpha=32)
+    bare = write_adapter(tmp_path / "bare", {"o_proj": (32, 32)}, 1, rank=4)  # the same weights
+    config = json.loads((bare / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (bare / "adapter_config.json").write_text(json.dumps(config))
+    assert torch.allclose(scaled_b(bare) * 4, scaled_b(given))  # 8 / 4 against 32 / 4
+
+
 def test_the_c_kernel_adds_what_the_torch_path_adds(native_kernels):
     """Ragged groups listed out of slot order, base tokens between them, three slices of
     different sizes (q/k/v) and one; float32 sums in another order: 1e-5."""

@@ -355,6 +355,21 @@ def test_gptq_act_order_refused(tmp_path, source):
         LLM(str(out), dtype="float32")
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_groups_must_be_the_configs_group_size(tmp_path, source, fmt):
+    """Groups are read at the config's group_size: scale rows that make groups of another size
+    (AutoGPTQ rounds them up for a K that is not a multiple of it) are refused, not read as
+    groups of K / rows."""
+    out = tmp_path / "q"
+    quantized_copy(source, out, fmt, group_size=32)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 64
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"(128|256) input columns in (4|8) groups, which is not groups of "
+                                             "the config's group_size 64"):
+        LLM(str(out), dtype="float32")
+
+
 def test_forced_method_must_match(tmp_path, source):
     out = tmp_path / "q"
     quantized_copy(source, out, "awq", group_size=32)

@@ -100,8 +100,9 @@ def load_adapter(name: str, path: str | Path, targets: dict[str, Target], max_ra
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoRAError(f"no adapter_model.safetensors in {path} (.bin adapters are not read: they are pickles)")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)  # PEFT's LoraConfig default
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not isinstance(alpha, (int, float)) \
+            or isinstance(alpha, bool):
         raise LoRAError(f"{path}: adapter_config.json needs an integer r >= 1 and a number lora_alpha")
     if rank > max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}")

@@ -78,6 +78,17 @@ def int4_tensor(prefix: str, codes: torch.Tensor, scales: torch.Tensor, zeros: t
     return QuantTensor("int4", codes, scales.to(torch.float32).contiguous(), zeros.contiguous(), k // scales.shape[1])
 
 
+def check_groups(method: str, prefix: str, k: int, groups: int, group_size: int | None) -> None:
+    """That a layer's K columns make `groups` whole groups of the config's `group_size` (-1 or
+    None: one group a row). A K that is not a multiple of it (AutoGPTQ then rounds the scale
+    rows up) would be read as groups of another size."""
+    size = k if group_size in (-1, None) else group_size
+    if not isinstance(size, int) or size < 1 or k % size or k // size != groups:
+        raise UnsupportedQuantization(
+            f"{method}: {prefix} has {k} input columns in {groups} groups, which is not groups of the config's "
+            f"group_size {group_size} (input sizes must be a multiple of the group size)")
+
+
 def fp4_weights(prefix: str, packed: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
     """FP4 weights (NVFP4, MXFP4): e2m1 codes two a byte [N, K / 2] (the even column in the low
     nibble), with the float32 scale of each group of columns [N, K / G] (each value is then
@@ -225,6 +236,7 @@ class AWQ(QuantMethod):
     def read(self, prefix, tensors):
         qweight, scales = need_tensors(tensors, prefix, "qweight", "scales")
         codes = self._columns(qweight).t().contiguous()  # [N, K]
+        check_groups(self.name, prefix, codes.shape[1], scales.shape[0], self.group_size)
         if self.zero_point:
             zeros = self._columns(need_tensors(tensors, prefix, "qzeros")[0]).t()
         else:
@@ -267,6 +279,7 @@ class GPTQ(QuantMethod):
         unpack = unpack_bytes if self.bits == 8 else unpack_nibbles
         codes = unpack(qweight, dim=0).t().contiguous()  # [N, K]
         k = codes.shape[1]
+        check_groups(self.name, prefix, k, scales.shape[0], self.group_size)
         g_idx = tensors.get("g_idx")
         plain = torch.arange(k) // (k // scales.shape[0])
         if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), plain):
