@@ -10,8 +10,8 @@ from starlette.responses import Response
 from pageserve.app.errors import bad_request
 from pageserve.app.generation import (cached_tokens, collect, request_id, sampling_params, sse_response, start,
                                       stream_usage, usage)
-from pageserve.app.http import (api_route, many_entries, many_logprobs, off_loop_if, owner, read_json, reply,
-                                until_disconnected)
+from pageserve.app.http import (api_route, many_choices, many_entries, many_logprobs, off_loop_if, owner, read_json,
+                                reply, until_disconnected)
 from pageserve.app.logprobs import completion_logprobs, prompt_logprobs
 from pageserve.app.protocol import CompletionRequest
 from pageserve.app.state import LONG_TEXT, ServerState
@@ -81,7 +81,9 @@ async def completions(request: Request) -> Response:
                        key=lambda pair: index[pair[0]] * body.n + pair[1].index)
         return {**head, "choices": (job.choice(outs[r], c, first=True, final=True) for r, c in order),
                 "usage": usage(num_prompt, num_generated, sum(cached_tokens(outs[r]) for r in index))}
-    large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, params.prompt_logprobs)
+    echoed = num_prompt * body.n * (body.echo + job.token_ids)  # each choice repeats its prompt
+    large = many_logprobs(num_generated, body.logprobs) or many_logprobs(num_prompt, params.prompt_logprobs) \
+        or many_choices(len(index) * body.n, num_generated + echoed)
     return await reply(build, large)
 
 

@@ -50,12 +50,21 @@ def json_response(content, status: int = 200, headers: dict[str, str] | None = N
 # held the event loop 5.8 s); embedding values about 30 ns (2,048 of 576 took 60 ms)
 LARGE_REPLY_ENTRIES = 10_000
 LARGE_REPLY_FLOATS = 1_000_000
+# choices (a dict each: 128,000 of one token each held it 0.3 s) and tokens written as text or ids
+LARGE_REPLY_CHOICES = 1_000
+LARGE_REPLY_TOKENS = 200_000
 
 
 def many_logprobs(num_tokens: int, top: int | None) -> bool:
     """Whether `num_tokens` tokens' logprobs with `top` alternatives each (None: no logprobs)
     make a large reply."""
     return top is not None and num_tokens * (1 + top) >= LARGE_REPLY_ENTRIES
+
+
+def many_choices(num_choices: int, num_tokens: int) -> bool:
+    """Whether `num_choices` choices holding `num_tokens` tokens (as text or ids, echoed
+    prompts included) make a large reply."""
+    return num_choices >= LARGE_REPLY_CHOICES or num_tokens >= LARGE_REPLY_TOKENS
 
 
 def many_entries(entries) -> bool:

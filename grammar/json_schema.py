@@ -13,7 +13,9 @@ import itertools
 import json
 import math
 import re
+import time
 
+import regex as timed_re  # a search with a timeout: a client's pattern may backtrack for minutes
 from outlines_core.json_schema import build_regex_from_schema
 
 from pageserve.grammar.numeric_ranges import MAX_BOUND_DIGITS, MAX_UPPER_DIGITS, TooCostly, range_regex
@@ -246,6 +248,14 @@ def _check_values(node: dict, path: str) -> None:
     for key in ("anyOf", "oneOf", "allOf"):
         if key in node and not (isinstance(node[key], list) and node[key]):
             raise UnsupportedSchema(f"'{key}' (at {path}) must be a non-empty array of schemas")
+    if "enum" in node and not (isinstance(node["enum"], list) and node["enum"]):
+        raise UnsupportedSchema(f"'enum' (at {path}) must be a non-empty array of values, got {node['enum']!r:.60}")
+    kinds = node.get("type", "object")
+    if not (isinstance(kinds, str) or isinstance(kinds, list) and kinds and all(isinstance(k, str) for k in kinds)):
+        raise UnsupportedSchema(f"'type' (at {path}) must be a type name or a non-empty array of them, "
+                                f"got {kinds!r:.60}")
+    if not isinstance(node.get("format", ""), str):
+        raise UnsupportedSchema(f"'format' (at {path}) must be a string, got {node['format']!r:.60}")
 
 
 def ascii_digits(regex: str) -> str:
@@ -284,6 +294,7 @@ def check_pattern(pattern, what: str) -> None:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
 
 
+PATTERN_CHECK_SECONDS = 0.05  # all of an enum's values against its pattern, on the event loop
 # what prunes an enum's or const's values (outlines-core writes the values and ignores these)
 _LISTED_CONSTRAINTS = {"type", "minLength", "maxLength", "pattern", *_BOUNDS}
 _IS_TYPE = {
@@ -303,6 +314,16 @@ def _filter_listed(node: dict, path: str) -> dict:
     kinds = node.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
     pattern = node.get("pattern")
+    deadline = time.monotonic() + PATTERN_CHECK_SECONDS
+
+    def matches(v: str) -> bool:
+        try:
+            return timed_re.search(pattern, v, timeout=max(deadline - time.monotonic(), 0.0)) is not None
+        except TimeoutError:
+            raise UnsupportedSchema(f"the pattern at {path} takes more than {PATTERN_CHECK_SECONDS} s to check "
+                                    "against its enum's values") from None
+        except timed_re.error as e:
+            raise UnsupportedSchema(f"the pattern at {path} is not a valid regex: {e}") from None
 
     def allowed(v) -> bool:
         if kinds is not None and not any(_IS_TYPE.get(k, lambda v: False)(v) for k in kinds):
@@ -311,7 +332,7 @@ def _filter_listed(node: dict, path: str) -> dict:
             return (v > lo if lo_excl else v >= lo) and (v < hi if hi_excl else v <= hi)
         if isinstance(v, str):
             return (node.get("minLength", 0) <= len(v) <= node.get("maxLength", len(v))
-                    and (pattern is None or re.search(pattern, v) is not None))
+                    and (pattern is None or matches(v)))
         return True
 
     out = {k: v for k, v in node.items() if k not in _LISTED_CONSTRAINTS and k != "const"}

@@ -155,9 +155,13 @@ def _one_python_call(name: str, parameters: dict | None) -> str:
         raise UnsupportedSchema(f"pythonic tool calls need the parameters of {name!r} to be an object "
                                 f"with properties (keyword arguments)")
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-    required = set(params.get("required", ()))
+    required, properties = params.get("required", []), params.get("properties") or {}
+    if not isinstance(properties, dict) or not isinstance(required, list) \
+            or not all(isinstance(r, str) for r in required):
+        raise UnsupportedSchema(f"the parameters of {name!r} need 'properties' as an object and 'required' "
+                                f"as an array of names")
     arguments = []
-    for key, schema in (params.get("properties") or {}).items():
+    for key, schema in properties.items():
         if not key.isidentifier() or keyword.iskeyword(key):
             raise UnsupportedSchema(f"the parameter {key!r} of {name!r} is not a Python identifier, which "
                                     f"pythonic tool calls need")

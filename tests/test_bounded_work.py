@@ -245,6 +245,13 @@ def test_large_replies_and_many_texts_are_made_off_the_event_loop(tiny_server, m
         r = httpx.post(f"{srv.url}{path}", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert set(written) == {not off}, (path, written)
+    monkeypatch.setattr(http, "LARGE_REPLY_CHOICES", 10)  # many choices without logprobs: off the loop too
+    for prompts, off in ((["hi"] * 4, True), (["hi"], False)):  # 16 choices, then 4
+        written.clear()
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": srv.model, "prompt": prompts, "n": 4,
+                                                           "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4 * len(prompts), r.text
+        assert set(written) == {not off}, (prompts, written)
     monkeypatch.setattr(http, "LARGE_REPLY_ENTRIES", 10)  # a response (n is 1) stores itself from the thread
     # a streamed piece of many logprob entries (an unread stream's backlog comes as one) is made
     # off the loop too: here 1 token with 20 alternatives is "many", 1 with 2 is not

@@ -154,6 +154,13 @@ def _nested(schema: dict, key: str, levels: int) -> dict:
     ({"allOf": [{"properties": {"a": {"type": "string"}}, "required": "a"}, {"type": "object"}]},
      "'required' (at #/allOf/0) must be"),
     ({"type": "string", "maxLength": 1, "enum": ["bb"]}, "exclude every value of its enum or const"),
+    # values of the wrong kind were a TypeError (a 500)
+    ({"type": "string", "enum": None}, "'enum' (at #) must be a non-empty array of values, got None"),
+    ({"enum": []}, "'enum' (at #) must be a non-empty array"),
+    ({"type": [[]], "enum": [1]}, "'type' (at #) must be a type name or a non-empty array of them"),
+    ({"type": "string", "format": {}}, "'format' (at #) must be a string"),
+    # Python's re took minutes on it, on the event loop (each more "a" doubles the time)
+    ({"type": "string", "pattern": "^(a|a)+$", "enum": ["a" * 40 + "!"]}, "takes more than 0.05 s to check"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"],
       "additionalProperties": False}, "names 'zz', which 'properties' does not name"),
     # each level of arrays (or of additionalProperties' schema) doubles outlines-core's regex, and

@@ -279,7 +279,10 @@ def test_plan_refuses_what_a_format_cannot_write():
     for tool, words in (({"name": "get.weather"}, "not a Python identifier"),
                         ({"name": "f", "parameters": {"type": "object", "properties": {"class": {}}}},
                          "'class' of 'f' is not a Python identifier"),
-                        ({"name": "f", "parameters": {"anyOf": [{"type": "object"}]}}, "object with properties")):
+                        ({"name": "f", "parameters": {"anyOf": [{"type": "object"}]}}, "object with properties"),
+                        # a TypeError (a 500) before
+                        ({"name": "f", "parameters": {"type": "object", "required": 5}}, "'required' as an array"),
+                        ({"name": "f", "parameters": {"type": "object", "properties": True}}, "'properties' as an")):
         body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                                      "tools": [{"type": "function", "function": tool}]})
         with pytest.raises(APIError, match=words) as e:
