@@ -5,6 +5,7 @@ connection, and the child's bind fails (two test workers made a server's bind fa
 from __future__ import annotations
 
 import errno
+import ipaddress
 import random
 import socket
 from pathlib import Path
@@ -36,6 +37,27 @@ def port_socket(host: str = "127.0.0.1") -> socket.socket:
             if e.errno not in (errno.EADDRINUSE, errno.EACCES):  # not this port's fault: no other will do
                 raise
     raise OSError(f"no free port on {host}")
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host` (a name, an IPv4 or IPv6 address; "" for every interface)
+    and `port`."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0] if host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import hashlib
 import hmac
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -37,6 +39,7 @@ from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.engine_args import CPU_KV_CACHE_GIB, GiB, EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult
+from pageserve.runtime.ports import bound_socket, is_loopback
 from pageserve.runtime.models import parallel as parallel_layers
 from pageserve.runtime.pipeline import StageLink
 from pageserve.runtime.scheduler import SchedulerOutput
@@ -56,39 +59,51 @@ class NotAuthentic(Exception):
     """A relayed message that the shared secret did not sign (or not for its place)."""
 
 
-def seal(secret: bytes, seq: int, payload: bytes) -> bytes:
-    """payload behind its HMAC-SHA256 over (seq, payload): the number makes a replayed or
-    reordered message fail too."""
-    return hmac.digest(secret, seq.to_bytes(8, "little") + payload, hashlib.sha256) + payload
+def seal(key: bytes, seq: int, payload: bytes) -> bytes:
+    """payload behind its HMAC-SHA256 over (seq, payload): the number makes a reordered message
+    fail; the key (Relay's, of this run) one recorded in another run."""
+    return hmac.digest(key, seq.to_bytes(8, "little") + payload, hashlib.sha256) + payload
 
 
-def unseal(secret: bytes, seq: int, data: bytes) -> bytes:
-    mac, payload = data[:32], data[32:]
-    if len(data) < 32 or not hmac.compare_digest(mac, hmac.digest(secret, seq.to_bytes(8, "little") + payload,
-                                                                  hashlib.sha256)):
+def unseal(key: bytes, seq: int, data) -> memoryview:
+    """The payload of a sealed message (any bytes-like `data`), read in place: a message is not
+    copied before its signature is checked."""
+    view = memoryview(data).cast("B")
+    mac = hmac.new(key, seq.to_bytes(8, "little"), hashlib.sha256)
+    mac.update(view[32:])
+    if len(view) < 32 or not hmac.compare_digest(view[:32], mac.digest()):
         raise NotAuthentic(f"relayed message {seq} is not signed with this node's secret "
                            f"(--distributed-secret / ${SECRET_ENV}): refused")
-    return payload
+    return view[32:]
 
 
 class Relay:
-    """Rank 0 -> the ranks of the other nodes: each message as bytes, sealed with the shared
-    secret, broadcast (its length, then the bytes) over a gloo group of rank 0 and those ranks,
+    """Rank 0 -> the ranks of the other nodes: each message as bytes, sealed with a key of this
+    run, broadcast (its length, then the bytes) over a gloo group of rank 0 and those ranks,
     so that a message crosses machines through torch.distributed whatever the device backend
     (NCCL included)."""
 
     def __init__(self, parallel: ParallelConfig):
         remote = range(parallel.ranks_per_node, parallel.world_size)  # every rank makes the group
         self.group = dist.new_group([0, *remote], backend="gloo", timeout=_RELAY_TIMEOUT)
-        self.secret, self.seq = parallel.secret, 0
+        self.key, self.seq = self._run_key(parallel.secret), 0
+
+    def _run_key(self, secret: bytes) -> bytes:
+        """The shared secret bound to this run: each rank of the group adds 16 random bytes, and
+        messages are signed with HMAC(secret, all of them), so that one recorded in an earlier
+        run (with the same secret) fails here."""
+        mine = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+        parts = [torch.empty(16, dtype=torch.uint8) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, mine, group=self.group)
+        return hmac.digest(secret, b"".join(p.numpy().tobytes() for p in parts), hashlib.sha256)
 
     def send(self, payload: bytes) -> None:
         self.seq += 1
-        data = seal(self.secret, self.seq, payload)
+        data = seal(self.key, self.seq, payload)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=self.group)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
 
-    def recv(self) -> bytes:
+    def recv(self) -> memoryview:
         size = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(size, src=0, group=self.group)
         if not 0 <= int(size) <= _MAX_MESSAGE:
@@ -96,7 +111,7 @@ class Relay:
         data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, src=0, group=self.group)
         self.seq += 1
-        return unseal(self.secret, self.seq, data.numpy().tobytes())
+        return unseal(self.key, self.seq, data.numpy())
 
     def min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -159,9 +174,12 @@ def _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg) 
         torch.set_num_threads(device_cfg.num_threads)
         keep_freed_memory()
         bound_onednn_cache()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{parallel.master_addr}:{master_port}", rank=rank,
-                            world_size=parallel.world_size, timeout=datetime.timedelta(minutes=30))
+    if parallel.nnodes == 1 and is_loopback(parallel.master_addr) and "lo" in dict(socket.if_nameindex()).values():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # else gloo listens where the host name resolves
+    timeout = datetime.timedelta(minutes=30)
+    store = dist.PrefixStore("default_pg", _store(rank, parallel, master_port, timeout))  # as a tcp:// init's
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=parallel.world_size, timeout=timeout)
     relay = Relay(parallel) if parallel.nnodes > 1 else None
     pp, stage = parallel.pipeline_parallel_size, parallel.stage_of(rank)
     tp_rank = rank % parallel.tensor_parallel_size
@@ -176,6 +194,24 @@ def _start(rank, parallel, master_port, args, model_cfg, device_cfg, sched_cfg) 
                          model_cfg.hidden_size, model_cfg.dtype, device_cfg.device)
     cfg = dataclasses.replace(model_cfg, tp_rank=tp_rank, pp_rank=stage)
     return ModelRunner(cfg, device_cfg, args.block_size, args.seed, lora=args.lora_config(), link=link), relay
+
+
+def _store(rank: int, parallel: ParallelConfig, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """torch.distributed's rendezvous store; rank 0 serves it on a socket it binds to the master
+    address itself, as torch binds its own on every interface (where the address is not this
+    machine's, as behind NAT, on every interface still, as before)."""
+    if rank != 0:
+        return dist.TCPStore(parallel.master_addr, port, parallel.world_size, False, timeout)
+    try:
+        sock = bound_socket(parallel.master_addr, port)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        logger.warning("the master address %s is not this machine's: the rendezvous listens on every "
+                       "interface", parallel.master_addr)
+        sock = bound_socket("", port)
+    sock.listen(128)
+    return dist.TCPStore(parallel.master_addr, port, parallel.world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def _inbox(rank: int, conn, relay: Relay | None):

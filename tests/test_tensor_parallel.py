@@ -3,6 +3,7 @@ tokens as one rank in float32 under chunked prefill, prefix hits, swap, recomput
 copies and a grammar, with 4 KV heads (split) and 1 (replicated); how checkpoint tensors are
 split; a worker that dies or hangs stops the engine and leaves no process behind."""
 
+import ipaddress
 import os
 import random
 import signal
@@ -150,6 +151,10 @@ def test_killed_worker_stops_the_engine_and_leaves_no_process(model):
     llm = engine(path, 2, kv, blocks=200, swap_blocks=0)
     pids = llm.engine.executor.pids
     assert len(pids) == 2 and set(pids) <= _children()
+    for pid in pids:  # the rendezvous store and gloo on the loopback only (torch's store: every interface)
+        listening = [c.laddr for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        assert all(ipaddress.ip_address(a.ip).is_loopback for a in listening), (pid, listening)
+    assert any(psutil.Process(pids[0]).net_connections("tcp"))
     eng = llm.engine
     for i in range(4):
         eng.add_request([5 + i] * 50, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))

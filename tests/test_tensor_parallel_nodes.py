@@ -192,6 +192,23 @@ def test_a_sealed_message_opens_only_with_its_secret_and_its_number():
             unseal(key, 7, bad)
 
 
+@pytest.mark.unit
+def test_a_message_recorded_in_another_run_is_refused(monkeypatch):
+    """Relay signs with a key of the run (the secret and every rank's random bytes), so a
+    message recorded in an earlier run with the same secret fails in this one."""
+    from pageserve.runtime import worker
+
+    monkeypatch.setattr(worker.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(worker.dist, "all_gather", lambda parts, mine, group: [p.copy_(mine) for p in parts])
+    relay = object.__new__(worker.Relay)
+    relay.group = None
+    first, second = relay._run_key(b"s" * 32), relay._run_key(b"s" * 32)
+    recorded = worker.seal(first, 1, b"allocate_kv_cache")
+    assert worker.unseal(first, 1, recorded) == b"allocate_kv_cache"
+    with pytest.raises(worker.NotAuthentic, match="refused"):
+        worker.unseal(second, 1, recorded)
+
+
 # node 0's rank 0 as someone who reached the master port without the secret: it joins the
 # process group, answers the KV sizing, then relays a pickle that would write a file if unpickled
 _FORGER = """
