@@ -305,6 +305,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def collect_in_flight(self) -> None:
+        """Run the steps still in flight once no request is left (async scheduling and a pipeline
+        submit steps ahead: the last may carry only the finished requests' ids)."""
+        while self._in_flight and not self.scheduler.has_unfinished():
+            self.step()
+
     def _step_seqs(self) -> int | None:
         """With a pipeline's steps in flight, each takes its share of the requests (None: no
         cap; async scheduling's steps each take every request)."""

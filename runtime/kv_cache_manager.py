@@ -224,19 +224,24 @@ class KVCacheManager:
         one both will write into, so the child gets its own copy of it: returns the (source,
         destination) block pair to copy, or None when there is no partial block. When no block
         is free for the copy, the child shares the full blocks only and recomputes the rest
-        (its num_computed_tokens is lowered to match)."""
+        (its num_computed_tokens is lowered to match), or nothing where the window of the
+        first token it recomputes would reach blocks the parent has already let go."""
         blocks = self.req_blocks[parent.request_id]
         num_full = parent.num_computed_tokens // self.block_size
+        no_copy = parent.num_computed_tokens % self.block_size != 0 and self.pool.num_free_blocks == 0
+        if no_copy and sum(b is NULL_BLOCK for b in blocks[:num_full]) > self.num_skipped_blocks(
+                num_full * self.block_size):
+            num_full = 0
         shared = blocks[:num_full]  # the placeholders before the window included
         self.pool.touch([b for b in shared if b is not NULL_BLOCK])
         mine = self.req_blocks[child.request_id] = list(shared)
         self._sync_ids(child.request_id, rewrite=True)
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
         self.req_num_cached[child.request_id] = min(self.req_num_cached.get(parent.request_id, 0), num_full)
-        if parent.num_computed_tokens % self.block_size == 0:
-            return None
-        if self.pool.num_free_blocks == 0:
+        if no_copy:
             child.num_computed_tokens = num_full * self.block_size
+            return None
+        if parent.num_computed_tokens % self.block_size == 0:
             return None
         copy = self.pool.get_new_blocks(1)[0]
         mine.append(copy)

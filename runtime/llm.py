@@ -119,6 +119,7 @@ class LLM:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+            self.engine.collect_in_flight()
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

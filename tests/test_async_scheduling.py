@@ -50,6 +50,7 @@ def run(model_dir, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
     SEEN.update(ahead=0, steps=0)  # not the warm-up's
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_pool_clean(llm.engine)
+    assert not llm.engine.has_unfinished_requests()  # no step left in flight (a stop's run-ahead one)
     return [[c.token_ids for c in o.outputs] for o in outs], llm
 
 
@@ -130,6 +131,18 @@ def test_no_token_past_max_tokens(tiny_model_dir, placeholders):
                    kv_cache_memory=0.001, async_scheduling=True)
     assert len(got[0][0]) == 9
     assert placeholders == {"ahead": 8, "steps": 9}
+
+
+def test_generate_leaves_no_step_in_flight_after_a_stop(tiny_model_dir):
+    """A stop token ends a request whose next step already ran ahead: generate() returns with
+    that step collected (it carries the finished request's id to the runner)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got, _ = run(tiny_model_dir, [{"prompt_token_ids": [5, 6, 7, 8]}], params, async_scheduling=True)
+    stop = got[0][0][4]
+    got, _ = run(tiny_model_dir, [{"prompt_token_ids": [5, 6, 7, 8]}],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]),
+                 async_scheduling=True)
+    assert got[0][0][-1] == stop and len(got[0][0]) < 8
 
 
 def test_abort_while_running_ahead(tiny_model_dir):

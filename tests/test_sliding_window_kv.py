@@ -110,6 +110,31 @@ def test_fork_shares_the_placeholders():
 
 
 @pytest.mark.unit
+def test_a_fork_with_no_block_to_copy_into_recomputes_what_its_window_needs():
+    """With no free block for the partial block's copy, the child recomputes from the last full
+    block; where that token's window reaches blocks the parent already let go, from the start."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False, sliding_window=6)
+    parent = _request("p", list(range(1, 24)))
+    assert kv.allocate_slots(parent, 20)
+    parent.num_computed_tokens = 20
+    assert kv.allocate_slots(parent, 3)  # position 20 sees 15..20: blocks 0..2 go
+    parent.num_computed_tokens = 23
+    parent.token_ids.append(50)
+    assert kv.allocate_slots(parent, 1)  # position 23 sees 18..23: block 3 goes too
+    assert kv.req_blocks["p"][:4] == [NULL_BLOCK] * 4
+    filler = _request("f", list(range(1, 1 + 4 * kv.pool.num_free_blocks)))
+    assert kv.allocate_slots(filler, filler.num_tokens) and kv.pool.num_free_blocks == 0
+    child = parent.fork(1)
+    # from position 20 it would read 15..19, in block 3, gone: it starts over
+    assert kv.fork(parent, child) is None and child.num_computed_tokens == 0 and kv.req_blocks[child.request_id] == []
+    kv.check_integrity()
+    for r in (parent, child, filler):
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.pool.counts()[2] == 0
+
+
+@pytest.mark.unit
 def test_swap_moves_only_the_blocks_inside_the_window():
     kv = KVCacheManager(6, 4, enable_prefix_caching=False, sliding_window=6)
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=True)
