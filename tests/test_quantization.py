@@ -353,6 +353,12 @@ def test_gptq_act_order_refused(tmp_path, source):
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ModelLoadError, match="act-order"):
         LLM(str(out), dtype="float32")
+    tensors[name] = torch.arange(tensors[name].numel(), dtype=torch.int32) // 32  # the plain one again
+    zeros = "model.layers.0.mlp.up_proj.qzeros"
+    tensors[zeros] = torch.full_like(tensors[zeros], -1)  # every stored nibble 15: zero points of 16
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="zero points past 15 .* stores each minus one"):
+        LLM(str(out), dtype="float32")
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

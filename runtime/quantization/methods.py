@@ -293,8 +293,10 @@ class GPTQ(QuantMethod):
             groups = scales.shape[0]
             return QuantTensor("int8", (codes.to(torch.int16) - 128).to(torch.int8), scales.t().to(torch.float32)
                                .contiguous(), group_size=k // groups)
-        if zeros.max() > 15:
-            raise ValueError(f"{prefix}: zero points past 15")
+        if zeros.max() > 15:  # the `gptq` format stores each minus one: a zero point of 0 wraps to 15
+            raise UnsupportedQuantization(
+                f"gptq: {prefix} has zero points past 15 (a `gptq`-format checkpoint stores each minus one, so a "
+                "zero point of 0 is lost; GPTQModel's gptq_v2 format keeps it)")
         return int4_tensor(prefix, codes, scales.t(), zeros.to(torch.uint8))
 
 
