@@ -275,8 +275,12 @@ class _Blocks:
     def close(self) -> list[dict]:
         if self.kind is None:
             return []
+        # a thinking block's signature comes last, as Anthropic streams it (clients such as the
+        # AI SDK learn it there, and send the thinking back on the next turn only with it)
+        signed = [{"type": "content_block_delta", "index": self.index,
+                   "delta": {"type": "signature_delta", "signature": ""}}] if self.kind == "thinking" else []
         self.kind = None
-        return [{"type": "content_block_stop", "index": self.index}]
+        return signed + [{"type": "content_block_stop", "index": self.index}]
 
     def delta(self, kind: str, delta: dict) -> list[dict]:
         events = []

@@ -118,7 +118,12 @@ def test_a_thinking_budget_ends_the_thinking(srv, client):
     assert blocks[0] == {"type": "thinking", "thinking": srv.engine.tokenizer.decode(script[1:4]), "signature": ""}
     assert [b["type"] for b in blocks] == ["thinking", "text"]
     with client.messages.stream(model=srv.model, max_tokens=60, extra_body=GREEDY, messages=ASK, thinking=budget) as s:
+        events = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in s
+                  if e.type.startswith(("message_", "content_block_"))]  # the SDK's own events left out
         assert _blocks(s.get_final_message()) == blocks
+    # the thinking block's signature, as Anthropic sends it: last, before the block stops
+    first_stop = events.index(("content_block_stop", None))
+    assert events[first_stop - 1] == ("content_block_delta", "signature_delta"), events
     free = client.messages.create(model=srv.model, max_tokens=200, extra_body=GREEDY, messages=ASK,
                                   thinking={"type": "adaptive"})
     assert _blocks(free)[0]["thinking"] == "I should write a note about colours"
