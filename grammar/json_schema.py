@@ -359,6 +359,11 @@ def _required_properties(node: dict, path: str) -> dict:
 
 # ---- numeric ranges ----
 
+# JavaScript's safe integers: zod writes .int() as these bounds, which mean "no bound" to its users
+# (and would cost a grammar of 16-digit ends)
+SAFE_INTEGER = 2 ** 53 - 1
+
+
 def _bound(node: dict, path: str) -> tuple[float, bool, float, bool]:
     lo, lo_excl = -math.inf, False
     hi, hi_excl = math.inf, False
@@ -368,6 +373,8 @@ def _bound(node: dict, path: str) -> tuple[float, bool, float, bool]:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise UnsupportedSchema(f"'{key}' (at {path}) must be a finite number")
+        if (key, v) in (("minimum", -SAFE_INTEGER), ("maximum", SAFE_INTEGER)):
+            continue
         if key == "minimum" and v >= lo:
             lo, lo_excl = v, False
         elif key == "exclusiveMinimum" and v >= lo:

@@ -174,6 +174,18 @@ def test_what_cannot_be_enforced_is_named(schema, words):
         schema_to_regex(schema)
 
 
+def test_zod_int_bounds_are_no_bound():
+    """zod writes .int() as +-(2**53 - 1), JavaScript's safe integers (every AI SDK tool with an
+    integer parameter): no bound, not a 400 for their 16-digit ends; another bound beside them holds."""
+    safe = {"minimum": -(2 ** 53 - 1), "maximum": 2 ** 53 - 1}
+    regex = schema_to_regex({"type": "integer", **safe})
+    assert re.fullmatch(regex, "-12") and re.fullmatch(regex, "123456789012") and not re.fullmatch(regex, "1.5")
+    regex = schema_to_regex({"type": "integer", **safe, "maximum": 100})
+    assert re.fullmatch(regex, "100") and re.fullmatch(regex, "-7") and not re.fullmatch(regex, "101")
+    with pytest.raises(UnsupportedSchema, match="may end at"):  # one past them is a bound as any other
+        schema_to_regex({"type": "integer", "maximum": 2 ** 53})
+
+
 def test_all_of_object_schemas_are_merged_into_one_object():
     regex = schema_to_regex({"type": "object", "description": "both", "allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
