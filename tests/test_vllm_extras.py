@@ -172,6 +172,24 @@ def test_documents_reach_the_template(server):
         "[Spectrum: seven colours]Name three")
 
 
+@pytest.mark.unit
+def test_developer_messages_are_system_messages_where_the_template_knows_no_developer(server):
+    """OpenAI's `developer` role (newer models' system role; Codex and the AI SDK send it) goes
+    to a template as `system`, unless the template has a role of that name itself."""
+    import copy
+
+    from pageserve.app.chat import render_chat
+    from pageserve.app.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "developer", "content": "Be brief."},
+                                                              *MESSAGES]})
+    tokenizer = copy.copy(server.state.tokenizer)  # SmolLM2's: its own system prompt where none is given
+    assert render_chat(tokenizer, body.messages).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}"
+                               "<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert render_chat(tokenizer, body.messages).startswith("[dev]<developer>Be brief.<user>")
+
+
 def _events(url: str, body: dict) -> list[dict]:
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200

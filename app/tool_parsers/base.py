@@ -77,9 +77,11 @@ class ToolFormat:
                    image_placeholder: str = "") -> tuple[list[dict], list | None]:
         native_tools, native_calls = "tools" in template, "tool_calls" in template
         names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+        # OpenAI's developer messages are system messages to a template that knows no such role
+        developer = "developer" if "developer" in template else "system"
         out = []
         for m in messages:
-            d = {"role": m.role, "content": m.text(image_placeholder)}
+            d = {"role": developer if m.role == "developer" else m.role, "content": m.text(image_placeholder)}
             if m.name is not None:
                 d["name"] = m.name
             if m.reasoning_content or m.reasoning:  # templates that show past thinking read this name
