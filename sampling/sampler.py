@@ -164,14 +164,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus, in one sort."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    kth = sorted_logits.gather(1, (torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with the k-th stay
     probs = sorted_logits.softmax(dim=-1)
-    # drop a token when the tokens ranked above it already cover top_p
-    above = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(above > top_p[:, None], float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(_past_nucleus(probs, top_p), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def _past_nucleus(share: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """On rows of shares sorted in descending order: the tokens the ones above already cover
+    top_p for (the nucleus is the fewest tokens holding at least top_p, as vLLM and HF keep it).
+    A row of top_p 1 keeps every token: its float32 sum may pass 1 before the tail."""
+    above = share.cumsum(dim=-1) - share
+    return (above >= top_p[:, None]) & (top_p < 1)[:, None]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -187,13 +192,17 @@ def _truncate_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     of the vocabulary): returns the kept (not renormalized) probabilities, zero elsewhere.
     `norm`: the mass of everything min-p and top-k keep over the whole vocabulary, which the
     top-p nucleus is measured against."""
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    keep = (ranks < torch.where(top_k > 0, top_k, probs.shape[-1])[:, None])
+    keep = probs >= kth_value(probs, top_k)
     keep &= probs >= probs[:, :1] * min_p[:, None]
     kept = probs * keep
-    share = kept / norm[:, None]
-    above = share.cumsum(dim=-1) - share
-    return kept.masked_fill(above > top_p[:, None], 0.0)
+    return kept.masked_fill(_past_nucleus(kept / norm[:, None], top_p), 0.0)
+
+
+def kth_value(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: each row's top_k-th value (its last where top_k is 0 or past the row) on rows
+    sorted in descending order; top-k keeps every token tied with it, as vLLM and HF do."""
+    width = probs.shape[-1]
+    return probs.gather(1, (torch.where(top_k > 0, top_k.clamp(max=width), width) - 1)[:, None])
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -243,8 +252,7 @@ def draw(logits: torch.Tensor, meta: SamplingMetadata, u: torch.Tensor, sync_fre
             c, t, p, m = cand[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows]
             # what min-p and top-k keep: inside the candidates when they bound the row, else
             # (top-p alone bounds it) over the whole vocabulary
-            head = ((torch.arange(k, device=c.device)[None, :] < torch.where(t > 0, t, k)[:, None])
-                    & (c >= threshold[rows, None]))
+            head = (c >= kth_value(c, t)) & (c >= threshold[rows, None])
             norm = (c * head).sum(dim=-1)
             # rows bounded by top-p alone: min-p keeps tokens past the candidates as well
             loose = (~(by_top_k | by_min_p | whole))[rows]

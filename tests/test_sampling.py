@@ -37,14 +37,14 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     x = logits.double() / p.temperature
     probs = x.softmax(-1)
     keep = probs >= p.min_p * probs.max()
-    if p.top_k > 0:
-        keep &= torch.zeros_like(keep).scatter(0, probs.topk(min(p.top_k, len(probs))).indices, True)
+    if p.top_k > 0:  # every token tied with the k-th is kept (vLLM, HF)
+        keep &= probs >= probs.topk(min(p.top_k, len(probs))).values[-1]
     x = x.masked_fill(~keep, -math.inf)
     probs = x.softmax(-1)
     order = probs.argsort(descending=True)
     covered = 0.0
-    for t in order.tolist():  # keep tokens until the ones above cover top_p
-        if covered > p.top_p:
+    for t in order.tolist():  # keep tokens until the ones above cover top_p: the fewest holding it
+        if p.top_p < 1 and covered >= p.top_p:
             x[t] = -math.inf
         covered += probs[t].item()
     return x.softmax(-1)
@@ -94,6 +94,33 @@ def test_empirical_frequencies_match_exact_probabilities(params, vocab):
     stat = ((counts[support] - expected) ** 2 / expected).sum().item()
     df = int(support.sum()) - 1
     assert 2 <= df <= len(CHI2_999) and stat < CHI2_999[df - 1], (stat, df)
+
+
+def test_top_k_and_top_p_at_ties_and_at_one():
+    """Where vLLM and HF draw their lines: top-k keeps every token tied with the k-th, top-p the
+    fewest tokens holding at least top_p, and top_p 1 masks nothing (a float32 sum of 32,000
+    probabilities passes 1 before the tail, which masked tail tokens of untruncated rows sorted
+    beside a truncated one: a seeded row's token then depended on its batch)."""
+    from pageserve.sampling.sampler import apply_top_k_top_p
+
+    def kept(logits, top_k=-1, top_p=1.0) -> tuple[list[int], list[int]]:
+        """The tokens kept by the full sort's way, and those drawn by the candidates' way (every
+        uniform of 64 lands on a kept token)."""
+        rows = torch.tensor([logits], dtype=torch.float32)
+        full = apply_top_k_top_p(rows, torch.tensor([top_k]), torch.tensor([top_p]))
+        meta = SamplingMetadata(_rows([SamplingParams(top_k=top_k, top_p=top_p)] * 64), torch.device("cpu"),
+                                len(logits))
+        drawn = draw(rows.repeat(64, 1), meta, torch.linspace(0, 0.999, 64)).unique().tolist()
+        return torch.isfinite(full[0]).nonzero()[:, 0].tolist(), drawn
+
+    assert kept([1.0, 3.0, 3.0, 0.0], top_k=1) == ([1, 2], [1, 2])
+    assert kept([3.0, 2.0, 1.0, 2.0, 0.0], top_k=2) == ([0, 1, 3], [0, 1, 3])
+    assert [len(way) for way in kept([0.0] * 4, top_p=0.5)] == [2, 2]  # which two of the tied four: either
+    half, quarter = math.log(0.5), math.log(0.25)
+    assert kept([half, quarter, quarter], top_p=0.5) == ([0], [0])
+    assert [len(way) for way in kept([half, quarter, quarter], top_p=0.75)] == [2, 2]
+    logits = torch.randn(1, 32_000, generator=torch.Generator().manual_seed(3)) * 2  # one the old sum masked
+    assert torch.equal(apply_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([1.0])), logits)
 
 
 @pytest.mark.parametrize("vocab", [12, 600, 1000], ids=["v12", "v600", "v1000"])
