@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from pageserve.grammar.regexes import choice_regex, json_object_regex
-from pageserve.grammar.worker import CompiledGrammar, CompileError, CompilerStopped, CompileWorker
+from pageserve.grammar.worker import CompiledGrammar, CompileError, CompilerLost, CompilerStopped, CompileWorker
 from pageserve.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -209,8 +209,9 @@ class GrammarCompiler:
             raise UnsupportedSchema(str(e)) from None
         except CompileError as e:
             logger.warning("a grammar failed to compile: %s", e)
-            with self._lock:
-                self._failed.put(regex, str(e))
+            if not isinstance(e, CompilerLost):  # the grammar's own doing: not compiled again
+                with self._lock:
+                    self._failed.put(regex, str(e))
             raise UnsupportedSchema(str(e)) from None
         finally:
             self._give_back(worker)

@@ -39,6 +39,11 @@ class CompilerStopped(CompileError):
     the grammar."""
 
 
+class CompilerLost(CompileError):
+    """The child died of something that need not be the grammar's doing (killed from outside,
+    or by the machine running out of memory): the request fails, a later one compiles anew."""
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     index: Index
@@ -146,8 +151,9 @@ class CompileWorker:
         return CompiledGrammar(*payload)
 
     def _death(self, proc: subprocess.Popen) -> CompileError:
-        """Why the child went away mid-compile. Only a death its memory limit explains (an
-        allocation failure aborts it; the kernel's OOM killer sends SIGKILL) blames the grammar."""
+        """Why the child went away mid-compile. Only a death its own memory limit explains (an
+        allocation failure aborts it) blames the grammar; a SIGKILL may be the kernel's OOM
+        killer on a machine short of memory for other reasons, or an operator's kill."""
         if self._stopped:
             return CompilerStopped("the grammar compile was cut short: the server is shutting down")
         try:
@@ -155,9 +161,13 @@ class CompileWorker:
         except subprocess.TimeoutExpired:
             code = None
         self._end()
-        if code in (-signal.SIGABRT, -signal.SIGKILL):
+        if code == -signal.SIGABRT:
             return CompileError("the grammar compiler ran out of memory on this grammar; simplify the "
                                 "schema or regex")
+        if code == -signal.SIGKILL:
+            return CompilerLost("the grammar compiler was killed while compiling this grammar (the machine "
+                                "ran out of memory, or it was stopped from outside); try again, or simplify "
+                                "the schema or regex")
         if code is None:
             how = "it did not exit"
         elif code < 0:

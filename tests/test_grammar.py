@@ -399,11 +399,20 @@ def test_a_compiler_child_that_dies_says_how(tiny_model_dir, monkeypatch):
         monkeypatch.setattr(worker.CompileWorker, "command", [sys.executable, "-c", "import os; os.abort()"])
         with pytest.raises(UnsupportedSchema, match="ran out of memory"):  # what an allocation failure does
             c.submit("(maybe|never)").result(timeout=30)
+        assert "(maybe|never)" in c._failed  # not compiled again
+        # a SIGKILL may come from outside (an operator, the OOM killer for another process's
+        # sake): this request fails, the grammar is compiled again next time
+        killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+        monkeypatch.setattr(worker.CompileWorker, "command", [sys.executable, "-c", killed])
+        with pytest.raises(UnsupportedSchema, match="was killed while compiling this grammar"):
+            c.submit("(sometimes|often)").result(timeout=30)
+        assert "(sometimes|often)" not in c._failed
         monkeypatch.setattr(worker.CompileWorker, "command", ["/nonexistent/python"])
         with pytest.raises(UnsupportedSchema, match="could not start"):
             c.submit("(perhaps|later)").result(timeout=30)
         monkeypatch.undo()
         assert c.submit("(hello|world)").result(timeout=30) is not None
+        assert c.submit("(sometimes|often)").result(timeout=30) is not None
     finally:
         c.shutdown()
 
