@@ -250,11 +250,26 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """A second Ctrl-C (uvicorn's force exit) ends the requests in flight now."""
+        super().handle_exit(sig, frame)
+        if self.force_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.engine.hurry)
 
     async def shutdown(self, sockets=None) -> None:
         drain = asyncio.ensure_future(self.engine.drain(self.shutdown_timeout))
+        if self.force_exit:
+            self.engine.hurry()
         await super().shutdown(sockets)
         await drain
+        if self.force_exit:  # uvicorn skips the lifespan's shutdown then: it stops the engine
+            await self.lifespan.shutdown()
 
 
 def run(ns: argparse.Namespace) -> int:

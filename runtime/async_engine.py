@@ -80,6 +80,7 @@ class AsyncEngine:
         self._closed = False
         self._draining = False
         self._idle: asyncio.Event | None = None  # set whenever no request is in the engine's hands
+        self._hurry: asyncio.Event | None = None
         self.error: BaseException | None = None
 
     @classmethod
@@ -103,9 +104,12 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._hurry = asyncio.Event()  # drain() stops waiting for the requests in flight
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
+        if self._closed:  # stopped already (a forced exit stops it beside the lifespan's shutdown)
+            return
         if self._draining and self.is_running:  # let the loop free what drain() aborted
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), 5.0)
@@ -127,21 +131,26 @@ class AsyncEngine:
         self._draining = True
         if self._idle is None or self.error is not None:
             return 0
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+        waits = [asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())]
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self._idle.is_set():
             return 0
-        except asyncio.TimeoutError:
-            pass
         streams = dict(self._streams)
-        logger.warning("shutdown: %d request(s) still running after %g s (--shutdown-timeout) are "
-                       "stopped", len(streams), timeout)
-        error = ShuttingDownError(f"the server is shutting down and stopped this request after "
-                                  f"{timeout:g} s (--shutdown-timeout)")
+        why = "at once (a second interrupt)" if self._hurry.is_set() else f"after {timeout:g} s (--shutdown-timeout)"
+        logger.warning("shutdown: %d request(s) still running are stopped %s", len(streams), why)
+        error = ShuttingDownError(f"the server is shutting down and stopped this request {why}")
         for rid in streams:
             self.abort(rid)
         for stream in set(streams.values()):
             stream.put(error)
         return len(streams)
+
+    def hurry(self) -> None:
+        """A drain under way (or one to come) ends the requests in flight now (on the loop's thread)."""
+        if self._hurry is not None:
+            self._hurry.set()
 
     @property
     def is_running(self) -> bool:

@@ -202,6 +202,46 @@ def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(small_server):
         assert httpx.post(f"{srv.url}{path}", json=body, timeout=60).status_code == 200
 
 
+def test_a_second_interrupt_stops_the_requests_in_flight_at_once(tiny_model_dir):
+    """Ctrl-C twice (uvicorn's force exit): the requests in flight end now with the shutdown's
+    error (an error event then [DONE], a 503), not after --shutdown-timeout nor as a 500, and
+    the engine stops."""
+    import signal
+
+    srv = _tiny_server(tiny_model_dir, 0.01, shutdown_timeout=60.0)
+    slow = srv.engine.runner.execute
+
+    def execute(out):  # a slow model: ~20 ms a step
+        time.sleep(0.02)
+        return slow(out)
+    srv.engine.runner.execute = execute
+    body = {"model": srv.model, "prompt": PROMPT, "ignore_eos": True, "max_tokens": 900}
+    whole: dict = {}
+    poster = threading.Thread(target=lambda: whole.setdefault(
+        "r", httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)))
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            poster.start()
+            time.sleep(0.3)
+            started = time.monotonic()
+            srv.server.handle_exit(signal.SIGINT, None)
+            time.sleep(0.3)  # uvicorn is waiting for the connections to close
+            srv.server.handle_exit(signal.SIGINT, None)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - started < 30
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+        assert "a second interrupt" in json.loads(events[-2])["error"]["message"]
+        poster.join(30)
+        assert whole["r"].status_code == 503, whole["r"].text
+        srv.thread.join(30)
+        assert not srv.thread.is_alive(), "the server did not stop"
+        assert not srv.state.engine.is_running
+    finally:
+        srv.stop()
+
+
 def test_graceful_shutdown(tiny_model_dir):
     """Once shutdown starts: no new connections; a request that ends within --shutdown-timeout
     ends normally; the rest get an error (an error event then [DONE], or a 503); every block is
