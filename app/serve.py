@@ -43,8 +43,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
                    help="past this many requests waiting for the engine, new ones get a 503 with Retry-After")
     g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival; past it, a 408 (or an error event) and its "
-                        "blocks are freed (default: no limit)")
+                   help="seconds a request may take once its body is read and its prompt checked; past it, a "
+                        "408 (or an error event) and its blocks are freed (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds that requests in flight may take before they are stopped with an "
                         "error; new requests are refused meanwhile")
