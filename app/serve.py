@@ -290,22 +290,28 @@ def run(ns: argparse.Namespace) -> int:
     settings = settings_from_args(ns, args.model or DEFAULT_GGUF_FILE.split(".")[0])
     tls = tls_options(ns)
     head = HeadLimits(ns.h11_max_incomplete_event_size, ns.h11_max_header_count)
+    # until serving starts, SIGTERM stops start-up as Ctrl-C does (its compilers and children too)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     engine = AsyncEngine.build(args, settings.max_num_queued_reqs,
                                log_stats_interval=float("inf") if ns.disable_log_stats else 5.0,
                                request_timeout=ns.request_timeout)
-    # "any JSON object" is the slowest grammar to compile (seconds): done before serving, so that
-    # the first json_object request does not wait for it, and no compile shares the cores with
-    # the first requests (docs/performance.md, "Start-up and the first request")
-    from pageserve.grammar.regexes import json_object_regex
-
-    started = time.perf_counter()
     try:
-        engine.compile_grammar(json_object_regex()).result()
-    except Exception as e:  # noqa: BLE001 - a request that needs it will report the error
-        logger.warning("the json_object grammar did not compile at start-up: %s", e)
-    logger.info("grammar warm-up: %.1f s", time.perf_counter() - started)
-    state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
-    app = build_app(state)
+        # "any JSON object" is the slowest grammar to compile (seconds): done before serving, so
+        # that the first json_object request does not wait for it, and no compile shares the
+        # cores with the first requests (docs/performance.md, "Start-up and the first request")
+        from pageserve.grammar.regexes import json_object_regex
+
+        started = time.perf_counter()
+        try:
+            engine.compile_grammar(json_object_regex()).result()
+        except Exception as e:  # noqa: BLE001 - a request that needs it will report the error
+            logger.warning("the json_object grammar did not compile at start-up: %s", e)
+        logger.info("grammar warm-up: %.1f s", time.perf_counter() - started)
+        state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
+        app = build_app(state)
+    except BaseException:
+        engine.close()
+        raise
     # what start-up made lives as long as the server: the collector's passes skip it from now on
     gc.collect()
     gc.freeze()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,7 @@ from pageserve.runtime.input_processor import InvalidRequest, ProcessedRequest
 from pageserve.runtime.lora.request import LoRARequest
 from pageserve.runtime.multimodal import HeldImages, ImagesHeldError  # noqa: F401 - the app maps it to a 503
 from pageserve.runtime.outputs import RequestOutput
+from pageserve.runtime import startup
 from pageserve.runtime.pooling import PoolerConfig
 from pageserve.runtime.request_stream import RequestStream
 from pageserve.runtime.stats import EngineStats
@@ -30,6 +32,7 @@ from pageserve.sampling.params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STEPS = 3  # failed steps in a row before the engine counts as dead
+STARTUP_STOP_S = 10.0  # how long an interrupted start-up may take to reach its next phase
 
 
 class EngineDeadError(RuntimeError):
@@ -91,8 +94,20 @@ class AsyncEngine:
         has more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions
         (it halved throughput: docs/performance.md, the engine thread)."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        startup.reset()
+        loading = executor.submit(LLMEngine.from_engine_args, engine_args)
         try:
-            engine = executor.submit(LLMEngine.from_engine_args, engine_args).result()
+            engine = loading.result()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the load stops at its next phase
+            startup.cancel()
+            try:
+                loading.exception(timeout=STARTUP_STOP_S)  # its end, whatever it was
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a phase that runs on
+                logger.warning("start-up did not stop within %g s; exiting at once", STARTUP_STOP_S)
+                logging.shutdown()
+                os._exit(130)
+            executor.shutdown(wait=False)
+            raise
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -120,6 +135,12 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.close()
+
+    def close(self) -> None:
+        """Release the engine's thread, grammar compilers and workers: after stop(), or for an
+        engine that never started serving (start-up cut short)."""
+        self._closed = True
         self._executor.shutdown(wait=True)  # no step runs after this: the workers can be told to stop
         self.engine.grammar.shutdown()
         self.engine.shutdown()

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from pageserve.grammar.compiler import GrammarCompiler
 from pageserve.grammar.vocabulary import backend_tokenizer
+from pageserve.runtime import startup
 from pageserve.runtime.config import EngineConfig, SchedulingPolicy
 from pageserve.runtime.detokenizer import IncrementalDetokenizer
 from pageserve.runtime.encoder_cache import EncoderCacheManager
@@ -149,7 +150,9 @@ class LLMEngine:
         variant serving can launch is compiled (on backends that compile), and decode steps
         are captured as CUDA graphs (on CUDA, without --enforce-eager)."""
         sched = self.config.scheduler
+        startup.check()
         self.executor.warm_up(sched.max_num_seqs)
+        startup.check()
         n = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         length = min(max(1, sched.max_num_batched_tokens // n), self.config.model.max_model_len - 1)
         # then two rows, one with every sampling path and one as a chat front end samples, so
@@ -162,6 +165,7 @@ class LLMEngine:
                                              output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(self.add_request([0] * length, params, request_id=f"warmup-{len(ids)}"))
             while self.has_unfinished_requests():
+                startup.check()
                 self.step()
         assert not any(rid in self.requests for rid in ids)
         self.kv.pool.reset_prefix_cache()

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from pageserve.runtime import startup
 from pageserve.runtime.config import EngineConfig, SpeculativeConfig
 from pageserve.runtime.cpu_env import bound_onednn_cache, keep_freed_memory
 from pageserve.runtime.draft_model import draft_model_config
@@ -50,6 +51,7 @@ def build(args: EngineArgs) -> tuple[EngineConfig, object, UniProcExecutor | Mul
         num_swap = int(args.swap_space_gib(device.device) * GiB // block_bytes)
         cache_cfg = args.cache_config(num_blocks, num_swap, model_cfg.max_model_len,
                                       model_cfg.sliding_window, sched_cfg.max_num_batched_tokens)
+        startup.check()
         executor.allocate_kv_cache(cache_cfg)
         config = EngineConfig(model=model_cfg, cache=cache_cfg, scheduler=sched_cfg, device=device,
                               seed=args.seed, debug_checks=args.debug_checks, parallel=parallel,

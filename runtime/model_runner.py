@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pageserve.runtime import startup
 from pageserve.runtime.config import Backend, CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pageserve.runtime.cpu_env import huge_page_bytes, release_freed_memory, resident_kib, weights_in_huge_pages
 from pageserve.runtime.cuda_graphs import DecodeGraphs, capture_sizes
@@ -93,9 +94,11 @@ class ModelRunner:
             lib = cpu_kernels.load(cache_root() / "kernels", bf16_dot=model_cfg.bf16_matmuls)
             if lib is not None:
                 self.kernels.use_cpu_kernels(lib)
+            startup.check()
         if model_cfg.bf16_matmuls and getattr(self.kernels, "linear_plan", None) is None:
             raise ModelLoadError("bfloat16 matmuls were chosen but the CPU kernels did not load")
         self.model = self._load_model(Path(model_cfg.path))
+        startup.check()
         self._plan_linear()
         self.lora = None if lora is None else LoRAManager(self.model, lora, model_cfg, self.device)
         self.sampler = StepSampler(model_cfg.vocab_size, self.device, seed, self.kernels, self.dev)

@@ -1,6 +1,6 @@
 """Faults and overload against the real server (tiny model, in process so the engine can be
-inspected): a storm of clients that drop, five times the KV capacity at once, and a graceful
-shutdown."""
+inspected): a storm of clients that drop, five times the KV capacity at once, a graceful
+shutdown, a forced one, and a signal during start-up."""
 
 from __future__ import annotations
 
@@ -288,3 +288,58 @@ def test_graceful_shutdown(tiny_model_dir):
         assert_pool_clean(srv.engine)
     finally:
         srv.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_stops_it_and_its_compiler(tiny_model_dir, tmp_path, sig):
+    """Ctrl-C or SIGTERM while the C kernels build (a fresh cache): the load runs on the engine's
+    thread, which no signal reaches, and start-up went on to its end (73 s with the build),
+    or SIGTERM killed the server outright and left the compiler running and a half-built file.
+    Now start-up stops within seconds, the compiler with it, and leaves no file behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pageserve.runtime.ports import free_port
+    from pageserve.runtime.startup import descendants
+    from tests.live_server import ROOT
+
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "pageserve.app.cli", "serve", str(tiny_model_dir), "--dtype", "float32",
+               "--port", str(free_port())]
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PAGESERVE_CACHE": str(cache)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, compiler = time.monotonic() + 90, []
+        while not compiler and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            under = descendants(proc.pid)
+            compiler = [p for p in under if _comm(p) in ("cc", "gcc", "cc1", "clang")]
+        if not compiler:
+            pytest.skip("no C compiler ran (none on this machine?)")
+        proc.send_signal(getattr(signal, sig))
+        started = time.monotonic()
+        assert proc.wait(30) == 130
+        assert time.monotonic() - started < 20
+        time.sleep(1)
+        assert not [p for p in under if _alive(p)], [(p, _comm(p)) for p in under if _alive(p)]
+        assert not list((cache / "kernels").glob("tmp*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
