@@ -17,7 +17,7 @@ from pageserve.app.http import (api_route, many_entries, many_logprobs, off_loop
                                 until_disconnected)
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import ChatCompletionRequest, ChatMessage
-from pageserve.app.reasoning import ReasoningStream
+from pageserve.app.reasoning import ReasoningStream, ThinkingTokens
 from pageserve.app.state import LONG_TEXT, ServerState
 from pageserve.app.structured import structured_outputs
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
@@ -170,6 +170,8 @@ async def chat_completions(request: Request) -> Response:
         stream.abort()
     out = next(iter(outs.values()))
     num_generated = sum(len(c.token_ids) for c in out.outputs)
+    thought = None if thinking is None else sum(
+        _thinking_tokens(state, c.token_ids, thinking.extract(c.text, prompt_text)[0] is not None) for c in out.outputs)
 
     def choice(c) -> dict:
         message = {"role": "assistant"}
@@ -186,9 +188,15 @@ async def chat_completions(request: Request) -> Response:
 
     def build() -> dict:  # each choice made as it is written
         return {"object": "chat.completion", **head, "choices": map(choice, out.outputs),
-                "usage": usage(len(prompt_ids), num_generated, cached_tokens(out)),
+                "usage": usage(len(prompt_ids), num_generated, cached_tokens(out), thought),
                 **({"prompt_token_ids": prompt_ids} if with_ids else {})}
     return await reply(build, many_logprobs(num_generated, params.logprobs))
+
+
+def _thinking_tokens(state: ServerState, token_ids, reasoned: bool) -> int:
+    tokens = ThinkingTokens(state.reasoning.end_token_ids)
+    tokens.add(token_ids)
+    return tokens.count(reasoned)
 
 
 async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: list[int],
@@ -200,6 +208,10 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
     include_usage, continuous = usage_mode
     num_generated = cached = 0
     num_prompt = len(prompt_ids)
+    thought = [ThinkingTokens(state.reasoning.end_token_ids) for _ in range(n)] if thinking is not None else None
+
+    def thinking_tokens() -> int | None:
+        return None if thought is None else sum(t.count(s.reasoned) for t, s in zip(thought, thinking))
 
     def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None, token_ids=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -209,7 +221,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
             choice["token_ids"] = token_ids or []
         c = {"object": "chat.completion.chunk", **head, "choices": [choice]}
         if include_usage:
-            c["usage"] = usage(num_prompt, num_generated, cached) if continuous else None
+            c["usage"] = usage(num_prompt, num_generated, cached, thinking_tokens()) if continuous else None
         return c
 
     for i in range(n):
@@ -225,6 +237,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
             ids = list(c.token_ids) if with_ids else None  # on the first chunk of this piece, as logprobs
             text = c.text
             if thinking is not None:
+                thought[c.index].add(c.token_ids)
                 reasoning, text = thinking[c.index].feed(c.text, last=c.finish_reason is not None)
                 if reasoning:
                     yield chunk(c.index, {"reasoning_content": reasoning, "reasoning": reasoning}, logprobs=logprobs,
@@ -252,4 +265,4 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
                 yield chunk(c.index, {}, reason, c.stop_reason)
     if include_usage:
         yield {"object": "chat.completion.chunk", **head, "choices": [],
-               "usage": usage(num_prompt, num_generated, cached)}
+               "usage": usage(num_prompt, num_generated, cached, thinking_tokens())}

@@ -118,11 +118,15 @@ async def collect(stream: RequestStream) -> dict[str, RequestOutput]:
     return {out.request_id: out async for out in stream}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served;
+    reasoning_tokens: the thinking's share of the completion (with a reasoning parser, as vLLM)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def stream_usage(body) -> tuple[bool, bool]:

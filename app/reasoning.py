@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from pageserve.grammar.matcher import reasoning_end_position
 from pageserve.sampling.params import StructuredOutputsParams, ThinkingBudget
 
 
@@ -31,6 +32,29 @@ class ReasoningState(enum.IntEnum):
     REASONING = 0  # inside the think block
     OPEN = 1  # the output's start: a <think> there opens a block, anything else is content (qwen3)
     CONTENT = 2  # the reasoning is over: everything is content, verbatim
+
+
+class ThinkingTokens:
+    """Counts an output's thinking tokens as its pieces come: those up to the end of the thinking
+    (its end marker included), all of them while it has not ended, none where it did not think."""
+
+    __slots__ = ("end", "token_ids", "end_at")
+
+    def __init__(self, end_token_ids: tuple[int, ...]):
+        self.end, self.token_ids = end_token_ids, []
+        self.end_at: int | None = None  # where the thinking ended in token_ids, once it has
+
+    def add(self, token_ids) -> None:
+        before = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        if self.end_at is None:
+            self.end_at = reasoning_end_position(self.token_ids, self.end, max(0, before - len(self.end) + 1))
+
+    def count(self, reasoned: bool) -> int:
+        """`reasoned`: the output entered a think block (ReasoningStream.reasoned)."""
+        if not reasoned:
+            return 0
+        return len(self.token_ids) if self.end_at is None else self.end_at
 
 
 class ReasoningStream:

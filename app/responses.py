@@ -21,13 +21,12 @@ from pageserve.app.json_out import dumps
 from pageserve.app.logprobs import chat_logprobs
 from pageserve.app.protocol import (ChatMessage, ChatTool, FunctionCall, FunctionDefinition, FunctionName,
                                     NamedToolChoice, ToolCall)
-from pageserve.app.reasoning import ReasoningStream
+from pageserve.app.reasoning import ReasoningStream, ThinkingTokens
 from pageserve.app.response_output import ResponseOutput, item_id
 from pageserve.app.response_store import ChainTooLong, StoredResponse, check_chain, find_items
 from pageserve.app.responses_protocol import ResponsesRequest
 from pageserve.app.state import ServerState
 from pageserve.app.tools import ToolFormat, plan_tools, tool_format
-from pageserve.grammar.matcher import reasoning_end_position
 from pageserve.sampling.params import StructuredOutputsParams
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -216,8 +215,7 @@ class _Answer:
         self.output = ResponseOutput()
         self.tools = parse_tools.stream_parser() if parse_tools else None
         self.thinking = thinking  # the reasoning parser's split of this answer, when one is on
-        self.token_ids: list[int] = []  # the whole output's, to tell its reasoning tokens
-        self.reasoning_end: int | None = None  # where the thinking ended in token_ids, once it has
+        self.thought = ThinkingTokens(state.reasoning.end_token_ids) if thinking is not None else None
         self.previous, self.items, self.owner = previous, items, who
         self.held_logprobs: list[dict] = []  # of tokens whose text the tool parser holds back
 
@@ -253,15 +251,9 @@ class _Answer:
 
     def _track_reasoning(self, token_ids) -> int:
         """Adds a delta's tokens; how many of them are thinking (the end marker included)."""
-        before = len(self.token_ids)
-        self.token_ids.extend(token_ids)
-        if not self.thinking.reasoned:
-            return 0
-        if self.reasoning_end is None:
-            end = self.state.reasoning.end_token_ids
-            self.reasoning_end = reasoning_end_position(self.token_ids, end, max(0, before - len(end) + 1))
-        end = len(self.token_ids) if self.reasoning_end is None else self.reasoning_end
-        return max(0, end - before)
+        before = len(self.thought.token_ids)
+        self.thought.add(token_ids)
+        return max(0, self.thought.count(self.thinking.reasoned) - before)
 
     def _delta(self, delta: dict, logprobs) -> None:
         if "content" in delta:
@@ -299,9 +291,7 @@ class _Answer:
     def _reasoning_tokens(self) -> int:
         """Output tokens up to the end of the thinking (its end marker included), all of them
         while it has not ended; 0 without thinking."""
-        if self.thinking is None or not self.thinking.reasoned:
-            return 0
-        return len(self.token_ids) if self.reasoning_end is None else self.reasoning_end
+        return 0 if self.thinking is None else self.thought.count(self.thinking.reasoned)
 
     def finish(self, finish_reason: str | None) -> dict:
         """Close the output; the finished response object, stored when the request asks."""

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import time
+from dataclasses import dataclass
 
 import regex as timed_re  # a search with a timeout: a client's pattern may backtrack for minutes
 from outlines_core.json_schema import build_regex_from_schema
@@ -63,8 +64,8 @@ def schema_to_regex(schema: dict | bool | str) -> str:
         raise UnsupportedSchema("the JSON schema must be an object")
     check_size(schema)
     ranges: dict[str, str] = {}
-    counter = itertools.count()
-    rewritten = _rewrite(schema, ranges, counter, "#")
+    walk = _Walk(itertools.count(), PATTERN_CHECK_SECONDS)
+    rewritten = _rewrite(schema, ranges, walk, "#")
     try:
         regex = build_regex_from_schema(json.dumps(rewritten), WHITESPACE)
     except Exception as e:  # noqa: BLE001 - outlines-core raises ValueError / RuntimeError
@@ -156,11 +157,19 @@ def _list(value) -> list:
     return value if isinstance(value, list) else []
 
 
-def _rewrite(node, ranges: dict[str, str], counter, path: str):
+@dataclass(slots=True)
+class _Walk:
+    """What one schema's rewrite shares: the numbering of its range markers, and the time its
+    patterns may still take against their enums' values, all of them together."""
+    counter: itertools.count
+    pattern_seconds: float
+
+
+def _rewrite(node, ranges: dict[str, str], walk: _Walk, path: str):
     """A copy of the schema with bounded numbers swapped for placeholder constants; refuses
     unsupported keywords."""
     if isinstance(node, list):
-        return [_rewrite(v, ranges, counter, f"{path}/{i}") for i, v in enumerate(node)]
+        return [_rewrite(v, ranges, walk, f"{path}/{i}") for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
     for key in node:
@@ -176,7 +185,7 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
     if "pattern" in node:
         check_pattern(node["pattern"], f"the pattern at {path}")
     if ("enum" in node or "const" in node) and node.keys() & _LISTED_CONSTRAINTS:
-        node = _filter_listed(node, path)  # the listed values are the grammar; the rest prune them
+        node = _filter_listed(node, path, walk)  # the listed values are the grammar; the rest prune them
     elif "pattern" in node and ("minLength" in node or "maxLength" in node):  # outlines-core drops the pattern
         raise UnsupportedSchema(f"a pattern with minLength or maxLength (at {path}) cannot both be enforced; "
                                 "write the length into the pattern (e.g. ^[a-z]{1,8}$)")
@@ -187,7 +196,7 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
         node = _required_properties(node, path)
     kind = node.get("type")
     if any(b in node for b in _BOUNDS) and kind in ("integer", "number"):
-        marker = f"PSRANGE{next(counter)}X"
+        marker = f"PSRANGE{next(walk.counter)}X"
         ranges[marker] = _number_regex(node, integer=kind == "integer", path=path)
         return {"const": marker}
     elif any(b in node for b in _BOUNDS):
@@ -196,9 +205,9 @@ def _rewrite(node, ranges: dict[str, str], counter, path: str):
     out = {}
     for key, value in node.items():
         if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-            out[key] = {k: _rewrite(v, ranges, counter, f"{path}/{key}/{k}") for k, v in value.items()}
+            out[key] = {k: _rewrite(v, ranges, walk, f"{path}/{key}/{k}") for k, v in value.items()}
         elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems"):
-            out[key] = _rewrite(value, ranges, counter, f"{path}/{key}")
+            out[key] = _rewrite(value, ranges, walk, f"{path}/{key}")
         elif key == "pattern":
             out[key] = ascii_digits(value)
         elif key in _COUNTS:
@@ -294,7 +303,7 @@ def check_pattern(pattern, what: str) -> None:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
 
 
-PATTERN_CHECK_SECONDS = 0.05  # all of an enum's values against its pattern, on the event loop
+PATTERN_CHECK_SECONDS = 0.1  # a schema's enums' values against their patterns (maybe on the event loop)
 # what prunes an enum's or const's values (outlines-core writes the values and ignores these)
 _LISTED_CONSTRAINTS = {"type", "minLength", "maxLength", "pattern", *_BOUNDS}
 _IS_TYPE = {
@@ -308,22 +317,25 @@ _IS_TYPE = {
 }
 
 
-def _filter_listed(node: dict, path: str) -> dict:
+def _filter_listed(node: dict, path: str, walk: _Walk) -> dict:
     """An enum or const beside type, length, pattern or numeric bounds: the values they allow."""
     lo, lo_excl, hi, hi_excl = _bound(node, path)
     kinds = node.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else None
     pattern = node.get("pattern")
-    deadline = time.monotonic() + PATTERN_CHECK_SECONDS
 
     def matches(v: str) -> bool:
+        started = time.monotonic()
         try:
-            return timed_re.search(pattern, v, timeout=max(deadline - time.monotonic(), 0.0)) is not None
+            return timed_re.search(pattern, v, timeout=max(walk.pattern_seconds, 0.0),
+                                   concurrent=True) is not None  # the GIL let go: a thread's check frees the loop
         except TimeoutError:
-            raise UnsupportedSchema(f"the pattern at {path} takes more than {PATTERN_CHECK_SECONDS} s to check "
-                                    "against its enum's values") from None
+            raise UnsupportedSchema(f"the patterns of the schema take more than {PATTERN_CHECK_SECONDS} s to check "
+                                    f"against their enums' values (at {path})") from None
         except timed_re.error as e:
             raise UnsupportedSchema(f"the pattern at {path} is not a valid regex: {e}") from None
+        finally:
+            walk.pattern_seconds -= time.monotonic() - started
 
     def allowed(v) -> bool:
         if kinds is not None and not any(_IS_TYPE.get(k, lambda v: False)(v) for k in kinds):

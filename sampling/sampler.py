@@ -176,7 +176,9 @@ def _past_nucleus(share: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top_p for (the nucleus is the fewest tokens holding at least top_p, as vLLM and HF keep it).
     A row of top_p 1 keeps every token: its float32 sum may pass 1 before the tail."""
     above = share.cumsum(dim=-1) - share
-    return (above >= top_p[:, None]) & (top_p < 1)[:, None]
+    past = (above >= top_p[:, None]) & (top_p < 1)[:, None]
+    past[:, 0] = False  # the likeliest token stays whatever top_p is (one below float32's least: 0)
+    return past
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -200,7 +202,8 @@ def _truncate_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 def kth_value(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """[B, 1]: each row's top_k-th value (its last where top_k is 0 or past the row) on rows
-    sorted in descending order; top-k keeps every token tied with it, as vLLM and HF do."""
+    sorted in descending order; top-k keeps every token tied with it, as vLLM and HF do (a row
+    of top_k up to CANDIDATES is drawn among them: a tie that reaches past them is cut there)."""
     width = probs.shape[-1]
     return probs.gather(1, (torch.where(top_k > 0, top_k.clamp(max=width), width) - 1)[:, None])
 

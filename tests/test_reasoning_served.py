@@ -112,8 +112,12 @@ def test_chat_reasoning_whole_and_streamed(qwen3):
     message = whole["choices"][0]["message"]
     assert message["reasoning_content"] == message["reasoning"] == THOUGHT
     assert message["content"] == ANSWER and whole["choices"][0]["finish_reason"] == "stop"
+    # the thinking's share of the completion, as vLLM and OpenAI report it
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking_tokens(qwen3)}
 
-    chunks = events(qwen3, "chat/completions", {"messages": USER, "n": 2, "seed": 1})
+    chunks = events(qwen3, "chat/completions", {"messages": USER, "n": 2, "seed": 1,
+                                                "stream_options": {"include_usage": True}})
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * thinking_tokens(qwen3)}
     for index in (0, 1):
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
         thought = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]

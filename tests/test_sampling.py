@@ -119,6 +119,7 @@ def test_top_k_and_top_p_at_ties_and_at_one():
     half, quarter = math.log(0.5), math.log(0.25)
     assert kept([half, quarter, quarter], top_p=0.5) == ([0], [0])
     assert [len(way) for way in kept([half, quarter, quarter], top_p=0.75)] == [2, 2]
+    assert kept([half, quarter, quarter], top_p=1e-300) == ([0], [0])  # 0 in float32: the top token stays
     logits = torch.randn(1, 32_000, generator=torch.Generator().manual_seed(3)) * 2  # one the old sum masked
     assert torch.equal(apply_top_k_top_p(logits, torch.tensor([-1]), torch.tensor([1.0])), logits)
 
