@@ -309,25 +309,25 @@ def run(ns: argparse.Namespace) -> int:
         logger.info("grammar warm-up: %.1f s", time.perf_counter() - started)
         state = ServerState(engine, engine.tokenizer, settings, engine.max_model_len)
         app = build_app(state)
+        # what start-up made lives as long as the server: the collector's passes skip it from now on
+        gc.collect()
+        gc.freeze()
+        logger.info("serving %s on %s://%s:%d%s%s", ", ".join(settings.served_model_names),
+                    "https" if tls else "http", ns.host, ns.port, " (API key required)" if settings.api_keys else "",
+                    "; chat page at /" if settings.enable_frontend else "")
+        # uvicorn's own grace period only backs ours up: by then every request has ended
+        config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http=protocol_class(head),
+                                log_level=ns.uvicorn_log_level, access_log=False,
+                                timeout_graceful_shutdown=ns.shutdown_timeout + 5, **tls)
+        server = GracefulServer(config, engine, ns.shutdown_timeout)
+        # an engine that cannot go on takes the process down (non-zero), so a supervisor restarts it
+        engine.on_dead.append(lambda: setattr(server, "should_exit", True))
+        # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
+        # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
+        signal.signal(signal.SIGTERM, lambda *_: None)
     except BaseException:
         engine.close()
         raise
-    # what start-up made lives as long as the server: the collector's passes skip it from now on
-    gc.collect()
-    gc.freeze()
-    logger.info("serving %s on %s://%s:%d%s%s", ", ".join(settings.served_model_names),
-                "https" if tls else "http", ns.host, ns.port, " (API key required)" if settings.api_keys else "",
-                "; chat page at /" if settings.enable_frontend else "")
-    # uvicorn's own grace period only backs ours up: by then every request has ended
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, loop="uvloop", http=protocol_class(head),
-                            log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + 5, **tls)
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the previous
-    # handler: a no-op one makes that a normal exit (status 0), as supervisors expect
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server = GracefulServer(config, engine, ns.shutdown_timeout)
-    # an engine that cannot go on takes the process down (non-zero), so a supervisor restarts it
-    engine.on_dead.append(lambda: setattr(server, "should_exit", True))
     server.run()
     if engine.error is not None:
         logger.error("exiting: the engine stopped on %r", engine.error)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import cached_property
 
+from pageserve.runtime import startup
 from pageserve.runtime.engine import LLMEngine
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.lora.request import LoRARequest
@@ -20,6 +21,7 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
+        startup.reset()  # a server's start-up cut short in this process does not stop this one
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

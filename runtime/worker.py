@@ -202,14 +202,20 @@ def _store(rank: int, parallel: ParallelConfig, port: int, timeout: datetime.tim
     machine's, as behind NAT, on every interface still, as before)."""
     if rank != 0:
         return dist.TCPStore(parallel.master_addr, port, parallel.world_size, False, timeout)
+    host = parallel.master_addr
+    if parallel.nnodes > 1 and not is_loopback(host) and is_loopback(
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]):
+        host = ""  # a name that is 127.0.1.1 here (Debian's way) and node 0's address to the others
     try:
-        sock = bound_socket(parallel.master_addr, port)
+        sock = bound_socket(host, port)
     except OSError as e:
         if e.errno != errno.EADDRNOTAVAIL:
             raise
-        logger.warning("the master address %s is not this machine's: the rendezvous listens on every "
-                       "interface", parallel.master_addr)
-        sock = bound_socket("", port)
+        host = ""
+        sock = bound_socket(host, port)
+    if not host:
+        logger.warning("the master address %s is not one the other nodes reach on this machine: the "
+                       "rendezvous listens on every interface", parallel.master_addr)
     sock.listen(128)
     return dist.TCPStore(parallel.master_addr, port, parallel.world_size, True, timeout, master_listen_fd=sock.detach())
 

@@ -19,6 +19,7 @@ The interface the chat and Responses routes use (through `plan_tools` in app/too
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from pageserve.app.tool_parsers.stream import StreamParser
@@ -78,7 +79,7 @@ class ToolFormat:
         native_tools, native_calls = "tools" in template, "tool_calls" in template
         names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
         # OpenAI's developer messages are system messages to a template that knows no such role
-        developer = "developer" if "developer" in template else "system"
+        developer = "developer" if re.search(r"""['"]developer['"]""", template) else "system"
         out = []
         for m in messages:
             d = {"role": developer if m.role == "developer" else m.role, "content": m.text(image_placeholder)}
