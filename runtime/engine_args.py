@@ -364,6 +364,10 @@ class EngineArgs:
         if partial:
             raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial[0]}) "
                                  "are not supported yet")
+        act = hf.get("hidden_activation") or hf.get("hidden_act")  # Gemma's transformers reads the first
+        if act is not None and act not in registry.entry(arch).activations:
+            raise ModelLoadError(f"{arch}: hidden_act {act!r} is not served (its MLP runs "
+                                 f"{registry.entry(arch).activations[0]})")
         quantization.method_for(hf, self.quantization)  # refused here, in one line, before any weight is read
         dtype, bf16_matmuls = self.resolve_dtype(device)
         kv_cache_dtype = self.resolve_kv_cache_dtype(device, dtype, bf16_matmuls)

@@ -49,14 +49,14 @@ class GeluTanhMLP(GatedMLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels, qk_norm: bool, window: int):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, qk_norm: bool, window: int, softcap: float):
         super().__init__()
         self.cfg, self.ops, self.window = cfg, kernels.ops, window
         eps, size = cfg.rms_norm_eps, cfg.hidden_size
         self.self_attn = Attention(cfg, kernels, qk_norm)
         self.self_attn.scale = cfg.hf_config.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5
         self.self_attn.sliding_window = window
-        self.self_attn.softcap = cfg.hf_config.get("attn_logit_softcapping") or 0.0
+        self.self_attn.softcap = softcap
         self.mlp = GeluTanhMLP(size, cfg.intermediate_size, kernels, cfg.tp_size)
         self.input_layernorm = RMSNorm(size, eps)
         self.post_attention_layernorm = RMSNorm(size, eps)
@@ -76,6 +76,7 @@ class GemmaCausalLM(CausalLM):
     """The Gemma shell; Gemma2ForCausalLM and Gemma3ForCausalLM set what differs."""
     window_pattern = 2
     local_rope = False
+    attn_softcap = True  # config.json's attn_logit_softcapping applies (Gemma 3's transformers ignores it)
 
     @classmethod
     def layer_windows(cls, hf: dict, num_layers: int) -> list[int]:
@@ -84,7 +85,8 @@ class GemmaCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, kernels: Kernels):
         super().__init__(cfg, kernels)
         windows = self.layer_windows(cfg.hf_config, cfg.num_layers)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, kernels, self.qk_norm, w) for w in windows)
+        softcap = (cfg.hf_config.get("attn_logit_softcapping") or 0.0) if self.attn_softcap else 0.0
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, kernels, self.qk_norm, w, softcap) for w in windows)
         self.final_softcap = cfg.hf_config.get("final_logit_softcapping") or 0.0
         self.local_cos_sin_cache = None
 
@@ -127,3 +129,4 @@ class Gemma3ForCausalLM(GemmaCausalLM):
     qk_norm = True
     window_pattern = 6
     local_rope = True
+    attn_softcap = False

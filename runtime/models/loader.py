@@ -257,6 +257,8 @@ def read_config(path: Path) -> dict:
             f"architecture {arch} is not supported (supported: {', '.join(registry.supported())})")
     if registry.entry(arch).text_config:
         cfg = text_part_config(path, cfg)
+    else:
+        cfg = with_class_defaults(cfg)
     legacy = path / "hf_quant_config.json"  # ModelOpt's quantization, where config.json has none
     if not cfg.get("quantization_config") and legacy.is_file():
         try:
@@ -273,6 +275,31 @@ def read_config(path: Path) -> dict:
         except json.JSONDecodeError:
             pass
     return cfg
+
+
+# what a config.json may leave out because its transformers config class has a default for it
+# (Gemma 2's configs have no tie_word_embeddings: the class ties them), filled in as the class does
+CLASS_DEFAULTS = ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings", "head_dim", "hidden_act",
+                  "hidden_activation", "query_pre_attn_scalar", "sliding_window", "use_sliding_window",
+                  "attention_bias", "mlp_bias", "qkv_bias")
+
+
+def with_class_defaults(cfg: dict) -> dict:
+    """`cfg` with CLASS_DEFAULTS (and rope_theta) that it leaves out taken from its config class,
+    as transformers reads it; as it is where no class reads it."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        parsed = CONFIG_MAPPING[cfg["model_type"]](**cfg)
+    except Exception:  # noqa: BLE001 - no model_type, or a config the class refuses: the values as written
+        return cfg
+    filled = {key: getattr(parsed, key) for key in CLASS_DEFAULTS if key not in cfg and hasattr(parsed, key)}
+    rope = getattr(parsed, "rope_parameters", None)
+    if "rope_theta" not in cfg and "rope_parameters" not in cfg and isinstance(rope, dict):
+        theta = rope.get("full_attention", rope).get("rope_theta")
+        if theta is not None:
+            filled["rope_theta"] = theta
+    return {**cfg, **filled}
 
 
 def text_part_config(path: Path, cfg: dict) -> dict:
@@ -319,10 +346,26 @@ def eos_token_ids(cfg: dict, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its model.safetensors.index.json names where it has
+    one (a Mistral repository also holds consolidated.safetensors, the same weights under other
+    names), else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from None
+        if any(Path(n).name != n for n in names):
+            raise ModelLoadError(f"{index} names files outside its directory")
+        return [path / n for n in sorted(names)]
+    return sorted(path.glob("*.safetensors"))
+
+
 def iter_safetensors(path: Path):
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
+    files = safetensors_files(path)
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:

@@ -15,6 +15,10 @@ class Entry(NamedTuple):
     sliding_window: bool = False  # serves config.json's sliding_window (else the context is capped at it)
     text_config: bool = False  # a multimodal checkpoint: its config is config.json's text_config (the whole
     # of it under "_multimodal")
+    activations: tuple[str, ...] = ("silu", "swish")  # config.json's hidden_act (or hidden_activation) it runs
+
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # Gemma's MLP: GELU's tanh approximation
 
 
 _MODELS = {
@@ -26,8 +30,8 @@ _MODELS = {
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True),
-    "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True),
+    "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True, activations=GELU_TANH),
+    "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True, activations=GELU_TANH),
     "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
     "LlavaNextForConditionalGeneration": Entry("llava", "LlavaNextForConditionalGeneration", text_config=True),
     "Qwen2_5_VLForConditionalGeneration": Entry("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True,
@@ -35,7 +39,7 @@ _MODELS = {
     "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True),
     "SmolVLMForConditionalGeneration": Entry("idefics3", "SmolVLMForConditionalGeneration", text_config=True),
     "Gemma3ForConditionalGeneration": Entry("gemma3_mm", "Gemma3ForConditionalGeneration", sliding_window=True,
-                                            text_config=True),
+                                            text_config=True, activations=GELU_TANH),
 }
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pageserve.runtime.models.loader import safetensors_files
 from pageserve.runtime.quantization import method_for
 from pageserve.runtime.quantization.methods import QuantMethod, UnsupportedQuantization
 from pageserve.runtime.quantization.qtensor import QuantTensor
@@ -38,7 +39,7 @@ def checkpoint_names(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     from safetensors import safe_open
 
     out = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
