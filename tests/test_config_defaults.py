@@ -57,6 +57,19 @@ def test_gemma3_leaves_attention_soft_capping_out_as_transformers_does(tmp_path)
     assert {layer.self_attn.softcap for layer in llm.engine.runner.model.layers} == {0.0}
 
 
+def test_gemma_without_rope_or_capping_keys_takes_its_class_s(tmp_path):
+    """Gemma 3's two RoPE bases (1e6 global, 1e4 on the sliding layers), Gemma 2's caps (50, 30)."""
+    from pageserve.runtime.models.loader import read_config
+
+    g3 = build_tiny_model(tmp_path / "g3", arch="gemma3_text")
+    drop_keys(g3, "rope_theta", "rope_local_base_freq", "rope_parameters")
+    assert [read_config(g3)[k] for k in ("rope_theta", "rope_local_base_freq")] == [1e6, 1e4]
+    g2 = build_tiny_model(tmp_path / "g2", arch="gemma2")
+    drop_keys(g2, "attn_logit_softcapping", "final_logit_softcapping")
+    assert [read_config(g2)[k] for k in ("attn_logit_softcapping", "final_logit_softcapping")] == [50.0, 30.0]
+    assert logprobs_against_hf(g2) < 1e-4
+
+
 def test_mixtral_without_rms_norm_eps_or_rope_theta_takes_its_class_s(tmp_path):
     path = build_tiny_model(tmp_path / "mx", arch="mixtral", rms_norm_eps=1e-5, rope_theta=1e6)
     drop_keys(path, "rms_norm_eps", "rope_theta", "rope_parameters")  # MixtralConfig's: 1e-5 and 1e6

@@ -202,19 +202,25 @@ def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(small_server):
         assert httpx.post(f"{srv.url}{path}", json=body, timeout=60).status_code == 200
 
 
+def _slow_server(tiny_model_dir, shutdown_timeout: float) -> InProcessServer:
+    """A server whose model takes ~20 ms a step, so that requests are still in flight at shutdown."""
+    srv = _tiny_server(tiny_model_dir, 0.01, shutdown_timeout=shutdown_timeout)
+    fast = srv.engine.runner.execute
+
+    def execute(out):
+        time.sleep(0.02)
+        return fast(out)
+    srv.engine.runner.execute = execute
+    return srv
+
+
 def test_a_second_interrupt_stops_the_requests_in_flight_at_once(tiny_model_dir):
     """Ctrl-C twice (uvicorn's force exit): the requests in flight end now with the shutdown's
     error (an error event then [DONE], a 503), not after --shutdown-timeout nor as a 500, and
     the engine stops."""
     import signal
 
-    srv = _tiny_server(tiny_model_dir, 0.01, shutdown_timeout=60.0)
-    slow = srv.engine.runner.execute
-
-    def execute(out):  # a slow model: ~20 ms a step
-        time.sleep(0.02)
-        return slow(out)
-    srv.engine.runner.execute = execute
+    srv = _slow_server(tiny_model_dir, shutdown_timeout=60.0)
     body = {"model": srv.model, "prompt": PROMPT, "ignore_eos": True, "max_tokens": 900}
     whole: dict = {}
     poster = threading.Thread(target=lambda: whole.setdefault(
@@ -224,7 +230,9 @@ def test_a_second_interrupt_stops_the_requests_in_flight_at_once(tiny_model_dir)
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             poster.start()
-            time.sleep(0.3)
+            deadline = time.monotonic() + 30
+            while len(srv.engine.requests) < 2 and time.monotonic() < deadline:  # both in the engine
+                time.sleep(0.02)
             started = time.monotonic()
             srv.server.handle_exit(signal.SIGINT, None)
             time.sleep(0.3)  # uvicorn is waiting for the connections to close
@@ -246,13 +254,7 @@ def test_graceful_shutdown(tiny_model_dir):
     """Once shutdown starts: no new connections; a request that ends within --shutdown-timeout
     ends normally; the rest get an error (an error event then [DONE], or a 503); every block is
     back; the server stops."""
-    srv = _tiny_server(tiny_model_dir, 0.01, shutdown_timeout=1.0)
-    slow = srv.engine.runner.execute
-
-    def execute(out):  # a slow model: ~20 ms a step
-        time.sleep(0.02)
-        return slow(out)
-    srv.engine.runner.execute = execute
+    srv = _slow_server(tiny_model_dir, shutdown_timeout=1.0)
     body = {"model": srv.model, "prompt": PROMPT, "ignore_eos": True}
     whole: dict = {}
 

@@ -61,7 +61,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
     # read now, not when huggingface_hub was imported (it takes its settings then)
     home = os.environ.get("HF_HOME")
     cache = download_dir or os.environ.get("HF_HUB_CACHE") or (str(Path(home) / "hub") if home else None)
-    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES)
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES,
+              ignore_patterns=["consolidated*.safetensors"])  # Mistral's own layout of the same weights
     try:
         return Path(snapshot_download(local_files_only=True, **kw))
     except LocalEntryNotFoundError:
@@ -281,7 +282,7 @@ def read_config(path: Path) -> dict:
 # (Gemma 2's configs have no tie_word_embeddings: the class ties them), filled in as the class does
 CLASS_DEFAULTS = ("tie_word_embeddings", "rms_norm_eps", "max_position_embeddings", "head_dim", "hidden_act",
                   "hidden_activation", "query_pre_attn_scalar", "sliding_window", "use_sliding_window",
-                  "attention_bias", "mlp_bias", "qkv_bias")
+                  "attention_bias", "mlp_bias", "qkv_bias", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 def with_class_defaults(cfg: dict) -> dict:
@@ -299,6 +300,9 @@ def with_class_defaults(cfg: dict) -> dict:
         theta = rope.get("full_attention", rope).get("rope_theta")
         if theta is not None:
             filled["rope_theta"] = theta
+        local = (rope.get("sliding_attention") or {}).get("rope_theta")  # Gemma 3's sliding layers' own
+        if local is not None and "rope_local_base_freq" not in cfg:
+            filled["rope_local_base_freq"] = local
     return {**cfg, **filled}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pageserve.runtime.models.loader import safetensors_files
+from pageserve.runtime.models.loader import ModelLoadError, safetensors_files
 from pageserve.runtime.quantization import method_for
 from pageserve.runtime.quantization.methods import QuantMethod, UnsupportedQuantization
 from pageserve.runtime.quantization.qtensor import QuantTensor
@@ -40,10 +40,13 @@ def checkpoint_names(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
     out = {}
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as e:  # safetensors raises its own error types on a missing or damaged file
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from None
     return out
 
 
