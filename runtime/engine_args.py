@@ -387,7 +387,7 @@ class EngineArgs:
                 rope_scaling=scaling,
                 max_position_embeddings=model_max,
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
-                qkv_bias=hf.get("attention_bias", registry.entry(arch).qkv_bias),
+                qkv_bias=hf.get("qkv_bias", hf.get("attention_bias", registry.entry(arch).qkv_bias)),  # Qwen2-MoE's
                 eos_token_ids=eos_token_ids(hf, tokenizer),
                 dtype=dtype,
                 bf16_matmuls=bf16_matmuls,

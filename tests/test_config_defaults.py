@@ -77,6 +77,12 @@ def test_mixtral_without_rms_norm_eps_or_rope_theta_takes_its_class_s(tmp_path):
     assert (llm.engine.config.model.rms_norm_eps, llm.engine.config.model.rope_theta) == (1e-5, 1e6)
 
 
+def test_qwen2_moe_reads_its_own_qkv_bias_key(tmp_path):
+    """Qwen2-MoE names the q/k/v bias `qkv_bias` (default true), not `attention_bias`."""
+    path = build_tiny_model(tmp_path / "q2", arch="qwen2_moe", qkv_bias=False)
+    assert logprobs_against_hf(path) < 1e-4
+
+
 def test_an_activation_the_mlp_does_not_run_is_refused_by_name(tmp_path):
     path = build_tiny_model(tmp_path / "gelu", hidden_act="gelu")
     with pytest.raises(ModelLoadError, match="hidden_act 'gelu' is not served .*runs silu"):
