@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +31,6 @@ from pageserve.sampling.params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 _MAX_FAILED_STEPS = 3  # failed steps in a row before the engine counts as dead
-STARTUP_STOP_S = 10.0  # how long an interrupted start-up may take to reach its next phase
 
 
 class EngineDeadError(RuntimeError):
@@ -95,19 +93,8 @@ class AsyncEngine:
         (it halved throughput: docs/performance.md, the engine thread)."""
         executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         startup.reset()
-        loading = executor.submit(LLMEngine.from_engine_args, engine_args)
         try:
-            engine = loading.result()
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the load stops at its next phase
-            startup.cancel()
-            try:
-                loading.exception(timeout=STARTUP_STOP_S)  # its end, whatever it was
-            except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a phase that runs on
-                logger.warning("start-up did not stop within %g s; exiting at once", STARTUP_STOP_S)
-                logging.shutdown()
-                os._exit(130)
-            executor.shutdown(wait=False)
-            raise
+            engine = startup.result(executor.submit(LLMEngine.from_engine_args, engine_args))
         except BaseException:
             executor.shutdown(wait=False)
             raise

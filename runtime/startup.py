@@ -4,12 +4,16 @@ start-up runs (a C compiler) and has the load raise StartupCancelled at its next
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 _cancelled = threading.Event()
+STOP_S = 10.0  # how long an interrupted start-up may take to reach its next phase
 
 
 class StartupCancelled(KeyboardInterrupt):
@@ -33,6 +37,23 @@ def cancel() -> None:
                 os.kill(pid, signal.SIGKILL)
         except OSError:  # gone meanwhile
             pass
+
+
+def result(loading: Future):
+    """The load's result (it runs on another thread). On Ctrl-C or SIGTERM (KeyboardInterrupt
+    here): cancel it, wait up to STOP_S for it to stop, and raise; exit at once on a second
+    interrupt, or if it does not stop."""
+    try:
+        return loading.result()
+    except KeyboardInterrupt:
+        cancel()
+        try:
+            loading.exception(timeout=STOP_S)  # its end, whatever it was
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a phase that runs on
+            logger.warning("start-up did not stop within %g s; exiting at once", STOP_S)
+            logging.shutdown()
+            os._exit(130)
+        raise
 
 
 def reset() -> None:
