@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
+from pageserve.runtime.config import cpu_flags
 from pageserve.triton_kernels import cpu_kernels, linear_plan, torch_ops
 from pageserve.triton_kernels.cpu_kernels import blocks
 from tests.test_kv_cache_dtype import STEPS, make_step, query_starts
@@ -79,9 +80,18 @@ def test_a_row_is_the_same_bits_beside_up_to_15_others_and_from_blocks(lib):
     assert torch.equal(lib(many, w), lib(many, wide))  # panels: blocks against their values too
 
 
+def test_the_tiles_where_the_cpu_has_amx(lib):
+    """On a CPU with AMX (Sapphire Rapids and later) panels of 16 rows and more, and the
+    attention of groups of rows, multiply in its tiles: the library says so. Their sums are
+    checked beside the vdpbf16ps paths' by the tests above and test_kv_cache_dtype's."""
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("no AMX on this CPU")
+    assert lib.isa.endswith("and AMX")
+
+
 def test_the_plan_gives_torch_the_same_arithmetic(lib):
-    """Where torch's matmul runs instead (a bucket where it was faster, past 512 rows), it
-    multiplies the same rounded values in bfloat16."""
+    """Where torch's matmul runs instead (a bucket where it was faster; every bucket before the
+    plan is measured), it multiplies the same rounded values in bfloat16."""
     plan = linear_plan.LinearPlan(lib)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(600, 96, generator=gen), q4_1(40, 96, 3)

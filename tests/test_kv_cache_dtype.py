@@ -50,13 +50,14 @@ STEPS = {
 
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 24), (6, 2, 40), (96, 2, 16), (8, 2, 128),
-                                             (6, 3, 64), (4, 4, 72), (64, 1, 40)])
+                                             (6, 3, 64), (4, 4, 72), (64, 1, 40), (6, 2, 96), (4, 1, 32)])
 def test_a_bfloat16_cache_gives_the_float32_caches_bits(kernel, step, heads, kv_heads, d):
     """Both caches hold the same bfloat16 values, and the step's new K/V are bfloat16 values:
     the outputs are the same bits and the caches hold the same values after the writes. Heads
     of 24, 40 and 72 floats take the 8-wide and scalar tails; 96 heads take one KV head an item;
     4, 2 and 1 query heads a KV head share V rows three, two and one at a time; 64 heads of 40
-    floats in groups once read past their scores in the scalar build."""
+    floats in groups once read past their scores in the scalar build; heads of 32, 64, 96 and
+    128 floats take one to four tiles of keys where AMX multiplies."""
     q, k, v, caches32, bt, sl, lens, qsl = make_step(STEPS[step], heads, kv_heads, d,
                                                      torch.Generator().manual_seed(heads * 7 + d))
     got = _same_bits(kernel, q, k, v, [c.bfloat16() for c in caches32], caches32, sl, bt, lens, qsl)

@@ -10,7 +10,8 @@
    values. The products are float32, except
    under that bfloat16 arithmetic (r16) with AVX512-BF16, where groups of rows with heads of 16n
    floats multiply Q K^T and P V in bfloat16 (score_tile16, pv_run16; vdpbf16ps reads a
-   subnormal as zero). */
+   subnormal as zero), in AMX tiles where the CPU has them and heads are 32n floats up to 128
+   (scores_amx, pv_amx). */
 
 #include "cpu_kernels.h"
 #ifdef _OPENMP
@@ -670,31 +671,177 @@ static inline __attribute__((always_inline)) void pv_heads16(float *acc, long D,
    bfloat16 pairs of positions: the run's V rows paired into vp ([(n + 1) / 2] rows of D), the
    probabilities rounded and paired into pp ([(n + 1) / 2] rows of Mp); a lone last row's
    partner is a zero */
+/* pair i of a run: V rows 2i and 2i + 1 (v: the run's rows) as D pairs at vp, and the rows'
+   probabilities (p: the run's rows of Mp) rounded as Mp pairs at pp; past the run's n rows the
+   partner is a zero */
+static inline void pair_rows(const kv_t *v, const float *p, long i, long n, long D, long Mp, bf2 *vp, bf2 *pp) {
+    const kv_t *v0 = v + 2 * i * D;
+    const float *p0 = p + 2 * i * Mp;
+    int two = 2 * i + 1 < n;
+    __m256i zero = _mm256_setzero_si256();
+    for (long d = 0; d < D; d += 16)
+        _mm512_storeu_si512(vp + d, pairs16(bf16x16(v0 + d), two ? bf16x16(v0 + D + d) : zero));
+    for (long c = 0; c < Mp; c += 16)
+        _mm512_storeu_si512(pp + c, pairs16((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + c)),
+                                            two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + Mp + c)) : zero));
+}
+
 static void pv_run16(float *acc, long D, const float *p, long Mp, long M, const kv_t *v, long n, bf2 *vp,
                      bf2 *pp) {
     long np = (n + 1) / 2, m = 0;
-    __m256i zero = _mm256_setzero_si256();
-    for (long i = 0; i < np; i++) {
-        const kv_t *v0 = v + 2 * i * D;
-        const float *p0 = p + 2 * i * Mp;
-        int two = 2 * i + 1 < n;
-        for (long d = 0; d < D; d += 16)
-            _mm512_storeu_si512(vp + i * D + d, pairs16(bf16x16(v0 + d), two ? bf16x16(v0 + D + d) : zero));
-        for (long c = 0; c < Mp; c += 16)
-            _mm512_storeu_si512(pp + i * Mp + c, pairs16((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + c)),
-                                                         two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + Mp + c))
-                                                             : zero));
-    }
+    for (long i = 0; i < np; i++) pair_rows(v, p, i, n, D, Mp, vp + i * D, pp + i * Mp);
     for (; m + 3 <= M; m += 3) pv_heads16(acc + m * D, D, pp + m, Mp, 3, vp, np);
     if (M - m == 2) pv_heads16(acc + m * D, D, pp + m, Mp, 2, vp, np);
     if (M - m == 1) pv_heads16(acc + m * D, D, pp + m, Mp, 1, vp, np);
 }
+
+#ifdef PS_AMX_BF16
+/* Q K^T and P V in AMX tiles, where group_piece multiplies in bfloat16 and the head is 32, 64, 96
+   or 128 values (amx_ready). TDPBF16PS sums its products at a width of its own, so the bits are
+   not the vdpbf16ps path's; both are bfloat16 products summed in float32. */
+#define AMX_PAIRS 64 /* pairs of positions gathered for one pass of P V over the tiles */
+
+typedef struct { /* a thread's scratch for them, in group_piece's kvw after a run's keys */
+    uint16_t *kpad; /* 16 keys: a run's last ones, zero rows after */
+    float *sums;    /* one tile of sums */
+    bf2 *vp, *pp;   /* AMX_PAIRS rows of D pairs of V values, of Mp pairs of probabilities */
+    bf2 *pt;        /* the probabilities' pairs transposed: per 16 heads, per 16 pairs, 16 x 16 */
+    float *acc;     /* P V: Mp rows of D sums */
+} amx_scratch;
+
+static inline long amx_floats(long block_size, long D, long Mp) {
+    return (block_size * D / 2 + 15) / 16 * 16 + 8 * D + 256 + AMX_PAIRS * (D + 2 * Mp) + Mp * D;
+}
+
+static amx_scratch amx_at(float *kvw, long block_size, long D, long Mp) {
+    amx_scratch a;
+    a.kpad = (uint16_t *)(kvw + (block_size * D / 2 + 15) / 16 * 16);
+    a.sums = (float *)a.kpad + 8 * D;
+    a.vp = (bf2 *)(a.sums + 256);
+    a.pp = a.vp + AMX_PAIRS * D;
+    a.pt = a.pp + AMX_PAIRS * Mp;
+    a.acc = (float *)(a.pt + AMX_PAIRS * Mp);
+    return a;
+}
+
+/* the scores of a run's n keys (kb: n rows of D bfloat16 values) against the heads (qp: D / 2
+   rows of Mp pairs), as score_keys16 writes them: per 16 keys, the keys' chunks of 32 values in
+   tiles 4.. and up to three tiles of 16 heads' sums at once */
+static void scores_amx(const uint16_t *kb, long n, long D, const bf2 *qp, long Mp, float scale, float *s,
+                       amx_scratch *a) {
+    long nd = D / 32;
+    __m512 sc = _mm512_set1_ps(scale);
+    for (long i = 0; i < n; i += 16) {
+        long nk = n - i < 16 ? n - i : 16;
+        const uint16_t *k = kb + i * D;
+        if (nk < 16) {
+            memcpy(a->kpad, k, sizeof(uint16_t) * (size_t)(nk * D));
+            memset(a->kpad + nk * D, 0, sizeof(uint16_t) * (size_t)((16 - nk) * D));
+            k = a->kpad;
+        }
+        _tile_loadd(4, k, 2 * D);
+        if (nd > 1) _tile_loadd(5, k + 32, 2 * D);
+        if (nd > 2) _tile_loadd(6, k + 64, 2 * D);
+        if (nd > 3) _tile_loadd(7, k + 96, 2 * D);
+        for (long c = 0; c < Mp; c += 48) {
+            long nc = (Mp - c) / 16 < 3 ? (Mp - c) / 16 : 3;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (long dc = 0; dc < nd; dc++) {
+                const bf2 *q = qp + 16 * dc * Mp + c;
+                _tile_loadd(3, q, 4 * Mp);
+                switch (dc) {
+                case 0: _tile_dpbf16ps(0, 4, 3); break;
+                case 1: _tile_dpbf16ps(0, 5, 3); break;
+                case 2: _tile_dpbf16ps(0, 6, 3); break;
+                default: _tile_dpbf16ps(0, 7, 3);
+                }
+                if (nc > 1) {
+                    _tile_loadd(3, q + 16, 4 * Mp);
+                    switch (dc) {
+                    case 0: _tile_dpbf16ps(1, 4, 3); break;
+                    case 1: _tile_dpbf16ps(1, 5, 3); break;
+                    case 2: _tile_dpbf16ps(1, 6, 3); break;
+                    default: _tile_dpbf16ps(1, 7, 3);
+                    }
+                }
+                if (nc > 2) {
+                    _tile_loadd(3, q + 32, 4 * Mp);
+                    switch (dc) {
+                    case 0: _tile_dpbf16ps(2, 4, 3); break;
+                    case 1: _tile_dpbf16ps(2, 5, 3); break;
+                    case 2: _tile_dpbf16ps(2, 6, 3); break;
+                    default: _tile_dpbf16ps(2, 7, 3);
+                    }
+                }
+            }
+            for (long t = 0; t < nc; t++) {
+                if (t == 0) _tile_stored(0, a->sums, 64);
+                if (t == 1) _tile_stored(1, a->sums, 64);
+                if (t == 2) _tile_stored(2, a->sums, 64);
+                for (long r = 0; r < nk; r++)
+                    _mm512_storeu_ps(s + (i + r) * Mp + c + 16 * t,
+                                     _mm512_mul_ps(vround_bf16(_mm512_loadu_ps(a->sums + 16 * r)), sc));
+            }
+        }
+    }
+}
+
+/* acc (Mp rows of D) += P V over the np pairs gathered in a->vp and a->pp, in order: the pairs
+   zero-padded to a multiple of 16 and the probabilities transposed (a->pt), then per 16 heads
+   and 64 values, four tiles of sums over every pair */
+static void pv_amx(long D, long Mp, long np, amx_scratch *a) {
+    long nch = (np + 15) / 16;
+    for (long i = np; i < 16 * nch; i++) {
+        memset(a->vp + i * D, 0, sizeof(bf2) * (size_t)D);
+        memset(a->pp + i * Mp, 0, sizeof(bf2) * (size_t)Mp);
+    }
+    for (long c = 0; c < Mp / 16; c++)
+        for (long ch = 0; ch < nch; ch++) transpose16(a->pp + 16 * ch * Mp + 16 * c, Mp, a->pt + (c * nch + ch) * 256);
+    for (long c = 0; c < Mp / 16; c++)
+        for (long d0 = 0; d0 < D; d0 += 64) {
+            long nt = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4; /* 2 or 4: D is a multiple of 32 */
+            float *o = a->acc + 16 * c * D + d0;
+            _tile_loadd(0, o, 4 * D);
+            _tile_loadd(1, o + 16, 4 * D);
+            if (nt > 2) {
+                _tile_loadd(2, o + 32, 4 * D);
+                _tile_loadd(3, o + 48, 4 * D);
+            }
+            for (long ch = 0; ch < nch; ch++) {
+                const bf2 *v = a->vp + 16 * ch * D + d0;
+                _tile_loadd(4, a->pt + (c * nch + ch) * 256, 64);
+                _tile_loadd(5, v, 4 * D);
+                _tile_loadd(6, v + 16, 4 * D);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                if (nt > 2) {
+                    _tile_loadd(7, v + 32, 4 * D);
+                    _tile_loadd(5, v + 48, 4 * D);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o, 4 * D);
+            _tile_stored(1, o + 16, 4 * D);
+            if (nt > 2) {
+                _tile_stored(2, o + 32, 4 * D);
+                _tile_stored(3, o + 48, 4 * D);
+            }
+        }
+}
+#endif
 #endif
 
 /* floats of group_piece's kvw: a run of K or V rows widened, or (bfloat16 products) a run's
-   pairs of V rows and of probabilities */
+   pairs of V rows and of probabilities, or (AMX) amx_floats */
 static inline long kvw_floats(long block_size, long D, long Mp) {
     long wide = block_size * D, pairs = (block_size / 2 + 1) * (D + Mp);
+#ifdef PS_AMX_BF16
+    long tiles = amx_floats(block_size, D, Mp);
+    wide = wide > tiles ? wide : tiles;
+#endif
     return wide > pairs ? wide : pairs;
 }
 
@@ -710,7 +857,12 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
                         float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
-    int b16 = 0; /* bfloat16 products */
+    int b16 = 0, amx = 0; /* bfloat16 products; in AMX tiles */
+#ifdef PS_AMX_BF16
+    amx_scratch ta = amx_at(kvw, block_size, D, Mp);
+    amx = r16 && D % 32 == 0 && D <= 128 && amx_ready();
+    if (amx) amx_tiles(8);
+#endif
 #ifdef PS_AVX512_BF16
     b16 = r16 && D % 16 == 0;
     if (b16) { /* qt: [D / 2] rows of Mp pairs */
@@ -728,6 +880,13 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
             long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, i = 0;
             const uint16_t *kb = rows_bf16(k + (long)bt[j / block_size] * tok + off * D, n * D, (uint16_t *)kvw);
             float *sj = s + (j - j0) * Mp;
+#ifdef PS_AMX_BF16
+            if (amx) {
+                scores_amx(kb, n, D, qp, Mp, scale, sj, &ta);
+                j += n;
+                continue;
+            }
+#endif
             for (; i + 4 <= n; i += 4) score_keys16(kb + i * D, 4, D, qp, Mp, scale, sj + i * Mp);
             for (; i < n; i++) score_keys16(kb + i * D, 1, D, qp, Mp, scale, sj + i * Mp);
             j += n;
@@ -770,6 +929,25 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
         for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
             for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = 0.0f;
     for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
+#ifdef PS_AMX_BF16
+    if (amx) { /* P V: the runs' pairs gathered AMX_PAIRS at a time */
+        long np = 0;
+        memset(ta.acc, 0, sizeof(float) * (size_t)(Mp * D));
+        for (long j = j0; j < j1;) {
+            long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
+            const kv_t *vr = v + (long)bt[j / block_size] * tok + off * D;
+            for (long i = 0; i < (n + 1) / 2; i++, np++) {
+                if (np == AMX_PAIRS) pv_amx(D, Mp, np, &ta), np = 0;
+                pair_rows(vr, s + (j - j0) * Mp, i, n, D, Mp, ta.vp + np * D, ta.pp + np * Mp);
+            }
+            j += n;
+        }
+        if (np > 0) pv_amx(D, Mp, np, &ta);
+        memcpy(rec, ta.acc, sizeof(float) * (size_t)(M * D));
+        _tile_release();
+        return;
+    }
+#endif
     for (long j = j0; j < j1;) { /* P V, a run of one cache block at a time, three heads a pass */
         long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j, m = 0;
         const kv_t *vr = v + (long)bt[j / block_size] * tok + off * D;

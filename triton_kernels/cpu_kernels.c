@@ -140,7 +140,9 @@ int pageserve_argmax(const float *x, long R, long V, long ldx, int64_t *out) {
 
 /* the vector instructions the kernels were built for (-march=native on this CPU) */
 const char *pageserve_isa(void) {
-#if defined(PS_AVX512_BF16)
+#if defined(PS_AMX_BF16)
+    return amx_ready() ? "AVX-512 with BF16 and AMX" : "AVX-512 with BF16";
+#elif defined(PS_AVX512_BF16)
     return "AVX-512 with BF16";
 #elif defined(PS_AVX512)
     return "AVX-512";

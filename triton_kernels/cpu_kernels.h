@@ -21,8 +21,57 @@
 #if defined(PS_AVX512) && defined(__AVX512BF16__)
 #define PS_AVX512_BF16 1
 #endif
+/* AMX (Sapphire Rapids and later): tile registers of 16 rows of 64 bytes, and TDPBF16PS, a
+   16 x 16 block of float32 sums of 32 bfloat16 products each in one instruction
+   (cpu_linear_bf16.c's panels); used once Linux grants the process its tile state (amx_ready) */
+#if defined(PS_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PS_AMX_BF16 1
+#endif
 #if defined(PS_AVX2) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+#ifdef PS_AMX_BF16
+/* dst[16][16] = src[16][16]^T, 32-bit values (rows of src lds apart): what TDPBF16PS takes as
+   pairs along a row, from pairs along a column */
+static inline void transpose16(const uint32_t *src, long lds, uint32_t *dst) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * lds);
+    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane, 2 x 2 blocks of 32 bits... */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* ... then 4 x 4: lane L of r[i + j], column 4L + j of rows i..i + 3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) { /* the lanes gathered across the four groups of rows */
+        __m512i v0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+        __m512i w0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+        _mm512_storeu_si512(dst + j * 16, _mm512_shuffle_i32x4(v0, w0, 0x88));
+        _mm512_storeu_si512(dst + (8 + j) * 16, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+        _mm512_storeu_si512(dst + (4 + j) * 16, _mm512_shuffle_i32x4(v1, w1, 0x88));
+        _mm512_storeu_si512(dst + (12 + j) * 16, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+    }
+}
+
+/* 1 where this process may use the tile registers (asked of Linux once), else 0 */
+int amx_ready(void);
+
+/* this thread's tiles 0..n-1 as 16 rows of 64 bytes (the palette every AMX CPU has) */
+static inline void amx_tiles(int n) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < n; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
 #endif
 
 #ifdef PS_AVX2

@@ -7,7 +7,8 @@
 
    Each output of a row of x sums its 32-value chunks c into accumulator c mod 4 whatever the
    number of rows up to PANEL_ROWS, so those steps give a request the same bits; from there x is
-   cut into panels of 32 rows and each output is one chain over its pairs in order. */
+   cut into panels of 32 rows and each output is one chain over its pairs in order, or, where the
+   CPU has AMX, multiplied in its tiles (linear_amx). */
 
 #include "cpu_weights.h"
 
@@ -348,14 +349,111 @@ static int linear_panels(const uint16_t *xb, long R, long kc, const void *W, int
     return failed;
 }
 
+#ifdef PS_AMX_BF16
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_state = -1; /* -1: not asked yet; 0: refused (an older kernel, a sandbox); 1: granted */
+
+int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_RELAXED);
+    if (s < 0) { /* arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): Linux 5.16 and later */
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELAXED);
+    }
+    return s;
+}
+
+/* 32 rounded weight rows (wb, 32 * kc values a row) as TDPBF16PS's second operand: for each
+   chunk of 32 values and each half of the rows, 16 pairs x 16 rows (wv[c][half][pair][row]) */
+static void pack_pairs(const uint32_t *wb, long kc, uint32_t *wv) {
+    for (long c = 0; c < kc; c++)
+        for (long h = 0; h < 2; h++) transpose16(wb + h * 16 * 16 * kc + 16 * c, 16 * kc, wv + (2 * c + h) * 256);
+}
+
+/* PANEL_ROWS rows of x or more in AMX tiles: a piece of work is 32 weight rows, rounded and
+   packed once, against every block of 32 rows of x (xb, rows padded with zeros to a multiple of
+   32): four 16 x 16 blocks of sums in tiles 0-3, one instruction a block a chunk of 32 values.
+   TDPBF16PS sums a chunk's 32 products at a width of its own (not vdpbf16ps's chain of
+   roundings), so the bits differ from linear_panels'; each output is still x rounded times the
+   rounded weights summed in float32 and rounded, as torch's bfloat16 matmul does. */
+static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wtype, long K, long O, long ldw,
+                      const float *bias, float *y, long ldy) {
+    long groups = (O + 31) / 32, blocks = (R + 31) / 32, ldx = 64 * kc; /* bytes from a row of xb to the next */
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint32_t *wb = (uint32_t *)aligned_floats(32 * 16 * kc), *wv = (uint32_t *)aligned_floats(32 * 16 * kc);
+        float sums[4][16][16] __attribute__((aligned(64)));
+        int ok = wb != NULL && wv != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_tiles(8);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long g = 0; g < groups; g++) {
+            if (!ok) continue;
+            long o0 = 32 * g, no = O - o0 < 32 ? O - o0 : 32;
+            for (long i = 0; i < 32; i++) {
+                if (i < no) round_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, kc, (uint16_t *)(wb + i * 16 * kc));
+                else memset(wb + i * 16 * kc, 0, 64 * (size_t)kc);
+            }
+            pack_pairs(wb, kc, wv);
+            for (long b = 0; b < blocks; b++) {
+                const uint16_t *x0 = xb + b * 32 * 32 * kc, *x1 = x0 + 16 * 32 * kc;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (long c = 0; c < kc; c++) {
+                    _tile_loadd(4, x0 + 32 * c, ldx);
+                    _tile_loadd(5, x1 + 32 * c, ldx);
+                    _tile_loadd(6, wv + 2 * c * 256, 64);
+                    _tile_loadd(7, wv + (2 * c + 1) * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, sums[0], 64);
+                _tile_stored(1, sums[1], 64);
+                _tile_stored(2, sums[2], 64);
+                _tile_stored(3, sums[3], 64);
+                for (int t = 0; t < 4; t++) { /* tile t: rows 16 (t / 2).., outputs 16 (t % 2).. */
+                    long r0 = 32 * b + 16 * (t / 2), oc = o0 + 16 * (t % 2);
+                    __mmask16 m = first_n16(no - 16 * (t % 2));
+                    __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + oc) : _mm512_setzero_ps();
+                    for (long n = 0; n < 16 && r0 + n < R; n++)
+                        _mm512_mask_storeu_ps(y + (r0 + n) * ldy + oc, m,
+                                              round16(_mm512_add_ps(_mm512_load_ps(sums[t][n]), bv)));
+                }
+            }
+        }
+        if (ok) _tile_release();
+        free(wb);
+        free(wv);
+    }
+    return failed;
+}
+#endif
+
 /* pageserve_linear of a format with W_DOT16 set. Returns 1 where scratch memory could not be had
    (y is then not all written), 2 where this build has no AVX512-BF16. */
 int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                           const float *bias, float *y, long ldy) {
     wtype &= ~W_DOT16;
     long kc = (K + 31) / 32; /* chunks of 32 values a row */
-    uint16_t *xb = (uint16_t *)aligned_floats(R * 16 * kc);
+    int amx = 0;
+#ifdef PS_AMX_BF16
+    amx = R >= PANEL_ROWS && amx_ready();
+#endif
+    long padded = amx ? (R + 31) / 32 * 32 : R; /* AMX reads x in blocks of 32 rows */
+    uint16_t *xb = (uint16_t *)aligned_floats(padded * 16 * kc);
     if (xb == NULL) return 1;
+    memset(xb + R * 32 * kc, 0, sizeof(uint16_t) * 32 * (size_t)(kc * (padded - R)));
+#pragma omp parallel for schedule(static) if (R * kc >= 1024)
     for (long r = 0; r < R; r++) /* x rounded to bfloat16, zero-padded to whole chunks */
         for (long c = 0; c < kc; c++)
             _mm512_storeu_si512(xb + (r * kc + c) * 32, (__m512i)chunk_of(x + r * ldx, W_F32, c, K));
@@ -369,6 +467,10 @@ int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *
         }
     } else if (R < PANEL_ROWS) {
         failed = linear_rows(xb, R, K, kc, W, wtype, O, ldw, bias, y, ldy);
+    } else if (amx) {
+#ifdef PS_AMX_BF16
+        failed = linear_amx(xb, R, kc, W, wtype, K, O, ldw, bias, y, ldy);
+#endif
     } else {
         failed = linear_panels(xb, R, kc, W, wtype, K, O, ldw, bias, y, ldy);
     }

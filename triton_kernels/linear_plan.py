@@ -40,8 +40,8 @@ def rows_share(weights: list[torch.Tensor], budget: int = MEASURED_VALUES) -> li
 
 class LinearPlan:
     """Which matmul a float32 linear layer runs, by the number of rows in the step. Measured
-    once at start-up on the model's own weights (`measure`); until then, and for steps above
-    the largest bucket, torch's matmul."""
+    once at start-up on the model's own weights (`measure`); until then torch's matmul. Steps
+    above the largest bucket take its choice (both paths' time grows with the rows from there)."""
 
     def __init__(self, kernel: CpuKernels):
         self.kernel = kernel
@@ -51,7 +51,7 @@ class LinearPlan:
         self.timings: dict[int, tuple[float, float]] = {}  # rows -> (torch s, kernel s)
 
     def uses_kernel(self, rows: int) -> bool:
-        return rows <= ROW_BUCKETS[-1] and self.use_kernel[bisect.bisect_left(ROW_BUCKETS, rows)]
+        return self.use_kernel[min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.uses_kernel(x.shape[0]):
