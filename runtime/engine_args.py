@@ -310,6 +310,10 @@ class EngineArgs:
                         "matmuls", self.dtype, lib.isa,
                         ", the fastest path here (--dtype float32: exact float32 sums)" if self.dtype == "auto"
                         else "")
+            if "amx_bf16" in cpu_flags() and not lib.amx:
+                logger.warning("this CPU has AMX, which the C kernels do not use: the compiler does not target it, "
+                               "or Linux refused the process its tile state (arch_prctl); a long prompt's first "
+                               "token takes about twice as long (docs/performance.md)")
             return torch.float32, True
         if self.dtype == "bfloat16":
             return torch.bfloat16, False

@@ -89,6 +89,65 @@ def test_the_tiles_where_the_cpu_has_amx(lib):
     assert lib.isa.endswith("and AMX")
 
 
+def test_weights_laid_out_once_for_amx_give_the_same_bits(lib, monkeypatch):
+    """From 16 rows, with AMX, a weight is rounded and laid out for the tiles once and kept on
+    it (CpuKernels.packed): the bits of laying it out in each call. Written in place, it is laid
+    out again; past PACKED_BUDGET, each call lays it out as before."""
+    if not lib.amx:
+        pytest.skip("no AMX here")
+    gen = torch.Generator().manual_seed(11)
+    for w in (q4_1(130, 576, 4), torch.randn(70, 96, generator=gen), torch.randn(33, 1536, generator=gen).bfloat16()):
+        x = torch.randn(40, cpu_kernels.in_features(w), generator=gen)
+        b = r16(torch.randn(w.shape[0], generator=gen))
+        monkeypatch.setattr(cpu_kernels, "PACKED_BUDGET", 0)
+        fresh = lib(x, w, b)
+        assert getattr(w, "_amx_packed", None) is None
+        monkeypatch.undo()
+        assert torch.equal(lib(x, w, b), fresh) and w._amx_packed is not None
+        assert torch.equal(lib(x[:15], w, b), fresh[:15])  # below 16 rows: the rows' path, as before
+    held = w._amx_packed[0]
+    w.mul_(2)  # written in place: laid out again
+    got = lib(x, w, b)
+    assert w._amx_packed[0] is not held
+    monkeypatch.setattr(cpu_kernels, "PACKED_BUDGET", 0)
+    del w._amx_packed
+    assert torch.equal(got, lib(x, w, b))
+
+
+def test_the_decoder_stack_reads_the_amx_layouts(lib):
+    """18 decodes through the C decoder stack (its matrices laid out for the tiles when it is
+    built) give the layer-by-layer path's bits with each matrix laid out in the call."""
+    if not lib.amx:
+        pytest.skip("no AMX here")
+    from tests.test_quant_blocks import layer_by_layer
+
+    hidden, heads, kv_heads, d, inter, block_size, t = 64, 4, 2, 32, 96, 16, 18
+    gen = torch.Generator().manual_seed(3)
+    shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)]
+    layers = []
+    for layer in range(2):
+        w = [q4_1(rows, cols, 10 * layer + i) for i, (rows, cols) in enumerate(shapes)]
+        norms = [r16(1 + 0.1 * torch.randn(hidden, generator=gen)) for _ in range(2)]
+        layers.append((norms[0], w[0], None, w[1], norms[1], w[2], w[3]))
+    final_norm = r16(1 + 0.1 * torch.randn(hidden, generator=gen))
+    caches = [tuple(r16(torch.randn(3 * t, kv_heads, block_size, d, generator=gen)) for _ in range(2))
+              for _ in range(2)]
+    lens = torch.randint(1, 48, (t,), generator=gen, dtype=torch.int32)
+    tables = torch.randperm(3 * t, generator=gen).view(t, 3).int()
+    slots = tables[torch.arange(t), (lens - 1) // block_size].long() * block_size + (lens - 1) % block_size
+    x, cos_sin = torch.randn(t, hidden, generator=gen), torch.randn(t, d, generator=gen)
+    ours = [tuple(c.clone() for c in pair) for pair in caches]
+    stack = lib.decode_stack(layers, final_norm, 1e-5, ours)
+    assert all(layers[0][j]._amx_packed is not None for j in (1, 3, 5, 6))
+    got = lib.decode_layers(stack, x, cos_sin, slots, tables, lens, d ** -0.5)
+    per_call = cpu_kernels.CpuKernels(lib.path, bf16_dot=True)
+    per_call.packed = lambda weight: None
+    theirs = [tuple(c.clone() for c in pair) for pair in caches]
+    want = layer_by_layer(per_call, layers, final_norm, 1e-5, theirs, x, cos_sin, slots, tables, lens, heads,
+                          kv_heads, d)
+    assert torch.equal(got, want) and got.isfinite().all()
+
+
 def test_the_plan_gives_torch_the_same_arithmetic(lib):
     """Where torch's matmul runs instead (a bucket where it was faster; every bucket before the
     plan is measured), it multiplies the same rounded values in bfloat16."""

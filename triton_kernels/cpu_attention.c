@@ -667,10 +667,6 @@ static inline __attribute__((always_inline)) void pv_heads16(float *acc, long D,
     for (; d0 < D; d0 += 16) pv_tile16(acc, D, pp, Mp, NH, vp, np, d0, 1);
 }
 
-/* acc[m * D + 0:D] += sum over i < n of p[i * Mp + m] v[i * D + 0:D] for the M heads, in
-   bfloat16 pairs of positions: the run's V rows paired into vp ([(n + 1) / 2] rows of D), the
-   probabilities rounded and paired into pp ([(n + 1) / 2] rows of Mp); a lone last row's
-   partner is a zero */
 /* pair i of a run: V rows 2i and 2i + 1 (v: the run's rows) as D pairs at vp, and the rows'
    probabilities (p: the run's rows of Mp) rounded as Mp pairs at pp; past the run's n rows the
    partner is a zero */
@@ -686,6 +682,10 @@ static inline void pair_rows(const kv_t *v, const float *p, long i, long n, long
                                             two ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p0 + Mp + c)) : zero));
 }
 
+/* acc[m * D + 0:D] += sum over i < n of p[i * Mp + m] v[i * D + 0:D] for the M heads, in
+   bfloat16 pairs of positions: the run's V rows paired into vp ([(n + 1) / 2] rows of D), the
+   probabilities rounded and paired into pp ([(n + 1) / 2] rows of Mp); a lone last row's
+   partner is a zero */
 static void pv_run16(float *acc, long D, const float *p, long Mp, long M, const kv_t *v, long n, bf2 *vp,
                      bf2 *pp) {
     long np = (n + 1) / 2, m = 0;
@@ -857,11 +857,10 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
                         float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
-    int b16 = 0, amx = 0; /* bfloat16 products; in AMX tiles */
+    int b16 = 0; /* bfloat16 products */
 #ifdef PS_AMX_BF16
     amx_scratch ta = amx_at(kvw, block_size, D, Mp);
-    amx = r16 && D % 32 == 0 && D <= 128 && amx_ready();
-    if (amx) amx_tiles(8);
+    int amx = r16 && D % 32 == 0 && D <= 128 && amx_ready(); /* in AMX tiles (configured only while in use) */
 #endif
 #ifdef PS_AVX512_BF16
     b16 = r16 && D % 16 == 0;
@@ -882,8 +881,10 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
             float *sj = s + (j - j0) * Mp;
 #ifdef PS_AMX_BF16
             if (amx) {
+                if (j == j0) amx_tiles(8);
                 scores_amx(kb, n, D, qp, Mp, scale, sj, &ta);
                 j += n;
+                if (j == j1) _tile_release();
                 continue;
             }
 #endif
@@ -933,6 +934,7 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
     if (amx) { /* P V: the runs' pairs gathered AMX_PAIRS at a time */
         long np = 0;
         memset(ta.acc, 0, sizeof(float) * (size_t)(Mp * D));
+        amx_tiles(8);
         for (long j = j0; j < j1;) {
             long off = j % block_size, n = block_size - off < j1 - j ? block_size - off : j1 - j;
             const kv_t *vr = v + (long)bt[j / block_size] * tok + off * D;

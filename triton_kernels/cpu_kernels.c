@@ -255,12 +255,13 @@ void pageserve_lora(const float *x, long ldx, long K, float *out, long ldo, long
    x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
    hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
    post-attention norm, gate_up, down), the norms and the bias float32; wtypes: per layer the
-   formats of the four matrices (contiguous rows); kv: per layer the K and V caches (kv_format:
+   formats of the four matrices (contiguous rows); packed: per layer the four matrices laid out
+   by pageserve_pack_amx (or NULL), or NULL; kv: per layer the K and V caches (kv_format:
    0 float32, 1 bfloat16, 2 float8 e4m3fn); cs: [T, D]
    rows ld_cs apart (cos then sin). Returns 1 if scratch memory (the attention's, a block
    format's widening) could not be had, else 0. */
 int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void *const *w, const int *wtypes,
-                            void *const *kv, int kv_format, const float *final_norm, float eps, const float *cs,
+                            const void *const *packed, void *const *kv, int kv_format, const float *final_norm, float eps, const float *cs,
                             long ld_cs, const int64_t *slots, const int32_t *block_tables, long ld_bt,
                             const int32_t *seq_lens, long H, long Hkv, long D, long I, long block_size,
                             float scale, float *scratch, float *out) {
@@ -274,24 +275,27 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
     for (long l = 0; l < L && !failed; l++) {
         const void *const *lw = w + 7 * l;
         const int *ft = wtypes + 4 * l;
+        const void *const none[4] = {NULL, NULL, NULL, NULL}, *const *lp = packed ? packed + 4 * l : none;
         if (l == 0)
             pageserve_rms_norm(x, Hd, NULL, 0, lw[0], eps, T, Hd, h, res, Hd, r16);
         else
             pageserve_rms_norm(y, Hd, res, Hd, lw[0], eps, T, Hd, h, res, Hd, r16);
-        if ((failed = pageserve_linear(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lw[2], qkv, QKV)))
+        if ((failed = pageserve_linear_packed(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lp[0], lw[2], qkv,
+                                              QKV)))
             break;
         pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs, r16);
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs, r16);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
                                         slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn, r16, kv_format);
-        failed = failed || pageserve_linear(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D), NULL,
-                                            y, Hd);
+        failed = failed || pageserve_linear_packed(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D),
+                                                   lp[1], NULL, y, Hd);
         if (failed) break;
         pageserve_rms_norm(y, Hd, res, Hd, lw[4], eps, T, Hd, h, res, Hd, r16);
-        if ((failed = pageserve_linear(h, T, Hd, Hd, lw[5], ft[2], 2 * I, row_stride(ft[2], Hd), NULL, gu, 2 * I)))
+        if ((failed = pageserve_linear_packed(h, T, Hd, Hd, lw[5], ft[2], 2 * I, row_stride(ft[2], Hd), lp[2], NULL, gu,
+                                              2 * I)))
             break;
         pageserve_silu_and_mul(gu, 2 * I, T, I, act, r16);
-        failed = pageserve_linear(act, T, I, I, lw[6], ft[3], Hd, row_stride(ft[3], I), NULL, y, Hd);
+        failed = pageserve_linear_packed(act, T, I, I, lw[6], ft[3], Hd, row_stride(ft[3], I), lp[3], NULL, y, Hd);
     }
     if (!failed) pageserve_rms_norm(y, Hd, res, Hd, final_norm, eps, T, Hd, out, res, Hd, r16);
     return failed;

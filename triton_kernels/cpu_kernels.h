@@ -227,5 +227,7 @@ int pageserve_linear(const float *x, long R, long K, long ldx, const void *W, in
                      const float *bias, float *y, long ldy);
 int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                           const float *bias, float *y, long ldy);
+int pageserve_linear_packed(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                            const void *packed, const float *bias, float *y, long ldy);
 
 #endif

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,17 @@ from pageserve.triton_kernels.cpu_build import FLAGS, build, build_key, source_f
 __all__ = ["BLOCK_FORMATS", "blocks", "in_features", "weight_format", "CpuKernels", "DecodeStack", "load"]
 
 logger = logging.getLogger(__name__)
+
+
+# bytes of weights laid out for AMX tiles (CpuKernels.packed) a process keeps at most: past it,
+# each step of 16 rows or more widens and lays out a matrix again (about a quarter of a 64-row
+# step of the default model); the default model's copies take 270 MB
+PACKED_BUDGET = int(float(os.environ.get("PAGESERVE_AMX_PACKED_GIB", "1")) * 2**30)
+_packed = {"bytes": 0, "full": False}  # the copies held now; whether the budget has turned one away
+
+
+def _unpacked(nbytes: int) -> None:
+    _packed["bytes"] -= nbytes
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -57,6 +69,11 @@ class CpuKernels:
         lib = ctypes.CDLL(str(path))
         p, n, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
         i = ctypes.c_int
+        # a library built before the AMX layouts (an A/B benchmark's base commit) lacks them, and
+        # its decoder stack takes no `packed`
+        self._layouts = hasattr(lib, "pageserve_pack_amx")
+        stack_args = [p, n, n, n, p, p, *([p] if self._layouts else []), p, i, p, f, p, n, p, p, n, p, n, n, n, n, n, f,
+                      p, p]
         for name, args in (("pageserve_linear", [p, n, n, n, p, i, n, n, p, p, n]),
                            ("pageserve_widen", [p, i, n, n, n, p]),
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n, i]),
@@ -66,14 +83,14 @@ class CpuKernels:
                                                           p, i, i]),
                            ("pageserve_argmax", [p, n, n, n, p]),
                            ("pageserve_lora", [p, n, n, p, n, n, p, n, p, n, p, n, p, p, n, p]),
-                           ("pageserve_decode_layers", [p, n, n, n, p, p, p, i, p, f, p, n, p, p, n, p, n, n, n, n,
-                                                        n, f, p, p])):
+                           *((("pageserve_linear_packed", [p, n, n, n, p, i, n, n, p, p, p, n]),
+                              ("pageserve_pack_amx", [p, i, n, n, n, p])) if self._layouts else ()),
+                           ("pageserve_decode_layers", stack_args)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
-        lib.pageserve_linear.restype = ctypes.c_int
-        lib.pageserve_paged_attention.restype = ctypes.c_int
-        lib.pageserve_decode_layers.restype = ctypes.c_int
-        lib.pageserve_argmax.restype = ctypes.c_int
+        for name in ("pageserve_linear", "pageserve_paged_attention", "pageserve_decode_layers", "pageserve_argmax",
+                     *(("pageserve_linear_packed", "pageserve_pack_amx") if self._layouts else ())):
+            getattr(lib, name).restype = ctypes.c_int
         lib.pageserve_vectorized.restype = ctypes.c_int
         lib.pageserve_has_bf16_dot.restype = ctypes.c_int
         lib.pageserve_isa.restype = ctypes.c_char_p
@@ -82,6 +99,7 @@ class CpuKernels:
         self.vectorized = bool(lib.pageserve_vectorized())
         self.has_bf16_dot = bool(lib.pageserve_has_bf16_dot())
         self.isa = lib.pageserve_isa().decode()  # the vector instructions it was built for
+        self.amx = self.isa.endswith("and AMX")  # AMX tiles from 16 rows (bfloat16 arithmetic)
         if bf16_dot and not self.has_bf16_dot:
             raise ValueError(f"the CPU kernels have no bfloat16 dot product on this CPU ({self.isa})")
         self.bf16_dot = bf16_dot
@@ -109,10 +127,40 @@ class CpuKernels:
             raise ValueError(f"cpu linear: x {tuple(x.shape)} against weight {tuple(weight.shape)} "
                              f"with strides {weight.stride()}")
         out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)  # [rows, O] in memory
-        if self._lib.pageserve_linear(x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt | self._dot,
-                                      out_features, weight.stride(0), None if bias is None else bias.data_ptr(),
-                                      out.data_ptr(), out_features):
+        packed = self.packed(weight) if rows >= 16 else None
+        args = (x2.data_ptr(), rows, k, x2.stride(0), weight.data_ptr(), fmt | self._dot, out_features,
+                weight.stride(0))
+        if self._lib.pageserve_linear(*args, None if bias is None else bias.data_ptr(), out.data_ptr(), out_features) \
+                if packed is None else self._lib.pageserve_linear_packed(
+                    *args, packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), out_features):
             raise MemoryError("cpu linear: no memory for its scratch (widened weights, panels of x)")
+        return out
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight rounded to bfloat16 and laid out for the AMX tiles (pageserve_pack_amx),
+        which `linear` then reads at 16 rows and more instead of widening the matrix each call:
+        made on first use and kept on the weight (made again if the weight was written since),
+        while the process's copies stay within PACKED_BUDGET. None without AMX or bfloat16
+        arithmetic, or past the budget."""
+        if not (self.amx and self.bf16_dot and self._layouts):
+            return None
+        held = getattr(weight, "_amx_packed", None)
+        if held is not None and held[1] == weight._version:
+            return held[0]
+        fmt, k = weight_format(weight)
+        nbytes = 2048 * ((k + 31) // 32) * ((weight.shape[0] + 31) // 32)
+        if _packed["bytes"] + nbytes > PACKED_BUDGET:
+            if not _packed["full"]:
+                _packed["full"] = True
+                logger.info("AMX: %.0f MiB of weights laid out for the tiles, the most PAGESERVE_AMX_PACKED_GIB "
+                            "allows; the rest are laid out at each step", _packed["bytes"] / 2**20)
+            return None
+        out = torch.empty(nbytes // 4, dtype=torch.int32)
+        if self._lib.pageserve_pack_amx(weight.data_ptr(), fmt, k, weight.shape[0], weight.stride(0), out.data_ptr()):
+            return None
+        _packed["bytes"] += nbytes
+        weakref.finalize(out, _unpacked, nbytes)
+        weight._amx_packed = (out, weight._version)
         return out
 
     def widen(self, weight: torch.Tensor) -> torch.Tensor:
@@ -278,10 +326,12 @@ class CpuKernels:
             raise ValueError("decode_stack: the final norm")
         ptr = ctypes.c_void_p
         weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
+        packed = [self.packed(lw[j]) for lw in layers for j in mats]  # AMX layouts: the stack keeps them alive
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
         formats = (ctypes.c_int * len(formats))(*(f | self._dot for f in formats))
-        return DecodeStack(weights, formats, kv, KV_DTYPES.index(caches[0].dtype), final_norm, eps, hidden,
-                           len(layers), heads, hkv, head_dim, inter, block_size, layers, torch.empty(0))
+        layouts = (ptr * len(packed))(*(None if t is None else t.data_ptr() for t in packed))
+        return DecodeStack(weights, formats, layouts, kv, KV_DTYPES.index(caches[0].dtype), final_norm, eps, hidden,
+                           len(layers), heads, hkv, head_dim, inter, block_size, [layers, packed], torch.empty(0))
 
     def decode_layers(self, stack: "DecodeStack", x: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -305,7 +355,8 @@ class CpuKernels:
         if stack.scratch.numel() < need:
             stack.scratch = torch.empty(need, dtype=torch.float32)
         failed = self._lib.pageserve_decode_layers(
-            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats, stack.kv, stack.kv_format,
+            x.data_ptr(), t, stack.hidden, stack.num_layers, stack.weights, stack.formats,
+            *((stack.packed,) if self._layouts else ()), stack.kv, stack.kv_format,
             stack.final_norm.data_ptr(),
             stack.eps, cos_sin.data_ptr(), cos_sin.stride(0), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), stack.heads, stack.kv_heads, stack.head_dim,
@@ -328,6 +379,7 @@ class DecodeStack:
     layer's weights and caches, and the sizes."""
     weights: ctypes.Array
     formats: ctypes.Array  # per layer the four matrices' format codes (weight_format)
+    packed: ctypes.Array  # per layer the four matrices laid out for AMX tiles (CpuKernels.packed), or NULLs
     kv: ctypes.Array
     kv_format: int  # what the caches hold: its index in KV_DTYPES
     final_norm: torch.Tensor
@@ -339,7 +391,7 @@ class DecodeStack:
     head_dim: int
     intermediate: int
     block_size: int
-    layers: list  # the weights whose addresses `weights` holds, kept alive
+    layers: list  # the weights and AMX layouts whose addresses `weights` and `packed` hold, kept alive
     scratch: torch.Tensor  # the step's intermediate activations, grown to the largest step
 
 

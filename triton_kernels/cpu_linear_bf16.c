@@ -371,21 +371,34 @@ static void pack_pairs(const uint32_t *wb, long kc, uint32_t *wv) {
         for (long h = 0; h < 2; h++) transpose16(wb + h * 16 * 16 * kc + 16 * c, 16 * kc, wv + (2 * c + h) * 256);
 }
 
+/* weight rows o0..o0 + no - 1 (no <= 32) rounded into wb and laid out in wv as pack_pairs lays
+   them out, zero rows past no */
+static void pack_group(const void *W, int wtype, long K, long kc, long ldw, long o0, long no, uint32_t *wb,
+                       uint32_t *wv) {
+    for (long i = 0; i < 32; i++) {
+        if (i < no) round_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, kc, (uint16_t *)(wb + i * 16 * kc));
+        else memset(wb + i * 16 * kc, 0, 64 * (size_t)kc);
+    }
+    pack_pairs(wb, kc, wv);
+}
+
 /* PANEL_ROWS rows of x or more in AMX tiles: a piece of work is 32 weight rows, rounded and
    packed once, against every block of 32 rows of x (xb, rows padded with zeros to a multiple of
    32): four 16 x 16 blocks of sums in tiles 0-3, one instruction a block a chunk of 32 values.
    TDPBF16PS sums a chunk's 32 products at a width of its own (not vdpbf16ps's chain of
    roundings), so the bits differ from linear_panels'; each output is still x rounded times the
-   rounded weights summed in float32 and rounded, as torch's bfloat16 matmul does. */
+   rounded weights summed in float32 and rounded, as torch's bfloat16 matmul does. packed: the
+   whole matrix laid out once (pageserve_pack_amx), or NULL: each piece's rows done here. */
 static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wtype, long K, long O, long ldw,
-                      const float *bias, float *y, long ldy) {
+                      const uint32_t *packed, const float *bias, float *y, long ldy) {
     long groups = (O + 31) / 32, blocks = (R + 31) / 32, ldx = 64 * kc; /* bytes from a row of xb to the next */
     int failed = 0;
 #pragma omp parallel
     {
-        uint32_t *wb = (uint32_t *)aligned_floats(32 * 16 * kc), *wv = (uint32_t *)aligned_floats(32 * 16 * kc);
+        uint32_t *wb = packed ? NULL : (uint32_t *)aligned_floats(32 * 16 * kc);
+        uint32_t *wv = packed ? NULL : (uint32_t *)aligned_floats(32 * 16 * kc);
         float sums[4][16][16] __attribute__((aligned(64)));
-        int ok = wb != NULL && wv != NULL;
+        int ok = packed != NULL || (wb != NULL && wv != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -396,11 +409,8 @@ static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wt
         for (long g = 0; g < groups; g++) {
             if (!ok) continue;
             long o0 = 32 * g, no = O - o0 < 32 ? O - o0 : 32;
-            for (long i = 0; i < 32; i++) {
-                if (i < no) round_row(weight_row(W, wtype, ldw, o0 + i), wtype, K, kc, (uint16_t *)(wb + i * 16 * kc));
-                else memset(wb + i * 16 * kc, 0, 64 * (size_t)kc);
-            }
-            pack_pairs(wb, kc, wv);
+            const uint32_t *w = packed != NULL ? packed + g * 512 * kc : wv;
+            if (packed == NULL) pack_group(W, wtype, K, kc, ldw, o0, no, wb, wv);
             for (long b = 0; b < blocks; b++) {
                 const uint16_t *x0 = xb + b * 32 * 32 * kc, *x1 = x0 + 16 * 32 * kc;
                 _tile_zero(0);
@@ -410,8 +420,8 @@ static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wt
                 for (long c = 0; c < kc; c++) {
                     _tile_loadd(4, x0 + 32 * c, ldx);
                     _tile_loadd(5, x1 + 32 * c, ldx);
-                    _tile_loadd(6, wv + 2 * c * 256, 64);
-                    _tile_loadd(7, wv + (2 * c + 1) * 256, 64);
+                    _tile_loadd(6, w + 2 * c * 256, 64);
+                    _tile_loadd(7, w + (2 * c + 1) * 256, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
                     _tile_dpbf16ps(2, 5, 6);
@@ -439,10 +449,41 @@ static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wt
 }
 #endif
 
-/* pageserve_linear of a format with W_DOT16 set. Returns 1 where scratch memory could not be had
-   (y is then not all written), 2 where this build has no AVX512-BF16. */
-int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
-                          const float *bias, float *y, long ldy) {
+/* The weights as linear_amx reads them, for a matrix used at 16 rows and more step after step:
+   per 32 rows (the last zero-padded), per chunk of 32 values and half of the rows, 16 pairs x 16
+   rows of bfloat16; out: 2048 * ceil(K / 32) bytes per 32 rows. Returns 1 where scratch memory
+   could not be had, 2 where this build or process has no AMX, else 0. */
+int pageserve_pack_amx(const void *W, int wtype, long K, long O, long ldw, uint32_t *out) {
+#ifdef PS_AMX_BF16
+    if (!amx_ready()) return 2;
+    long kc = (K + 31) / 32, groups = (O + 31) / 32;
+    int failed = 0;
+    wtype &= ~W_DOT16;
+#pragma omp parallel
+    {
+        uint32_t *wb = (uint32_t *)aligned_floats(32 * 16 * kc);
+        if (wb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long g = 0; g < groups; g++)
+            if (wb != NULL) pack_group(W, wtype, K, kc, ldw, 32 * g, O - 32 * g < 32 ? O - 32 * g : 32, wb,
+                                       out + g * 512 * kc);
+        free(wb);
+    }
+    return failed;
+#else
+    (void)W, (void)wtype, (void)K, (void)O, (void)ldw, (void)out;
+    return 2;
+#endif
+}
+
+/* pageserve_linear of a format with W_DOT16 set. packed: pageserve_pack_amx's layout of W, or
+   NULL. Returns 1 where scratch memory could not be had (y is then not all written), 2 where this
+   build has no AVX512-BF16. */
+static int linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                       const uint32_t *packed, const float *bias, float *y, long ldy) {
     wtype &= ~W_DOT16;
     long kc = (K + 31) / 32; /* chunks of 32 values a row */
     int amx = 0;
@@ -469,7 +510,7 @@ int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *
         failed = linear_rows(xb, R, K, kc, W, wtype, O, ldw, bias, y, ldy);
     } else if (amx) {
 #ifdef PS_AMX_BF16
-        failed = linear_amx(xb, R, kc, W, wtype, K, O, ldw, bias, y, ldy);
+        failed = linear_amx(xb, R, kc, W, wtype, K, O, ldw, packed, bias, y, ldy);
 #endif
     } else {
         failed = linear_panels(xb, R, kc, W, wtype, K, O, ldw, bias, y, ldy);
@@ -478,7 +519,32 @@ int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *
     return failed;
 }
 
+int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                          const float *bias, float *y, long ldy) {
+    return linear_bf16(x, R, K, ldx, W, wtype, O, ldw, NULL, bias, y, ldy);
+}
+
+/* pageserve_linear, with W also laid out by pageserve_pack_amx (packed, or NULL), which the AMX
+   tiles read in its place */
+int pageserve_linear_packed(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                            const void *packed, const float *bias, float *y, long ldy) {
+    if (!(wtype & W_DOT16)) return pageserve_linear(x, R, K, ldx, W, wtype, O, ldw, bias, y, ldy);
+    return linear_bf16(x, R, K, ldx, W, wtype, O, ldw, (const uint32_t *)packed, bias, y, ldy);
+}
+
 #else
+
+int pageserve_pack_amx(const void *W, int wtype, long K, long O, long ldw, uint32_t *out) {
+    (void)W, (void)wtype, (void)K, (void)O, (void)ldw, (void)out;
+    return 2;
+}
+
+int pageserve_linear_packed(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
+                            const void *packed, const float *bias, float *y, long ldy) {
+    (void)packed;
+    if (!(wtype & W_DOT16)) return pageserve_linear(x, R, K, ldx, W, wtype, O, ldw, bias, y, ldy);
+    return 2;
+}
 
 int pageserve_linear_bf16(const float *x, long R, long K, long ldx, const void *W, int wtype, long O, long ldw,
                           const float *bias, float *y, long ldy) {
