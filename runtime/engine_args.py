@@ -356,13 +356,18 @@ class EngineArgs:
         arch = hf["architectures"][0]
         heads = hf["num_attention_heads"]
         model_max = hf.get("max_position_embeddings", 2048)
+        theta, scaling = rope_settings(hf)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            # as vLLM: the original context times the factor (Qwen2.5's 32,768 x 4)
+            original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
+                or model_max
+            model_max = int(original * (scaling.get("factor") or model_max / original))
         windowed = hf.get("sliding_window") and hf.get("use_sliding_window", True)
         if windowed and arch in registry.supported() and not registry.entry(arch).sliding_window:
             model_max = min(model_max, hf["sliding_window"])  # this model's sliding window is not served yet
         max_len = model_max if self.max_model_len is None else self.max_model_len
         if max_len > model_max:
             raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")
-        theta, scaling = rope_settings(hf)
         partial = [f for f in (hf.get("partial_rotary_factor"), (scaling or {}).get("partial_rotary_factor"))
                    if f not in (None, 1, 1.0)]
         if partial:

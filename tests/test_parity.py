@@ -39,7 +39,9 @@ def run_ours(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}}),
     ("qwen2", {}),
-], ids=["llama-gqa", "llama3-rope-tied-mqa", "qwen2-bias"])
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 256}}),
+], ids=["llama-gqa", "llama3-rope-tied-mqa", "qwen2-bias", "qwen2-yarn"])
 def test_tiny_model_parity(tmp_path, arch, overrides):
     model_dir = build_tiny_model(tmp_path / arch, arch=arch, **overrides)
     prompts = random_prompts(384)
@@ -99,6 +101,34 @@ def test_real_model_parity():
     expected = hf_greedy(llm.engine.config.model.path, prompts, max_new_tokens=16, dtype=torch.float32)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 4.0, "original_max_position_embeddings": 256},
+    {"factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 8.0, "attention_factor": 1.25, "original_max_position_embeddings": 128},
+], ids=["qwen2.5", "mscale-untruncated", "attention-factor"])
+def test_yarn_table_is_hfs(tmp_path, scaling):
+    """YaRN's frequencies and attention factor against transformers' own, in each form its
+    configs take; the context the engine serves is the original times the factor."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.models.layers import rope_cos_sin_cache, yarn_parameters
+    from pageserve.runtime.models.loader import load_tokenizer, read_config
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, **scaling}
+    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2", rope_parameters=params)
+    hf_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.from_pretrained(model_dir), torch.device("cpu"))
+    args = EngineArgs(model=str(model_dir), dtype="float32", device="cpu")
+    cfg = args.model_config(model_dir, read_config(model_dir), load_tokenizer(model_dir), torch.device("cpu"))
+    freq, factor = yarn_parameters(cfg)
+    assert torch.equal(freq, hf_freq) and factor == pytest.approx(hf_factor, rel=1e-12)
+    assert cfg.max_model_len == int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    table, angles = rope_cos_sin_cache(cfg), 300 * hf_freq
+    torch.testing.assert_close(table[300], torch.cat([angles.cos(), angles.sin()]) * hf_factor)
 
 
 @pytest.mark.parametrize("max_model_len, factors", [(256, "short"), (512, "long")])
