@@ -86,6 +86,9 @@ class ModelConfig:
     kv_cache_dtype: torch.dtype | None = None
     # how /v1/embeddings pools the last hidden states (runtime/pooling.py)
     pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    # o_proj's bias (Llama's, Qwen3's and Gemma's attention_bias), the MLP's (Llama's mlp_bias)
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self):
         if self.max_model_len < 1:

@@ -397,6 +397,8 @@ class EngineArgs:
                 max_position_embeddings=model_max,
                 tie_word_embeddings=hf.get("tie_word_embeddings", False),
                 qkv_bias=hf.get("qkv_bias", hf.get("attention_bias", registry.entry(arch).qkv_bias)),  # Qwen2-MoE's
+                o_bias=bool(hf.get("attention_bias")) and registry.entry(arch).o_bias,
+                mlp_bias=bool(hf.get("mlp_bias")) and registry.entry(arch).mlp_bias,
                 eos_token_ids=eos_token_ids(hf, tokenizer),
                 dtype=dtype,
                 bf16_matmuls=bf16_matmuls,

@@ -53,6 +53,32 @@ def test_tiny_model_parity(tmp_path, arch, overrides):
         assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges"
 
 
+def biased_llama(path):
+    """A tiny Llama with attention_bias and mlp_bias (q/k/v/o and gate/up/down biases), the
+    biases drawn at random (transformers starts them at zero)."""
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model(path, arch="llama", attention_bias=True, mlp_bias=True)
+    file = path / "model.safetensors"
+    tensors, gen = load_file(file), torch.Generator().manual_seed(5)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=gen) * 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def test_llama_biases_parity(tmp_path):
+    """Llama's attention_bias (q/k/v and o_proj) and mlp_bias (gate, up, down) against HF."""
+    model_dir = biased_llama(tmp_path / "llama")
+    prompts = random_prompts(384)[:8]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=16)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
+    assert run_ours(llm, prompts, 16) == expected
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                                   "gemma2", "gemma3_text", "mistral"])
 def test_architecture_parity_under_pressure(tmp_path, arch):

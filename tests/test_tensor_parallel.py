@@ -145,6 +145,24 @@ def spawned_ranks(pid: int) -> list[psutil.Process]:
     return ranks
 
 
+def test_tp2_adds_row_parallel_biases_once(tmp_path):
+    """o_proj's and down_proj's biases are whole on each rank and added once, after the
+    all-reduce (on each rank they would count twice); gate/up's split with their rows."""
+    from tests.test_parity import biased_llama, random_prompts
+
+    path = biased_llama(tmp_path / "biased")
+    prompts = random_prompts(384)[:6]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        llm = engine(path, tp, 2, blocks=64, swap_blocks=8)
+        try:
+            results[tp] = run(llm, prompts, [params] * len(prompts))
+        finally:
+            llm.engine.shutdown()
+    assert results[2] == results[1]
+
+
 def test_killed_worker_stops_the_engine_and_leaves_no_process(model):
     kv, path = model
     before = _children()

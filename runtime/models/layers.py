@@ -141,7 +141,7 @@ class Attention(nn.Module):
         self.softcap = 0.0  # attention logit soft-capping (Gemma 2)
         self.kv_scales = None  # a float8 cache's scales from the checkpoint (quantization/kv_scales.py)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
 
@@ -168,26 +168,38 @@ class Attention(nn.Module):
         attn = self.kernels.attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         if scales is not None:
             attn = attn * scales.output
-        return parallel.all_reduce(linear(attn.reshape(t, self.q_size), self.o_proj.weight), cfg.tp_size)
+        return row_parallel(linear, attn.reshape(t, self.q_size), self.o_proj, cfg.tp_size)
+
+
+def row_parallel(linear, x: torch.Tensor, proj: nn.Linear, tp_size: int) -> torch.Tensor:
+    """A row-parallel projection (o_proj, down_proj): the ranks' partial sums all-reduced, its
+    bias (where it has one) added once, after them."""
+    if tp_size == 1:
+        return linear(x, proj.weight, proj.bias)
+    out = parallel.all_reduce(linear(x, proj.weight), tp_size)
+    return out if proj.bias is None else out + proj.bias
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+    """down(silu(gate(x)) * up(x)), gate and up in one matmul; biases where the checkpoint has
+    them (Llama's mlp_bias)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, tp_size: int = 1,
-                 reduce: bool = True):
+                 reduce: bool = True, bias: bool = False):
         """tp_size > 1: this rank's slice of the intermediate size (runtime/models/parallel.py);
         reduce=False leaves the partial sums to the caller's all-reduce (a shared expert)."""
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a shared expert's MLP with biases")
         self.kernels, self.ops = kernels, kernels.ops
         self.tp_size = tp_size if reduce else 1
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size // tp_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size // tp_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size // tp_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.kernels.linear
-        out = linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
-        return parallel.all_reduce(out, self.tp_size)
+        act = self.ops.silu_and_mul(linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return row_parallel(linear, act, self.down_proj, self.tp_size)
 
 
 class Experts(nn.Module):
@@ -268,7 +280,7 @@ class DecoderLayer(nn.Module):
 # gate/up into gate_up_proj, and each expert's gate/up/down into the experts' w13 and w2
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _QKV = re.compile(r"(.+)\.([qkv])_proj\.(weight|bias)")
-_GATE_UP = re.compile(r"(.+)\.(gate|up)_proj\.weight")
+_GATE_UP = re.compile(r"(.+)\.(gate|up)_proj\.(weight|bias)")
 _EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -291,7 +303,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(cfg), persistent=False)
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels, cfg.tp_size)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, self.kernels, cfg.tp_size, bias=cfg.mlp_bias)
 
     @staticmethod
     def rename(name: str) -> str:
@@ -355,7 +367,7 @@ class CausalLM(nn.Module):
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
         gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
-        no q/k norm, window, soft cap, KV-cache scales or other attention scale than
+        no q/k norm, window, soft cap, o_proj or MLP bias, KV-cache scales or other attention scale than
         head_dim ** -0.5, on one rank, and the model runs this class's forward: the layers a
         backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1 or self.cfg.pp_size != 1 \
@@ -366,7 +378,8 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if type(layer) is not DecoderLayer or type(mlp) is not GatedMLP or type(attn) is not Attention \
                     or attn.q_norm is not None or attn.sliding_window or attn.softcap or attn.kv_scales is not None \
-                    or attn.scale != self.cfg.head_dim ** -0.5:  # the stack's scale
+                    or attn.scale != self.cfg.head_dim ** -0.5 \
+                    or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None:
                 return None
             out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
@@ -404,9 +417,9 @@ class CausalLM(nn.Module):
             rows = attn.q_size if part == "q" else attn.kv_size
             return f"{prefix}.qkv_proj.{kind}", (slice(start, start + rows),)
         if m := _GATE_UP.fullmatch(name):
-            prefix, part = m.groups()
+            prefix, part, kind = m.groups()
             inter = self.get_submodule(prefix).down_proj.in_features
-            return f"{prefix}.gate_up_proj.weight", (slice(0, inter) if part == "gate" else slice(inter, 2 * inter),)
+            return f"{prefix}.gate_up_proj.{kind}", (slice(0, inter) if part == "gate" else slice(inter, 2 * inter),)
         return name, ()
 
     def checkpoint_target(self, name: str) -> str | None:

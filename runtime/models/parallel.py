@@ -5,7 +5,8 @@ the vocabulary-parallel logits on rank 0). With one rank every function here is 
 The split follows Megatron as vLLM does: q/k/v (by heads) and gate/up are column-parallel
 (each rank computes its heads' or its intermediate slice's outputs, no communication),
 o_proj and down_proj are row-parallel (each rank multiplies its slice of the inputs and the
-partial sums are all-reduced: one all-reduce per attention and one per MLP, per layer). KV
+partial sums are all-reduced: one all-reduce per attention and one per MLP, per layer; their
+biases, where a checkpoint has them, are whole on every rank and added once after it). KV
 heads are split like query heads; with fewer KV heads than ranks each rank holds one, the
 one its query heads read (replicated on tp / kv ranks). A mixture of experts splits every
 expert as a gated MLP (gate/up by column, down by row), keeps the router whole on every rank,
@@ -114,10 +115,10 @@ def check_supported(model: nn.Module, cfg: ModelConfig) -> None:
 # checkpoint names (in CausalLM's layout, without "model.") and how each is split
 _HEADS = re.compile(r".+\.([qkv])_proj\.(?:weight|bias)")
 _FUSED_QKV = re.compile(r".+\.qkv_proj\.(?:weight|bias)")  # Phi-3 stores q/k/v as one tensor
-_COLUMN = re.compile(r".+\.(?:gate|up)_proj\.weight")  # dense, shared-expert and each expert's
+_COLUMN = re.compile(r".+\.(?:gate|up)_proj\.(?:weight|bias)")  # dense, shared-expert and each expert's
 _VOCAB = re.compile(r"embed_tokens\.weight|lm_head\.weight")
-_FUSED_GATE_UP = re.compile(r".+\.gate_up_proj\.weight")
-_ROW = re.compile(r".+\.(?:o|down)_proj\.weight")  # the router (mlp.gate) matches nothing: replicated
+_FUSED_GATE_UP = re.compile(r".+\.gate_up_proj\.(?:weight|bias)")
+_ROW = re.compile(r".+\.(?:o|down)_proj\.weight")  # the router (mlp.gate) and these biases match nothing: replicated
 
 
 def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

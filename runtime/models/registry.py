@@ -16,22 +16,26 @@ class Entry(NamedTuple):
     text_config: bool = False  # a multimodal checkpoint: its config is config.json's text_config (the whole
     # of it under "_multimodal")
     activations: tuple[str, ...] = ("silu", "swish")  # config.json's hidden_act (or hidden_activation) it runs
+    o_bias: bool = False  # o_proj takes config.json's attention_bias, as q/k/v do (transformers' class does)
+    mlp_bias: bool = False  # gate, up and down take config.json's mlp_bias
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # Gemma's MLP: GELU's tanh approximation
 
 
 _MODELS = {
-    "LlamaForCausalLM": Entry("llama", "LlamaForCausalLM"),
+    "LlamaForCausalLM": Entry("llama", "LlamaForCausalLM", o_bias=True, mlp_bias=True),
     "MistralForCausalLM": Entry("llama", "MistralForCausalLM", sliding_window=True),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
-    "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM", o_bias=True),
     "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
-    "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True, activations=GELU_TANH),
-    "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True, activations=GELU_TANH),
+    "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM", o_bias=True),
+    "Gemma2ForCausalLM": Entry("gemma", "Gemma2ForCausalLM", sliding_window=True, activations=GELU_TANH,
+                               o_bias=True),
+    "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True, activations=GELU_TANH,
+                               o_bias=True),
     "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
     "LlavaNextForConditionalGeneration": Entry("llava", "LlavaNextForConditionalGeneration", text_config=True),
     "Qwen2_5_VLForConditionalGeneration": Entry("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True,
