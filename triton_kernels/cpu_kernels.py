@@ -32,7 +32,16 @@ logger = logging.getLogger(__name__)
 # bytes of weights laid out for AMX tiles (CpuKernels.packed) a process keeps at most: past it,
 # each step of 16 rows or more widens and lays out a matrix again (about a quarter of a 64-row
 # step of the default model); the default model's copies take 270 MB
-PACKED_BUDGET = int(float(os.environ.get("PAGESERVE_AMX_PACKED_GIB", "1")) * 2**30)
+def _packed_budget() -> int:
+    try:
+        return int(float(os.environ.get("PAGESERVE_AMX_PACKED_GIB", "1")) * 2**30)
+    except ValueError:
+        logger.warning("PAGESERVE_AMX_PACKED_GIB=%r is not a number of GiB: 1 GiB",
+                       os.environ["PAGESERVE_AMX_PACKED_GIB"])
+        return 2**30
+
+
+PACKED_BUDGET = _packed_budget()
 _packed = {"bytes": 0, "full": False}  # the copies held now; whether the budget has turned one away
 
 
@@ -139,13 +148,15 @@ class CpuKernels:
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight rounded to bfloat16 and laid out for the AMX tiles (pageserve_pack_amx),
         which `linear` then reads at 16 rows and more instead of widening the matrix each call:
-        made on first use and kept on the weight (made again if the weight was written since),
-        while the process's copies stay within PACKED_BUDGET. None without AMX or bfloat16
-        arithmetic, or past the budget."""
-        if not (self.amx and self.bf16_dot and self._layouts):
+        made on first use and kept on the weight, and made again where the weight was written
+        through itself (its version) or given other memory since; a write through `.data`, or
+        after a decoder stack was built, goes unseen (the engine writes weights only while
+        loading). None without AMX or bfloat16 arithmetic, for an inference-mode tensor (no
+        version to check), or past the budget."""
+        if not (self.amx and self.bf16_dot and self._layouts) or weight.is_inference():
             return None
         held = getattr(weight, "_amx_packed", None)
-        if held is not None and held[1] == weight._version:
+        if held is not None and held[1:] == (weight._version, weight.data_ptr()):
             return held[0]
         fmt, k = weight_format(weight)
         nbytes = 2048 * ((k + 31) // 32) * ((weight.shape[0] + 31) // 32)
@@ -160,7 +171,7 @@ class CpuKernels:
             return None
         _packed["bytes"] += nbytes
         weakref.finalize(out, _unpacked, nbytes)
-        weight._amx_packed = (out, weight._version)
+        weight._amx_packed = (out, weight._version, weight.data_ptr())
         return out
 
     def widen(self, weight: torch.Tensor) -> torch.Tensor:

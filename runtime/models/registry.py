@@ -36,14 +36,18 @@ _MODELS = {
                                o_bias=True),
     "Gemma3ForCausalLM": Entry("gemma", "Gemma3ForCausalLM", sliding_window=True, activations=GELU_TANH,
                                o_bias=True),
-    "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True),
-    "LlavaNextForConditionalGeneration": Entry("llava", "LlavaNextForConditionalGeneration", text_config=True),
+    "LlavaForConditionalGeneration": Entry("llava", "LlavaForConditionalGeneration", text_config=True, o_bias=True,
+                                           mlp_bias=True),
+    "LlavaNextForConditionalGeneration": Entry("llava", "LlavaNextForConditionalGeneration", text_config=True,
+                                               o_bias=True, mlp_bias=True),
     "Qwen2_5_VLForConditionalGeneration": Entry("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True,
                                                 text_config=True),
-    "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True),
-    "SmolVLMForConditionalGeneration": Entry("idefics3", "SmolVLMForConditionalGeneration", text_config=True),
+    "Idefics3ForConditionalGeneration": Entry("idefics3", "Idefics3ForConditionalGeneration", text_config=True,
+                                              o_bias=True, mlp_bias=True),
+    "SmolVLMForConditionalGeneration": Entry("idefics3", "SmolVLMForConditionalGeneration", text_config=True,
+                                             o_bias=True, mlp_bias=True),
     "Gemma3ForConditionalGeneration": Entry("gemma3_mm", "Gemma3ForConditionalGeneration", sliding_window=True,
-                                            text_config=True, activations=GELU_TANH),
+                                            text_config=True, activations=GELU_TANH, o_bias=True),
 }
 
 
