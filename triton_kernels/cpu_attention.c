@@ -724,6 +724,18 @@ static amx_scratch amx_at(float *kvw, long block_size, long D, long Mp) {
     return a;
 }
 
+/* tile C += the keys' chunk dc (tile 4 + dc) times the heads' (tile 3): the instruction names
+   its tiles as constants */
+#define KEYS_X_HEADS(C, dc)                              \
+    do {                                                 \
+        switch (dc) {                                    \
+        case 0: _tile_dpbf16ps(C, 4, 3); break;          \
+        case 1: _tile_dpbf16ps(C, 5, 3); break;          \
+        case 2: _tile_dpbf16ps(C, 6, 3); break;          \
+        default: _tile_dpbf16ps(C, 7, 3);                \
+        }                                                \
+    } while (0)
+
 /* the scores of a run's n keys (kb: n rows of D bfloat16 values) against the heads (qp: D / 2
    rows of Mp pairs), as score_keys16 writes them: per 16 keys, the keys' chunks of 32 values in
    tiles 4.. and up to three tiles of 16 heads' sums at once */
@@ -751,29 +763,14 @@ static void scores_amx(const uint16_t *kb, long n, long D, const bf2 *qp, long M
             for (long dc = 0; dc < nd; dc++) {
                 const bf2 *q = qp + 16 * dc * Mp + c;
                 _tile_loadd(3, q, 4 * Mp);
-                switch (dc) {
-                case 0: _tile_dpbf16ps(0, 4, 3); break;
-                case 1: _tile_dpbf16ps(0, 5, 3); break;
-                case 2: _tile_dpbf16ps(0, 6, 3); break;
-                default: _tile_dpbf16ps(0, 7, 3);
-                }
+                KEYS_X_HEADS(0, dc);
                 if (nc > 1) {
                     _tile_loadd(3, q + 16, 4 * Mp);
-                    switch (dc) {
-                    case 0: _tile_dpbf16ps(1, 4, 3); break;
-                    case 1: _tile_dpbf16ps(1, 5, 3); break;
-                    case 2: _tile_dpbf16ps(1, 6, 3); break;
-                    default: _tile_dpbf16ps(1, 7, 3);
-                    }
+                    KEYS_X_HEADS(1, dc);
                 }
                 if (nc > 2) {
                     _tile_loadd(3, q + 32, 4 * Mp);
-                    switch (dc) {
-                    case 0: _tile_dpbf16ps(2, 4, 3); break;
-                    case 1: _tile_dpbf16ps(2, 5, 3); break;
-                    case 2: _tile_dpbf16ps(2, 6, 3); break;
-                    default: _tile_dpbf16ps(2, 7, 3);
-                    }
+                    KEYS_X_HEADS(2, dc);
                 }
             }
             for (long t = 0; t < nc; t++) {
