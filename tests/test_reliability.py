@@ -317,8 +317,10 @@ def test_a_signal_during_start_up_stops_it_and_its_compiler(tiny_model_dir, tmp_
     cache = tmp_path / "cache"
     command = [sys.executable, "-m", "pageserve.app.cli", "serve", str(tiny_model_dir), "--dtype", "float32",
                "--port", str(free_port())]
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PAGESERVE_CACHE": str(cache)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "server.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PAGESERVE_CACHE": str(cache)},
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline, compiler = time.monotonic() + 90, []
         while not compiler and time.monotonic() < deadline and proc.poll() is None:
@@ -329,7 +331,11 @@ def test_a_signal_during_start_up_stops_it_and_its_compiler(tiny_model_dir, tmp_
             pytest.skip("no C compiler ran (none on this machine?)")
         proc.send_signal(getattr(signal, sig))
         started = time.monotonic()
-        assert proc.wait(30) == 130
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            code = f"still running; its log: {log.read_text()[-3000:]}"
+        assert code == 130
         assert time.monotonic() - started < 20
         time.sleep(1)
         assert not [p for p in under if _alive(p)], [(p, _comm(p)) for p in under if _alive(p)]
