@@ -21,7 +21,8 @@ from pageserve.runtime.kernels import AttentionMetadata, TorchKernels, make_kern
 from pageserve.runtime.kv_swap import KVSwapper
 from pageserve.runtime.lora.manager import LoRAManager
 from pageserve.runtime.models import parallel, registry
-from pageserve.runtime.models.layers import CausalLM, Experts, rope_cos_sin_cache
+from pageserve.runtime.models.layers import CausalLM, Experts
+from pageserve.runtime.models.rope import rope_cos_sin_cache
 from pageserve.runtime.models.loader import ModelLoadError, cache_root, gguf_source, iter_safetensors
 from pageserve.runtime.models.gguf_file import GGUFFile
 from pageserve.runtime.models.weight_formats import GGUFBlocks, narrow_exact_matrices, round_to_bfloat16

@@ -142,7 +142,7 @@ def test_yarn_table_is_hfs(tmp_path, scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from pageserve.runtime.engine_args import EngineArgs
-    from pageserve.runtime.models.layers import rope_cos_sin_cache, yarn_parameters
+    from pageserve.runtime.models.rope import rope_cos_sin_cache, yarn_parameters
     from pageserve.runtime.models.loader import load_tokenizer, read_config
 
     params = {"rope_type": "yarn", "rope_theta": 10000.0, **scaling}
@@ -164,7 +164,7 @@ def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, fac
     import math
 
     from pageserve.runtime.engine_args import EngineArgs
-    from pageserve.runtime.models.layers import rope_cos_sin_cache
+    from pageserve.runtime.models.rope import rope_cos_sin_cache
     from pageserve.runtime.models.loader import load_tokenizer, read_config
 
     model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")

@@ -18,7 +18,8 @@ from torch import nn
 from pageserve.runtime.config import ModelConfig
 from pageserve.runtime.kernels import Kernels
 from pageserve.runtime.models import parallel
-from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, rope_cos_sin_cache
+from pageserve.runtime.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
+from pageserve.runtime.models.rope import rope_cos_sin_cache
 
 
 def layer_windows(hf: dict, num_layers: int, pattern: int) -> list[int]:
