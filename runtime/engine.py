@@ -26,7 +26,7 @@ from pageserve.runtime.lora.pins import AdapterPins
 from pageserve.runtime.models import registry
 from pageserve.runtime.model_runner import ModelRunner
 from pageserve.runtime.multimodal import MultiModalProcessor
-from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop
+from pageserve.runtime.output_processor import OutputProcessor, detokenize_and_check_stop, no_token_error
 from pageserve.runtime.outputs import RequestOutput
 from pageserve.runtime.request import LAST_UNFINISHED, Request, RequestStatus
 from pageserve.runtime.scheduler import Scheduler
@@ -36,6 +36,7 @@ from pageserve.runtime.structured_outputs import StructuredOutputs, advance, che
 from pageserve.runtime.swap_space import SwapSpace
 from pageserve.runtime.synthetic_steps import GREEDY_PARAMS, WORST_CASE_MIN_P
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
+from pageserve.sampling.sampler import NO_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +307,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_waiting_sequences(self) -> int:
+        """As num_waiting, a request of n > 1 not yet forked counting n."""
+        return sum(r.num_samples for r in self.scheduler.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
@@ -440,7 +446,8 @@ class LLMEngine:
         else:
             members = [req] + self._fork(req)  # n > 1: the first sample forks the request
             outputs = [self._append_token(member, token, result.logprobs.get(member.request_id))
-                       for member, token in zip(members, tokens)]
+                       for member, token in zip(members, tokens)
+                       if member.status <= LAST_UNFINISHED]  # a sibling's NO_TOKEN fails them all
         return [out for out in outputs if out is not None]
 
     def _fail_request(self, output_id: str, error: Exception) -> None:
@@ -451,6 +458,9 @@ class LLMEngine:
     def _append_token(self, req: Request, token: int, logprobs) -> RequestOutput | None:
         """What the request reports after the token (None: nothing yet). logprobs: the
         token's TokenLogprobs where the request asked for them."""
+        if token == NO_TOKEN:
+            self._fail_request(req.output_id, no_token_error(req))
+            return None
         req.token_ids.append(token)
         self.counters.generation_tokens += 1  # not a speculative run's tokens past the one that ends it
         if req.logprobs is not None:

@@ -4,6 +4,7 @@ one RequestOutput per request (or per sequence of an n > 1 request) as its outpu
 from __future__ import annotations
 
 from pageserve.runtime import pooling
+from pageserve.runtime.input_processor import InvalidRequest
 from pageserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pageserve.runtime.request import Request, RequestStatus
 from pageserve.sampling.params import RequestOutputKind
@@ -33,6 +34,17 @@ def detokenize_and_check_stop(req: Request, token: int, max_model_len: int) -> R
     if status is None and (num_output >= req.max_tokens or num_tokens >= max_model_len):
         status = RequestStatus.FINISHED_LENGTH
     return status
+
+
+def no_token_error(req: Request) -> InvalidRequest:
+    """The error of a request whose masks forbade every token at its next one (sampled as NO_TOKEN)."""
+    p = req.sampling_params
+    masks = [name for name, on in (("allowed_token_ids", p.allowed_token_ids is not None),
+                                   ("bad_words", bool(p.bad_words)),
+                                   ("min_tokens", req.num_output_tokens < p.min_tokens),
+                                   ("the response format", req.matcher is not None)) if on]
+    return InvalidRequest(f"{' and '.join(masks) or 'the request'} left no token to write at output token "
+                          f"{req.num_output_tokens + 1}: together they forbid every one", masks[0] if masks else None)
 
 
 def _metrics(req: Request, members: list[Request] | None = None) -> RequestMetrics:

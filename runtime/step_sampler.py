@@ -102,7 +102,9 @@ class StepSampler:
         if constrained:
             meta.set_bitmask(self._grammar_bitmask(len(rows), constrained), self.kernels.ops.apply_token_bitmask)
         token_ids, logprobs = sample(logits, meta, self.generator, self.kernels.argmax)
-        self._last = (token_ids, [row.request_id for row in rows[:num_plain]])
+        # a request running ahead reads a real token: its NO_TOKEN fails it when the host sees it
+        last = token_ids.clamp(min=0) if meta.may_mask_all else token_ids
+        self._last = (last, [row.request_id for row in rows[:num_plain]])
         by_row = dict(zip(meta.logprob_rows, logprobs))
         result.logprobs = {rows[i].request_id: by_row[i] for i in meta.logprob_rows if i < num_plain}
         if not spec:  # the host reads the draws when the step is collected (StepResult.resolve)

@@ -118,6 +118,11 @@ class SamplingMetadata:
         self.max_logprobs = max((k for _, k in want), default=0)
         self.num_logprobs = [k for _, k in want]
 
+    @property
+    def may_mask_all(self) -> bool:
+        """Whether a row's masks may forbid every token (a logit bias or penalty never does)."""
+        return self.bitmask is not None or self.allowed is not None or self.banned is not None
+
     def set_bitmask(self, bitmask: torch.Tensor, apply) -> None:
         """Grammar masks for the batch, applied in one call by `apply(logits, bitmask)` (the
         Triton kernel on CUDA, the torch reference elsewhere)."""
@@ -158,6 +163,7 @@ def _upload_many(items: list[tuple], device: torch.device) -> list[torch.Tensor]
 # candidates looked at first for truncated rows (top-k, top-p, min-p); a row whose kept tokens
 # might reach past them is sampled over the whole vocabulary instead, so results stay exact
 CANDIDATES = 128
+NO_TOKEN = -1  # a row whose masks leave no token at all (the engine fails its request)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -315,9 +321,9 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None,
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, list[TokenLogprobs]]:
-    """logits: [B, V] float32 from the model. Returns [B] token ids and, for the rows that
-    asked for them, their log-probabilities. argmax: the backend's (Kernels.argmax), else
-    torch's."""
+    """logits: [B, V] float32 from the model. Returns [B] token ids (NO_TOKEN where the masks
+    forbid every token) and, for the rows that asked for them, their log-probabilities.
+    argmax: the backend's (Kernels.argmax), else torch's."""
     raw = logits
     logits = process_logits(logits, meta)
     ids = (argmax(logits) if argmax is not None else logits.argmax(dim=-1)) if meta.any_greedy else None
@@ -332,6 +338,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Genera
     if meta.penalty_rows is not None:
         meta.counts.add(meta.count_rows, ids[meta.penalty_rows])
     logprobs = token_logprobs(raw, meta, ids) if meta.logprob_rows else []
+    if meta.may_mask_all:  # allowed tokens, bad words, min_tokens and a grammar may forbid every token
+        ids = torch.where(torch.isneginf(logits).all(dim=-1), NO_TOKEN, ids)
     return ids, logprobs
 
 

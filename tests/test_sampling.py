@@ -14,7 +14,8 @@ import torch
 
 from pageserve.sampling.params import RequestOutputKind, SamplingParams
 from pageserve.sampling.penalties import TokenCounts
-from pageserve.sampling.sampler import SampleRow, SamplingMetadata, draw, process_logits, sample, sync_free_rows
+from pageserve.sampling.sampler import (NO_TOKEN, SampleRow, SamplingMetadata, draw, process_logits, sample,
+                                        sync_free_rows)
 from tests.conftest import assert_pool_clean
 
 pytestmark = pytest.mark.engine
@@ -228,6 +229,78 @@ def test_a_greedy_batch_with_one_processor_applies_it(feature):
     assert not torch.equal(ours, logits) or "logprobs" in feature
     plain = SamplingMetadata(_rows([SamplingParams(temperature=0)] * 4), torch.device("cpu"), vocab)
     assert torch.equal(process_logits(logits.clone(), plain), logits)
+
+
+def test_a_row_whose_masks_forbid_every_token_samples_no_token():
+    """allowed_token_ids [EOS] with min_tokens (which holds EOS back), and allowed tokens that
+    bad_words ban: NO_TOKEN for those rows, greedy or drawn, with logprobs or not; the other
+    rows draw what they draw beside plain rows in the same places, with the same uniforms."""
+    vocab = 40
+    dead = [SamplingParams(temperature=0, allowed_token_ids=[1], min_tokens=2, logprobs=2),
+            SamplingParams(temperature=1.0, top_k=5, allowed_token_ids=[1], min_tokens=1),
+            SamplingParams(temperature=0.8, allowed_token_ids=[7, 8], bad_words=["a", "b"]).with_bad_words(
+                lambda word: [7] if "a" in word else [8])]
+    alive = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0, allowed_token_ids=[7, 9]),
+             SamplingParams(temperature=1.2, logprobs=1, min_tokens=1)]
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(8))
+    got = {}
+    for name, first in (("dead", dead), ("plain", [SamplingParams(temperature=1.0)] * 3)):
+        params = [first[0], alive[0], first[1], alive[1], first[2], alive[2]]
+        cpu = torch.device("cpu")
+        meta = SamplingMetadata(_rows(params), cpu, vocab, counts=TokenCounts(vocab, cpu))
+        assert meta.may_mask_all
+        ids, logprobs = sample(logits.clone(), meta, torch.Generator().manual_seed(1))
+        got[name] = ids.tolist()
+        assert len(logprobs) == (2 if name == "dead" else 1)
+    assert [got["dead"][i] for i in (0, 2, 4)] == [NO_TOKEN] * 3
+    assert [got["dead"][i] for i in (1, 3, 5)] == [got["plain"][i] for i in (1, 3, 5)]
+    assert got["dead"][3] in (7, 9) and got["dead"][5] != 1
+    plain = SamplingMetadata(_rows(alive), torch.device("cpu"), vocab)
+    assert not SamplingMetadata(_rows([SamplingParams(temperature=0.5)]), torch.device("cpu"), vocab).may_mask_all
+    assert plain.may_mask_all  # allowed tokens: the check runs, and finds no row dead
+    assert NO_TOKEN not in sample(logits[:3].clone(), plain, torch.Generator().manual_seed(1))[0].tolist()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_whose_masks_forbid_every_token_fails_alone(tiny_model_dir, async_scheduling):
+    """A request that no token can continue (allowed_token_ids that bad_words ban, EOS alone while
+    min_tokens holds it back, at once or after some tokens, n = 2) ends with an error naming the
+    fields; the requests beside it write what they write alone, and every block comes back."""
+    from pageserve.runtime import LLM
+    from pageserve.runtime.input_processor import InvalidRequest
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.001, max_num_batched_tokens=32,
+              debug_checks=True, async_scheduling=async_scheduling)
+    engine = llm.engine
+    eos = engine.config.model.eos_token_ids[0]
+    word = engine.tokenizer.decode([300]).strip()
+    assert engine.tokenizer.encode(word * 2, add_special_tokens=False) == [300, 300]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    fine = {f"ok{i}": ([5 + i, 6, 7], greedy) for i in range(3)}
+    bad = {"banned": ([9, 9], SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[300],
+                                             bad_words=[word])),
+           "held": ([9, 8], SamplingParams(temperature=1.0, max_tokens=5, allowed_token_ids=[eos], min_tokens=1,
+                                           n=2)),
+           "later": ([9, 7], SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[300],
+                                            bad_words=[word * 2]))}  # "TheThe": [300, 300]
+    for rid, (prompt, params) in {**fine, **bad}.items():
+        engine.add_request(prompt, params, request_id=rid)
+    done, failed = {}, {}
+    for _ in range(100):
+        outs = engine.step()
+        failed.update(engine.take_failures())
+        done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    engine.collect_in_flight()
+    assert sorted(failed) == sorted(bad) and not set(done) & set(bad)
+    assert all(isinstance(e, InvalidRequest) for e in failed.values())
+    assert failed["banned"].param == "allowed_token_ids" and "bad_words" in str(failed["banned"])
+    assert "min_tokens" in str(failed["held"]) and "output token 1:" in str(failed["held"])
+    assert "output token 2:" in str(failed["later"])  # it wrote 300 first; then 300 again is banned
+    alone = llm.generate([p for p, _ in fine.values()], greedy, use_tqdm=False)
+    assert [done[rid] for rid in fine] == [o.outputs[0].token_ids for o in alone]
+    assert_pool_clean(engine)
 
 
 def test_same_seed_same_text_alone_and_in_a_mixed_batch_of_16(tiny_llm):

@@ -93,6 +93,25 @@ def test_allowed_token_ids_bound_every_sampled_token(server):
 
 
 @pytest.mark.server
+def test_masks_that_forbid_every_token_are_a_400_and_the_server_serves_on(server):
+    """allowed_token_ids that bad_words ban: a 400 naming allowed_token_ids (an error event when
+    streamed), and the next request is answered."""
+    url = f"{server.url}/v1/completions"
+    allowed = server.engine.tokenize(" red", add_special_tokens=False)
+    body = {"model": server.model, "prompt": "Colours:", "max_tokens": 5, "allowed_token_ids": allowed,
+            "bad_words": ["red"]}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "allowed_token_ids" and "bad_words" in error["message"], error
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["param"] == "allowed_token_ids", lines
+    ok = httpx.post(url, json={**body, "bad_words": []}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == " red" * 5
+
+
+@pytest.mark.server
 def test_bad_words_are_never_written_and_change_nothing_before_them(server):
     """The greedy answer without the word, then with it banned: the same tokens up to where the
     word would have been finished, and the word nowhere."""
