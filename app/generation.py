@@ -98,10 +98,10 @@ async def start(state: ServerState, base_id: str, prompts: list[list[int]], para
     suffix = uuid.uuid4().hex[:8]
     if owner:  # the tag has a fixed length: no two (owner, salt) pairs give one string
         cache_salt = f"{owner}:{cache_salt or ''}"
-    engine.check_accepting(len(prompts), param)  # before the checks, which may take a while
+    engine.check_accepting(len(prompts), param, params.n)  # before the checks, which may take a while
     checked = await off_loop_if(sum(map(len, prompts)) > LONG_TEXT, lambda: [
         engine.check_request(ids, params, cache_salt, param, images, priority) for ids in prompts])
-    stream = engine.new_stream(len(prompts), param)  # checked again: nothing awaits from here to the queue
+    stream = engine.new_stream(len(prompts), param, params.n)  # checked again: nothing awaits from here to the queue
     try:
         for i, request in enumerate(checked):
             rid = f"{base_id}-{suffix}" if len(prompts) == 1 else f"{base_id}-{suffix}-{i}"

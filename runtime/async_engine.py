@@ -168,8 +168,9 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests not yet running: handed in but not admitted by the scheduler."""
-        return len(self._pending) + self.engine.num_waiting
+        """Sequences not yet running: handed in but not admitted by the scheduler (n each of a
+        request of n > 1 until it forks)."""
+        return sum(p.request.num_sequences for p in self._pending.values()) + self.engine.num_waiting_sequences
 
     # ---- what the server reads ----
 
@@ -242,24 +243,27 @@ class AsyncEngine:
         """Compile a grammar ahead of the first request that needs it (in the grammar worker)."""
         return self.engine.grammar.submit(regex)
 
-    def check_accepting(self, num_requests: int, param: str) -> None:
-        """Whether `num_requests` more would be taken now (InvalidRequest, QueueFullError,
-        ShuttingDownError or EngineDeadError if not)."""
+    def check_accepting(self, num_requests: int, param: str, n: int = 1) -> None:
+        """Whether `num_requests` more, of `n` sequences each, would be taken now (InvalidRequest,
+        QueueFullError, ShuttingDownError or EngineDeadError if not). The queue counts sequences,
+        as vLLM's does once it has split n > 1 into its requests."""
         if self.error is not None:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if self._closed or self._draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
-        if num_requests > self.max_num_queued_reqs:  # never fits: a retry cannot help
-            raise InvalidRequest(f"the request has {num_requests} prompts and the server queues at most "
+        wanted = num_requests * n
+        if wanted > self.max_num_queued_reqs:  # never fits: a retry cannot help
+            asked = f"{num_requests} prompts" if n == 1 else f"{wanted} sequences ({num_requests} prompts x n = {n})"
+            raise InvalidRequest(f"the request has {asked} and the server queues at most "
                                  f"{self.max_num_queued_reqs} (--max-num-queued-reqs): send fewer at once", param)
-        if self.num_queued + num_requests > self.max_num_queued_reqs:
-            raise QueueFullError(f"the server has {self.num_queued} requests waiting and its limit "
+        if (queued := self.num_queued) + wanted > self.max_num_queued_reqs:
+            raise QueueFullError(f"the server has {queued} sequences waiting and its limit "
                                  f"is {self.max_num_queued_reqs} (--max-num-queued-reqs); retry later")
 
-    def new_stream(self, num_requests: int = 1, param: str = "prompt") -> RequestStream:
-        """A stream for `num_requests` engine requests, refused when they would not fit in the
-        queue (InvalidRequest naming `param`, the prompts, when they never would)."""
-        self.check_accepting(num_requests, param)
+    def new_stream(self, num_requests: int = 1, param: str = "prompt", n: int = 1) -> RequestStream:
+        """A stream for `num_requests` engine requests of `n` sequences each, refused when they
+        would not fit in the queue (InvalidRequest naming `param`, the prompts, when they never would)."""
+        self.check_accepting(num_requests, param, n)
         return RequestStream(self)
 
     def add_request(self, stream: RequestStream, request_id: str, prompt: str | list[int],

@@ -44,6 +44,10 @@ class ProcessedRequest:
     priority: int = 0  # --scheduling-policy priority: the lowest value runs first
     owner: str = ""  # who sent it (the API key's tag): whose turn its grammar compiles in
 
+    @property
+    def num_sequences(self) -> int:
+        return 1 if self.params is None else self.params.n
+
 
 class InputProcessor:
     def __init__(self, tokenize, vocab_size: int, max_model_len: int, max_num_seqs: int, grammar_regex,

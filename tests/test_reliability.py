@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pageserve.sampling.params import SamplingParams
 from tests.conftest import assert_pool_clean
 from tests.live_server import InProcessServer
 
@@ -201,6 +202,25 @@ def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(small_server):
         assert "--max-num-queued-reqs" in r.json()["error"]["message"]
         body[key] = body[key][:limit]
         assert httpx.post(f"{srv.url}{path}", json=body, timeout=60).status_code == 200
+    # the queue counts sequences: prompts x n over the limit is refused the same way
+    body = {"model": srv.model, "prompt": ["hi"] * 3, "max_tokens": 1, "n": limit // 3 + 1}
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and f"{3 * body['n']} sequences" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{srv.url}/v1/completions", json={**body, "n": limit // 3}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == limit // 3 * 3
+
+
+def test_a_waiting_request_of_n_counts_n_sequences(tiny_llm):
+    """Until its first sample forks it, a request of n = 4 waits as four sequences (the queue's
+    limit counts them); its forks then run, and nothing waits."""
+    engine = tiny_llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(temperature=1.0, n=4, max_tokens=3), request_id="four")
+    engine.add_request([5, 6, 8], SamplingParams(temperature=0, max_tokens=3), request_id="one")
+    assert (engine.num_waiting, engine.num_waiting_sequences) == (2, 5)
+    engine.step()
+    assert (engine.num_waiting, engine.num_waiting_sequences) == (0, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _slow_server(tiny_model_dir, shutdown_timeout: float) -> InProcessServer:
