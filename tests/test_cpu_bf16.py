@@ -38,11 +38,11 @@ def ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs() / (2.0 ** (torch.floor(torch.log2(big)) - 7))
 
 
-def q4_1(rows: int, cols: int, seed: int) -> torch.Tensor:
+def q4_1(rows: int, cols: int, seed: int, kind: str = "q4_1") -> torch.Tensor:
     gguf = pytest.importorskip("gguf")
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
-    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
-    return blocks(torch.from_numpy(np.ascontiguousarray(q)), "q4_1", cols)
+    q = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind.upper()))
+    return blocks(torch.from_numpy(np.ascontiguousarray(q)), kind, cols)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 15, 16, 33, 64, 130])
@@ -91,12 +91,16 @@ def test_the_tiles_where_the_cpu_has_amx(lib):
 
 def test_weights_laid_out_once_for_amx_give_the_same_bits(lib, monkeypatch):
     """From 16 rows, with AMX, a weight is rounded and laid out for the tiles once and kept on
-    it (CpuKernels.packed): the bits of laying it out in each call. Written in place, it is laid
-    out again; past PACKED_BUDGET, each call lays it out as before."""
+    it (CpuKernels.packed): the bits of laying it out in each call. Q4_1 and Q4_0 matrices keep
+    their 4-bit codes in the tiles' order (less than a third of the bytes) and are widened as
+    they are multiplied. Written in place, a weight is laid out again; past PACKED_BUDGET, each
+    call lays it out as before."""
     if not lib.amx:
         pytest.skip("no AMX here")
     gen = torch.Generator().manual_seed(11)
-    for w in (q4_1(130, 576, 4), torch.randn(70, 96, generator=gen), torch.randn(33, 1536, generator=gen).bfloat16()):
+    weights = (q4_1(130, 576, 4), q4_1(45, 1536, 5, "q4_0"), q4_1(96, 96, 6), torch.randn(70, 96, generator=gen),
+               torch.randn(33, 1536, generator=gen).bfloat16())
+    for w in weights:
         x = torch.randn(40, cpu_kernels.in_features(w), generator=gen)
         b = r16(torch.randn(w.shape[0], generator=gen))
         monkeypatch.setattr(cpu_kernels, "PACKED_BUDGET", 0)
@@ -105,6 +109,13 @@ def test_weights_laid_out_once_for_amx_give_the_same_bits(lib, monkeypatch):
         monkeypatch.undo()
         assert torch.equal(lib(x, w, b), fresh) and w._amx_packed is not None
         assert torch.equal(lib(x[:15], w, b), fresh[:15])  # below 16 rows: the rows' path, as before
+        assert torch.equal(lib(x[:33], w, b), fresh[:33])  # a block of x of one row
+        kept = w._amx_packed[0]
+        kind = {4: 1, 3: 2}.get(cpu_kernels.weight_format(w)[0], 0)  # Q4_1, Q4_0: their codes, else bfloat16
+        assert kept[0].item() == kind  # the layout's kind
+        four_bit = kind > 0
+        rows, chunks = -(-w.shape[0] // 32), -(-cpu_kernels.in_features(w) // 32)
+        assert kept.numel() * 4 == 64 + rows * chunks * (640 if four_bit else 2048)
     held = w._amx_packed[0]
     w.mul_(2)  # written in place: laid out again
     got = lib(x, w, b)

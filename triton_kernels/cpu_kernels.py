@@ -100,6 +100,13 @@ class CpuKernels:
         for name in ("pageserve_linear", "pageserve_paged_attention", "pageserve_decode_layers", "pageserve_argmax",
                      *(("pageserve_linear_packed", "pageserve_pack_amx") if self._layouts else ())):
             getattr(lib, name).restype = ctypes.c_int
+        # the layouts' sizes (a library from before the 4-bit layouts writes bfloat16 tiles alone, no header)
+        self._packed_bytes = getattr(lib, "pageserve_packed_bytes", None)
+        if self._packed_bytes is not None:
+            self._packed_bytes.argtypes, self._packed_bytes.restype = [i, n, n], n
+        # where a weight keeps its layout: one attribute per generation of layouts (a benchmark
+        # loads two builds in one process)
+        self._packed_attr = "_amx_packed" if self._packed_bytes is not None else "_amx_packed_bf16"
         lib.pageserve_vectorized.restype = ctypes.c_int
         lib.pageserve_has_bf16_dot.restype = ctypes.c_int
         lib.pageserve_isa.restype = ctypes.c_char_p
@@ -146,20 +153,22 @@ class CpuKernels:
         return out
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The weight rounded to bfloat16 and laid out for the AMX tiles (pageserve_pack_amx),
-        which `linear` then reads at 16 rows and more instead of widening the matrix each call:
-        made on first use and kept on the weight, and made again where the weight was written
+        """The weight laid out for the AMX tiles (pageserve_pack_amx: rounded to bfloat16, or
+        Q4_1 and Q4_0 blocks' codes in the tiles' order, widened a group of rows at a time as they
+        are multiplied), which `linear` then reads at 16 rows and more instead of widening the
+        matrix each call: made on first use and kept on the weight, and made again where the weight was written
         through itself (its version) or given other memory since; a write through `.data`, or
         after a decoder stack was built, goes unseen (the engine writes weights only while
         loading). None without AMX or bfloat16 arithmetic, for an inference-mode tensor (no
         version to check), or past the budget."""
         if not (self.amx and self.bf16_dot and self._layouts) or weight.is_inference():
             return None
-        held = getattr(weight, "_amx_packed", None)
+        held = getattr(weight, self._packed_attr, None)
         if held is not None and held[1:] == (weight._version, weight.data_ptr()):
             return held[0]
         fmt, k = weight_format(weight)
-        nbytes = 2048 * ((k + 31) // 32) * ((weight.shape[0] + 31) // 32)
+        nbytes = 2048 * ((k + 31) // 32) * ((weight.shape[0] + 31) // 32) if self._packed_bytes is None \
+            else self._packed_bytes(fmt, k, weight.shape[0])
         if _packed["bytes"] + nbytes > PACKED_BUDGET:
             if not _packed["full"]:
                 _packed["full"] = True
@@ -171,7 +180,7 @@ class CpuKernels:
             return None
         _packed["bytes"] += nbytes
         weakref.finalize(out, _unpacked, nbytes)
-        weight._amx_packed = (out, weight._version, weight.data_ptr())
+        setattr(weight, self._packed_attr, (out, weight._version, weight.data_ptr()))
         return out
 
     def widen(self, weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,24 @@
 
 #include "cpu_weights.h"
 
+/* A laid-out matrix (pageserve_pack_amx) starts with a header of PACK_HEADER 32-bit words: its
+   kind first. PACK_BF16: per 32 rows, pack_pairs' tiles of bfloat16. PACK_Q4_1 and PACK_Q4_0 (the
+   GGUF formats): per 32 rows, per chunk of 32 values and half of the rows, the 16 rows' scales
+   and offsets (float16, as the blocks hold them) and 16 pairs x 16 rows of 4-bit codes, a pair in
+   a byte: 320 bytes for pack_pairs' 1,024, widened into a tile of bfloat16 as each group is
+   multiplied (less memory to read: the 32 rows' tiles stay in L1/L2 across the blocks of x). */
+#define PACK_HEADER 16
+enum { PACK_BF16 = 0, PACK_Q4_1 = 1, PACK_Q4_0 = 2 };
+#define Q4_TILE 320
+
+static inline int pack_kind(int wtype) { return wtype == W_Q4_1 ? PACK_Q4_1 : wtype == W_Q4_0 ? PACK_Q4_0 : PACK_BF16; }
+
+/* The bytes pageserve_pack_amx writes for a matrix of O rows of K values in format wtype */
+long pageserve_packed_bytes(int wtype, long K, long O) {
+    long kc = (K + 31) / 32, groups = (O + 31) / 32;
+    return 4 * PACK_HEADER + groups * (pack_kind(wtype & ~W_DOT16) == PACK_BF16 ? 2048 * kc : 2 * kc * Q4_TILE);
+}
+
 #ifdef PS_AVX512_BF16
 
 #define TILE_W 8 /* weight rows of a panel tile: 16 accumulators (12 left the dot products' latency bare) */
@@ -382,6 +400,53 @@ static void pack_group(const void *W, int wtype, long K, long kc, long ldw, long
     pack_pairs(wb, kc, wv);
 }
 
+/* rows o0..o0 + no - 1 (no <= 32) of a Q4_1 or Q4_0 matrix as 2 * kc tiles of Q4_TILE bytes
+   (zero rows past no). A tile row (pair p of 16 rows) is 32 bfloat16 values in pack_pairs' order,
+   rows 0-7's pairs then rows 8-15's: byte i holds the code of value i in its low half and of
+   value 16 + i in its high half, so the two halves widen into two registers already in order. */
+static void pack_group_q4(const void *W, int wtype, long kc, long ldw, long o0, long no, uint8_t *out) {
+    long hdr = wtype == W_Q4_1 ? 4 : 2;
+    memset(out, 0, (size_t)(2 * kc * Q4_TILE));
+    for (long i = 0; i < no; i++) {
+        const uint8_t *row = (const uint8_t *)weight_row(W, wtype, ldw, o0 + i);
+        for (long c = 0; c < kc; c++) {
+            const uint8_t *blk = row + c * block_bytes(wtype);
+            uint8_t *t = out + (2 * c + i / 16) * Q4_TILE;
+            long j = i % 16, half = j / 8, at = 2 * (j % 8); /* rows 8-15 in the high halves */
+            memcpy(t + 2 * j, blk, 2);                                /* d */
+            if (wtype == W_Q4_1) memcpy(t + 32 + 2 * j, blk + 2, 2); /* m */
+            for (long v = 0; v < 32; v++) { /* value v's code: byte v % 16's low or high half */
+                uint8_t q = v < 16 ? blk[hdr + v] & 15 : blk[hdr + v - 16] >> 4;
+                t[64 + 16 * (v / 2) + at + v % 2] |= (uint8_t)(q << 4 * half);
+            }
+        }
+    }
+}
+
+/* one tile of pack_group_q4's layout widened as pack_pairs lays out the widened rows: the values
+   widen_block16 gives (Q4_1: d q + m in one rounding; Q4_0: d (q - 8)), rounded to bfloat16 */
+static inline void unpack_q4_tile(const uint8_t *t, int kind, uint32_t *out) {
+    const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)t));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 32)));
+    __m512 d0 = _mm512_permutexvar_ps(lo_rows, d), d1 = _mm512_permutexvar_ps(hi_rows, d);
+    __m512 m0 = _mm512_permutexvar_ps(lo_rows, m), m1 = _mm512_permutexvar_ps(hi_rows, m);
+    for (int p = 0; p < 16; p++) {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 64 + 16 * p)));
+        __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+        __m512 b = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        if (kind == PACK_Q4_1) {
+            a = _mm512_fmadd_ps(d0, a, m0);
+            b = _mm512_fmadd_ps(d1, b, m1);
+        } else {
+            a = _mm512_mul_ps(d0, _mm512_sub_ps(a, _mm512_set1_ps(8.0f)));
+            b = _mm512_mul_ps(d1, _mm512_sub_ps(b, _mm512_set1_ps(8.0f)));
+        }
+        _mm512_store_si512(out + 16 * p, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
 /* PANEL_ROWS rows of x or more in AMX tiles: a piece of work is 32 weight rows, rounded and
    packed once, against every block of 32 rows of x (xb, rows padded with zeros to a multiple of
    32): four 16 x 16 blocks of sums in tiles 0-3, one instruction a block a chunk of 32 values.
@@ -392,13 +457,14 @@ static void pack_group(const void *W, int wtype, long K, long kc, long ldw, long
 static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wtype, long K, long O, long ldw,
                       const uint32_t *packed, const float *bias, float *y, long ldy) {
     long groups = (O + 31) / 32, blocks = (R + 31) / 32, ldx = 64 * kc; /* bytes from a row of xb to the next */
-    int failed = 0;
+    int failed = 0, kind = packed != NULL ? (int)packed[0] : -1;
+    if (packed != NULL) packed += PACK_HEADER;
 #pragma omp parallel
     {
         uint32_t *wb = packed ? NULL : (uint32_t *)aligned_floats(32 * 16 * kc);
-        uint32_t *wv = packed ? NULL : (uint32_t *)aligned_floats(32 * 16 * kc);
+        uint32_t *wv = kind == PACK_BF16 ? NULL : (uint32_t *)aligned_floats(32 * 16 * kc);
         float sums[4][16][16] __attribute__((aligned(64)));
-        int ok = packed != NULL || (wb != NULL && wv != NULL);
+        int ok = (packed != NULL || wb != NULL) && (kind == PACK_BF16 || wv != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -409,29 +475,41 @@ static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wt
         for (long g = 0; g < groups; g++) {
             if (!ok) continue;
             long o0 = 32 * g, no = O - o0 < 32 ? O - o0 : 32;
-            const uint32_t *w = packed != NULL ? packed + g * 512 * kc : wv;
+            const uint32_t *w = kind == PACK_BF16 ? packed + g * 512 * kc : wv;
             if (packed == NULL) pack_group(W, wtype, K, kc, ldw, o0, no, wb, wv);
+            /* 4-bit codes: each chunk's two tiles widened as the first block of x reaches them (the
+               vector work beside the tiles'), read back by the others */
+            const uint8_t *codes = kind > PACK_BF16 ? (const uint8_t *)packed + g * 2 * kc * Q4_TILE : NULL;
             for (long b = 0; b < blocks; b++) {
                 const uint16_t *x0 = xb + b * 32 * 32 * kc, *x1 = x0 + 16 * 32 * kc;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
+                int both = 32 * b + 16 < R; /* else the block's second half is padding: not multiplied */
                 for (long c = 0; c < kc; c++) {
+                    if (b == 0 && codes != NULL) {
+                        unpack_q4_tile(codes + 2 * c * Q4_TILE, kind, wv + 2 * c * 256);
+                        unpack_q4_tile(codes + (2 * c + 1) * Q4_TILE, kind, wv + (2 * c + 1) * 256);
+                    }
                     _tile_loadd(4, x0 + 32 * c, ldx);
-                    _tile_loadd(5, x1 + 32 * c, ldx);
                     _tile_loadd(6, w + 2 * c * 256, 64);
                     _tile_loadd(7, w + (2 * c + 1) * 256, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+                    if (both) {
+                        _tile_loadd(5, x1 + 32 * c, ldx);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
                 _tile_stored(0, sums[0], 64);
                 _tile_stored(1, sums[1], 64);
-                _tile_stored(2, sums[2], 64);
-                _tile_stored(3, sums[3], 64);
-                for (int t = 0; t < 4; t++) { /* tile t: rows 16 (t / 2).., outputs 16 (t % 2).. */
+                if (both) {
+                    _tile_stored(2, sums[2], 64);
+                    _tile_stored(3, sums[3], 64);
+                }
+                for (int t = 0; t < (both ? 4 : 2); t++) { /* tile t: rows 16 (t / 2).., outputs 16 (t % 2).. */
                     long r0 = 32 * b + 16 * (t / 2), oc = o0 + 16 * (t % 2);
                     __mmask16 m = first_n16(no - 16 * (t % 2));
                     __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + oc) : _mm512_setzero_ps();
@@ -450,26 +528,33 @@ static int linear_amx(const uint16_t *xb, long R, long kc, const void *W, int wt
 #endif
 
 /* The weights as linear_amx reads them, for a matrix used at 16 rows and more step after step:
-   per 32 rows (the last zero-padded), per chunk of 32 values and half of the rows, 16 pairs x 16
-   rows of bfloat16; out: 2048 * ceil(K / 32) bytes per 32 rows. Returns 1 where scratch memory
-   could not be had, 2 where this build or process has no AMX, else 0. */
+   a header (the layout's kind), then per 32 rows (the last zero-padded) the tiles pack_pairs lays
+   out (per chunk of 32 values and half of the rows, 16 pairs x 16 rows of bfloat16), or for Q4_1
+   and Q4_0 pack_group_q4's; out: pageserve_packed_bytes. Returns 1 where scratch memory could not
+   be had, 2 where this build or process has no AMX, else 0. */
 int pageserve_pack_amx(const void *W, int wtype, long K, long O, long ldw, uint32_t *out) {
 #ifdef PS_AMX_BF16
     if (!amx_ready()) return 2;
     long kc = (K + 31) / 32, groups = (O + 31) / 32;
     int failed = 0;
     wtype &= ~W_DOT16;
+    int kind = pack_kind(wtype);
+    memset(out, 0, 4 * PACK_HEADER);
+    out[0] = (uint32_t)kind;
+    out += PACK_HEADER;
 #pragma omp parallel
     {
-        uint32_t *wb = (uint32_t *)aligned_floats(32 * 16 * kc);
-        if (wb == NULL) {
+        uint32_t *wb = kind == PACK_BF16 ? (uint32_t *)aligned_floats(32 * 16 * kc) : NULL;
+        if (kind == PACK_BF16 && wb == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (long g = 0; g < groups; g++)
-            if (wb != NULL) pack_group(W, wtype, K, kc, ldw, 32 * g, O - 32 * g < 32 ? O - 32 * g : 32, wb,
-                                       out + g * 512 * kc);
+        for (long g = 0; g < groups; g++) {
+            long no = O - 32 * g < 32 ? O - 32 * g : 32;
+            if (kind != PACK_BF16) pack_group_q4(W, wtype, kc, ldw, 32 * g, no, (uint8_t *)out + g * 2 * kc * Q4_TILE);
+            else if (wb != NULL) pack_group(W, wtype, K, kc, ldw, 32 * g, no, wb, out + g * 512 * kc);
+        }
         free(wb);
     }
     return failed;
