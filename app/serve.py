@@ -41,7 +41,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model names the API answers to; the first is reported (default: the model's)")
     g.add_argument("--max-num-queued-reqs", type=int, default=1024,
-                   help="past this many requests waiting for the engine, new ones get a 503 with Retry-After")
+                   help="past this many requests waiting for the engine (a request of n > 1 counts n), new ones "
+                        "get a 503 with Retry-After")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take once its body is read and its prompt checked; past it, a "
                         "408 (or an error event) and its blocks are freed (default: no limit)")

@@ -255,7 +255,8 @@ class AsyncEngine:
         if wanted > self.max_num_queued_reqs:  # never fits: a retry cannot help
             asked = f"{num_requests} prompts" if n == 1 else f"{wanted} sequences ({num_requests} prompts x n = {n})"
             raise InvalidRequest(f"the request has {asked} and the server queues at most "
-                                 f"{self.max_num_queued_reqs} (--max-num-queued-reqs): send fewer at once", param)
+                                 f"{self.max_num_queued_reqs} (--max-num-queued-reqs): send fewer at once",
+                                 param if num_requests > self.max_num_queued_reqs else "n")
         if (queued := self.num_queued) + wanted > self.max_num_queued_reqs:
             raise QueueFullError(f"the server has {queued} sequences waiting and its limit "
                                  f"is {self.max_num_queued_reqs} (--max-num-queued-reqs); retry later")

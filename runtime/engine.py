@@ -309,8 +309,10 @@ class LLMEngine:
 
     @property
     def num_waiting_sequences(self) -> int:
-        """As num_waiting, a request of n > 1 not yet forked counting n."""
-        return sum(r.num_samples for r in self.scheduler.waiting)
+        """As num_waiting, a request of n > 1 not yet forked counting n. The server reads it on
+        its event loop while a step runs: the queue is copied at once (a C-level copy the step's
+        thread cannot interleave with), then counted."""
+        return sum(r.num_samples for r in tuple(self.scheduler.waiting))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)

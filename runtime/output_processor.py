@@ -42,7 +42,7 @@ def no_token_error(req: Request) -> InvalidRequest:
     masks = [name for name, on in (("allowed_token_ids", p.allowed_token_ids is not None),
                                    ("bad_words", bool(p.bad_words)),
                                    ("min_tokens", req.num_output_tokens < p.min_tokens),
-                                   ("the response format", req.matcher is not None)) if on]
+                                   ("response_format", req.matcher is not None)) if on]
     return InvalidRequest(f"{' and '.join(masks) or 'the request'} left no token to write at output token "
                           f"{req.num_output_tokens + 1}: together they forbid every one", masks[0] if masks else None)
 

@@ -206,6 +206,7 @@ def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(small_server):
     body = {"model": srv.model, "prompt": ["hi"] * 3, "max_tokens": 1, "n": limit // 3 + 1}
     r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and f"{3 * body['n']} sequences" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "n"
     r = httpx.post(f"{srv.url}/v1/completions", json={**body, "n": limit // 3}, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == limit // 3 * 3
 

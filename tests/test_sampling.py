@@ -297,6 +297,7 @@ def test_a_request_whose_masks_forbid_every_token_fails_alone(tiny_model_dir, as
     assert all(isinstance(e, InvalidRequest) for e in failed.values())
     assert failed["banned"].param == "allowed_token_ids" and "bad_words" in str(failed["banned"])
     assert "min_tokens" in str(failed["held"]) and "output token 1:" in str(failed["held"])
+    assert failed["held"].param == "allowed_token_ids"
     assert "output token 2:" in str(failed["later"])  # it wrote 300 first; then 300 again is banned
     alone = llm.generate([p for p, _ in fine.values()], greedy, use_tqdm=False)
     assert [done[rid] for rid in fine] == [o.outputs[0].token_ids for o in alone]

@@ -15,8 +15,8 @@
 /* A laid-out matrix (pageserve_pack_amx) starts with a header of PACK_HEADER 32-bit words: its
    kind first. PACK_BF16: per 32 rows, pack_pairs' tiles of bfloat16. PACK_Q4_1 and PACK_Q4_0 (the
    GGUF formats): per 32 rows, per chunk of 32 values and half of the rows, the 16 rows' scales
-   and offsets (float16, as the blocks hold them) and 16 pairs x 16 rows of 4-bit codes, a pair in
-   a byte: 320 bytes for pack_pairs' 1,024, widened into a tile of bfloat16 as each group is
+   and offsets (float16, as the blocks hold them) and 16 pairs x 16 rows of 4-bit codes, two a
+   byte: 320 bytes for pack_pairs' 1,024, widened into a tile of bfloat16 as each group is
    multiplied (less memory to read: the 32 rows' tiles stay in L1/L2 across the blocks of x). */
 #define PACK_HEADER 16
 enum { PACK_BF16 = 0, PACK_Q4_1 = 1, PACK_Q4_0 = 2 };
@@ -401,9 +401,9 @@ static void pack_group(const void *W, int wtype, long K, long kc, long ldw, long
 }
 
 /* rows o0..o0 + no - 1 (no <= 32) of a Q4_1 or Q4_0 matrix as 2 * kc tiles of Q4_TILE bytes
-   (zero rows past no). A tile row (pair p of 16 rows) is 32 bfloat16 values in pack_pairs' order,
-   rows 0-7's pairs then rows 8-15's: byte i holds the code of value i in its low half and of
-   value 16 + i in its high half, so the two halves widen into two registers already in order. */
+   (zero rows past no). A tile row (pair p of 16 rows) is 32 bfloat16 words in pack_pairs' order,
+   rows 0-7's pairs then rows 8-15's: byte i of its codes holds word i's code in its low half and
+   word 16 + i's in its high half, so the two halves widen into two registers already in order. */
 static void pack_group_q4(const void *W, int wtype, long kc, long ldw, long o0, long no, uint8_t *out) {
     long hdr = wtype == W_Q4_1 ? 4 : 2;
     memset(out, 0, (size_t)(2 * kc * Q4_TILE));
