@@ -340,9 +340,15 @@ def test_a_signal_during_start_up_stops_it_and_its_compiler(tiny_model_dir, tmp_
     command = [sys.executable, "-m", "pageserve.app.cli", "serve", str(tiny_model_dir), "--dtype", "float32",
                "--port", str(free_port())]
     log = tmp_path / "server.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PAGESERVE_CACHE": str(cache)},
-                                stdout=subprocess.DEVNULL, stderr=err)
+    # started as from a terminal: an xdist worker ignores SIGINT, and a child inherits that (its
+    # Python then installs no handler: the signal did nothing, as for a shell's background job)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PAGESERVE_CACHE": str(cache)},
+                                    stdout=subprocess.DEVNULL, stderr=err)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         deadline, compiler = time.monotonic() + 90, []
         while not compiler and time.monotonic() < deadline and proc.poll() is None:
