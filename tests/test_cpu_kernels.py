@@ -476,11 +476,13 @@ def test_weights_move_into_one_huge_page_buffer():
 
 @pytest.mark.engine
 def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch):
-    """A decode-only step of a Llama-style model runs its whole decoder stack in one C call
-    (Kernels.decoder_stack): the same logprobs, to the bit, as the layers one by one, at one
-    and at several rows a step, with q/k/v biases."""
+    """Decode steps and whole short prompts of a Llama-style model run the decoder stack in one
+    C call (Kernels.decoder_stack), each prompt token as a decode of its own position: the same
+    logprobs, to the bit, as the layers one by one, at one and at several rows a step, with
+    q/k/v biases; a prompt past STACK_PROMPT_ROWS, or a chunk after cached positions (whose
+    attention sums in another order), keeps the layers."""
     from pageserve.runtime import SamplingParams
-    from pageserve.runtime.kernels import TorchKernels
+    from pageserve.runtime import kernels
 
     if not native.vectorized:
         pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
@@ -489,28 +491,34 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
     model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
-    prompts = random_prompts(384)[:5]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    stacked = []
-    original = TorchKernels.decoder_stack
+    prompts = random_prompts(384)[:5] + [random_prompts(384, seed=1)[9]]  # 5 to 48 tokens, and 160
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    stacked = []  # (rows of the step's longest request, stacked)
+    original = kernels.TorchKernels.decoder_stack
 
-    def counting(self, *args):
-        out = original(self, *args)
-        stacked.append(out is not None)
+    def counting(self, model, x, positions, meta, kv_caches):
+        out = original(self, model, x, positions, meta, kv_caches)
+        stacked.append((meta.max_query_len, meta.max_seq_len, out is not None))
         return out
 
-    def run():
-        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]  # one row a step
-        outs += llm.generate(prompts, params, use_tqdm=False)  # five
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in outs]
+    def run(budget):
+        llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=budget)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[3:5]]  # one request a step
+        outs += llm.generate(prompts, params, use_tqdm=False)  # six
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+                 [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]) for o in outs]
 
-    monkeypatch.setattr(TorchKernels, "decoder_stack", counting)
-    fused = run()
-    assert sum(stacked) >= 2 * 11 + 11 and not all(stacked)  # every decode step; no prefill
-    monkeypatch.setattr(TorchKernels, "decoder_stack", lambda self, *args: None)
-    assert run() == fused
+    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
+    for budget in (64, 256):
+        stacked.clear()
+        fused = run(budget)
+        assert all(on for rows, _, on in stacked if rows <= 17)  # every decode step
+        assert any(on for rows, _, on in stacked if rows > 17)  # prompts: 31 and 48 tokens
+        # the 160-token prompt: its chunks after the first (64), or all six prompts' 160 rows (256)
+        assert any(not on for rows, _, on in stacked if rows > 17)
+        with monkeypatch.context() as m:
+            m.setattr(kernels.TorchKernels, "decoder_stack", lambda self, *args: None)
+            assert run(budget) == fused
 
 
 @pytest.mark.engine
