@@ -55,18 +55,18 @@ class LoRABatch:
 # a step whose requests compute at most this many tokens each (decodes, speculative runs being
 # verified) may run the C decoder stack, each token as a decode of its own position
 STACK_ROWS = 17
-# and so may a step whose longer requests are whole prompts of up to STACK_PROMPT_ROWS tokens
-# (the Xeon with AMX: a 62-token prompt's first token 32 -> 26 ms; at 256 tokens the layers' prompt
-# attention, which reads the context once a group of rows, was faster). Only from position 0: a
-# chunk after cached positions sums its attention in another order than decodes do
+# and so may a step of prompts (or first chunks) of up to STACK_PROMPT_ROWS tokens from position
+# 0, nothing else in it (the Xeon with AMX: a 62-token prompt's first token 32 -> 26 ms; at 256
+# tokens the layers' prompt attention, which reads the context once a group of rows, was faster).
+# A chunk after cached positions, or a decode beside a prompt, sums its attention in another order
 STACK_PROMPT_ROWS = 128
 
 
-def _whole_prompts(meta: AttentionMetadata) -> bool:
-    """Whether every request of the step with more than STACK_ROWS tokens starts at position 0."""
-    rows = meta.query_start_loc.diff()
-    long = rows > STACK_ROWS
-    return bool(torch.equal(meta.seq_lens[long], rows[long]))
+def _from_position_0(meta: AttentionMetadata) -> bool:
+    """Whether every request of the step starts at position 0 (a prompt, or its first chunk): a
+    step with more than STACK_ROWS tokens for one request sends its decodes too through the
+    prompt attention, whose bits a decode's equal only from position 0."""
+    return torch.equal(meta.seq_lens, meta.query_start_loc.diff())
 
 
 class Kernels:
@@ -228,7 +228,7 @@ class TorchKernels(Kernels):
         lib, plan, rows = self.cpu_lib, self.linear_plan, meta.max_query_len
         if lib is None or not kv_caches or not plan.uses_kernel(x.shape[0]) or meta.lora is not None \
                 or meta.key_limit is not None or rows > STACK_ROWS and (
-                    rows > STACK_PROMPT_ROWS or not _whole_prompts(meta)):
+                    rows > STACK_PROMPT_ROWS or not _from_position_0(meta)):
             return None
         first, last = kv_caches[0][0], kv_caches[-1][1]
         key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), first.dtype, len(kv_caches))

@@ -522,6 +522,56 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
 
 
 @pytest.mark.engine
+def test_a_prompt_beside_decodes_keeps_the_layers(tmp_path, native, monkeypatch):
+    """Prompts that arrive while another request decodes: a step that mixes its decode with a
+    prompt of more than 17 tokens runs layer by layer (that decode goes through the prompt
+    attention there, whose sums differ from a decode's); a step of the prompt alone, the stack.
+    Every request's logprobs are those of the layers one by one."""
+    from pageserve.runtime import SamplingParams
+    from pageserve.runtime import kernels
+
+    if not native.vectorized:
+        pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
+
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
+    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    a, b, c = random_prompts(384, seed=2)[1], random_prompts(384, seed=3)[3], random_prompts(384, seed=4)[4]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    steps = []  # (requests, their longest query, stacked)
+    original = kernels.TorchKernels.decoder_stack
+
+    def counting(self, model, x, positions, meta, kv_caches):
+        out = original(self, model, x, positions, meta, kv_caches)
+        steps.append((meta.seq_lens.numel(), meta.max_query_len, out is not None))
+        return out
+
+    def run():
+        engine = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01).engine
+        engine.add_request(a, params, request_id="a")
+        logprobs, arrivals = {}, {2: ("b", b), 3: ("c", c)}
+        for i in range(40):
+            if i in arrivals:
+                engine.add_request(arrivals[i][1], params, request_id=arrivals[i][0])
+            for out in engine.step():
+                if out.finished:
+                    logprobs[out.request_id] = [(d.token_id, d.logprob, d.top_ids, d.top_logprobs)
+                                                for d in out.outputs[0].logprobs]
+            if not engine.has_unfinished_requests():
+                break
+        return logprobs
+
+    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
+    stacked = run()
+    assert len(stacked) == 3
+    assert any(on for n, rows, on in steps if n == 1 and rows > 17)  # a prompt's step alone
+    assert any(not on for n, rows, on in steps if n > 1 and rows > 17), steps  # a prompt beside decodes
+    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", lambda self, *args: None)
+    assert run() == stacked
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("arch,stacked", [("llama", True), ("phi3", True), ("qwen3", False), ("gemma2", False),
                                           ("mistral", False), ("mixtral", False)])
 def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
