@@ -40,7 +40,8 @@ class _EngineCollector(Collector):
         sched = s.scheduler
         g, c = GaugeMetricFamily, CounterMetricFamily
         yield self._family(g, "num_requests_running", "Requests in the running batch.", sched.num_running)
-        yield self._family(g, "num_requests_waiting", "Requests waiting to be admitted (n > 1: n until it starts).", sched.num_waiting)
+        yield self._family(g, "num_requests_waiting", "Requests waiting to be admitted (n > 1: n until it starts).",
+                           sched.num_waiting)
         yield self._family(g, "num_requests_swapped", "Requests swapped out to CPU memory.", sched.num_swapped)
         yield self._family(g, "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", sched.kv_cache_usage)
         yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
