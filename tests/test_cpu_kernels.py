@@ -474,6 +474,31 @@ def test_weights_move_into_one_huge_page_buffer():
     assert model[2](model[0](torch.tensor([1, 2]))).shape == (2, 128)
 
 
+def _qwen2_on_c_linears(tmp_path, native, monkeypatch) -> Path:
+    """A tiny Qwen2 (q/k/v biases) whose every linear runs the C kernel, as the stack needs."""
+    if not native.vectorized:
+        pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
+
+    def everywhere(self, weights, reps=3):
+        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
+    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
+    return build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+
+
+def _record_stack(monkeypatch) -> list[tuple[int, int, bool]]:
+    """Kernels.decoder_stack noting each step's (requests, tokens of its longest, stacked)."""
+    from pageserve.runtime import kernels
+
+    steps, original = [], kernels.TorchKernels.decoder_stack
+
+    def counting(self, model, x, positions, meta, kv_caches):
+        out = original(self, model, x, positions, meta, kv_caches)
+        steps.append((meta.seq_lens.numel(), meta.max_query_len, out is not None))
+        return out
+    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
+    return steps
+
+
 @pytest.mark.engine
 def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch):
     """Decode steps and whole short prompts of a Llama-style model run the decoder stack in one
@@ -484,22 +509,10 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
-    if not native.vectorized:
-        pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
-
-    def everywhere(self, weights, reps=3):
-        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
-    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
-    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch)
     prompts = random_prompts(384)[:5] + [random_prompts(384, seed=1)[9]]  # 5 to 48 tokens, and 160
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    stacked = []  # (rows of the step's longest request, stacked)
-    original = kernels.TorchKernels.decoder_stack
-
-    def counting(self, model, x, positions, meta, kv_caches):
-        out = original(self, model, x, positions, meta, kv_caches)
-        stacked.append((meta.max_query_len, meta.max_seq_len, out is not None))
-        return out
+    stacked = _record_stack(monkeypatch)
 
     def run(budget):
         llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=budget)
@@ -508,14 +521,13 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
         return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
                  [d and {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]) for o in outs]
 
-    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
     for budget in (64, 256):
         stacked.clear()
         fused = run(budget)
-        assert all(on for rows, _, on in stacked if rows <= 17)  # every decode step
-        assert any(on for rows, _, on in stacked if rows > 17)  # prompts: 31 and 48 tokens
+        assert all(on for _, rows, on in stacked if rows <= 17)  # every decode step
+        assert any(on for _, rows, on in stacked if rows > 17)  # prompts: 31 and 48 tokens
         # the 160-token prompt: its chunks after the first (64), or all six prompts' 160 rows (256)
-        assert any(not on for rows, _, on in stacked if rows > 17)
+        assert any(not on for _, rows, on in stacked if rows > 17)
         with monkeypatch.context() as m:
             m.setattr(kernels.TorchKernels, "decoder_stack", lambda self, *args: None)
             assert run(budget) == fused
@@ -530,22 +542,10 @@ def test_a_prompt_beside_decodes_keeps_the_layers(tmp_path, native, monkeypatch)
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
-    if not native.vectorized:
-        pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
-
-    def everywhere(self, weights, reps=3):
-        self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
-    monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
-    model_dir = build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch)
     a, b, c = random_prompts(384, seed=2)[1], random_prompts(384, seed=3)[3], random_prompts(384, seed=4)[4]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    steps = []  # (requests, their longest query, stacked)
-    original = kernels.TorchKernels.decoder_stack
-
-    def counting(self, model, x, positions, meta, kv_caches):
-        out = original(self, model, x, positions, meta, kv_caches)
-        steps.append((meta.seq_lens.numel(), meta.max_query_len, out is not None))
-        return out
+    steps = _record_stack(monkeypatch)
 
     def run():
         engine = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01).engine
@@ -562,7 +562,6 @@ def test_a_prompt_beside_decodes_keeps_the_layers(tmp_path, native, monkeypatch)
                 break
         return logprobs
 
-    monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
     stacked = run()
     assert len(stacked) == 3
     assert any(on for n, rows, on in steps if n == 1 and rows > 17)  # a prompt's step alone
