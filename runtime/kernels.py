@@ -55,18 +55,10 @@ class LoRABatch:
 # a step whose requests compute at most this many tokens each (decodes, speculative runs being
 # verified) may run the C decoder stack, each token as a decode of its own position
 STACK_ROWS = 17
-# and so may a step of prompts (or first chunks) of up to STACK_PROMPT_ROWS tokens from position
-# 0, nothing else in it (the Xeon with AMX: a 62-token prompt's first token 32 -> 26 ms; at 256
-# tokens the layers' prompt attention, which reads the context once a group of rows, was faster).
-# A chunk after cached positions, or a decode beside a prompt, sums its attention in another order
-STACK_PROMPT_ROWS = 128
-
-
-def _from_position_0(meta: AttentionMetadata) -> bool:
-    """Whether every request of the step starts at position 0 (a prompt, or its first chunk): a
-    step with more than STACK_ROWS tokens for one request sends its decodes too through the
-    prompt attention, whose bits a decode's equal only from position 0."""
-    return torch.equal(meta.seq_lens, meta.query_start_loc.diff())
+# and so may a step of up to STACK_PROMPT_ROWS tokens in all (prompts, later chunks, decodes beside
+# them; the CPU's default token budget), its attention taking each chunk's rows as the layers'
+# prompt attention does. Its activations stay allocated at the largest step's size.
+STACK_PROMPT_ROWS = 512
 
 
 class Kernels:
@@ -221,14 +213,13 @@ class TorchKernels(Kernels):
         return logits.argmax(dim=-1)
 
     def decoder_stack(self, model, x, positions, meta, kv_caches):
-        """Decode steps and short prompts (STACK_ROWS, STACK_PROMPT_ROWS) of a Llama-style model
+        """Decode steps and steps of few tokens (STACK_ROWS, STACK_PROMPT_ROWS) of a Llama-style model
         (`model.stack_weights()`) on a CPU, at a number of rows the linear plan gives to the C
         kernel: one C call for every layer (one stream of the default model: 21 -> 16 ms a step,
         a third of it was the interpreter between the kernels)."""
         lib, plan, rows = self.cpu_lib, self.linear_plan, meta.max_query_len
         if lib is None or not kv_caches or not plan.uses_kernel(x.shape[0]) or meta.lora is not None \
-                or meta.key_limit is not None or rows > STACK_ROWS and (
-                    rows > STACK_PROMPT_ROWS or not _from_position_0(meta)):
+                or meta.key_limit is not None or rows > STACK_ROWS and x.shape[0] > STACK_PROMPT_ROWS:
             return None
         first, last = kv_caches[0][0], kv_caches[-1][1]
         key = (id(model), first.data_ptr(), last.data_ptr(), tuple(first.shape), first.dtype, len(kv_caches))

@@ -290,3 +290,20 @@ def test_every_way_a_step_is_cut_follows_torchs_bfloat16_attention(lib, step, he
     steps = (got - want).abs() / 2.0 ** (torch.floor(torch.log2(big)) - 7)
     assert torch.equal(got, r16(got))
     assert steps.max() <= 4, steps.max()  # 3.5 at most before and after the pairs; a pairing mistake gives ~400
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (6, 2, 40)])
+def test_prompt_rows_passed_as_decodes_give_the_chunks_bits(lib, heads, kv_heads, d):
+    """The decoder stack passes a step's prompt rows as decodes, a block table and a length
+    each: they attend to the bit as the same rows as chunks of the step do, in bfloat16 pairs
+    (heads of 16n floats) and AMX tiles (32n up to 128, where the CPU has them), from position
+    0, after cached positions and beside decodes."""
+    reqs = STEPS["prompt chunks and decodes"]
+    q, k, v, caches, bt, sl, lens, qsl = make_step(reqs, heads, kv_heads, d, torch.Generator().manual_seed(d))
+    q = r16(q)
+    chunked = lib.paged_attention(q, k, v, *(c.bfloat16() for c in caches), sl, bt, lens, 0.125, qsl)
+    rows = qsl.diff()
+    row_lens = torch.tensor([before + t + 1 for before, n in reqs for t in range(n)], dtype=torch.int32)
+    decodes = lib.paged_attention(q, k, v, *(c.bfloat16() for c in caches), sl, bt.repeat_interleave(rows, 0),
+                                  row_lens, 0.125)
+    assert torch.equal(decodes, chunked)

@@ -287,8 +287,10 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
     """A speculative verification: T = 2..17 rows of one sequence at consecutive positions (each
     row a decode of its own, the same block table) beside other requests, read as one group per
     KV head, each row seeing its own positions only; contexts off the block boundaries, tables
-    shuffled, a group of 17 rows past 64 heads. Torch's attention of each row on its own; the
-    same rows as chunks of a step (query_start_loc) give the same bits."""
+    shuffled, a group of 17 rows past 64 heads. Longer runs (the decoder stack's prompt rows, from
+    position 0 or after cached ones, beside decodes) go as the prompt attention takes a chunk.
+    Torch's attention of each row on its own; the same rows as chunks of a step
+    (query_start_loc) give the same bits."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 100 + d)
@@ -297,7 +299,8 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
     order = torch.randperm(num_blocks, generator=gen).tolist()
     # per request: (context length of its first row, rows)
     batches = [[(700, 9)], [(1, 2)], [(5, 17)], [(30, 3), (100, 1), (555, 9), (2, 1), (41, 2)],
-               [(17, 1), (300, 17), (301, 17)], [(16, 5)], [(999, 4)], [(64, 1), (65, 1)]]
+               [(17, 1), (300, 17), (301, 17)], [(16, 5)], [(999, 4)], [(64, 1), (65, 1)],
+               [(1, 40)], [(200, 41), (50, 1), (3, 18), (77, 1)], [(1, 18), (33, 2)]]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
     try:
@@ -474,7 +477,7 @@ def test_weights_move_into_one_huge_page_buffer():
     assert model[2](model[0](torch.tensor([1, 2]))).shape == (2, 128)
 
 
-def _qwen2_on_c_linears(tmp_path, native, monkeypatch) -> Path:
+def _qwen2_on_c_linears(tmp_path, native, monkeypatch, **overrides) -> Path:
     """A tiny Qwen2 (q/k/v biases) whose every linear runs the C kernel, as the stack needs."""
     if not native.vectorized:
         pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
@@ -482,18 +485,18 @@ def _qwen2_on_c_linears(tmp_path, native, monkeypatch) -> Path:
     def everywhere(self, weights, reps=3):
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
-    return build_tiny_model(tmp_path / "qwen2", arch="qwen2")
+    return build_tiny_model(tmp_path / "qwen2", arch="qwen2", **overrides)
 
 
-def _record_stack(monkeypatch) -> list[tuple[int, int, bool]]:
-    """Kernels.decoder_stack noting each step's (requests, tokens of its longest, stacked)."""
+def _record_stack(monkeypatch) -> list[tuple[int, int, int, bool]]:
+    """Kernels.decoder_stack noting each step's (requests, tokens of its longest, tokens, stacked)."""
     from pageserve.runtime import kernels
 
     steps, original = [], kernels.TorchKernels.decoder_stack
 
     def counting(self, model, x, positions, meta, kv_caches):
         out = original(self, model, x, positions, meta, kv_caches)
-        steps.append((meta.seq_lens.numel(), meta.max_query_len, out is not None))
+        steps.append((meta.seq_lens.numel(), meta.max_query_len, x.shape[0], out is not None))
         return out
     monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", counting)
     return steps
@@ -501,15 +504,16 @@ def _record_stack(monkeypatch) -> list[tuple[int, int, bool]]:
 
 @pytest.mark.engine
 def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch):
-    """Decode steps and whole short prompts of a Llama-style model run the decoder stack in one
-    C call (Kernels.decoder_stack), each prompt token as a decode of its own position: the same
-    logprobs, to the bit, as the layers one by one, at one and at several rows a step, with
-    q/k/v biases; a prompt past STACK_PROMPT_ROWS, or a chunk after cached positions (whose
-    attention sums in another order), keeps the layers."""
+    """Decode steps and steps of short prompts of a Llama-style model run the decoder stack in
+    one C call (Kernels.decoder_stack), each prompt token as a decode of its own position: the
+    same logprobs, to the bit, as the layers one by one, at one and at several rows a step,
+    with q/k/v biases, for whole prompts and for the chunks after a prompt's first; a step past
+    STACK_PROMPT_ROWS tokens keeps the layers."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
     model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch)
+    monkeypatch.setattr(kernels, "STACK_PROMPT_ROWS", 128)
     prompts = random_prompts(384)[:5] + [random_prompts(384, seed=1)[9]]  # 5 to 48 tokens, and 160
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     stacked = _record_stack(monkeypatch)
@@ -524,48 +528,55 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
     for budget in (64, 256):
         stacked.clear()
         fused = run(budget)
-        assert all(on for _, rows, on in stacked if rows <= 17)  # every decode step
-        assert any(on for _, rows, on in stacked if rows > 17)  # prompts: 31 and 48 tokens
-        # the 160-token prompt: its chunks after the first (64), or all six prompts' 160 rows (256)
-        assert any(not on for _, rows, on in stacked if rows > 17)
+        assert all(on == (rows <= 17 or tokens <= 128) for _, rows, tokens, on in stacked)
+        assert any(on and rows > 17 for _, rows, _, on in stacked)  # prompts: 31 and 48 tokens
+        # 64: every step, the 160-token prompt's chunks after its first too; 256: all six prompts' rows not
+        assert all(on for *_, on in stacked) == (budget == 64)
         with monkeypatch.context() as m:
             m.setattr(kernels.TorchKernels, "decoder_stack", lambda self, *args: None)
             assert run(budget) == fused
 
 
 @pytest.mark.engine
-def test_a_prompt_beside_decodes_keeps_the_layers(tmp_path, native, monkeypatch):
-    """Prompts that arrive while another request decodes: a step that mixes its decode with a
-    prompt of more than 17 tokens runs layer by layer (that decode goes through the prompt
-    attention there, whose sums differ from a decode's); a step of the prompt alone, the stack.
-    Every request's logprobs are those of the layers one by one."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_beside_decodes_and_after_cached_blocks_run_the_stack(tmp_path, native, monkeypatch, dtype):
+    """Prompts that arrive while another request decodes, one of them after the prefix cache's
+    blocks of another's prompt: the steps that mix a decode with a prompt of more than 17 tokens,
+    and the chunk after the cached positions, run the stack, their attention taking each
+    chunk's rows as the layers' prompt attention takes them. Every request's logprobs are those
+    of the layers one by one, in float32 and in bfloat16 arithmetic (heads of 32 floats: AMX
+    tiles where the CPU has them)."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
-    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch)
-    a, b, c = random_prompts(384, seed=2)[1], random_prompts(384, seed=3)[3], random_prompts(384, seed=4)[4]
+    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch, hidden_size=192, num_attention_heads=6,
+                                    num_key_value_heads=2)
+    a, b = random_prompts(384, seed=2)[2], random_prompts(384, seed=3)[3]  # 17 and 31 tokens
+    c = a + random_prompts(384, seed=4)[4][:40]  # a's first block cached, then 41 more
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     steps = _record_stack(monkeypatch)
 
     def run():
-        engine = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01).engine
+        engine = LLM(str(model_dir), dtype=dtype, kv_cache_memory=0.01).engine
         engine.add_request(a, params, request_id="a")
-        logprobs, arrivals = {}, {2: ("b", b), 3: ("c", c)}
+        logprobs, cached, arrivals = {}, {}, {2: ("b", b), 3: ("c", c)}
         for i in range(40):
             if i in arrivals:
                 engine.add_request(arrivals[i][1], params, request_id=arrivals[i][0])
             for out in engine.step():
                 if out.finished:
+                    cached[out.request_id] = out.metrics.num_cached_tokens
                     logprobs[out.request_id] = [(d.token_id, d.logprob, d.top_ids, d.top_logprobs)
                                                 for d in out.outputs[0].logprobs]
             if not engine.has_unfinished_requests():
                 break
+        assert cached == {"a": 0, "b": 0, "c": 16}
         return logprobs
 
     stacked = run()
-    assert len(stacked) == 3
-    assert any(on for n, rows, on in steps if n == 1 and rows > 17)  # a prompt's step alone
-    assert any(not on for n, rows, on in steps if n > 1 and rows > 17), steps  # a prompt beside decodes
+    assert len(stacked) == 3 and all(on for *_, on in steps), steps
+    assert any(n > 1 and rows > 17 for n, rows, _, _ in steps), steps[4:40]  # a prompt beside a decode
+    assert any(n > 1 and rows == 41 for n, rows, _, _ in steps), steps  # c after a's cached blocks, beside decodes
     monkeypatch.setattr(kernels.TorchKernels, "decoder_stack", lambda self, *args: None)
     assert run() == stacked
 

@@ -1082,11 +1082,12 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
    for all of them; each row's positions past its own masked), then normalised as merge_pieces
    normalises a single piece. A request of one row (a decode in the step) is one item of all its
    heads (64 or fewer) in attend_range, as without the chunk: a group of one row would work G
-   lanes of a vector. Returns 1 where scratch memory could not be had. */
+   lanes of a vector. bt_rows: request b's block table is row bt_rows[b] (NULL: row b). Returns 1
+   where scratch memory could not be had. */
 static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
-                         const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
-                         const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
-                         float *out, int r16) {
+                         const int32_t *block_tables, long ld_bt, const long *bt_rows,
+                         const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H, long Hkv, long D,
+                         long block_size, float scale, float *out, int r16) {
     long G = H / Hkv, tok = Hkv * block_size * D, rows = PROMPT_LANES / G > 1 ? PROMPT_LANES / G : 1;
     long nitems = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16, all = H <= 64; /* all: a decode's heads one item */
     for (long b = 0; b < B; b++) {
@@ -1123,15 +1124,16 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             if (qt == NULL || s == NULL || rec == NULL || kvw == NULL) continue;
             long t0 = items[3 * item], b = items[3 * item + 1], hk = items[3 * item + 2];
             long end = query_start_loc[b + 1], T = end - t0 < rows ? end - t0 : rows, M = T * G;
+            const int32_t *bt = block_tables + (bt_rows != NULL ? bt_rows[b] : b) * ld_bt;
             if (hk < 0) { /* a decode beside the chunks: a token's item of every head, as without them */
-                attend_range(q + t0 * ld_q, k_cache, v_cache, block_tables + b * ld_bt, 0, seq_lens[b], H, G, D,
-                             block_size, tok, scale, s, out + t0 * H * D, NULL, NULL, r16);
+                attend_range(q + t0 * ld_q, k_cache, v_cache, bt, 0, seq_lens[b], H, G, D, block_size, tok, scale, s,
+                             out + t0 * H * D, NULL, NULL, r16);
                 continue;
             }
             for (long t = 0; t < T; t++) lens[t] = seq_lens[b] - (int32_t)(end - 1 - (t0 + t));
             group_piece(q + t0 * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
-                        v_cache + hk * block_size * D, block_tables + b * ld_bt, block_size, tok, lens, 0,
-                        lens[T - 1], scale, r16, qt, s, rec, kvw);
+                        v_cache + hk * block_size * D, bt, block_size, tok, lens, 0, lens[T - 1], scale, r16, qt, s,
+                        rec, kvw);
             for (long t = 0; t < T; t++)
                 merge_heads(rec, 1, M * D + 2 * M, M, t * G, G, D, out + (t0 + t) * H * D + hk * G * D);
         }
@@ -1170,6 +1172,23 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                      const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
                      float scale, float *out, int r16);
 
+/* Decode rows (one block table each) in groups (gstart, as find_groups leaves them) of which one
+   is longer than GROUP_ROWS: each group as a request's chunk of a step (prompt_groups), so a
+   prompt's rows passed as decodes (the decoder stack's) attend to the bit as the chunk would,
+   and so do decodes beside it. Returns 1 where scratch memory could not be had. */
+static int groups_as_prompts(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
+                             const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long H, long Hkv,
+                             long D, long block_size, float scale, const long *gstart, long ng, float *out, int r16) {
+    int32_t *qsl = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * ng + 1)), *lens = qsl + ng + 1;
+    if (qsl == NULL) return 1;
+    for (long i = 0; i <= ng; i++) qsl[i] = (int32_t)gstart[i];
+    for (long i = 0; i < ng; i++) lens[i] = seq_lens[gstart[i + 1] - 1];
+    int failed = prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, gstart, qsl, lens, ng, H, Hkv, D,
+                               block_size, scale, out, r16);
+    free(qsl);
+    return failed;
+}
+
 /* Paged attention of any step, straight from the cache blocks. First the step's new K/V
    ([T, Hkv, D], token rows ld_kv apart) are written at their slots (a negative slot writes
    nothing); then each query token attends, causally, to its own position and every one before
@@ -1189,7 +1208,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    A step with rows of one sequence's consecutive positions (decodes found so, or chunks of at
    most GROUP_ROWS) goes by groups instead (decode_groups): each group's K/V read once, in pieces,
    and each row alone, in a step of many groups, one item of its heads as above.
-   A step with a longer chunk (a prompt) goes by groups of up to PROMPT_LANES query heads
+   A step with a longer chunk (a prompt; or decodes found to be a run of more than GROUP_ROWS,
+   the decoder stack's prompt rows) goes by groups of up to PROMPT_LANES query heads
    (prompt_groups), each over its whole context at once; the triangle above the causal diagonal
    is computed only within a group (torch's SDPA with a mask computes the whole square).
    r16: the scores, the probabilities (of a token's item) and the output rounded to bfloat16, as
@@ -1243,6 +1263,14 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
             if (query_start_loc == NULL) {
                 ng = find_groups(block_tables, ld_bt, seq_lens, B, block_size, gstart);
                 memcpy(lens, seq_lens, sizeof(int32_t) * (size_t)T);
+                for (long i = 0; i < ng; i++)
+                    if (gstart[i + 1] - gstart[i] > GROUP_ROWS) { /* a prompt's rows: as prompt_groups takes them */
+                        failed = groups_as_prompts(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, H, Hkv,
+                                                   D, block_size, scale, gstart, ng, out, r16);
+                        free(gstart);
+                        free(lens);
+                        return failed;
+                    }
             } else {
                 for (long r = 0; r < B; r++) {
                     gstart[r] = query_start_loc[r];
@@ -1260,8 +1288,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
         if (failed >= 0) return failed;
     }
     if (query_start_loc != NULL && longest > GROUP_ROWS)
-        return prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc, seq_lens, B, H, Hkv, D,
-                             block_size, scale, out, r16);
+        return prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, NULL, query_start_loc, seq_lens, B, H,
+                             Hkv, D, block_size, scale, out, r16);
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
                              scale, threads, out, r16);
