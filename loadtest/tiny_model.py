@@ -52,6 +52,12 @@ ARCHITECTURES = {
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                   "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                   "long_factor": [2.0 + i for i in range(8)]}}),
+    # Phi-4-mini's shape of RoPE: LongRoPE over the first half of each head (partial_rotary_factor)
+    "phi3_partial": ("Phi3Config", "Phi3ForCausalLM",
+                     {"original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "short_factor": [1.0 + 0.3 * i for i in range(4)],
+                                          "long_factor": [2.0 + i for i in range(4)]}}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,

@@ -89,12 +89,19 @@ class ModelConfig:
     # o_proj's bias (Llama's, Qwen3's and Gemma's attention_bias), the MLP's (Llama's mlp_bias)
     o_bias: bool = False
     mlp_bias: bool = False
+    # the first rotary_dim values of each q and k head turn with RoPE, the rest pass (Phi-4-mini's
+    # partial_rotary_factor); None: all head_dim
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.bf16_matmuls and self.dtype != torch.float32:
             raise ValueError("bf16_matmuls takes float32 activations")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        elif not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and within 2..head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
         elif self.kv_cache_dtype not in (*_DTYPES.values(), torch.float8_e4m3fn):

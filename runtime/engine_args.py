@@ -17,7 +17,8 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
                                       SchedulingPolicy, SpeculativeConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
-from pageserve.runtime.models.loader import ModelLoadError, cache_root, eos_token_ids, rope_settings
+from pageserve.runtime.models.loader import (ModelLoadError, cache_root, eos_token_ids, partial_rotary_factor,
+                                             rope_settings)
 from pageserve.runtime.pipeline import head_cost, layer_partition
 from pageserve.runtime.pooling import apply_hf_overrides, pooler_config
 from pageserve.triton_kernels import cpu_kernels
@@ -368,11 +369,10 @@ class EngineArgs:
         max_len = model_max if self.max_model_len is None else self.max_model_len
         if max_len > model_max:
             raise ValueError(f"max_model_len ({max_len}) is larger than the model's own limit ({model_max})")
-        partial = [f for f in (hf.get("partial_rotary_factor"), (scaling or {}).get("partial_rotary_factor"))
-                   if f not in (None, 1, 1.0)]
-        if partial:
-            raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial[0]}) "
-                                 "are not supported yet")
+        partial = partial_rotary_factor(hf)
+        if partial != 1.0 and not registry.entry(arch).partial_rotary:
+            raise ModelLoadError(f"{arch}: partial rotary embeddings (partial_rotary_factor {partial}) are not "
+                                 "served for this architecture")
         act = hf.get("hidden_activation") or hf.get("hidden_act")  # Gemma's transformers reads the first
         if act is not None and act not in registry.entry(arch).activations:
             raise ModelLoadError(f"{arch}: hidden_act {act!r} is not served (its MLP runs "
@@ -381,6 +381,7 @@ class EngineArgs:
         dtype, bf16_matmuls = self.resolve_dtype(device)
         kv_cache_dtype = self.resolve_kv_cache_dtype(device, dtype, bf16_matmuls)
         try:
+            head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
             return ModelConfig(
                 path=str(path),
                 architecture=arch,
@@ -390,7 +391,8 @@ class EngineArgs:
                 num_layers=hf["num_hidden_layers"],
                 num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                head_dim=head_dim,
+                rotary_dim=int(head_dim * partial),
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
                 rope_theta=theta,
                 rope_scaling=scaling,

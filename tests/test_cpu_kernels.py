@@ -193,6 +193,16 @@ def test_small_ops_match_torch_ops(kernel, tokens):
         rope(q, k, cos, sin)
     assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])  # v untouched
+    # partial rotary (Phi-4-mini): the first 10 of each head's 16 values turn, the other 6 pass
+    cos, sin = torch_ops.rope_cos_sin(positions, cache[:, :10], torch.float32)
+    ours, ref = qkv.clone(), qkv.clone()
+    for t, rope in ((ours, kernel.rotary_embedding), (ref, torch_ops.rotary_embedding)):
+        heads_of = t[:, :(heads + kv_heads) * d].view(tokens, heads + kv_heads, d)
+        rope(heads_of[:, :heads, :10], heads_of[:, heads:, :10], cos, sin)
+    assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    turned = ours[:, :(heads + kv_heads) * d].view(tokens, -1, d)
+    assert torch.equal(turned[..., 10:], qkv[:, :(heads + kv_heads) * d].view(tokens, -1, d)[..., 10:])
+    assert not torch.allclose(turned[..., :10], qkv[:, :(heads + kv_heads) * d].view(tokens, -1, d)[..., :10])
     gate_up = torch.randn(tokens, 2 * 80, generator=gen) * 4
     assert torch.allclose(kernel.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), rtol=1e-5, atol=1e-5)
 
@@ -281,14 +291,16 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
     assert checked >= 5
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (4, 4, 16), (2, 1, 24)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (4, 4, 16), (2, 1, 24),
+                                             (96, 2, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads):
     """A speculative verification: T = 2..17 rows of one sequence at consecutive positions (each
     row a decode of its own, the same block table) beside other requests, read as one group per
     KV head, each row seeing its own positions only; contexts off the block boundaries, tables
     shuffled, a group of 17 rows past 64 heads. Longer runs (the decoder stack's prompt rows, from
-    position 0 or after cached ones, beside decodes) go as the prompt attention takes a chunk.
+    position 0 or after cached ones, beside decodes and shorter runs; 96 heads: a decode's are
+    more than one item) go as the prompt attention takes a chunk.
     Torch's attention of each row on its own; the same rows as chunks of a step
     (query_start_loc) give the same bits."""
     from pageserve.triton_kernels import torch_ops
@@ -300,7 +312,7 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
     # per request: (context length of its first row, rows)
     batches = [[(700, 9)], [(1, 2)], [(5, 17)], [(30, 3), (100, 1), (555, 9), (2, 1), (41, 2)],
                [(17, 1), (300, 17), (301, 17)], [(16, 5)], [(999, 4)], [(64, 1), (65, 1)],
-               [(1, 40)], [(200, 41), (50, 1), (3, 18), (77, 1)], [(1, 18), (33, 2)]]
+               [(1, 40)], [(200, 41), (50, 1), (3, 18), (77, 1)], [(1, 18), (33, 2)], [(10, 5), (300, 20), (2, 1)]]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernels share torch's OpenMP runtime
     try:

@@ -224,14 +224,17 @@ def test_hub_id_missing_from_the_cache_says_what_to_do(tmp_path, monkeypatch, of
         resolve_model("no-such-dir")  # not a hub id: a missing local path
 
 
-def test_partial_rotary_is_refused_in_one_line(tmp_path):
-    """Phi-4-mini's partial_rotary_factor 0.75: a clear error at start-up, not a traceback."""
+def test_partial_rotary_is_refused_where_transformers_has_none(tmp_path):
+    """A partial_rotary_factor on an architecture whose transformers class turns whole heads
+    (Llama's): a clear error at start-up, not a traceback or a wrong rotation. Phi-3's
+    (Phi-4-mini) is served (test_parity.py)."""
     from pageserve.loadtest.tiny_model import build_tiny_model
     from pageserve.runtime import LLM
 
-    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3")
+    model_dir = build_tiny_model(tmp_path / "llama", arch="llama")
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["partial_rotary_factor"] = 0.75
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"Phi3ForCausalLM: partial rotary embeddings \(partial_rotary_factor 0.75\)"):
+    with pytest.raises(ModelLoadError, match=r"LlamaForCausalLM: partial rotary embeddings \(partial_rotary_factor "
+                                             r"0.75\) are not served for this architecture"):
         LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01)

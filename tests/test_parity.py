@@ -1,6 +1,7 @@
 """Greedy token ids identical to HF transformers `generate` on the same float32 weights, with
 long prompts chunked (max_num_batched_tokens=64) and mixed with other requests' decodes."""
 
+import json
 import random
 
 import pytest
@@ -79,8 +80,8 @@ def test_llama_biases_parity(tmp_path):
     assert run_ours(llm, prompts, 16) == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                  "gemma2", "gemma3_text", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "phi3_partial", "mixtral", "qwen2_moe",
+                                  "qwen3_moe", "gemma2", "gemma3_text", "mistral"])
 def test_architecture_parity_under_pressure(tmp_path, arch):
     """Each architecture of the registry against HF on its tiny model: prompt chunks of 64
     beside decodes, prompts sharing a 48-token prefix (prefix-cache hits), and a pool of 40
@@ -177,6 +178,29 @@ def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, fac
     for pos in (3, 255):
         angles = pos * base / torch.tensor(chosen)
         torch.testing.assert_close(table[pos], torch.cat([angles.cos(), angles.sin()]) * scale)
+
+
+def test_partial_rotary_parity_in_transformers_4s_layout(tmp_path):
+    """Phi-4-mini's config.json as it ships (transformers 4's layout: partial_rotary_factor at the
+    top, LongRoPE under rope_scaling, its factors covering the turned half of each head): the
+    table's frequencies are over that half, the other half of each head passes unturned, past
+    the original context (the long factors) as HF runs it. The C kernels turn the half through a
+    view of each head; the decoder stack is not taken."""
+    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3_partial")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg.update(partial_rotary_factor=0.5, rope_theta=params["rope_theta"],
+               rope_scaling={"type": "longrope", "short_factor": params["short_factor"],
+                             "long_factor": params["long_factor"]})
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    rng = random.Random(12)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (257, 300)]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=12)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01, max_model_len=512,
+              max_num_batched_tokens=64, debug_checks=True)
+    model = llm.engine.runner.model
+    assert model.cfg.rotary_dim == 8 and model.cos_sin_cache.shape == (512, 8) and model.stack_weights() is None
+    assert run_ours(llm, prompts, 12) == expected
 
 
 def test_longrope_parity_past_the_original_context(tmp_path):

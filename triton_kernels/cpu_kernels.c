@@ -38,16 +38,18 @@ void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ld
     }
 }
 
-/* Neox-style RoPE in place on x: [T, heads, D], token rows ld_t apart, heads D apart; cs:
-   [T, D] rows ld_cs apart, cos of the D/2 frequencies then their sin. r16: cos, sin, each
-   product and each sum rounded to bfloat16, as torch_ops.rotary_embedding in bfloat16. */
-void pageserve_rotary(float *x, long T, long heads, long ld_t, long D, const float *cs, long ld_cs, int r16) {
-    long half = D / 2;
+/* Neox-style RoPE in place on the first R values of each head of x: [T, heads, >= R], token
+   rows ld_t apart, heads ld_h apart (R < ld_h: partial rotary, the rest untouched); cs: [T, R]
+   rows ld_cs apart, cos of the R/2 frequencies then their sin. r16: cos, sin, each product and
+   each sum rounded to bfloat16, as torch_ops.rotary_embedding in bfloat16. */
+void pageserve_rotary(float *x, long T, long heads, long ld_t, long ld_h, long R, const float *cs, long ld_cs,
+                      int r16) {
+    long half = R / 2;
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
     for (long t = 0; t < T; t++) {
         const float *c = cs + t * ld_cs, *s = c + half;
         for (long h = 0; h < heads; h++) {
-            float *x1 = x + t * ld_t + h * D, *x2 = x1 + half;
+            float *x1 = x + t * ld_t + h * ld_h, *x2 = x1 + half;
             if (r16)
                 for (long i = 0; i < half; i++) {
                     float a = x1[i], b = x2[i], ci = round_bf16(c[i]), si = round_bf16(s[i]);
@@ -283,8 +285,8 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
         if ((failed = pageserve_linear_packed(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lp[0], lw[2], qkv,
                                               QKV)))
             break;
-        pageserve_rotary(qkv, T, H, QKV, D, cs, ld_cs, r16);
-        pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, cs, ld_cs, r16);
+        pageserve_rotary(qkv, T, H, QKV, D, D, cs, ld_cs, r16);
+        pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, D, cs, ld_cs, r16);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],
                                         slots, block_tables, ld_bt, seq_lens, T, H, Hkv, D, block_size, scale, attn, r16, kv_format);
         failed = failed || pageserve_linear_packed(attn, T, H * D, H * D, lw[3], ft[1], Hd, row_stride(ft[1], H * D),

@@ -86,7 +86,7 @@ class CpuKernels:
         for name, args in (("pageserve_linear", [p, n, n, n, p, i, n, n, p, p, n]),
                            ("pageserve_widen", [p, i, n, n, n, p]),
                            ("pageserve_rms_norm", [p, n, p, n, p, f, n, n, p, p, n, i]),
-                           ("pageserve_rotary", [p, n, n, n, n, p, n, i]),
+                           ("pageserve_rotary", [p, n, n, n, n, n, p, n, i]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p, i]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
                                                           p, i, i]),
@@ -243,19 +243,20 @@ class CpuKernels:
         return out, res
 
     def rotary_embedding(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """In place on q [T, H, D] and k [T, Hkv, D] (views of the fused qkv rows are fine);
-        cos and sin: the halves of one [T, D] row (torch_ops.rope_cos_sin's views)."""
+        """In place on q [T, H, R] and k [T, Hkv, R] (views of the fused qkv rows are fine, and of
+        each head's first R values: partial rotary); cos and sin: the halves of one [T, R] row
+        (torch_ops.rope_cos_sin's views)."""
         t, _, d = q.shape
         if cos.dtype != torch.float32 or not cos.is_cpu or cos.stride(-1) != 1 or cos.shape[0] != t \
                 or cos.shape[-1] != d // 2 or sin.data_ptr() != cos.data_ptr() + 4 * (d // 2) \
                 or cos.stride(0) != sin.stride(0):
             raise ValueError("rotary_embedding: cos and sin must be the two halves of one float32 row")
         for x in (q, k):
-            if x.dtype != torch.float32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != d \
+            if x.dtype != torch.float32 or not x.is_cpu or x.stride(2) != 1 or x.stride(1) < d \
                     or x.shape[0] != t or x.shape[2] != d:
                 raise ValueError(f"rotary_embedding: {tuple(x.shape)} with strides {x.stride()}")
-            self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), d, cos.data_ptr(), cos.stride(0),
-                                       self.bf16_dot)
+            self._lib.pageserve_rotary(x.data_ptr(), t, x.shape[1], x.stride(0), x.stride(1), d, cos.data_ptr(),
+                                       cos.stride(0), self.bf16_dot)
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -67,7 +67,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # written back into qkv: q, k and v stay views of one tensor,
             q.copy_(self._head_norm(q, self.q_norm))  # with the token stride the kernels
             k.copy_(self._head_norm(k, self.k_norm))  # expect of all three
-        self.ops.rotary_embedding(q, k, *rope)
+        rot = cfg.rotary_dim  # all of each head, or its first values (partial rotary: the rest pass as they are)
+        self.ops.rotary_embedding(q[..., :rot], k[..., :rot], *rope)
         scales = self.kv_scales
         if scales is not None:  # the cache keeps K / k_scale and V / v_scale
             q, k, v = q * scales.query, k / scales.key, v / scales.value
@@ -273,11 +274,11 @@ class CausalLM(nn.Module):
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
         gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
-        no q/k norm, window, soft cap, o_proj or MLP bias, KV-cache scales or other attention scale than
-        head_dim ** -0.5, on one rank, and the model runs this class's forward: the layers a
-        backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
+        no q/k norm, window, soft cap, o_proj or MLP bias, KV-cache scales, partial rotary or other
+        attention scale than head_dim ** -0.5, on one rank, and the model runs this class's forward:
+        the layers a backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1 or self.cfg.pp_size != 1 \
-                or type(self).layer_ropes is not CausalLM.layer_ropes:
+                or type(self).layer_ropes is not CausalLM.layer_ropes or self.cfg.rotary_dim != self.cfg.head_dim:
             return None
         out = []
         for layer in self.layers:

@@ -340,6 +340,16 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def partial_rotary_factor(cfg: dict) -> float:
+    """The share of each head that RoPE turns (1.0: all of it), wherever the config keeps it: at
+    its top level (transformers 4's layout), in rope_parameters (5's) or in rope_scaling."""
+    params = cfg.get("rope_parameters") or {}
+    for src in (cfg, params.get("full_attention", params), cfg.get("rope_scaling") or {}):
+        if src.get("partial_rotary_factor") is not None:
+            return float(src["partial_rotary_factor"])
+    return 1.0
+
+
 def eos_token_ids(cfg: dict, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     for src in (cfg.get("_generation", {}).get("eos_token_id"), cfg.get("eos_token_id"),

@@ -18,6 +18,7 @@ class Entry(NamedTuple):
     activations: tuple[str, ...] = ("silu", "swish")  # config.json's hidden_act (or hidden_activation) it runs
     o_bias: bool = False  # o_proj takes config.json's attention_bias, as q/k/v do (transformers' class does)
     mlp_bias: bool = False  # gate, up and down take config.json's mlp_bias
+    partial_rotary: bool = False  # RoPE turns config.json's partial_rotary_factor of each head (transformers' does)
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")  # Gemma's MLP: GELU's tanh approximation
@@ -28,7 +29,7 @@ _MODELS = {
     "MistralForCausalLM": Entry("llama", "MistralForCausalLM", sliding_window=True),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM", o_bias=True),
-    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM"),
+    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM", partial_rotary=True),
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM", o_bias=True),

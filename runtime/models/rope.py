@@ -1,5 +1,6 @@
 """RoPE tables: each position's cos and sin of the rotary angles, by the model's scaling
-(default, linear, llama3, LongRoPE, YaRN), as Hugging Face computes them."""
+(default, linear, llama3, LongRoPE, YaRN), as Hugging Face computes them, over the rotary_dim
+values of a head that turn (all of it, or a partial_rotary_factor's share)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pageserve.runtime.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -47,7 +48,7 @@ def yarn_parameters(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     turn fewer than beta_slow times divided by the factor, a linear ramp between; cos and sin
     scaled by the attention factor (0.1 ln(factor) + 1, or the mscale ratio). Returns (inverse
     frequencies, attention factor)."""
-    s, dim, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    s, dim, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
     original = rope_original_length(cfg)
     factor = s.get("factor") or cfg.hf_config.get("max_position_embeddings", original) / original
     attention = s.get("attention_factor")
@@ -70,7 +71,7 @@ def yarn_parameters(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
-    """[max_model_len, head_dim] float32: cos of each position's D/2 angles, then their sin.
+    """[max_model_len, rotary_dim] float32: cos of each position's R/2 angles, then their sin.
     LongRoPE (Phi-3): Hugging Face takes the long factors for a sequence longer than
     original_max_position_embeddings and the short ones otherwise. One table cannot do both
     without rotating a query and its keys by different factors, so the choice is the served

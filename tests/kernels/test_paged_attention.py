@@ -208,8 +208,12 @@ def test_reshape_and_cache(device, dtype, block_size, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2, 64), (6, 2, 96), (8, 1, 128)])
-def test_rotary_embedding(device, dtype, heads):
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_rotary_embedding(device, dtype, heads, partial):
+    """Each head rotated through views of the fused qkv rows; partial rotary (Phi-4-mini): the
+    first 3/4 of each head, the rest left as it was."""
     num_heads, num_kv_heads, head_dim = heads
+    rot = int(head_dim * partial)
     tokens = 19
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(device, dtype)
@@ -218,13 +222,14 @@ def test_rotary_embedding(device, dtype, heads):
     k = k.view(tokens, num_kv_heads, head_dim)
     original_v = v.clone()
     positions = torch.randint(0, 500, (tokens,), generator=g)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     freqs = torch.arange(512).float()[:, None] * inv_freq[None, :]
     cos, sin = reference.rope_cos_sin(positions, torch.cat([freqs.cos(), freqs.sin()], -1).to(device), dtype)
     original_q, want_q, want_k = q.clone(), q.clone(), k.clone()
-    reference.rotary_embedding(want_q, want_k, cos, sin)
-    rotary_embedding(q, k, cos, sin)
+    reference.rotary_embedding(want_q[..., :rot], want_k[..., :rot], cos, sin)
+    rotary_embedding(q[..., :rot], k[..., :rot], cos, sin)
     torch.testing.assert_close(q, want_q, **TOL[dtype])
     torch.testing.assert_close(k, want_k, **TOL[dtype])
-    assert not torch.allclose(q, original_q, atol=0.1)  # rotated in place, through the view
+    assert not torch.allclose(q[..., :rot], original_q[..., :rot], atol=0.1)  # rotated in place, through the view
+    assert torch.equal(q[..., rot:], original_q[..., rot:])
     assert torch.equal(v, original_v)  # the padded heads of a program (6 -> 8) touch nothing
