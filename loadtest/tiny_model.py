@@ -52,9 +52,10 @@ ARCHITECTURES = {
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                   "short_factor": [1.0 + 0.15 * i for i in range(8)],
                                   "long_factor": [2.0 + i for i in range(8)]}}),
-    # Phi-4-mini's shape of RoPE: LongRoPE over the first half of each head (partial_rotary_factor)
+    # Phi-4-mini's shape of RoPE, LongRoPE over the first half of each head (partial_rotary_factor),
+    # and the Phi-3 4k models' sliding window (12 tokens here)
     "phi3_partial": ("Phi3Config", "Phi3ForCausalLM",
-                     {"original_max_position_embeddings": 256, "partial_rotary_factor": 0.5,
+                     {"original_max_position_embeddings": 256, "partial_rotary_factor": 0.5, "sliding_window": 12,
                       "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                           "short_factor": [1.0 + 0.3 * i for i in range(4)],
                                           "long_factor": [2.0 + i for i in range(4)]}}),

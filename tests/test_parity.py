@@ -182,14 +182,15 @@ def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, fac
 
 def test_partial_rotary_parity_in_transformers_4s_layout(tmp_path):
     """Phi-4-mini's config.json as it ships (transformers 4's layout: partial_rotary_factor at the
-    top, LongRoPE under rope_scaling, its factors covering the turned half of each head): the
-    table's frequencies are over that half, the other half of each head passes unturned, past
-    the original context (the long factors) as HF runs it. The C kernels turn the half through a
-    view of each head; the decoder stack is not taken."""
+    top, LongRoPE under rope_scaling, its factors covering the turned half of each head, a
+    sliding window longer than its context): the table's frequencies are over that half, the
+    other half of each head passes unturned, past the original context (the long factors) as HF
+    runs it, and no layer takes the window. The C kernels turn the half through a view of each
+    head; the decoder stack is not taken."""
     model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3_partial")
     cfg = json.loads((model_dir / "config.json").read_text())
     params = cfg.pop("rope_parameters")
-    cfg.update(partial_rotary_factor=0.5, rope_theta=params["rope_theta"],
+    cfg.update(partial_rotary_factor=0.5, rope_theta=params["rope_theta"], sliding_window=2048,
                rope_scaling={"type": "longrope", "short_factor": params["short_factor"],
                              "long_factor": params["long_factor"]})
     (model_dir / "config.json").write_text(json.dumps(cfg))
@@ -200,6 +201,7 @@ def test_partial_rotary_parity_in_transformers_4s_layout(tmp_path):
               max_num_batched_tokens=64, debug_checks=True)
     model = llm.engine.runner.model
     assert model.cfg.rotary_dim == 8 and model.cos_sin_cache.shape == (512, 8) and model.stack_weights() is None
+    assert model.cfg.sliding_window == 0 and not any(layer.self_attn.sliding_window for layer in model.layers)
     assert run_ours(llm, prompts, 12) == expected
 
 

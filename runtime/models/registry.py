@@ -29,7 +29,7 @@ _MODELS = {
     "MistralForCausalLM": Entry("llama", "MistralForCausalLM", sliding_window=True),
     "Qwen2ForCausalLM": Entry("llama", "LlamaForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Entry("qwen3", "Qwen3ForCausalLM", o_bias=True),
-    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM", partial_rotary=True),
+    "Phi3ForCausalLM": Entry("phi3", "Phi3ForCausalLM", sliding_window=True, partial_rotary=True),
     "MixtralForCausalLM": Entry("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": Entry("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True),
     "Qwen3MoeForCausalLM": Entry("qwen3_moe", "Qwen3MoeForCausalLM", o_bias=True),
