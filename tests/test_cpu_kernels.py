@@ -210,13 +210,16 @@ def test_small_ops_match_torch_ops(kernel, tokens):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96),
                                                     (8, 2, 128)])
 @pytest.mark.parametrize("step", ["decode", "decodes", "mixed"])
-@pytest.mark.parametrize("scale", [0.3, 30.0])
-def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step, scale):
+@pytest.mark.parametrize("scale,window", [(0.3, 0), (30.0, 0), (0.3, 5), (0.3, 40)])
+def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step, scale, window):
     """Over scattered blocks, the new K/V written at their slots first. decode: one token per
     request at ragged context lengths (paged_decode), one KV head a work item; decodes: enough
     requests (on 2 threads) for a token's every KV head to be one item; mixed: prompt chunks
     (from the start, after cached context, one token long) beside decodes, causal in each
-    chunk. A scale of 30 spreads the scores by hundreds: a maximum taken wrong overflows."""
+    chunk. A scale of 30 spreads the scores by hundreds: a maximum taken wrong overflows. A
+    sliding window (Gemma 3's, Mistral's): each token sees its last `window` positions, and the
+    table entries of blocks wholly before a request's first window point at a block of NaN, as
+    the KV manager's placeholders point at blocks it gave back."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 10 + head_dim)
@@ -225,13 +228,18 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     reqs = ([(n - 1, 1) for n in (1, 16, 17, 33, 100, 5)] if step == "decode" else
             [(n - 1, 1) for n in (1, 16, 17, 33, 100, 5, 2, 64, 48, 9)] if step == "decodes" else
             [(0, 37), (5, 1), (40, 20), (100, 1), (16, 16), (0, 1), (63, 70)])
-    caches = [torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
+    caches = [torch.randn(num_blocks + 1, kv_heads, block_size, head_dim, generator=gen) for _ in range(2)]
+    for c in caches:
+        c[num_blocks] = float("nan")  # the placeholder: read, it would poison the output
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, slots = [], []
     for before, n in reqs:
         blocks = [order.pop() for _ in range(-(-(before + n) // block_size))]
-        tables.append(blocks + [0] * (10 - len(blocks)))
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(before, before + n)]
+        if window:
+            gone = max(before + 1 - window, 0) // block_size  # blocks wholly before its first row's window
+            blocks[:gone] = [num_blocks] * gone
+        tables.append(blocks + [0] * (10 - len(blocks)))
     t = len(slots)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, :heads * head_dim].reshape(t, heads, head_dim)
@@ -243,27 +251,29 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     qsl = torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
-    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, scale)
+    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, scale, sliding_window=window)
     if step != "mixed":
         threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
         torch.set_num_threads(2 if step == "decodes" else threads)  # 10 decodes: 4 tokens a thread or more
         try:
-            got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens, scale)
+            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, sliding_window=window)
         finally:
             torch.set_num_threads(threads)
     else:
-        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, qsl)
-    assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
+        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, qsl, sliding_window=window)
+    for c, ref in zip(caches, (ref_k, ref_v)):
+        assert torch.allclose(c, ref, rtol=0, atol=0, equal_nan=True)
     tol = 1e-5 if scale < 1 else 2e-3  # scores in the hundreds: their rounding grows with them
     assert torch.allclose(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (2, 1, 24), (96, 2, 16)])
-def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
+@pytest.mark.parametrize("window", [0, 7, 100])
+def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d, window):
     """One or two requests, fewer (request, KV head) items than twice the threads: each context
-    is cut into pieces, each piece of every head (past 64 heads, of one KV head's), then merged.
-    Torch's attention; contexts shorter than the pieces leave some empty; heads of 40 and 24
-    floats take the scalar tails."""
+    (or its sliding window's part) is cut into pieces, each piece of every head (past 64 heads,
+    of one KV head's), then merged. Torch's attention; contexts shorter than the pieces leave
+    some empty; heads of 40 and 24 floats take the scalar tails."""
     from pageserve.triton_kernels import torch_ops
 
     threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
@@ -283,9 +293,9 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
         q = torch.randn(n, heads, d, generator=gen)
         k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
         lens_t = torch.tensor(lens, dtype=torch.int32)
-        got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt[:n], lens_t, 0.125)
+        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt[:n], lens_t, 0.125, sliding_window=window)
         want = torch_ops.paged_attention(q, caches[0], caches[1], bt[:n], torch.arange(n + 1, dtype=torch.int32),
-                                         lens_t, 0.125)
+                                         lens_t, 0.125, sliding_window=window)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), lens
         checked += 1
     assert checked >= 5
@@ -294,13 +304,15 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d):
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (4, 4, 16), (2, 1, 24),
                                              (96, 2, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads):
+@pytest.mark.parametrize("window", [0, 6, 50])
+def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads, window):
     """A speculative verification: T = 2..17 rows of one sequence at consecutive positions (each
     row a decode of its own, the same block table) beside other requests, read as one group per
     KV head, each row seeing its own positions only; contexts off the block boundaries, tables
     shuffled, a group of 17 rows past 64 heads. Longer runs (the decoder stack's prompt rows, from
     position 0 or after cached ones, beside decodes and shorter runs; 96 heads: a decode's are
-    more than one item) go as the prompt attention takes a chunk.
+    more than one item) go as the prompt attention takes a chunk. Under a sliding window, a
+    group's later rows see less than its first (with a window of 6, none of its first pieces).
     Torch's attention of each row on its own; the same rows as chunks of a step
     (query_start_loc) give the same bits."""
     from pageserve.triton_kernels import torch_ops
@@ -335,8 +347,8 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
             ref_k, ref_v = caches[0].clone(), caches[1].clone()
             torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
             want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, torch.arange(n + 1, dtype=torch.int32),
-                                             lens_t, 0.125)
-            got = kernel.paged_decode(q, k, v, caches[0], caches[1], sl, bt, lens_t, 0.125)
+                                             lens_t, 0.125, sliding_window=window)
+            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens_t, 0.125, sliding_window=window)
             assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (reqs, (got - want).abs().max())
             if all(rows == 1 for _, rows in reqs):
@@ -345,7 +357,7 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
             starts = [0] + list(itertools.accumulate(rows for _, rows in reqs))
             chunked = kernel.paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), sl, bt[starts[:-1]],
                                              lens_t[[e - 1 for e in starts[1:]]], 0.125,
-                                             torch.tensor(starts, dtype=torch.int32))
+                                             torch.tensor(starts, dtype=torch.int32), sliding_window=window)
             assert torch.equal(chunked, got), reqs
     finally:
         torch.set_num_threads(saved)

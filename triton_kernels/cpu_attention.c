@@ -120,17 +120,21 @@ typedef float kv_t;
 int paged_attention_kv32(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                          float *k_cache, float *v_cache, const int64_t *slots, long T, const int32_t *block_tables,
                          long ld_bt, const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H,
-                         long Hkv, long D, long block_size, float scale, float *out, int r16);
+                         long Hkv, long D, long block_size, float scale, float *out, int r16, long W);
 int paged_attention_kv16(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, long T,
                          const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                          const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
-                         float *out, int r16);
+                         float *out, int r16, long W);
 int paged_attention_kv8(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                         uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, long T,
                         const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                         const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
-                        float *out, int r16);
+                        float *out, int r16, long W);
+
+/* The first position a row of `len` positions sees under a sliding window of W (0: none): it
+   attends to its last W positions only, its own included */
+static inline long window_start(long len, long W) { return W > 0 && len > W ? len - W : 0; }
 
 /* ---- paged attention for decode-only steps: read K/V where they lie in the cache ---- */
 
@@ -375,10 +379,11 @@ static void merge_heads(const float *part, long P, long rec, long NR, long h0, l
    merged. An item is one piece of a token's every head, where attend_range takes them all (64
    heads or fewer): a block's rows of every KV head are one read, and two pieces a thread, not
    four, since each piece costs its start and its merge (docs/performance.md). Else a piece of
-   one KV head's. Returns 1 where scratch memory could not be had. */
+   one KV head's. W: a sliding window (0: none), whose positions the pieces cut. Returns 1
+   where scratch memory could not be had. */
 static int decode_pieces(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
-                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16) {
+                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16, long W) {
     long G = H / Hkv, tok = Hkv * block_size * D, NK = H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
     long rec = NG * D + 2 * NG, P = (2 * threads + B * per - 1) / (B * per);
     while ((B * per * P) % threads) P++;
@@ -396,8 +401,8 @@ static int decode_pieces(const float *q, long ld_q, const kv_t *k_cache, const k
         }
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < B * per * P; item++) {
-            long b = item / (per * P), hk = item / P % per * NK, L = seq_lens[b], len = (L + P - 1) / P;
-            long j0 = item % P * len, j1 = j0 + len < L ? j0 + len : L;
+            long b = item / (per * P), hk = item / P % per * NK, L = seq_lens[b], lo = window_start(L, W);
+            long len = (L - lo + P - 1) / P, j0 = lo + item % P * len, j1 = j0 + len < L ? j0 + len : L;
             float *r = part + item * rec;
             if (s == NULL) continue;
             if (j0 >= j1) { /* past a short context: an empty piece */
@@ -849,10 +854,12 @@ static inline long kvw_floats(long block_size, long D, long Mp) {
    of exponentials (head t * G + g: row t's head g). qt: scratch of D * Mp floats, the rows'
    heads gathered transposed (with bfloat16 products: D / 2 rows of Mp pairs); s: (j1 - j0) * Mp
    floats, the scores with the heads along a row; kvw: kvw_floats(block_size, D, Mp) floats, a
-   run of K or V rows widened, or a run's pairs. */
+   run of K or V rows widened, or a run's pairs. W: a sliding window (0: none), row t seeing
+   positions window_start(lens[t], W) on only; a row that sees none of the piece leaves an
+   empty piece (EMPTY_PIECE) for merge_heads. */
 static void group_piece(const float *q, long ld_q, long T, long G, long D, const kv_t *k, const kv_t *v,
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
-                        float scale, int r16, float *qt, float *s, float *rec, float *kvw) {
+                        float scale, int r16, float *qt, float *s, float *rec, float *kvw, long W) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
     int b16 = 0; /* bfloat16 products */
 #ifdef PS_AMX_BF16
@@ -906,9 +913,12 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
             j += n;
         }
     }
-    for (long t = 0; t < T; t++) /* positions past a row's own: no weight */
+    for (long t = 0; t < T; t++) { /* positions past a row's own, or before its window: no weight */
         for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
             for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = -INFINITY;
+        for (long j = j0, lo = window_start(lens[t], W); j < lo && j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = -INFINITY;
+    }
     float *mx_out = rec + M * D, *sm_out = mx_out + M;
     for (long c = 0; c < Mp; c += VW) { /* each head's max, exp(s - max) and its sum, VW heads at once */
         vf mv = VSET1(-INFINITY), tot = VZERO();
@@ -923,9 +933,15 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
         VSTORE(sms, tot);
         for (long h = 0; h < VW && c + h < M; h++) mx_out[c + h] = mxs[h], sm_out[c + h] = sms[h];
     }
-    for (long t = 0; t < T; t++) /* exp's floor left the masked positions a tiny weight: none */
+    for (long t = 0; t < T; t++) { /* exp's floor left the masked positions a tiny weight: none */
         for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
             for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = 0.0f;
+        long lo = window_start(lens[t], W);
+        for (long j = j0; j < lo && j < j1; j++)
+            for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = 0.0f;
+        if (lo >= j1 || lens[t] <= j0) /* (its exponentials summed NaN) */
+            for (long g = 0; g < G; g++) sm_out[t * G + g] = EMPTY_PIECE;
+    }
     for (long i = 0; i < M * D; i++) rec[i] = 0.0f;
 #ifdef PS_AMX_BF16
     if (amx) { /* P V: the runs' pairs gathered AMX_PAIRS at a time */
@@ -979,11 +995,12 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
    step of at least 4 groups a thread it is one item of all its heads (64 or fewer), as a step
    of as many decodes only takes it (the same bits), else attend_range's pieces of each KV head's
    heads, which the threads share. seq_lens: per row; block_tables: per row, or (by_group) per
-   group. Returns 1 where scratch memory could not be had. */
+   group. W: a sliding window (0: none); the pieces then cut what the first row's window sees.
+   Returns 1 where scratch memory could not be had. */
 static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
                          long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
-                         long ng, float *out, int r16) {
+                         long ng, float *out, int r16, long W) {
     long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = D * 16, max_s = 0;
     long *gp = (long *)malloc(sizeof(long) * (size_t)(4 * ng + B)); /* per group: pieces, length, offset, items */
     if (gp == NULL) return 1;
@@ -995,7 +1012,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
     long want = split ? (2 * threads + Hkv * split - 1) / (Hkv * split) : 1; /* pieces a group: two items a thread */
     for (long i = 0; i < ng; i++) {
         long T = gstart[i + 1] - gstart[i], M = T * G, Mp = (M + 15) / 16 * 16;
-        long L0 = T > 0 ? seq_lens[gstart[i]] : 0;
+        long L0 = T > 0 ? seq_lens[gstart[i]] : 0, span = L0 - window_start(L0, W); /* what the first row sees */
         for (long b = gstart[i]; b < gstart[i + 1]; b++) row_group[b] = i;
         if (T == 0 || (whole && T == 1)) { /* no rows; or one item, its output written there */
             gp[4 * i] = 1, gp[4 * i + 1] = L0, gp[4 * i + 2] = total, gp[4 * i + 3] = T;
@@ -1003,12 +1020,12 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             max_s = (L0 + 1) * H > max_s ? (L0 + 1) * H : max_s;
             continue;
         }
-        long P = (L0 + GROUP_PIECE - 1) / GROUP_PIECE;
+        long P = (span + GROUP_PIECE - 1) / GROUP_PIECE;
         P = P > want ? P : want;
-        P = P < L0 ? P : L0;
+        P = P < span ? P : span;
         P = P > 1 ? P : 1; /* (a row that sees nothing: one empty piece) */
-        long len = L0 > 0 ? (L0 + P - 1) / P : 0;
-        P = L0 > 0 ? (L0 + len - 1) / len : 1; /* none empty */
+        long len = span > 0 ? (span + P - 1) / P : 0;
+        P = span > 0 ? (span + len - 1) / len : 1; /* none empty for the first row */
         gp[4 * i] = P, gp[4 * i + 1] = len, gp[4 * i + 2] = total, gp[4 * i + 3] = Hkv * P;
         total += Hkv * P * (M * D + 2 * M);
         nitems += Hkv * P;
@@ -1039,12 +1056,13 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             long P = gp[4 * i], len = gp[4 * i + 1], b = gstart[i], T = gstart[i + 1] - b, M = T * G;
             const int32_t *bt = block_tables + (by_group ? i : b) * ld_bt;
             if (whole && T == 1) {
-                attend_range(q + b * ld_q, k_cache, v_cache, bt, 0, seq_lens[b], H, G, D, block_size, tok, scale, s,
-                             out + b * H * D, NULL, NULL, r16);
+                attend_range(q + b * ld_q, k_cache, v_cache, bt, window_start(seq_lens[b], W), seq_lens[b], H, G, D,
+                             block_size, tok, scale, s, out + b * H * D, NULL, NULL, r16);
                 continue;
             }
             long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
-            long j0 = p * len, j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
+            long j0 = window_start(L0, W) + p * len;
+            long j1 = p == P - 1 ? seq_lens[b + T - 1] : (j0 + len < L0 ? j0 + len : L0);
             float *rec = part + gp[4 * i + 2] + (item - first) * (M * D + 2 * M);
             if (T == 1) /* attend_range's piece: the same record */
                 attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
@@ -1052,7 +1070,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             else
                 group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
                             v_cache + hk * block_size * D, bt, block_size, tok, seq_lens + b, j0, j1, scale, r16, qt,
-                            s, rec, kvw);
+                            s, rec, kvw, W);
         }
         if (!failed) {
 #pragma omp for schedule(static)
@@ -1082,12 +1100,13 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
    for all of them; each row's positions past its own masked), then normalised as merge_pieces
    normalises a single piece. A request of one row (a decode in the step) is one item of all its
    heads (64 or fewer) in attend_range, as without the chunk: a group of one row would work G
-   lanes of a vector. bt_rows: request b's block table is row bt_rows[b] (NULL: row b). Returns 1
+   lanes of a vector. bt_rows: request b's block table is row bt_rows[b] (NULL: row b). W: a
+   sliding window (0: none); an item then starts where its first row's window does. Returns 1
    where scratch memory could not be had. */
 static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, const long *bt_rows,
                          const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H, long Hkv, long D,
-                         long block_size, float scale, float *out, int r16) {
+                         long block_size, float scale, float *out, int r16, long W) {
     long G = H / Hkv, tok = Hkv * block_size * D, rows = PROMPT_LANES / G > 1 ? PROMPT_LANES / G : 1;
     long nitems = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16, all = H <= 64; /* all: a decode's heads one item */
     for (long b = 0; b < B; b++) {
@@ -1126,14 +1145,14 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             long end = query_start_loc[b + 1], T = end - t0 < rows ? end - t0 : rows, M = T * G;
             const int32_t *bt = block_tables + (bt_rows != NULL ? bt_rows[b] : b) * ld_bt;
             if (hk < 0) { /* a decode beside the chunks: a token's item of every head, as without them */
-                attend_range(q + t0 * ld_q, k_cache, v_cache, bt, 0, seq_lens[b], H, G, D, block_size, tok, scale, s,
-                             out + t0 * H * D, NULL, NULL, r16);
+                attend_range(q + t0 * ld_q, k_cache, v_cache, bt, window_start(seq_lens[b], W), seq_lens[b], H, G, D,
+                             block_size, tok, scale, s, out + t0 * H * D, NULL, NULL, r16);
                 continue;
             }
             for (long t = 0; t < T; t++) lens[t] = seq_lens[b] - (int32_t)(end - 1 - (t0 + t));
             group_piece(q + t0 * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
-                        v_cache + hk * block_size * D, bt, block_size, tok, lens, 0, lens[T - 1], scale, r16, qt, s,
-                        rec, kvw);
+                        v_cache + hk * block_size * D, bt, block_size, tok, lens, window_start(lens[0], W),
+                        lens[T - 1], scale, r16, qt, s, rec, kvw, W);
             for (long t = 0; t < T; t++)
                 merge_heads(rec, 1, M * D + 2 * M, M, t * G, G, D, out + (t0 + t) * H * D + hk * G * D);
         }
@@ -1170,7 +1189,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                      kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                      const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                      const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                     float scale, float *out, int r16);
+                     float scale, float *out, int r16, long W);
 
 /* Decode rows (one block table each) in groups (gstart, as find_groups leaves them) of which one
    is longer than GROUP_ROWS: each group as a request's chunk of a step (prompt_groups), so a
@@ -1178,13 +1197,14 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
    and so do decodes beside it. Returns 1 where scratch memory could not be had. */
 static int groups_as_prompts(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                              const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long H, long Hkv,
-                             long D, long block_size, float scale, const long *gstart, long ng, float *out, int r16) {
+                             long D, long block_size, float scale, const long *gstart, long ng, float *out, int r16,
+                             long W) {
     int32_t *qsl = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * ng + 1)), *lens = qsl + ng + 1;
     if (qsl == NULL) return 1;
     for (long i = 0; i <= ng; i++) qsl[i] = (int32_t)gstart[i];
     for (long i = 0; i < ng; i++) lens[i] = seq_lens[gstart[i + 1] - 1];
     int failed = prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, gstart, qsl, lens, ng, H, Hkv, D,
-                               block_size, scale, out, r16);
+                               block_size, scale, out, r16, W);
     free(qsl);
     return failed;
 }
@@ -1193,7 +1213,7 @@ static int groups_as_prompts(const float *q, long ld_q, const kv_t *k_cache, con
    ([T, Hkv, D], token rows ld_kv apart) are written at their slots (a negative slot writes
    nothing); then each query token attends, causally, to its own position and every one before
    it: for token t of request b, softmax(q . K^T * scale) V over the first L positions of b's
-   context, L = its position + 1, in float32 (a max pass, an exp-and-sum pass, a normalising
+   context, L = its position + 1 (with a sliding window W > 0, the last W of them), in float32 (a max pass, an exp-and-sum pass, a normalising
    pass, as torch's softmax, then the weighted sum; exp is exp8's polynomial, within 2 ulp;
    scores four keys at a time). query_start_loc [B + 1]: request b's query tokens are rows
    query_start_loc[b] .. query_start_loc[b + 1] - 1, the last of its seq_lens[b] positions;
@@ -1220,9 +1240,9 @@ int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, cons
                             kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                             const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                             const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                            float scale, float *out, int r16) {
+                            float scale, float *out, int r16, long W) {
     int failed = attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, W);
     if (r16 && !failed) /* the output rounded to bfloat16, as torch's P V */
         for (long i = 0; i < T * H * D; i++) out[i] = round_bf16(out[i]);
     return failed;
@@ -1232,7 +1252,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                      kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                      const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                      const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                     float scale, float *out, int r16) {
+                     float scale, float *out, int r16, long W) {
     long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
     long max_len = 1;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -1266,7 +1286,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                 for (long i = 0; i < ng; i++)
                     if (gstart[i + 1] - gstart[i] > GROUP_ROWS) { /* a prompt's rows: as prompt_groups takes them */
                         failed = groups_as_prompts(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, H, Hkv,
-                                                   D, block_size, scale, gstart, ng, out, r16);
+                                                   D, block_size, scale, gstart, ng, out, r16, W);
                         free(gstart);
                         free(lens);
                         return failed;
@@ -1280,7 +1300,8 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                 gstart[B] = T;
             }
             failed = ng < T ? decode_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc != NULL,
-                                            lens, T, H, Hkv, D, block_size, scale, threads, gstart, ng, out, r16)
+                                            lens, T, H, Hkv, D, block_size, scale, threads, gstart, ng, out, r16,
+                                            W)
                             : -1;
         }
         free(gstart);
@@ -1289,10 +1310,10 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
     }
     if (query_start_loc != NULL && longest > GROUP_ROWS)
         return prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, NULL, query_start_loc, seq_lens, B, H,
-                             Hkv, D, block_size, scale, out, r16);
+                             Hkv, D, block_size, scale, out, r16, W);
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
-                             scale, threads, out, r16);
+                             scale, threads, out, r16, W);
     /* a work item: one token's heads of NK KV heads. All of them where the tokens alone share
        out well, since a block's rows of every KV head lie together and are then one read
        (docs/performance.md); else one KV head's */
@@ -1321,7 +1342,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                 L = seq_lens[b] - (query_start_loc[b + 1] - 1 - t);
             }
             attend_range(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
-                         block_tables + b * ld_bt, 0, L, NG, G, D, block_size, tok, scale, s,
+                         block_tables + b * ld_bt, window_start(L, W), L, NG, G, D, block_size, tok, scale, s,
                          out + t * H * D + hk * G * D, NULL, NULL, r16);
         }
         free(s);
@@ -1331,19 +1352,21 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
 
 #if !defined(KV_BF16) && !defined(KV_FP8)
 /* The exported entries: kv_format says what the caches hold: 0 float32, 1 bfloat16 (uint16_t),
-   2 float8 e4m3fn (uint8_t) */
+   2 float8 e4m3fn (uint8_t); window: a sliding window (0: none) */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                               void *k_cache, void *v_cache, const int64_t *slots, long T,
                               const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                               const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                              float scale, float *out, int r16, int kv_format) {
+                              float scale, float *out, int r16, int kv_format, long window) {
     if (kv_format == 2)
         return paged_attention_kv8(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                                   query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+                                   query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, window);
     return kv_format ? paged_attention_kv16(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
-                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16)
+                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16,
+                                            window)
                      : paged_attention_kv32(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
-                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16);
+                                            ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16,
+                                            window);
 }
 
 /* pageserve_paged_attention of a decode step: one query token per request (T = B) */
@@ -1353,6 +1376,6 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
                             long H, long Hkv, long D, long block_size, float scale, float *out, int r16,
                             int kv_format) {
     return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
-                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv_format);
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv_format, 0);
 }
 #endif
