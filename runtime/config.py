@@ -102,6 +102,12 @@ class ModelConfig:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         elif not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and within 2..head_dim ({self.head_dim}), got {self.rotary_dim}")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "longrope":  # a factor per turned pair of values
+            for key in ("short_factor", "long_factor"):
+                if len(scaling.get(key) or ()) != self.rotary_dim // 2:
+                    raise ValueError(f"LongRoPE's {key} has {len(scaling.get(key) or ())} values; RoPE over "
+                                     f"{self.rotary_dim} values of each head takes {self.rotary_dim // 2}")
         if self.kv_cache_dtype is None:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
         elif self.kv_cache_dtype not in (*_DTYPES.values(), torch.float8_e4m3fn):

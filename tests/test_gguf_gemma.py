@@ -10,12 +10,13 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from pageserve.loadtest.tiny_model import build_tiny_model
 from pageserve.runtime import LLM, SamplingParams
-from pageserve.runtime.models.loader import resolve_model
+from pageserve.runtime.models.loader import ModelLoadError, resolve_model
 from tests.conftest import assert_pool_clean
 from tests.hf_reference import hf_greedy
 
@@ -150,3 +151,45 @@ def hf_tokenizer_ids(path: Path, text: str) -> list[int]:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
+
+
+@pytest.mark.parametrize("case", ["window", "partial rotary", "longrope factors"])
+def test_phi3_gguf_keys_transformers_drops(tmp_path, own_cache, case):
+    """A Phi-3 GGUF: transformers' reader drops llama.cpp's phi3 keys for the sliding window,
+    the rotary dimension count and the LongRoPE factor tensors. The window (the 4k models') is
+    read from the file, and the model then gives the greedy tokens of the checkpoint it was
+    written from; a partial rotary count (Phi-4-mini) or LongRoPE factors (the 128k models)
+    would run wrong without them: refused by name."""
+    model_dir = build_tiny_model(tmp_path / "hf", arch="phi3", sliding_window=12,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    path = tmp_path / "tiny-phi3.gguf"
+    w = gguf.GGUFWriter(str(path), arch="phi3")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    add_model_keys(w, cfg)
+    w.add_rope_freq_base(10000.0)
+    w.add_sliding_window(12)
+    w.add_rope_dimension_count(8 if case == "partial rotary" else 16)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    from safetensors.torch import load_file
+
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.PHI3, cfg["num_hidden_layers"])
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+    if case == "longrope factors":
+        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if case != "window":
+        with pytest.raises(ModelLoadError, match="RoPE over 8 of each head's 16 values" if case == "partial rotary"
+                           else r"LongRoPE factors \(rope_factors_long.weight\)"):
+            LLM(str(path), dtype="float32", kv_cache_memory=0.01)
+        return
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (9, 30, 47)]
+    expected = hf_greedy(model_dir, prompts, max_new_tokens=12)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
+    assert llm.engine.config.model.sliding_window == 12 and llm.engine.config.model.max_model_len == 1024
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected

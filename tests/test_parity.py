@@ -203,6 +203,34 @@ def test_partial_rotary_parity_in_transformers_4s_layout(tmp_path):
     assert model.cfg.rotary_dim == 8 and model.cos_sin_cache.shape == (512, 8) and model.stack_weights() is None
     assert model.cfg.sliding_window == 0 and not any(layer.self_attn.sliding_window for layer in model.layers)
     assert run_ours(llm, prompts, 12) == expected
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    positions = torch.tensor([[0, 5, 257, 300, 511]])
+    cos, sin = Phi3RotaryEmbedding(AutoConfig.from_pretrained(model_dir))(torch.zeros(1), positions)
+    table = model.cos_sin_cache[positions[0]].cpu()
+    assert torch.equal(table, torch.cat([cos[0, :, :4], sin[0, :, :4]], -1))  # HF's LongRoPE table, to the bit
+
+
+def test_partial_rotary_factor_where_transformers_reads_it(tmp_path):
+    """transformers reads partial_rotary_factor from the RoPE parameters before the top level
+    of config.json; LongRoPE factors of another length than the turned pairs: one clear error."""
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.models.loader import load_tokenizer, read_config
+
+    model_dir = build_tiny_model(tmp_path / "phi3", arch="phi3_partial")
+    tokenizer = load_tokenizer(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.75  # the RoPE parameters' 0.5 stands, as in transformers
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    args = EngineArgs(model=str(model_dir), dtype="float32", device="cpu")
+    assert args.model_config(model_dir, read_config(model_dir), tokenizer, torch.device("cpu")).rotary_dim == 8
+    # 12 values turn, and 4 factors do not cover them (transformers' own config check says so too)
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LongRoPE's short_factor has 4 values; RoPE over 12 values of each head "
+                                         "takes 6"):
+        args.model_config(model_dir, read_config(model_dir), tokenizer, torch.device("cpu"))
 
 
 def test_longrope_parity_past_the_original_context(tmp_path):

@@ -125,7 +125,7 @@ def convert_gguf(path: Path) -> Path:
                     same = False
                 if not same:
                     raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
-        _experts_config(out, path)  # (a folder of an earlier version holds transformers' defaults)
+        _gguf_config(out, path)  # (a folder of an earlier version holds transformers' defaults)
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -144,7 +144,7 @@ def convert_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         config.save_pretrained(tmp)
-        _experts_config(tmp, path)
+        _gguf_config(tmp, path)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
@@ -162,6 +162,53 @@ def publish(tmp: Path, out: Path, marker: str) -> None:
     except OSError:
         if not (out / marker).is_file():
             raise
+
+
+def _gguf_config(folder: Path, path: Path) -> None:
+    """config.json made to say what the GGUF file says where transformers reads it wrong or not
+    at all (experts, Phi-3's RoPE and window)."""
+    _experts_config(folder, path)
+    _phi3_config(folder, path)
+
+
+def _rewrite_config(folder: Path, path: Path, changed: dict) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changed)
+    tmp = folder / f".config.json.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, folder / "config.json")  # replaced whole
+    except OSError as e:
+        raise ModelLoadError(f"{folder}/config.json differs from {path} in {changed}, and cannot be rewritten "
+                             f"({e}): delete the folder") from None
+
+
+def _phi3_config(folder: Path, path: Path) -> None:
+    """A Phi-3 GGUF (llama.cpp's "phi3"): transformers' reader drops its sliding window (the 4k
+    models' 2,047), written into config.json here; it also drops the share of each head RoPE
+    turns (Phi-4-mini) and LongRoPE's factors (the 128k models), without which the model would
+    run wrong: such a file is refused by name."""
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("model_type") != "phi3":
+        return
+    from pageserve.runtime.models.gguf_file import read_metadata
+
+    try:
+        arch, entries, ints = read_metadata(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    turned = ints.get(f"{arch}.rope.dimension_count", head_dim)
+    if turned != head_dim:
+        raise ModelLoadError(f"{path}: RoPE over {turned} of each head's {head_dim} values (partial rotary), which "
+                             "transformers' GGUF reader drops: serve the model's Hugging Face checkpoint")
+    factors = [e.name for e in entries if e.name.startswith("rope_factors")]
+    if factors:
+        raise ModelLoadError(f"{path}: LongRoPE factors ({', '.join(factors)}), which transformers' GGUF reader "
+                             "drops: serve the model's Hugging Face checkpoint")
+    window = ints.get(f"{arch}.attention.sliding_window")
+    if window and cfg.get("sliding_window") != window:
+        _rewrite_config(folder, path, {"sliding_window": window})
 
 
 def _experts_config(folder: Path, path: Path) -> None:
@@ -198,16 +245,8 @@ def _experts_config(folder: Path, path: Path) -> None:
                              "llama.cpp layout pageserve does not read: convert it again with a current llama.cpp")
     else:
         return
-    if not changed:
-        return
-    cfg.update(changed)
-    tmp = folder / f".config.json.{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-        os.replace(tmp, folder / "config.json")  # replaced whole
-    except OSError as e:
-        raise ModelLoadError(f"{folder}/config.json differs from {path}'s experts {changed}, and "
-                             f"cannot be rewritten ({e}): delete the folder") from None
+    if changed:
+        _rewrite_config(folder, path, changed)
 
 
 @contextlib.contextmanager
@@ -341,10 +380,10 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
 
 
 def partial_rotary_factor(cfg: dict) -> float:
-    """The share of each head that RoPE turns (1.0: all of it), wherever the config keeps it: at
-    its top level (transformers 4's layout), in rope_parameters (5's) or in rope_scaling."""
+    """The share of each head that RoPE turns (1.0: all of it), wherever the config keeps it, in
+    transformers' order: rope_parameters (5's layout) or rope_scaling, else the top level (4's)."""
     params = cfg.get("rope_parameters") or {}
-    for src in (cfg, params.get("full_attention", params), cfg.get("rope_scaling") or {}):
+    for src in (params.get("full_attention", params), cfg.get("rope_scaling") or {}, cfg):
         if src.get("partial_rotary_factor") is not None:
             return float(src["partial_rotary_factor"])
     return 1.0

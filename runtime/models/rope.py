@@ -11,9 +11,12 @@ import torch
 from pageserve.runtime.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, long_factors: bool = False) -> torch.Tensor:
+    """The inverse frequencies of the rotary_dim / 2 pairs; LongRoPE's short factors, or its
+    long ones (`long_factors`)."""
     dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    powers = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / powers
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -31,8 +34,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    if kind == "longrope":  # the short factors; rope_cos_sin_cache switches to the long ones
-        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    if kind == "longrope":  # as transformers: 1 / (factor * theta ** (2i / dim))
+        factors = scaling["long_factor" if long_factors else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers)
     if kind == "yarn":
         return yarn_parameters(cfg)[0]
     raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
@@ -80,15 +84,14 @@ def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
     ones get the long factors, which HF would not give them). Both scaled by the attention
     factor."""
     pos = torch.arange(cfg.max_model_len, dtype=torch.float32)[:, None]
-    inv_freq = rope_inv_freq(cfg)
     scale = 1.0
     scaling = cfg.rope_scaling or {}
+    longrope = scaling.get("rope_type", scaling.get("type")) == "longrope"
+    inv_freq = rope_inv_freq(cfg, long_factors=longrope and cfg.max_model_len > rope_original_length(cfg))
     if scaling.get("rope_type", scaling.get("type")) == "yarn":
         scale = yarn_parameters(cfg)[1]
-    if scaling.get("rope_type", scaling.get("type")) == "longrope":
+    if longrope:
         original = rope_original_length(cfg)
-        if cfg.max_model_len > original:
-            inv_freq = inv_freq * torch.tensor(scaling["short_factor"]) / torch.tensor(scaling["long_factor"])
         factor = scaling.get("factor") or cfg.hf_config.get("max_position_embeddings", original) / original
         scale = scaling.get("attention_factor") or (
             1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
