@@ -363,6 +363,13 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
         torch.set_num_threads(saved)
 
 
+def test_a_window_that_hides_a_first_piece_from_later_rows_on_the_scalar_build(portable_kernels):
+    """The verification rows under a window of 6 on the build for any x86-64, whose exp is
+    expf: a row that sees none of a piece sums its exponentials to NaN there, and merges only
+    because the piece is marked empty (the vector builds' exp clamps the NaN away)."""
+    test_paged_decode_of_verification_rows_in_groups(portable_kernels, 9, 3, 64, 2, 6)
+
+
 def test_silu_is_accurate_over_the_whole_range(kernel):
     """The vectorised exp: within a few float32 ulp of float64 SiLU from -100 to 100, and
     finite at the ends (no overflow into inf or nan)."""
