@@ -7,6 +7,7 @@ weights."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -153,43 +154,77 @@ def hf_tokenizer_ids(path: Path, text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
 
 
-@pytest.mark.parametrize("case", ["window", "partial rotary", "longrope factors"])
-def test_phi3_gguf_keys_transformers_drops(tmp_path, own_cache, case):
-    """A Phi-3 GGUF: transformers' reader drops llama.cpp's phi3 keys for the sliding window,
-    the rotary dimension count and the LongRoPE factor tensors. The window (the 4k models') is
-    read from the file, and the model then gives the greedy tokens of the checkpoint it was
-    written from; a partial rotary count (Phi-4-mini) or LongRoPE factors (the 128k models)
-    would run wrong without them: refused by name."""
-    model_dir = build_tiny_model(tmp_path / "hf", arch="phi3", sliding_window=12,
-                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    path = tmp_path / "tiny-phi3.gguf"
-    w = gguf.GGUFWriter(str(path), arch="phi3")
-    cfg = json.loads((model_dir / "config.json").read_text())
-    add_model_keys(w, cfg)
-    w.add_rope_freq_base(10000.0)
-    w.add_sliding_window(12)
-    w.add_rope_dimension_count(8 if case == "partial rotary" else 16)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+def write_phi3_gguf(model_dir: Path, out: Path, drop: str | None = None) -> Path:
+    """The HF Phi-3 checkpoint in `model_dir` as llama.cpp's converter writes it: fused qkv and
+    gate/up, the RoPE share as a dimension count, the window (0 for none), and LongRoPE as
+    the original context, the attention factor and two float32 factor tensors (`drop` one)."""
     from safetensors.torch import load_file
 
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(out), arch="phi3")
+    add_model_keys(w, cfg)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.PHI3, cfg["num_hidden_layers"])
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
-    if case == "longrope factors":
-        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    if rope["rope_type"] == "longrope":
+        original = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            if kind != drop:
+                w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    if case != "window":
-        with pytest.raises(ModelLoadError, match="RoPE over 8 of each head's 16 values" if case == "partial rotary"
-                           else r"LongRoPE factors \(rope_factors_long.weight\)"):
-            LLM(str(path), dtype="float32", kv_cache_memory=0.01)
-        return
+    return out
+
+
+# (tiny architecture, overrides, prompt lengths, max_model_len): the 4k models' window; Phi-4-mini's
+# shape (LongRoPE over half of each head, a window) within the original 256 positions, so that both
+# sides take the short factors; the 128k models' shape past them, where both take the long ones
+PHI3_CASES = {
+    "window": ("phi3", dict(sliding_window=12, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+               (9, 30, 47), None),
+    "partial rotary, short factors": ("phi3_partial", {}, (9, 30, 47), 256),
+    "long factors": ("phi3", {}, (260, 290), None),
+}
+
+
+@pytest.mark.parametrize("case", list(PHI3_CASES))
+def test_phi3_gguf_keys_transformers_drops(tmp_path, own_cache, case):
+    """A Phi-3 GGUF: transformers' reader drops llama.cpp's phi3 keys for the sliding window,
+    the rotary dimension count and LongRoPE (the factor tensors, the original context). Each is
+    read from the file, and the model then gives the greedy tokens of the checkpoint it was
+    written from."""
+    tiny, overrides, lengths, max_model_len = PHI3_CASES[case]
+    model_dir = build_tiny_model(tmp_path / "hf", arch=tiny, **overrides)
+    path = write_phi3_gguf(model_dir, tmp_path / "tiny-phi3.gguf")
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (9, 30, 47)]
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lengths]
     expected = hf_greedy(model_dir, prompts, max_new_tokens=12)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64)
-    assert llm.engine.config.model.sliding_window == 12 and llm.engine.config.model.max_model_len == 1024
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=64,
+              max_model_len=max_model_len)
+    hf = json.loads((model_dir / "config.json").read_text())
+    model = llm.engine.config.model
+    assert (model.sliding_window or None) == hf.get("sliding_window")  # (0: none)
+    assert model.rotary_dim == int(model.head_dim * hf["rope_parameters"].get("partial_rotary_factor", 1.0))
+    for key in ("long_factor", "short_factor"):  # as float32, which the file keeps and the RoPE table takes
+        assert np.array_equal(np.float32((model.rope_scaling or {}).get(key, [])),
+                              np.float32(hf["rope_parameters"].get(key, [])))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_phi3_gguf_with_one_longrope_factor_tensor_is_refused(tmp_path, own_cache):
+    model_dir = build_tiny_model(tmp_path / "hf", arch="phi3")
+    path = write_phi3_gguf(model_dir, tmp_path / "tiny-phi3.gguf", drop="short")
+    with pytest.raises(ModelLoadError, match=r"LongRoPE tensors \['rope_factors_long.weight'\]"):
+        LLM(str(path), dtype="float32", kv_cache_memory=0.01)

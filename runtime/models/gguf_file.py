@@ -94,18 +94,18 @@ def read_header(path: Path) -> tuple[str, list[Entry]]:
     return read_metadata(path)[:2]
 
 
-def read_metadata(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
-    """read_header's, and the file's integer metadata values (key -> value)."""
+def read_metadata(path: Path) -> tuple[str, list[Entry], dict[str, int | float]]:
+    """read_header's, and the file's numeric metadata values (key -> value)."""
     try:
         return _parse_header(path)
     except (struct.error, KeyError, IndexError, UnicodeDecodeError, OverflowError, ZeroDivisionError) as e:
         raise ValueError(f"{path}: a damaged GGUF header ({type(e).__name__}: {e})") from None
 
 
-_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+_NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q", 6: "<f", 12: "<d"}
 
 
-def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
+def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int | float]]:
     import gguf
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -114,7 +114,7 @@ def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
     u64 = lambda at: struct.unpack_from("<Q", buf, at)[0]  # noqa: E731
     if bytes(buf[:4]) != b"GGUF" or u32(4) < 2:
         raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-    n_tensors, n_kv, at, alignment, arch, ints = u64(8), u64(16), 24, 32, "", {}
+    n_tensors, n_kv, at, alignment, arch, numbers = u64(8), u64(16), 24, 32, "", {}
     for _ in range(n_kv):
         key = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
         at += 8 + u64(at)
@@ -123,8 +123,8 @@ def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
             alignment = u32(at)
         elif key == "general.architecture" and kind == 8:
             arch = bytes(buf[at + 8:at + 8 + u64(at)]).decode()
-        elif kind in _INTS:
-            ints[key] = struct.unpack_from(_INTS[kind], buf, at)[0]
+        elif kind in _NUMBERS:
+            numbers[key] = struct.unpack_from(_NUMBERS[kind], buf, at)[0]
         at = _skip(buf, kind, at)
     infos = []
     for _ in range(n_tensors):
@@ -146,7 +146,7 @@ def _parse_header(path: Path) -> tuple[str, list[Entry], dict[str, int]]:
         if start + offset + nbytes > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file")
         entries.append(Entry(name, tuple(reversed(dims)), qtype, start + offset, nbytes))
-    return arch, entries, ints
+    return arch, entries, numbers
 
 
 class GGUFFile:

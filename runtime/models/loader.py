@@ -109,6 +109,8 @@ def convert_gguf(path: Path) -> Path:
     """A GGUF file's config, generation config and tokenizer, read once (through transformers)
     into a directory under the cache, so that later starts do not parse its vocabulary again.
     The weights stay in the file: the model loads them from it (gguf_file.py)."""
+    from pageserve.runtime.models.gguf_config import fix_config
+
     key = _content_key(path)
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
@@ -125,7 +127,7 @@ def convert_gguf(path: Path) -> Path:
                     same = False
                 if not same:
                     raise ModelLoadError(f"cannot note {path} in the read-only cache {out}: {e}") from None
-        _gguf_config(out, path)  # (a folder of an earlier version holds transformers' defaults)
+        fix_config(out, path)  # (a folder of an earlier version holds transformers' defaults)
         return out
     logger.info("reading the config and tokenizer of %s into %s (first load only)", path, out)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -144,7 +146,7 @@ def convert_gguf(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
         config.save_pretrained(tmp)
-        _gguf_config(tmp, path)
+        fix_config(tmp, path)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / GGUF_SOURCE).write_text(str(path.resolve()))
@@ -162,91 +164,6 @@ def publish(tmp: Path, out: Path, marker: str) -> None:
     except OSError:
         if not (out / marker).is_file():
             raise
-
-
-def _gguf_config(folder: Path, path: Path) -> None:
-    """config.json made to say what the GGUF file says where transformers reads it wrong or not
-    at all (experts, Phi-3's RoPE and window)."""
-    _experts_config(folder, path)
-    _phi3_config(folder, path)
-
-
-def _rewrite_config(folder: Path, path: Path, changed: dict) -> None:
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(changed)
-    tmp = folder / f".config.json.{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-        os.replace(tmp, folder / "config.json")  # replaced whole
-    except OSError as e:
-        raise ModelLoadError(f"{folder}/config.json differs from {path} in {changed}, and cannot be rewritten "
-                             f"({e}): delete the folder") from None
-
-
-def _phi3_config(folder: Path, path: Path) -> None:
-    """A Phi-3 GGUF (llama.cpp's "phi3"): transformers' reader drops its sliding window (the 4k
-    models' 2,047), written into config.json here; it also drops the share of each head RoPE
-    turns (Phi-4-mini) and LongRoPE's factors (the 128k models), without which the model would
-    run wrong: such a file is refused by name."""
-    cfg = json.loads((folder / "config.json").read_text())
-    if cfg.get("model_type") != "phi3":
-        return
-    from pageserve.runtime.models.gguf_file import read_metadata
-
-    try:
-        arch, entries, ints = read_metadata(path)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from None
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    turned = ints.get(f"{arch}.rope.dimension_count", head_dim)
-    if turned != head_dim:
-        raise ModelLoadError(f"{path}: RoPE over {turned} of each head's {head_dim} values (partial rotary), which "
-                             "transformers' GGUF reader drops: serve the model's Hugging Face checkpoint")
-    factors = [e.name for e in entries if e.name.startswith("rope_factors")]
-    if factors:
-        raise ModelLoadError(f"{path}: LongRoPE factors ({', '.join(factors)}), which transformers' GGUF reader "
-                             "drops: serve the model's Hugging Face checkpoint")
-    window = ints.get(f"{arch}.attention.sliding_window")
-    if window and cfg.get("sliding_window") != window:
-        _rewrite_config(folder, path, {"sliding_window": window})
-
-
-def _experts_config(folder: Path, path: Path) -> None:
-    """What transformers reads wrong or not at all from a mixture of experts' GGUF, written into
-    the folder's config.json where it differs: the expert sizes (its config class's defaults
-    stand, Qwen3-MoE's 768, Qwen2-MoE's 1408 and 5632) as the file's expert tensors have them;
-    and Mixtral (llama.cpp's "llama" with experts), which it reads as a dense Llama."""
-    cfg = json.loads((folder / "config.json").read_text())
-    moe = {"moe_intermediate_size", "shared_expert_intermediate_size"} & cfg.keys()
-    dense = cfg.get("model_type") in ("llama", "mistral")  # (transformers' "mistral": a llama file so named)
-    if not moe and not dense:
-        return
-    from pageserve.runtime.models.gguf_file import read_metadata
-
-    try:
-        arch, entries, ints = read_metadata(path)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from None
-    sizes, experts = {}, None
-    for e in entries:  # numpy shapes: experts [E, rows, columns], the shared expert's gate [rows, columns]
-        if e.name.endswith("ffn_gate_exps.weight") and len(e.shape) == 3:
-            experts = e.shape
-            sizes["moe_intermediate_size"] = e.shape[1]
-        elif e.name.endswith("ffn_gate_shexp.weight") and len(e.shape) == 2:
-            sizes["shared_expert_intermediate_size"] = e.shape[0]
-    if not dense:
-        changed = {k: v for k, v in sizes.items() if k in cfg and cfg[k] != v}
-    elif experts is not None:  # Mixtral: llama.cpp writes it as a Llama with experts (and no sliding window)
-        changed = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=experts[0],
-                       num_experts_per_tok=ints.get(f"{arch}.expert_used_count", 2), intermediate_size=experts[1],
-                       sliding_window=None)
-    elif any(re.fullmatch(r"blk\.\d+\.ffn_gate\.\d+\.weight", e.name) for e in entries):
-        raise ModelLoadError(f"{path}: a mixture of experts with each expert in tensors of its own, an early "
-                             "llama.cpp layout pageserve does not read: convert it again with a current llama.cpp")
-    else:
-        return
-    if changed:
-        _rewrite_config(folder, path, changed)
 
 
 @contextlib.contextmanager
