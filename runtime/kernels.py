@@ -243,11 +243,11 @@ class TorchKernels(Kernels):
 
     def attention(self, q, k, v, kv_cache, meta, scale, sliding_window=0, softcap=0.0):
         k_cache, v_cache = kv_cache
-        if self.cpu_lib is not None and not softcap and meta.key_limit is None:
+        if self.cpu_lib is not None and meta.key_limit is None:
             return self.cpu_lib.paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                                 meta.seq_lens, scale,
                                                 None if meta.max_query_len == 1 else meta.query_start_loc,
-                                                sliding_window)
+                                                sliding_window, softcap)
         torch_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = meta.window_plans.get(sliding_window)  # one plan per window, shared by its layers
         if plan is None:

@@ -210,8 +210,9 @@ def test_small_ops_match_torch_ops(kernel, tokens):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 24), (6, 2, 7), (4, 2, 96),
                                                     (8, 2, 128)])
 @pytest.mark.parametrize("step", ["decode", "decodes", "mixed"])
-@pytest.mark.parametrize("scale,window", [(0.3, 0), (30.0, 0), (0.3, 5), (0.3, 40)])
-def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step, scale, window):
+@pytest.mark.parametrize("scale,window,softcap", [(0.3, 0, 0.0), (30.0, 0, 0.0), (0.3, 5, 0.0), (0.3, 40, 0.0),
+                                                  (30.0, 0, 50.0), (0.3, 40, 2.0)])
+def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, step, scale, window, softcap):
     """Over scattered blocks, the new K/V written at their slots first. decode: one token per
     request at ragged context lengths (paged_decode), one KV head a work item; decodes: enough
     requests (on 2 threads) for a token's every KV head to be one item; mixed: prompt chunks
@@ -219,7 +220,8 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     chunk. A scale of 30 spreads the scores by hundreds: a maximum taken wrong overflows. A
     sliding window (Gemma 3's, Mistral's): each token sees its last `window` positions, and the
     table entries of blocks wholly before a request's first window point at a block of NaN, as
-    the KV manager's placeholders point at blocks it gave back."""
+    the KV manager's placeholders point at blocks it gave back. A soft cap (Gemma 2's): the scores
+    of 30 squeezed into (-50, 50), those of 0.3 into (-2, 2)."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 10 + head_dim)
@@ -251,25 +253,28 @@ def test_paged_attention_matches_torch_ops(kernel, heads, kv_heads, head_dim, st
     qsl = torch.tensor([0] + list(itertools.accumulate(n for _, n in reqs)), dtype=torch.int32)
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
-    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, scale, sliding_window=window)
+    want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, qsl, lens, scale, sliding_window=window,
+                                     softcap=softcap)
     if step != "mixed":
         threads = torch.get_num_threads()  # the kernels share torch's OpenMP runtime
         torch.set_num_threads(2 if step == "decodes" else threads)  # 10 decodes: 4 tokens a thread or more
         try:
-            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, sliding_window=window)
+            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, sliding_window=window,
+                                         softcap=softcap)
         finally:
             torch.set_num_threads(threads)
     else:
-        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, qsl, sliding_window=window)
+        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens, scale, qsl, sliding_window=window,
+                                     softcap=softcap)
     for c, ref in zip(caches, (ref_k, ref_v)):
         assert torch.allclose(c, ref, rtol=0, atol=0, equal_nan=True)
-    tol = 1e-5 if scale < 1 else 2e-3  # scores in the hundreds: their rounding grows with them
+    tol = 1e-5 if scale < 1 or softcap else 2e-3  # scores in the hundreds: their rounding grows with them
     assert torch.allclose(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (2, 1, 24), (96, 2, 16)])
-@pytest.mark.parametrize("window", [0, 7, 100])
-def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d, window):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (7, 0.0), (100, 0.0), (0, 1.5)])
+def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d, window, softcap):
     """One or two requests, fewer (request, KV head) items than twice the threads: each context
     (or its sliding window's part) is cut into pieces, each piece of every head (past 64 heads,
     of one KV head's), then merged. Torch's attention; contexts shorter than the pieces leave
@@ -293,9 +298,10 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d, wi
         q = torch.randn(n, heads, d, generator=gen)
         k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
         lens_t = torch.tensor(lens, dtype=torch.int32)
-        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt[:n], lens_t, 0.125, sliding_window=window)
+        got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt[:n], lens_t, 0.125, sliding_window=window,
+                                     softcap=softcap)
         want = torch_ops.paged_attention(q, caches[0], caches[1], bt[:n], torch.arange(n + 1, dtype=torch.int32),
-                                         lens_t, 0.125, sliding_window=window)
+                                         lens_t, 0.125, sliding_window=window, softcap=softcap)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), lens
         checked += 1
     assert checked >= 5
@@ -304,8 +310,8 @@ def test_paged_decode_of_a_few_requests_in_pieces(kernel, heads, kv_heads, d, wi
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 1, 64), (6, 2, 40), (4, 4, 16), (2, 1, 24),
                                              (96, 2, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("window", [0, 6, 50])
-def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads, window):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (6, 0.0), (50, 0.0), (50, 1.5)])
+def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d, threads, window, softcap):
     """A speculative verification: T = 2..17 rows of one sequence at consecutive positions (each
     row a decode of its own, the same block table) beside other requests, read as one group per
     KV head, each row seeing its own positions only; contexts off the block boundaries, tables
@@ -314,7 +320,7 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
     more than one item) go as the prompt attention takes a chunk. Under a sliding window, a
     group's later rows see less than its first (with a window of 6, none of its first pieces).
     Torch's attention of each row on its own; the same rows as chunks of a step
-    (query_start_loc) give the same bits."""
+    (query_start_loc) give the same bits, soft-capped (Gemma 2) too."""
     from pageserve.triton_kernels import torch_ops
 
     gen = torch.Generator().manual_seed(heads * 100 + d)
@@ -347,8 +353,9 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
             ref_k, ref_v = caches[0].clone(), caches[1].clone()
             torch_ops.reshape_and_cache(k, v, ref_k, ref_v, sl)
             want = torch_ops.paged_attention(q.contiguous(), ref_k, ref_v, bt, torch.arange(n + 1, dtype=torch.int32),
-                                             lens_t, 0.125, sliding_window=window)
-            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens_t, 0.125, sliding_window=window)
+                                             lens_t, 0.125, sliding_window=window, softcap=softcap)
+            got = kernel.paged_attention(q, k, v, caches[0], caches[1], sl, bt, lens_t, 0.125, sliding_window=window,
+                                         softcap=softcap)
             assert torch.equal(caches[0], ref_k) and torch.equal(caches[1], ref_v)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (reqs, (got - want).abs().max())
             if all(rows == 1 for _, rows in reqs):
@@ -357,7 +364,8 @@ def test_paged_decode_of_verification_rows_in_groups(kernel, heads, kv_heads, d,
             starts = [0] + list(itertools.accumulate(rows for _, rows in reqs))
             chunked = kernel.paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), sl, bt[starts[:-1]],
                                              lens_t[[e - 1 for e in starts[1:]]], 0.125,
-                                             torch.tensor(starts, dtype=torch.int32), sliding_window=window)
+                                             torch.tensor(starts, dtype=torch.int32), sliding_window=window,
+                                             softcap=softcap)
             assert torch.equal(chunked, got), reqs
     finally:
         torch.set_num_threads(saved)
@@ -367,7 +375,12 @@ def test_a_window_that_hides_a_first_piece_from_later_rows_on_the_scalar_build(p
     """The verification rows under a window of 6 on the build for any x86-64, whose exp is
     expf: a row that sees none of a piece sums its exponentials to NaN there, and merges only
     because the piece is marked empty (the vector builds' exp clamps the NaN away)."""
-    test_paged_decode_of_verification_rows_in_groups(portable_kernels, 9, 3, 64, 2, 6)
+    test_paged_decode_of_verification_rows_in_groups(portable_kernels, 9, 3, 64, 2, 6, 0.0)
+
+
+def test_soft_capped_scores_on_the_scalar_build(portable_kernels):
+    """Gemma 2's soft cap through tanhf, the build for any x86-64's."""
+    test_paged_decode_of_verification_rows_in_groups(portable_kernels, 9, 3, 64, 2, 50, 1.5)
 
 
 def test_silu_is_accurate_over_the_whole_range(kernel):

@@ -120,21 +120,43 @@ typedef float kv_t;
 int paged_attention_kv32(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                          float *k_cache, float *v_cache, const int64_t *slots, long T, const int32_t *block_tables,
                          long ld_bt, const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H,
-                         long Hkv, long D, long block_size, float scale, float *out, int r16, long W);
+                         long Hkv, long D, long block_size, float scale, float *out, int r16, long W, float cap);
 int paged_attention_kv16(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                          uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, long T,
                          const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                          const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
-                         float *out, int r16, long W);
+                         float *out, int r16, long W, float cap);
 int paged_attention_kv8(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                         uint8_t *k_cache, uint8_t *v_cache, const int64_t *slots, long T,
                         const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                         const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size, float scale,
-                        float *out, int r16, long W);
+                        float *out, int r16, long W, float cap);
 
 /* The first position a row of `len` positions sees under a sliding window of W (0: none): it
    attends to its last W positions only, its own included */
 static inline long window_start(long len, long W) { return W > 0 && len > W ? len - W : 0; }
+
+/* Gemma 2's soft cap on n scores: cap * tanh(s / cap) (cap 0: none). tanh as 1 - 2 / (exp(2x) + 1)
+   on every lane, a tail through a padded vector, so that a score gets the same bits in every
+   path whatever its place; a NaN score stays NaN (exp8 clamps it) */
+static void softcap_scores(float *s, long n, float cap) {
+    if (cap <= 0.0f) return;
+#ifdef PS_AVX2
+    const __m256 c = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    for (long i = 0; i < n; i += 8) {
+        float t[8] = {0};
+        long m = n - i < 8 ? n - i : 8;
+        float *at = m == 8 ? s + i : t;
+        if (m < 8) memcpy(t, s + i, sizeof(float) * (size_t)m);
+        __m256 x = _mm256_loadu_ps(at), e = exp8(_mm256_mul_ps(two, _mm256_div_ps(x, c)));
+        __m256 r = _mm256_mul_ps(c, _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))));
+        _mm256_storeu_ps(at, _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        if (m < 8) memcpy(s + i, t, sizeof(float) * (size_t)m);
+    }
+#else
+    for (long i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
+#endif
+}
 
 /* ---- paged attention for decode-only steps: read K/V where they lie in the cache ---- */
 
@@ -221,7 +243,7 @@ static inline __attribute__((always_inline)) void pv64_heads(float *acc, long D,
    reads a block's rows of all of them together, where they lie side by side in the cache. */
 static void attend_range(const float *q, const kv_t *k, const kv_t *v, const int32_t *bt, long j0, long j1,
                          long G, long GS, long D, long block_size, long tok, float scale, float *s, float *acc,
-                         float *mx_out, float *sm_out, int r16) {
+                         float *mx_out, float *sm_out, int r16, float cap) {
     float mx[64], sum[64]; /* G <= 64 */
     long L = j1 - j0;
     float score_scale = scale;
@@ -254,6 +276,7 @@ static void attend_range(const float *q, const kv_t *k, const kv_t *v, const int
     }
     if (r16)
         for (long i = 0; i < G * L; i++) s[i] = round_bf16(s[i]) * score_scale;
+    softcap_scores(s, G * L, cap);
     for (long g = 0; g < G; g++) { /* exp(s - max) and its sum, then the probabilities */
         float *sg = s + g * L;
         long j = 0;
@@ -383,7 +406,8 @@ static void merge_heads(const float *part, long P, long rec, long NR, long h0, l
    where scratch memory could not be had. */
 static int decode_pieces(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long B, long H,
-                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16, long W) {
+                         long Hkv, long D, long block_size, float scale, long threads, float *out, int r16, long W,
+                         float cap) {
     long G = H / Hkv, tok = Hkv * block_size * D, NK = H <= 64 ? Hkv : 1, per = Hkv / NK, NG = NK * G;
     long rec = NG * D + 2 * NG, P = (2 * threads + B * per - 1) / (B * per);
     while ((B * per * P) % threads) P++;
@@ -411,7 +435,7 @@ static int decode_pieces(const float *q, long ld_q, const kv_t *k_cache, const k
             }
             attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
                          block_tables + b * ld_bt, j0, j1, NG, G, D, block_size, tok, scale, s, r, r + NG * D,
-                         r + NG * D + NG, r16);
+                         r + NG * D + NG, r16, cap);
         }
         if (!failed) {
 #pragma omp for schedule(static)
@@ -859,7 +883,7 @@ static inline long kvw_floats(long block_size, long D, long Mp) {
    empty piece (EMPTY_PIECE) for merge_heads. */
 static void group_piece(const float *q, long ld_q, long T, long G, long D, const kv_t *k, const kv_t *v,
                         const int32_t *bt, long block_size, long tok, const int32_t *lens, long j0, long j1,
-                        float scale, int r16, float *qt, float *s, float *rec, float *kvw, long W) {
+                        float scale, int r16, float *qt, float *s, float *rec, float *kvw, long W, float cap) {
     long M = T * G, Mp = (M + 15) / 16 * 16, L = j1 - j0;
     int b16 = 0; /* bfloat16 products */
 #ifdef PS_AMX_BF16
@@ -913,6 +937,7 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
             j += n;
         }
     }
+    softcap_scores(s, L * Mp, cap);
     for (long t = 0; t < T; t++) { /* positions past a row's own, or before its window: no weight */
         for (long j = lens[t] > j0 ? lens[t] : j0; j < j1; j++)
             for (long g = 0; g < G; g++) s[(j - j0) * Mp + t * G + g] = -INFINITY;
@@ -1000,7 +1025,7 @@ static void group_piece(const float *q, long ld_q, long T, long G, long D, const
 static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, int by_group, const int32_t *seq_lens, long B,
                          long H, long Hkv, long D, long block_size, float scale, long threads, const long *gstart,
-                         long ng, float *out, int r16, long W) {
+                         long ng, float *out, int r16, long W, float cap) {
     long G = H / Hkv, tok = Hkv * block_size * D, nitems = 0, total = 0, max_qt = D * 16, max_s = 0;
     long *gp = (long *)malloc(sizeof(long) * (size_t)(4 * ng + B)); /* per group: pieces, length, offset, items */
     if (gp == NULL) return 1;
@@ -1057,7 +1082,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             const int32_t *bt = block_tables + (by_group ? i : b) * ld_bt;
             if (whole && T == 1) {
                 attend_range(q + b * ld_q, k_cache, v_cache, bt, window_start(seq_lens[b], W), seq_lens[b], H, G, D,
-                             block_size, tok, scale, s, out + b * H * D, NULL, NULL, r16);
+                             block_size, tok, scale, s, out + b * H * D, NULL, NULL, r16, cap);
                 continue;
             }
             long hk = (item - first) / P, p = (item - first) % P, L0 = seq_lens[b];
@@ -1066,11 +1091,12 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             float *rec = part + gp[4 * i + 2] + (item - first) * (M * D + 2 * M);
             if (T == 1) /* attend_range's piece: the same record */
                 attend_range(q + b * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
-                             bt, j0, j1, G, G, D, block_size, tok, scale, s, rec, rec + M * D, rec + M * D + M, r16);
+                             bt, j0, j1, G, G, D, block_size, tok, scale, s, rec, rec + M * D, rec + M * D + M, r16,
+                             cap);
             else
                 group_piece(q + b * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
                             v_cache + hk * block_size * D, bt, block_size, tok, seq_lens + b, j0, j1, scale, r16, qt,
-                            s, rec, kvw, W);
+                            s, rec, kvw, W, cap);
         }
         if (!failed) {
 #pragma omp for schedule(static)
@@ -1106,7 +1132,7 @@ static int decode_groups(const float *q, long ld_q, const kv_t *k_cache, const k
 static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *block_tables, long ld_bt, const long *bt_rows,
                          const int32_t *query_start_loc, const int32_t *seq_lens, long B, long H, long Hkv, long D,
-                         long block_size, float scale, float *out, int r16, long W) {
+                         long block_size, float scale, float *out, int r16, long W, float cap) {
     long G = H / Hkv, tok = Hkv * block_size * D, rows = PROMPT_LANES / G > 1 ? PROMPT_LANES / G : 1;
     long nitems = 0, max_len = 1, Mp = (rows * G + 15) / 16 * 16, all = H <= 64; /* all: a decode's heads one item */
     for (long b = 0; b < B; b++) {
@@ -1146,13 +1172,13 @@ static int prompt_groups(const float *q, long ld_q, const kv_t *k_cache, const k
             const int32_t *bt = block_tables + (bt_rows != NULL ? bt_rows[b] : b) * ld_bt;
             if (hk < 0) { /* a decode beside the chunks: a token's item of every head, as without them */
                 attend_range(q + t0 * ld_q, k_cache, v_cache, bt, window_start(seq_lens[b], W), seq_lens[b], H, G, D,
-                             block_size, tok, scale, s, out + t0 * H * D, NULL, NULL, r16);
+                             block_size, tok, scale, s, out + t0 * H * D, NULL, NULL, r16, cap);
                 continue;
             }
             for (long t = 0; t < T; t++) lens[t] = seq_lens[b] - (int32_t)(end - 1 - (t0 + t));
             group_piece(q + t0 * ld_q + hk * G * D, ld_q, T, G, D, k_cache + hk * block_size * D,
                         v_cache + hk * block_size * D, bt, block_size, tok, lens, window_start(lens[0], W),
-                        lens[T - 1], scale, r16, qt, s, rec, kvw, W);
+                        lens[T - 1], scale, r16, qt, s, rec, kvw, W, cap);
             for (long t = 0; t < T; t++)
                 merge_heads(rec, 1, M * D + 2 * M, M, t * G, G, D, out + (t0 + t) * H * D + hk * G * D);
         }
@@ -1189,7 +1215,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                      kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                      const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                      const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                     float scale, float *out, int r16, long W);
+                     float scale, float *out, int r16, long W, float cap);
 
 /* Decode rows (one block table each) in groups (gstart, as find_groups leaves them) of which one
    is longer than GROUP_ROWS: each group as a request's chunk of a step (prompt_groups), so a
@@ -1198,13 +1224,13 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
 static int groups_as_prompts(const float *q, long ld_q, const kv_t *k_cache, const kv_t *v_cache,
                              const int32_t *block_tables, long ld_bt, const int32_t *seq_lens, long H, long Hkv,
                              long D, long block_size, float scale, const long *gstart, long ng, float *out, int r16,
-                             long W) {
+                             long W, float cap) {
     int32_t *qsl = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * ng + 1)), *lens = qsl + ng + 1;
     if (qsl == NULL) return 1;
     for (long i = 0; i <= ng; i++) qsl[i] = (int32_t)gstart[i];
     for (long i = 0; i < ng; i++) lens[i] = seq_lens[gstart[i + 1] - 1];
     int failed = prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, gstart, qsl, lens, ng, H, Hkv, D,
-                               block_size, scale, out, r16, W);
+                               block_size, scale, out, r16, W, cap);
     free(qsl);
     return failed;
 }
@@ -1240,9 +1266,9 @@ int KV_NAME(paged_attention)(const float *q, long ld_q, const float *k_new, cons
                             kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                             const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                             const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                            float scale, float *out, int r16, long W) {
+                            float scale, float *out, int r16, long W, float cap) {
     int failed = attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, W);
+                           query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, W, cap);
     if (r16 && !failed) /* the output rounded to bfloat16, as torch's P V */
         for (long i = 0; i < T * H * D; i++) out[i] = round_bf16(out[i]);
     return failed;
@@ -1252,7 +1278,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                      kv_t *k_cache, kv_t *v_cache, const int64_t *slots, long T,
                      const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                      const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                     float scale, float *out, int r16, long W) {
+                     float scale, float *out, int r16, long W, float cap) {
     long G = H / Hkv, tok = Hkv * block_size * D; /* floats per cache block */
     long max_len = 1;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -1286,7 +1312,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
                 for (long i = 0; i < ng; i++)
                     if (gstart[i + 1] - gstart[i] > GROUP_ROWS) { /* a prompt's rows: as prompt_groups takes them */
                         failed = groups_as_prompts(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, H, Hkv,
-                                                   D, block_size, scale, gstart, ng, out, r16, W);
+                                                   D, block_size, scale, gstart, ng, out, r16, W, cap);
                         free(gstart);
                         free(lens);
                         return failed;
@@ -1301,7 +1327,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
             }
             failed = ng < T ? decode_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, query_start_loc != NULL,
                                             lens, T, H, Hkv, D, block_size, scale, threads, gstart, ng, out, r16,
-                                            W)
+                                            W, cap)
                             : -1;
         }
         free(gstart);
@@ -1310,10 +1336,10 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
     }
     if (query_start_loc != NULL && longest > GROUP_ROWS)
         return prompt_groups(q, ld_q, k_cache, v_cache, block_tables, ld_bt, NULL, query_start_loc, seq_lens, B, H,
-                             Hkv, D, block_size, scale, out, r16, W);
+                             Hkv, D, block_size, scale, out, r16, W, cap);
     if (query_start_loc == NULL && threads > 1 && T > 0 && T * Hkv < 2 * threads)
         return decode_pieces(q, ld_q, k_cache, v_cache, block_tables, ld_bt, seq_lens, B, H, Hkv, D, block_size,
-                             scale, threads, out, r16, W);
+                             scale, threads, out, r16, W, cap);
     /* a work item: one token's heads of NK KV heads. All of them where the tokens alone share
        out well, since a block's rows of every KV head lie together and are then one read
        (docs/performance.md); else one KV head's */
@@ -1343,7 +1369,7 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
             }
             attend_range(q + t * ld_q + hk * G * D, k_cache + hk * block_size * D, v_cache + hk * block_size * D,
                          block_tables + b * ld_bt, window_start(L, W), L, NG, G, D, block_size, tok, scale, s,
-                         out + t * H * D + hk * G * D, NULL, NULL, r16);
+                         out + t * H * D + hk * G * D, NULL, NULL, r16, cap);
         }
         free(s);
     }
@@ -1352,21 +1378,23 @@ static int attention(const float *q, long ld_q, const float *k_new, const float 
 
 #if !defined(KV_BF16) && !defined(KV_FP8)
 /* The exported entries: kv_format says what the caches hold: 0 float32, 1 bfloat16 (uint16_t),
-   2 float8 e4m3fn (uint8_t); window: a sliding window (0: none) */
+   2 float8 e4m3fn (uint8_t); window: a sliding window (0: none); softcap: Gemma 2's cap on the
+   scores (0: none) */
 int pageserve_paged_attention(const float *q, long ld_q, const float *k_new, const float *v_new, long ld_kv,
                               void *k_cache, void *v_cache, const int64_t *slots, long T,
                               const int32_t *block_tables, long ld_bt, const int32_t *query_start_loc,
                               const int32_t *seq_lens, long B, long H, long Hkv, long D, long block_size,
-                              float scale, float *out, int r16, int kv_format, long window) {
+                              float scale, float *out, int r16, int kv_format, long window, float softcap) {
     if (kv_format == 2)
         return paged_attention_kv8(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables, ld_bt,
-                                   query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, window);
+                                   query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, window,
+                                   softcap);
     return kv_format ? paged_attention_kv16(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
                                             ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16,
-                                            window)
+                                            window, softcap)
                      : paged_attention_kv32(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, T, block_tables,
                                             ld_bt, query_start_loc, seq_lens, B, H, Hkv, D, block_size, scale, out, r16,
-                                            window);
+                                            window, softcap);
 }
 
 /* pageserve_paged_attention of a decode step: one query token per request (T = B) */
@@ -1376,6 +1404,7 @@ int pageserve_paged_decode(const float *q, long ld_q, const float *k_new, const 
                             long H, long Hkv, long D, long block_size, float scale, float *out, int r16,
                             int kv_format) {
     return pageserve_paged_attention(q, ld_q, k_new, v_new, ld_kv, k_cache, v_cache, slots, B, block_tables,
-                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv_format, 0);
+                                     ld_bt, NULL, seq_lens, B, H, Hkv, D, block_size, scale, out, r16, kv_format, 0,
+                                     0.0f);
 }
 #endif

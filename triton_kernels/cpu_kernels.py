@@ -89,7 +89,7 @@ class CpuKernels:
                            ("pageserve_rotary", [p, n, n, n, n, n, p, n, i]),
                            ("pageserve_silu_and_mul", [p, n, n, n, p, i]),
                            ("pageserve_paged_attention", [p, n, p, p, n, p, p, p, n, p, n, p, p, n, n, n, n, n, f,
-                                                          p, i, i, n]),
+                                                          p, i, i, n, f]),
                            ("pageserve_argmax", [p, n, n, n, p]),
                            ("pageserve_lora", [p, n, n, p, n, n, p, n, p, n, p, n, p, p, n, p]),
                            *((("pageserve_linear_packed", [p, n, n, n, p, i, n, n, p, p, p, n]),
@@ -261,7 +261,8 @@ class CpuKernels:
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
-                        query_start_loc: torch.Tensor | None = None, sliding_window: int = 0) -> torch.Tensor:
+                        query_start_loc: torch.Tensor | None = None, sliding_window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
         """Any step: reshape_and_cache (a negative slot writes nothing), then causal paged
         attention straight from the cache blocks, with no gathered copy: each query token sees
         its own position and every one before it. query_start_loc [B + 1] int32: request b's
@@ -273,7 +274,8 @@ class CpuKernels:
         e4m3fn (a new K or V value rounded to nearest even as it is written, as torch rounds it,
         an old one widened exactly as it is read: the arithmetic does not depend on it).
         sliding_window > 0: each token sees its last sliding_window positions only, and no
-        block wholly before them is read (its table entry may be a placeholder)."""
+        block wholly before them is read (its table entry may be a placeholder). softcap > 0:
+        each score (after the scale) becomes softcap * tanh(score / softcap), as Gemma 2's."""
         t, h, d = q.shape
         b = block_tables.shape[0]
         hkv, bs = k_cache.shape[1], k_cache.shape[2]
@@ -297,7 +299,8 @@ class CpuKernels:
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), slot_mapping.data_ptr(), t, block_tables.data_ptr(), block_tables.stride(0),
             None if query_start_loc is None else query_start_loc.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d,
-            bs, scale, out.data_ptr(), self.bf16_dot, KV_DTYPES.index(k_cache.dtype), max(sliding_window, 0))
+            bs, scale, out.data_ptr(), self.bf16_dot, KV_DTYPES.index(k_cache.dtype), max(sliding_window, 0),
+            max(softcap, 0.0))
         if failed:
             raise MemoryError("paged_attention: no memory for the attention scores")
         return out
