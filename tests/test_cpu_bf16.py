@@ -273,19 +273,21 @@ def test_bfloat16_takes_the_c_kernels_unless_eager(lib, monkeypatch):
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (6, 2, 80), (4, 4, 32), (6, 2, 40),
                                              (64, 1, 16)])
-def test_every_way_a_step_is_cut_follows_torchs_bfloat16_attention(lib, step, heads, kv_heads, d):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_every_way_a_step_is_cut_follows_torchs_bfloat16_attention(lib, step, heads, kv_heads, d, softcap):
     """Decodes, groups of rows and prompt chunks against torch_ops' attention in bfloat16 over the
     same cache, q a bfloat16 value as the bfloat16 arithmetic leaves it. Groups of heads of 16n
     floats multiply in bfloat16 pairs of positions (a run of odd length pairs its last row with
     a zero) and round the probabilities before they are normalised; torch after: both within
-    a few bfloat16 steps of each head's largest value."""
+    a few bfloat16 steps of each head's largest value. Gemma 2's soft cap on the scores (torch
+    caps the bfloat16 scores, rounding after each operation; C the float32 ones) too."""
     q, k, v, caches, bt, sl, lens, qsl = make_step(STEPS[step], heads, kv_heads, d,
                                                    torch.Generator().manual_seed(heads + d))
     q = r16(q)
-    got = lib.paged_attention(q, k, v, *(c.bfloat16() for c in caches), sl, bt, lens, 0.125, qsl)
+    got = lib.paged_attention(q, k, v, *(c.bfloat16() for c in caches), sl, bt, lens, 0.125, qsl, softcap=softcap)
     torch_ops.reshape_and_cache(k, v, *caches, sl)
     want = torch_ops.paged_attention(q.bfloat16(), *(c.bfloat16() for c in caches), bt, query_starts(qsl, len(lens)), lens,
-                                   0.125).float()
+                                   0.125, softcap=softcap).float()
     big = torch.maximum(got.abs(), want.abs()).amax(-1, keepdim=True).clamp_min(1e-30)  # each head's largest
     steps = (got - want).abs() / 2.0 ** (torch.floor(torch.log2(big)) - 7)
     assert torch.equal(got, r16(got))

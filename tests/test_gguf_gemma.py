@@ -154,10 +154,11 @@ def hf_tokenizer_ids(path: Path, text: str) -> list[int]:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
 
 
-def write_phi3_gguf(model_dir: Path, out: Path, drop: str | None = None) -> Path:
+def write_phi3_gguf(model_dir: Path, out: Path, drop: str | None = None, attn_factor: float | None = None) -> Path:
     """The HF Phi-3 checkpoint in `model_dir` as llama.cpp's converter writes it: fused qkv and
     gate/up, the RoPE share as a dimension count, the window (0 for none), and LongRoPE as
-    the original context, the attention factor and two float32 factor tensors (`drop` one)."""
+    the original context, the attention factor (as transformers computes it, or `attn_factor`)
+    and two float32 factor tensors (`drop` one)."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -176,7 +177,7 @@ def write_phi3_gguf(model_dir: Path, out: Path, drop: str | None = None) -> Path
         original = cfg["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
         scale = cfg["max_position_embeddings"] / original
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        w.add_rope_scaling_attn_factors(attn_factor or math.sqrt(1 + math.log(scale) / math.log(original)))
         for kind in ("long", "short"):
             if kind != drop:
                 w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
@@ -221,6 +222,20 @@ def test_phi3_gguf_keys_transformers_drops(tmp_path, own_cache, case):
                               np.float32(hf["rope_parameters"].get(key, [])))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_phi3_gguf_attention_factor_kept_where_it_is_not_transformers_own(tmp_path, own_cache):
+    """The file's attention factor goes into the config only where it differs from the one
+    transformers computes; a later start on the converted folder rewrites nothing."""
+    model_dir = build_tiny_model(tmp_path / "hf", arch="phi3")
+    for factor, kept in ((None, None), (1.25, 1.25)):
+        path = write_phi3_gguf(model_dir, tmp_path / f"tiny-phi3-{factor}.gguf", attn_factor=factor)
+        folder = resolve_model(str(path))
+        config = folder / "config.json"
+        rope = json.loads(config.read_text())["rope_parameters"]
+        assert rope["rope_type"] == "longrope" and rope.get("attention_factor") == kept
+        written = config.stat().st_mtime_ns
+        assert resolve_model(str(path)) == folder and config.stat().st_mtime_ns == written
 
 
 def test_phi3_gguf_with_one_longrope_factor_tensor_is_refused(tmp_path, own_cache):

@@ -55,8 +55,9 @@ def _phi3_config(cfg: dict, path: Path) -> dict:
     read = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e4)}
     rope, changed = dict(read), {}
     turned = values.get(f"{arch}.rope.dimension_count", head_dim)
-    if turned != head_dim:
-        rope["partial_rotary_factor"] = turned / head_dim
+    if turned != head_dim:  # a share whose product with head_dim truncates back to the count
+        share = turned / head_dim
+        rope["partial_rotary_factor"] = share if int(head_dim * share) == turned else math.nextafter(share, 1.0)
     factors = {e.name: e for e in entries if e.name.startswith("rope_factors")}
     if factors:
         long, short = factors.get("rope_factors_long.weight"), factors.get("rope_factors_short.weight")
