@@ -14,6 +14,7 @@ import numpy as np
 
 from pageserve.runtime.models.gguf_file import Entry, read_metadata, read_tensor
 from pageserve.runtime.models.loader import ModelLoadError
+from pageserve.runtime.models.rope import longrope_attention_factor
 
 
 def fix_config(folder: Path, path: Path) -> None:
@@ -70,8 +71,7 @@ def _phi3_config(cfg: dict, path: Path) -> dict:
         changed["original_max_position_embeddings"] = original
         # llama.cpp stores the attention factor transformers computes, rounded to float32: kept
         # only where it is another value
-        scale = cfg["max_position_embeddings"] / original
-        computed = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        computed = longrope_attention_factor(cfg["max_position_embeddings"] / original, original)
         stored = values.get(f"{arch}.rope.scaling.attn_factor", computed)
         if abs(stored - computed) > 1e-6 * computed:
             rope["attention_factor"] = float(stored)

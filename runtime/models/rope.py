@@ -42,6 +42,11 @@ def rope_inv_freq(cfg: ModelConfig, long_factors: bool = False) -> torch.Tensor:
     raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
 
 
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's cos/sin scale where the config gives none, as transformers computes it."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -93,8 +98,7 @@ def rope_cos_sin_cache(cfg: ModelConfig) -> torch.Tensor:
     if longrope:
         original = rope_original_length(cfg)
         factor = scaling.get("factor") or cfg.hf_config.get("max_position_embeddings", original) / original
-        scale = scaling.get("attention_factor") or (
-            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        scale = scaling.get("attention_factor") or longrope_attention_factor(factor, original)
     freqs = pos * inv_freq[None, :]
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
 
