@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from pageserve.app.body_check import MANY_VALUES, BodyChecker, BodyError, parse
 from pageserve.app.errors import APIError, bad_request, from_validation_error
 from pageserve.app.json_out import dumps
+from pageserve.grammar.compiler import CompilerBusy
 from pageserve.runtime.async_engine import (EngineDeadError, ImagesHeldError, QueueFullError, RequestFailedError,
                                             RequestTimeoutError, ShuttingDownError)
 
@@ -289,7 +290,7 @@ def engine_error(e: Exception) -> APIError | None:
         # than the body's own MAX_JSON_DEPTH allows; logged whole, in case it was our own recursion
         logger.warning("a request's RecursionError, answered with a 400", exc_info=e)
         return bad_request("the request nests JSON too deeply")
-    if isinstance(e, (QueueFullError, ImagesHeldError)):
+    if isinstance(e, (QueueFullError, ImagesHeldError, CompilerBusy)):
         return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, ShuttingDownError):
         return APIError(503, str(e), code="server_shutting_down")

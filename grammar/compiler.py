@@ -4,7 +4,8 @@ The regex is built on the caller's thread (fast, and where a bad schema must fai
 handler turns that into a 400). The Index, the slow part (a DFA over the whole vocabulary;
 from milliseconds to seconds), is compiled off the event loop and the engine thread, in child
 processes with time and memory limits (grammar/worker.py), two at once in turn across API keys,
-and kept in an LRU cache, so the same schema is compiled once; one that failed is not tried
+within one time limit from the request's arrival (the wait for a child counts), and kept in an
+LRU cache, so the same schema is compiled once; one that failed is not tried
 again. A request whose grammar is still compiling waits in the scheduler without holding up the
 others."""
 
@@ -20,7 +21,8 @@ from concurrent.futures import Future
 
 from pageserve.grammar.json_schema import UnsupportedSchema, ascii_digits, check_pattern, schema_to_regex
 from pageserve.grammar.regexes import choice_regex, json_object_regex
-from pageserve.grammar.worker import CompiledGrammar, CompileError, CompilerLost, CompilerStopped, CompileWorker
+from pageserve.grammar.worker import (CompiledGrammar, CompileError, CompilerLost, CompilerStopped, CompileTimeout,
+                                      CompileWorker)
 from pageserve.sampling.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,11 @@ def regex_for(spec: StructuredOutputsParams) -> str:
     if spec.json_object:
         return json_object_regex()
     raise UnsupportedSchema("structured_outputs needs one of json, regex, choice or json_object")
+
+
+class CompilerBusy(RuntimeError):
+    """A grammar's time limit ran out while other grammars held the compiler: nothing is known
+    against the grammar, and the request may be sent again (a 503)."""
 
 
 class _LRU(OrderedDict):
@@ -63,7 +70,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer, cache_size: int = 64, timeout: float = 60.0,
                  memory_bytes: int = 4 << 30, workers: int = 2, spares: int = 2, patience: float = 2.0):
         """`workers`: compiles that run at once, each in its own child process, so one grammar
-        that takes up to `timeout` to compile does not hold up every other request's. Waiting
+        that takes up to `timeout` to compile does not hold up every other request's. `timeout`
+        counts from the grammar's first request: one that waits for a child gets what is left
+        of it to compile in, and fails with CompilerBusy when that runs out. Waiting
         compiles are taken in turn across owners (API keys), the owner with the fewest running
         first. An owner with none running that finds every child held by compiles older than
         `patience` seconds gets one of `spares` more children: while one is free, one key's slow
@@ -84,6 +93,7 @@ class GrammarCompiler:
         self._inflight: dict[str, Future] = {}  # regex waiting or compiling -> its future
         self._waiting: dict[str, deque[str]] = {}  # owner -> its regexes to compile
         self._running: dict[str, float] = {}  # regex compiling -> when it started
+        self._queued: dict[str, float] = {}  # regex waiting for a child -> when its first request came
         self._owners_running: Counter[str] = Counter()
         self._served: dict[str, int] = {}  # owner -> its last turn (owners are API keys: a few)
         self._turns = itertools.count()
@@ -118,6 +128,7 @@ class GrammarCompiler:
             future = self._inflight.get(regex)
             if future is None:
                 future = self._inflight[regex] = Future()
+                self._queued[regex] = time.monotonic()
             if regex not in self._running and regex not in self._waiting.get(owner, ()):
                 # waiting in another owner's queue too: it starts in whichever turn comes first
                 self._waiting.setdefault(owner, deque()).append(regex)
@@ -131,6 +142,7 @@ class GrammarCompiler:
                             del self._waiting[owner]
                         if not any(regex in queue for queue in self._waiting.values()):
                             self._inflight.pop(regex)
+                            self._queued.pop(regex)
                         failed: Future = Future()
                         failed.set_exception(UnsupportedSchema(f"the grammar compiler is busy: {e}"))
                         return failed
@@ -144,8 +156,11 @@ class GrammarCompiler:
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
+                expiry = self._expire(now)
                 owner, wait = self._next_owner(now)
                 if owner is None:
+                    if expiry is not None:
+                        wait = expiry if wait is None else min(wait, expiry)
                     if not self._wake.wait(wait if wait is not None else DISPATCHER_IDLE) and wait is None \
                             and not self._waiting and not self._running:
                         self._dispatcher = None
@@ -160,11 +175,34 @@ class GrammarCompiler:
                 self._running[regex] = now
                 self._owners_running[owner] += 1
                 self._served[owner] = next(self._turns)
+                waited = now - self._queued.pop(regex)
                 try:
-                    threading.Thread(target=self._run, args=(regex, owner), name="grammar", daemon=True).start()
+                    threading.Thread(target=self._run, args=(regex, owner, waited), name="grammar",
+                                     daemon=True).start()
                 except RuntimeError as e:  # no thread could start (the process's limit): this compile fails
                     self._done(regex, owner)
                     self._inflight.pop(regex).set_exception(UnsupportedSchema(f"the grammar compiler is busy: {e}"))
+
+    def _expire(self, now: float) -> float | None:
+        """Fail the waiting compiles whose time limit has run out (all but the slack, too little
+        to compile in). Returns the seconds until the next one's does (None: none waits). Called
+        under the lock."""
+        first = None
+        for regex, since in list(self._queued.items()):
+            left = since + self.timeout - self._slack() - now
+            if left > 0:
+                first = left if first is None else min(first, left)
+                continue
+            del self._queued[regex]
+            for owner, queue in list(self._waiting.items()):
+                if regex in queue:
+                    queue.remove(regex)
+                    if not queue:
+                        del self._waiting[owner]
+            self._inflight.pop(regex).set_exception(CompilerBusy(
+                f"the grammar compiler is busy with other grammars: this one waited {now - since:.1f} s "
+                f"(the limit is {self.timeout:g} s); send the request again"))
+        return first
 
     def _next_owner(self, now: float) -> tuple[str | None, float | None]:
         """(whose compile starts now, None) or (None, seconds until one may: None for when
@@ -179,11 +217,11 @@ class GrammarCompiler:
         wait = max(self._running.values()) + self.patience - now  # from the youngest compile's start
         return (turn, None) if wait <= 0 else (None, wait)
 
-    def _run(self, regex: str, owner: str) -> None:
+    def _run(self, regex: str, owner: str, waited: float) -> None:
         with self._lock:
             future = self._inflight[regex]
         try:
-            future.set_result(self._compile(regex))
+            future.set_result(self._compile(regex, waited))
         except BaseException as e:  # noqa: BLE001 - the future carries it to the requests waiting
             future.set_exception(e)
         finally:
@@ -199,20 +237,27 @@ class GrammarCompiler:
         if not self._owners_running[owner]:
             del self._owners_running[owner]
 
-    def _compile(self, regex: str) -> CompiledGrammar:
+    def _compile(self, regex: str, waited: float = 0.0) -> CompiledGrammar:
+        """Compile in a child, in what is left of the time limit after `waited` seconds."""
+        if waited < self._slack():  # the whole limit, near enough
+            waited = 0.0
         worker = self._take_worker()
         t0 = time.perf_counter()
         try:
-            index = worker.compile(regex)
+            index = worker.compile(regex, self.timeout - waited)
         except CompilerStopped as e:  # shutdown: nothing wrong with the grammar
             logger.info("%s", e)
             raise UnsupportedSchema(str(e)) from None
+        except CompileTimeout as e:
+            if not waited:
+                raise self._failure(regex, e) from None
+            logger.warning("a grammar did not compile in the %.1f s left after waiting %.1f s for the "
+                           "compiler", self.timeout - waited, waited)
+            raise CompilerBusy(f"the grammar compiler is busy with other grammars: this one waited {waited:.1f} s "
+                               f"and did not compile in the {self.timeout - waited:.1f} s left of the "
+                               f"{self.timeout:g} s limit; send the request again") from None
         except CompileError as e:
-            logger.warning("a grammar failed to compile: %s", e)
-            if not isinstance(e, CompilerLost):  # the grammar's own doing: not compiled again
-                with self._lock:
-                    self._failed.put(regex, str(e))
-            raise UnsupportedSchema(str(e)) from None
+            raise self._failure(regex, e) from None
         finally:
             self._give_back(worker)
         seconds = time.perf_counter() - t0
@@ -220,6 +265,18 @@ class GrammarCompiler:
         with self._lock:
             self._indexes.put(regex, index)
         return index
+
+    def _slack(self) -> float:
+        """Seconds of a grammar's limit that count for nothing: its compile does not start later
+        than this before its limit, and a wait this short is not counted against it."""
+        return min(1.0, self.timeout / 10)
+
+    def _failure(self, regex: str, e: CompileError) -> UnsupportedSchema:
+        logger.warning("a grammar failed to compile: %s", e)
+        if not isinstance(e, CompilerLost):  # the grammar's own doing: not compiled again
+            with self._lock:
+                self._failed.put(regex, str(e))
+        return UnsupportedSchema(str(e))
 
     def _take_worker(self) -> CompileWorker:
         """An idle child, or a new one (no more are made than compiles run at once)."""
@@ -261,6 +318,7 @@ class GrammarCompiler:
             waiting = {r for queue in self._waiting.values() for r in queue if r not in self._running}
             dropped = [f for f in (self._inflight.pop(r, None) for r in waiting) if f is not None]
             self._waiting.clear()
+            self._queued.clear()
             workers = list(self._workers)
         for future in dropped:
             future.set_exception(UnsupportedSchema("the server is shutting down"))

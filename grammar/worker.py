@@ -39,6 +39,10 @@ class CompilerStopped(CompileError):
     the grammar."""
 
 
+class CompileTimeout(CompileError):
+    """The compile ran past its time limit (the child is ended)."""
+
+
 class CompilerLost(CompileError):
     """The child died of something that need not be the grammar's doing (killed from outside,
     or by the machine running out of memory): the request fails, a later one compiles anew."""
@@ -118,7 +122,9 @@ class CompileWorker:
         self._stopped = False
         self._spawn_lock = threading.Lock()  # close() never misses a child started beside it
 
-    def compile(self, regex: str) -> CompiledGrammar:
+    def compile(self, regex: str, timeout: float | None = None) -> CompiledGrammar:
+        """`timeout`: this compile's limit, when less than the worker's."""
+        timeout = self.timeout if timeout is None else min(timeout, self.timeout)
         with self._spawn_lock:
             if self._stopped:
                 raise CompilerStopped("the grammar compiler is stopped: the server is shutting down")
@@ -138,14 +144,14 @@ class CompileWorker:
             if fresh:
                 _send(proc.stdin, (self.eos, self.tokens, self.memory_bytes))
             _send(proc.stdin, regex)
-            ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
             status, payload = _recv(proc.stdout) if ready else (None, None)
         except (EOFError, OSError, ValueError):  # ValueError: a pipe that close() shut meanwhile
             raise self._death(proc) from None
         if not ready:
             self._end()
-            raise CompileError(f"the grammar took longer than {self.timeout:g} s to compile; "
-                               f"simplify the schema or regex")
+            raise CompileTimeout(f"the grammar took longer than {timeout:g} s to compile; "
+                                 f"simplify the schema or regex")
         if status != "ok":
             raise CompileError(payload)
         return CompiledGrammar(*payload)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 
-from pageserve.grammar.compiler import GrammarCompiler
+from pageserve.grammar.compiler import CompilerBusy, GrammarCompiler
 from pageserve.grammar.matcher import Matcher, reasoning_end_position
 from pageserve.runtime.input_processor import InvalidRequest
 from pageserve.runtime.request import Request, RequestStatus
@@ -31,9 +31,10 @@ class StructuredOutputs:
         elif req.sampling_params.thinking_budget is not None:
             req.matcher = matcher(req, None)
 
-    def resolve(self) -> list[tuple[str, InvalidRequest]]:
+    def resolve(self) -> list[tuple[str, Exception]]:
         """Requests whose grammar has compiled may be admitted (WAITING). Returns (output id,
-        error) for each grammar that failed, naming the request field it came from."""
+        error) for each grammar that failed: an InvalidRequest naming the request field it came
+        from, or CompilerBusy."""
         failed = []
         for rid, req in list(self.waiting.items()):
             if req.status != RequestStatus.WAITING_FOR_GRAMMAR:  # aborted meanwhile
@@ -42,6 +43,9 @@ class StructuredOutputs:
                 del self.waiting[rid]
                 try:
                     index = req.grammar.result()
+                except CompilerBusy as e:  # not the request's fault: a 503, to be sent again
+                    failed.append((req.output_id, e))
+                    continue
                 except Exception as e:  # noqa: BLE001 - reported to the request's owner
                     failed.append((req.output_id, InvalidRequest(
                         str(e), req.sampling_params.structured_outputs.source or "structured_outputs")))

@@ -1,6 +1,7 @@
 """Whose grammar compiles next: compiles are taken in turn across owners (API keys), and an
 owner with none running gets a spare child when every child is held by a slow compile, so one
-key's hostile regexes do not hold up another key's structured output."""
+key's hostile regexes do not hold up another key's structured output. The time limit counts
+from a grammar's first request, the wait for a child included."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import httpx
 import pytest
 
 from pageserve.grammar import compiler as compiler_module
-from pageserve.grammar.compiler import GrammarCompiler
+from pageserve.grammar.compiler import CompilerBusy, GrammarCompiler
 from pageserve.grammar.json_schema import UnsupportedSchema
-from pageserve.grammar.worker import CompiledGrammar
+from pageserve.grammar.worker import CompiledGrammar, CompileTimeout
 
 pytestmark = pytest.mark.unit
 SLOW = ("[ab]*a[ab]{40}", "[ab]*b[ab]{40}", "[ab]*c[ab]{40}")  # automata that grow exponentially
@@ -23,13 +24,16 @@ class _GatedWorker:
     """A child whose compile of a regex ends when the test opens that regex's gate."""
     started: list[str] = []
     gates: dict[str, threading.Event] = {}
+    limits: dict[str, float] = {}  # regex -> the time limit its compile was given
 
     def __init__(self, *args):
         pass
 
-    def compile(self, regex: str) -> CompiledGrammar:
+    def compile(self, regex: str, timeout: float) -> CompiledGrammar:
         _GatedWorker.started.append(regex)
-        assert _GatedWorker.gates.setdefault(regex, threading.Event()).wait(30)
+        _GatedWorker.limits[regex] = timeout
+        if not _GatedWorker.gates.setdefault(regex, threading.Event()).wait(min(timeout, 30)):
+            raise CompileTimeout(f"the grammar took longer than {timeout:g} s to compile")
         return CompiledGrammar(None, frozenset())
 
     def close(self) -> None:
@@ -39,7 +43,7 @@ class _GatedWorker:
 @pytest.fixture
 def gated(monkeypatch):
     monkeypatch.setattr(compiler_module, "CompileWorker", _GatedWorker)
-    _GatedWorker.started, _GatedWorker.gates = [], {}
+    _GatedWorker.started, _GatedWorker.gates, _GatedWorker.limits = [], {}, {}
     made = []
 
     def make(**kwargs) -> GrammarCompiler:
@@ -164,6 +168,41 @@ def test_a_key_s_hostile_regexes_hold_up_no_other_key(tiny_model_dir):
 
 
 
+def test_over_http_a_grammar_queued_past_its_limit_is_a_503_and_compiles_when_sent_again(tiny_model_dir):
+    """One child, a 3 s limit: a regex whose automaton never finishes holds the child; a simple
+    one queued behind it is answered 503 (sent again later) when its 3 s run out, not when the
+    slow one's do; the slow one gets its 400 at its own limit; sent again, the simple one is
+    served."""
+    from pageserve.runtime.engine_args import EngineArgs
+    from tests.live_server import InProcessServer
+
+    s = InProcessServer(EngineArgs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01,
+                                   max_model_len=256))
+    slow: list[httpx.Response] = []
+    try:
+        grammar = s.engine.grammar
+        grammar.timeout, grammar.workers, grammar.spares = 3.0, 1, 0
+
+        def post(regex: str) -> httpx.Response:
+            return httpx.post(f"{s.url}/v1/completions", timeout=30, json={
+                "model": s.model, "prompt": "hi", "max_tokens": 3, "structured_outputs": {"regex": regex}})
+
+        holder = threading.Thread(target=lambda: slow.append(post(SLOW[0])))
+        holder.start()
+        _until(lambda: len(grammar._running) == 1, 10)
+        t0 = time.monotonic()
+        r = post("[ab]+")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "server_overloaded" and "busy" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 3.0
+        holder.join(30)
+        assert slow[0].status_code == 400 and "longer than 3 s" in slow[0].text, slow[0].text
+        r = post("[ab]+")
+        assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"a", "b"}, r.text
+    finally:
+        s.stop()
+
+
 def test_a_compile_whose_thread_cannot_start_fails_alone(gated, monkeypatch):
     c = gated(workers=1, spares=0)
     _open("warm")
@@ -211,3 +250,51 @@ def test_the_dispatcher_thread_ends_when_idle(gated, monkeypatch):
     _until(lambda: c._dispatcher is None)
     _open("y")
     assert c.submit("y").result(timeout=10) is not None  # a new one starts
+
+
+def test_a_compile_waiting_for_a_child_fails_busy_within_the_limit(gated):
+    """The limit counts from the request: a grammar queued behind a slow one fails with
+    CompilerBusy when it runs out, without waiting for the slow one to end, and nothing is held
+    against it: sent again with the compiler free, it compiles."""
+    c = gated(workers=1, spares=0, timeout=1.0)
+    slow = c.submit("slow", "A")
+    _until(lambda: _GatedWorker.started == ["slow"])
+    t0 = time.monotonic()
+    queued = c.submit("quick", "A")
+    with pytest.raises(CompilerBusy, match=r"waited 0.9 s \(the limit is 1 s\)"):
+        queued.result(timeout=10)
+    assert time.monotonic() - t0 < 1.0 and not slow.done()
+    assert _GatedWorker.started == ["slow"] and not c._waiting and not c._queued
+    with pytest.raises(UnsupportedSchema, match="longer than 1 s"):  # its own limit: the grammar's fault
+        slow.result(timeout=10)
+    assert "slow" in c._failed
+    _open("quick")
+    assert c.submit("quick", "A").result(timeout=10) is not None
+    assert _GatedWorker.limits["quick"] > 0.9  # the whole limit: it did not wait
+
+
+def test_a_compile_that_waited_gets_what_is_left_and_is_not_blamed_for_running_out(gated):
+    c = gated(workers=1, spares=0, timeout=3.0)
+    c.submit("first", "A")
+    _until(lambda: _GatedWorker.started == ["first"])
+    second = c.submit("second", "A")
+    time.sleep(1.5)
+    _open("first")
+    left = r"waited 1.[56] s and did not compile in the 1.[45] s left of the 3 s limit"
+    with pytest.raises(CompilerBusy, match=left):  # its gate stays shut: it runs out of what was left
+        second.result(timeout=10)
+    assert 1.0 < _GatedWorker.limits["second"] < 1.6
+    assert "second" not in c._failed  # sent again, it compiles anew
+    _open("second")
+    assert c.submit("second", "A").result(timeout=10) is not None
+
+
+def test_a_grammar_two_owners_wait_for_expires_from_both_queues(gated):
+    c = gated(workers=1, spares=0, timeout=0.5)
+    c.submit("held", "A")
+    _until(lambda: _GatedWorker.started == ["held"])
+    shared = c.submit("shared", "A")
+    assert c.submit("shared", "B") is shared
+    with pytest.raises(CompilerBusy):
+        shared.result(timeout=10)
+    assert not c._waiting and not c._queued and "shared" not in c._inflight
