@@ -141,6 +141,7 @@ async def chat_completions(request: Request) -> Response:
             raise bad_request(f"tool calls and {source} cannot be combined; use tool_choice none", source)
         grammar = plan.grammar
     tool_parser = plan.format if plan is not None and plan.parse else None
+    calls_finish = plan.finish if plan is not None else "tool_calls"
     prompt_text, prompt_ids, images = await chat_prompt(state, body)
     thinking = state.reasoning
     if thinking is not None:
@@ -163,7 +164,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         streams = [thinking.stream(prompt_text) for _ in range(body.n)] if thinking is not None else None
         return sse_response(_chunks(state, stream, head, body.n, prompt_ids, stream_usage(body), tool_parser,
-                                    streams, labels, with_ids), stream)
+                                    calls_finish, streams, labels, with_ids), stream)
     try:
         outs = await until_disconnected(request, collect(stream))
     finally:
@@ -183,7 +184,7 @@ async def chat_completions(request: Request) -> Response:
         message.update(content=content, tool_calls=calls)
         return {"index": c.index, "message": message,
                 "logprobs": chat_logprobs(c.logprobs, labels) if c.logprobs is not None else None,
-                "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+                "finish_reason": calls_finish if calls and c.finish_reason == "stop" else c.finish_reason,
                 "stop_reason": c.stop_reason, **({"token_ids": list(c.token_ids)} if with_ids else {})}
 
     def build() -> dict:  # each choice made as it is written
@@ -200,9 +201,10 @@ def _thinking_tokens(state: ServerState, token_ids, reasoned: bool) -> int:
 
 
 async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: list[int],
-                  usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None,
+                  usage_mode: tuple[bool, bool], tool_parser: ToolFormat | None, calls_finish: str,
                   thinking: list[ReasoningStream] | None, labels, with_ids: bool):
-    """`thinking`: each choice's reasoning split, when a reasoning parser is on. `labels`: how
+    """`calls_finish`: the finish_reason of a choice that calls ended (ToolPlan.finish).
+    `thinking`: each choice's reasoning split, when a reasoning parser is on. `labels`: how
     logprob entries name tokens. `with_ids` (return_token_ids): the prompt's token ids on the
     first chunk, and each piece's own on the first chunk made of it."""
     include_usage, continuous = usage_mode
@@ -261,7 +263,7 @@ async def _chunks(state: ServerState, stream, head: dict, n: int, prompt_ids: li
                 # calls cut short (a stop string inside one) are not calls, as in the whole answer
                 parser = parsers[c.index] if parsers is not None else None
                 if parser is not None and parser.num_calls > len(parser.failed_calls) and reason == "stop":
-                    reason = "tool_calls"
+                    reason = calls_finish
                 yield chunk(c.index, {}, reason, c.stop_reason)
     if include_usage:
         yield {"object": "chat.completion.chunk", **head, "choices": [],

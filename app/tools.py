@@ -23,6 +23,9 @@ class ToolPlan:
     grammar: StructuredOutputsParams | None  # None: free text (tool_choice none)
     parse: bool  # turn the output's calls into tool_calls (with format.parse / format.stream_parser())
     format: ToolFormat
+    # a chat reply's finish_reason when its calls end it: "stop" for a named function, as
+    # OpenAI's API and vLLM say there
+    finish: str = "tool_calls"
 
 
 def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool, enable_auto: bool,
@@ -57,4 +60,5 @@ def plan_tools(tools: list | None, tool_choice, parallel_tool_calls: bool, enabl
             regex = fmt.forced_regex(named, False)
     except ValueError as e:  # a parameters schema this format cannot enforce
         raise bad_request(str(e), "tools") from None
-    return ToolPlan(StructuredOutputsParams(regex=regex, source="tools"), True, fmt)
+    return ToolPlan(StructuredOutputsParams(regex=regex, source="tools"), True, fmt,
+                    "tool_calls" if choice in ("auto", "required") else "stop")

@@ -156,6 +156,7 @@ def test_named_tool_and_parallel_calls(server):
             tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=80, temperature=0.9, seed=i)
         calls = r.choices[0].message.tool_calls
         assert [c.function.name for c in calls] == ["add"]
+        assert r.choices[0].finish_reason == "stop"  # a named function's, as OpenAI's API says
         jsonschema.validate(json.loads(calls[0].function.arguments), _schema_of("add"))
     r = client.chat.completions.create(
         model=server.model, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0,
