@@ -4,14 +4,11 @@ arguments"; docs/serving.md's table of them is made from this one."""
 
 from __future__ import annotations
 
-_SAME_TOKENIZER = "the tokenizer is the model's own (its directory's tokenizer files, or its GGUF file's)"
-
 NOT_TAKEN = {
     "--trust-remote-code": "pageserve runs its own code for the architectures it knows (docs/models.md), never "
                            "code from a checkpoint: leave the flag out",
-    "--tokenizer": _SAME_TOKENIZER,
-    "--tokenizer-mode": _SAME_TOKENIZER,
-    "--tokenizer-revision": _SAME_TOKENIZER,
+    "--tokenizer-mode": "the tokenizer loads through transformers' AutoTokenizer, the fast one where its files "
+                        "allow (vLLM's auto)",
     "--load-format": "the weights are read from the model's safetensors or GGUF files, whichever it has",
     "--cpu-offload-gb": "the weights stay on the device; spread a larger model with --tensor-parallel-size or "
                         "--pipeline-parallel-size",

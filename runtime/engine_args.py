@@ -17,8 +17,8 @@ from pageserve.runtime.config import (Backend, CacheConfig, DeviceConfig, Execut
                                       SchedulingPolicy, SpeculativeConfig, cpu_flags,
                                       SECRET_ENV, cpu_has_fast_bf16, parse_dtype)
 from pageserve.runtime.models import registry
-from pageserve.runtime.models.loader import (ModelLoadError, cache_root, eos_token_ids, partial_rotary_factor,
-                                             rope_settings)
+from pageserve.runtime.models.loader import (ModelLoadError, cache_root, eos_token_ids, load_tokenizer,
+                                             partial_rotary_factor, rope_settings, tokenizer_path)
 from pageserve.runtime.pipeline import head_cost, layer_partition
 from pageserve.runtime.pooling import apply_hf_overrides, pooler_config
 from pageserve.triton_kernels import cpu_kernels
@@ -46,6 +46,8 @@ class EngineArgs:
     model: str | None = None
     revision: str | None = None  # of a hub model
     download_dir: str | None = None  # the Hugging Face cache to look in (and download into)
+    tokenizer: str | None = None  # a folder or hub id whose tokenizer replaces the model's own
+    tokenizer_revision: str | None = None  # of a hub tokenizer
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # what the KV cache holds: auto (see resolve_kv_cache_dtype), bfloat16, float32
     quantization: str | None = None  # force the checkpoint's method, or "fp8" made at load time
@@ -138,6 +140,10 @@ class EngineArgs:
         g.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
         g.add_argument("--download-dir", default=None,
                        help="Hugging Face cache folder for hub models (default: $HF_HOME's)")
+        g.add_argument("--tokenizer", default=None,
+                       help="folder or hub id of the tokenizer and chat template to use instead of the model's "
+                            "own (a GGUF file's base model, as vLLM advises)")
+        g.add_argument("--tokenizer-revision", default=None, help="branch, tag or commit of a hub tokenizer")
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32")
         g.add_argument("--quantization", "-q", default=None, metavar="{" + ",".join(quantization.CHOICES) + "}",
@@ -352,9 +358,15 @@ class EngineArgs:
                              f"model's dtype ({str(dtype).removeprefix('torch.')}); leave the flag at auto")
         return kv
 
+    def load_tokenizer(self, model_path):
+        """The model's own tokenizer, or --tokenizer's."""
+        return load_tokenizer(tokenizer_path(self.tokenizer, model_path, self.tokenizer_revision, self.download_dir))
+
     def model_config(self, path, hf: dict, tokenizer, device: torch.device) -> ModelConfig:
         hf = apply_hf_overrides(hf, self.hf_overrides)
         arch = hf["architectures"][0]
+        if self.tokenizer is not None:
+            self._check_tokenizer(tokenizer, arch, hf)
         heads = hf["num_attention_heads"]
         model_max = hf.get("max_position_embeddings", 2048)
         theta, scaling = rope_settings(hf)
@@ -417,6 +429,17 @@ class EngineArgs:
             )
         except KeyError as e:
             raise ModelLoadError(f"{path}/config.json lacks {e.args[0]}") from None
+
+    def _check_tokenizer(self, tokenizer, arch: str, hf: dict) -> None:
+        """--tokenizer's ids must all have rows in the model; an image model's prompts are
+        tokenized by its processor, from its own folder."""
+        if registry.takes_images(arch):
+            raise ModelLoadError(f"--tokenizer: {arch} tokenizes prompts with images by its own processor, "
+                                 "from the model's folder; leave the flag out")
+        rows = hf.get("vocab_size")
+        if isinstance(rows, int) and len(tokenizer) > rows:
+            raise ModelLoadError(f"--tokenizer {self.tokenizer}: its {len(tokenizer)} tokens do not fit the "
+                                 f"model's vocabulary of {rows}: it is not this model's tokenizer")
 
     def pipeline_stages(self, arch: str, hf: dict) -> tuple[int, ...]:
         """Layers per pipeline stage (() without pipeline parallelism); what stages cannot run

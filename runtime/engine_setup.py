@@ -16,7 +16,7 @@ from pageserve.runtime.draft_model import draft_model_config
 from pageserve.runtime.engine_args import GiB, EngineArgs
 from pageserve.runtime.executor import MultiprocExecutor, UniProcExecutor
 from pageserve.runtime.model_runner import ModelRunner, kv_block_bytes
-from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
+from pageserve.runtime.models.loader import read_config, resolve_model
 from pageserve.runtime.worker import kv_pool_blocks
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def build(args: EngineArgs) -> tuple[EngineConfig, object, UniProcExecutor | Mul
         keep_freed_memory()
         bound_onednn_cache()
     path = resolve_model(args.model, args.revision, args.download_dir)
-    tokenizer = load_tokenizer(path)
+    tokenizer = args.load_tokenizer(path)
     model_cfg = args.model_config(path, read_config(path), tokenizer, device.device)
     sched_cfg = args.scheduler_config(model_cfg.max_model_len, device.device)
     speculative = SpeculativeConfig.parse(args.speculative_config)

@@ -37,7 +37,7 @@ from pageserve.runtime.config import CacheConfig, DeviceConfig, ModelConfig, Par
 from pageserve.runtime.engine_args import EngineArgs
 from pageserve.runtime.lora import LoRAError, LoRARequest
 from pageserve.runtime.model_runner import ModelRunner, StepResult
-from pageserve.runtime.models.loader import load_tokenizer, read_config, resolve_model
+from pageserve.runtime.models.loader import read_config, resolve_model
 from pageserve.runtime.ports import free_port
 from pageserve.runtime.scheduler import SchedulerOutput
 
@@ -294,7 +294,7 @@ def run_headless_node(args: EngineArgs) -> int:
                          f"1..{parallel.nnodes - 1}")
     device_cfg = args.resolve_device()
     path = resolve_model(args.model, args.revision, args.download_dir)
-    model_cfg = args.model_config(path, read_config(path), load_tokenizer(path), device_cfg.device)
+    model_cfg = args.model_config(path, read_config(path), args.load_tokenizer(path), device_cfg.device)
     sched_cfg = args.scheduler_config(model_cfg.max_model_len, device_cfg.device)
     procs: list[multiprocessing.process.BaseProcess] = []
     try:

@@ -379,6 +379,6 @@ def test_the_bf16_matmuls_keep_a_bounded_number_of_compiled_shapes():
         out = subprocess.run([sys.executable, "-c", _SHAPES, mode], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         grown[mode] = int(out.stdout.split()[-1])
-    if grown["defaults"] < 50 << 20:
-        pytest.skip(f"torch's bf16 matmul compiles no kernel per shape here ({grown['defaults'] >> 20} MB)")
+        if grown["defaults"] < 50 << 20:  # before the bounded run: half the time where nothing is cached
+            pytest.skip(f"torch's bf16 matmul compiles no kernel per shape here ({grown['defaults'] >> 20} MB)")
     assert grown["bounded"] < grown["defaults"] / 3, grown

@@ -238,3 +238,55 @@ def test_partial_rotary_is_refused_where_transformers_has_none(tmp_path):
     with pytest.raises(ModelLoadError, match=r"LlamaForCausalLM: partial rotary embeddings \(partial_rotary_factor "
                                              r"0.75\) are not served for this architecture"):
         LLM(str(model_dir), dtype="float32", kv_cache_memory=0.01)
+
+
+def test_tokenizer_flag_takes_another_folder_s_tokenizer_and_chat_template(tmp_path, tiny_model_dir, monkeypatch):
+    """--tokenizer (a folder, or a hub id from the cache): the engine tokenizes and renders
+    chats with it, not with the model's own; a hub id's lookup fetches no weights."""
+    from transformers import AutoTokenizer
+
+    from pageserve.runtime import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "ELSEWHERE{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path / "tok")
+    assert "ELSEWHERE" not in (AutoTokenizer.from_pretrained(tiny_model_dir).chat_template or "")
+    llm = LLM(str(tiny_model_dir), tokenizer=str(tmp_path / "tok"), dtype="float32", kv_cache_memory=0.01,
+              swap_space=0)
+    assert llm.tokenizer.chat_template.startswith("ELSEWHERE")
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    snap = hub_cache(tmp_path / "hf" / "hub", "tok-org/tok", tmp_path / "tok")
+    assert loader.tokenizer_path("tok-org/tok", tiny_model_dir) == snap
+    assert loader.tokenizer_path(None, tiny_model_dir) == tiny_model_dir
+    assert "*.safetensors" not in loader._TOKENIZER_FILES and "tokenizer*" in loader._TOKENIZER_FILES
+
+
+def test_a_tokenizer_that_is_not_the_model_s_is_refused(tmp_path, tiny_model_dir):
+    """More tokens than the model has rows: one error line at start-up, naming the flag; a
+    folder that does not exist says so; an image model's processor tokenizes its prompts."""
+    from transformers import AutoTokenizer
+
+    from pageserve.runtime.engine_args import EngineArgs
+    from pageserve.runtime.engine_setup import build
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = len(tok)
+    tok.add_tokens(["<an-extra-token>"])
+    tok.save_pretrained(tmp_path / "bigger")
+    with pytest.raises(ModelLoadError, match=rf"--tokenizer .*bigger: its {rows + 1} tokens do not fit the "
+                                             rf"model's vocabulary of {rows}"):
+        build(EngineArgs(model=str(tiny_model_dir), tokenizer=str(tmp_path / "bigger"), dtype="float32",
+                         kv_cache_memory=0.01))
+    with pytest.raises(ModelLoadError, match="tokenizer not found"):
+        build(EngineArgs(model=str(tiny_model_dir), tokenizer=str(tmp_path / "none"), dtype="float32",
+                         kv_cache_memory=0.01))
+    with pytest.raises(ModelLoadError, match="--tokenizer: LlavaForConditionalGeneration tokenizes prompts with "
+                                             "images by its own processor"):
+        EngineArgs(tokenizer="elsewhere")._check_tokenizer(tok, "LlavaForConditionalGeneration", {})
+    proc = run_cli("serve", "--model", str(tiny_model_dir), "--tokenizer", str(tmp_path / "bigger"),
+                   "--dtype", "float32", "--port", "1")
+    assert proc.returncode == 1 and "do not fit the model's vocabulary" in proc.stderr.strip().splitlines()[-1]

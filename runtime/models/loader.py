@@ -48,20 +48,23 @@ def default_model_path() -> Path:
 
 # what a served model needs from a hub repository (not its other weight formats or docs)
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+_TOKENIZER_FILES = [p for p in _HUB_FILES if p != "*.safetensors"]  # --tokenizer's: no weights
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+                 files: list[str] = _HUB_FILES) -> Path:
     """A model named by its Hugging Face hub id, from the local Hugging Face cache ($HF_HOME,
     or `download_dir`): downloaded through huggingface_hub when it is not there and the network
-    allows it (never with HF_HUB_OFFLINE=1), else one error line saying what to do."""
+    allows it (never with HF_HUB_OFFLINE=1), else one error line saying what to do. `files`:
+    the patterns of what a download fetches."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     # read now, not when huggingface_hub was imported (it takes its settings then)
     home = os.environ.get("HF_HOME")
     cache = download_dir or os.environ.get("HF_HUB_CACHE") or (str(Path(home) / "hub") if home else None)
-    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=_HUB_FILES,
+    kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=files,
               ignore_patterns=["consolidated*.safetensors"])  # Mistral's own layout of the same weights
     try:
         return Path(snapshot_download(local_files_only=True, **kw))
@@ -343,6 +346,21 @@ def iter_safetensors(path: Path):
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types on a damaged file
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from None
+
+
+def tokenizer_path(tokenizer: str | None, model_path: Path, revision: str | None = None,
+                   download_dir: str | None = None) -> Path:
+    """Where the tokenizer loads from: the model's own folder, or `tokenizer` (--tokenizer: a
+    local folder, or a hub id found in or fetched into the Hugging Face cache, at `revision`)."""
+    if tokenizer is None:
+        return model_path
+    path = Path(tokenizer).expanduser()
+    if not path.exists() and _HUB_ID.fullmatch(tokenizer):
+        path = hub_snapshot(tokenizer, revision, download_dir, _TOKENIZER_FILES)
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer not found: {path} (give a folder holding a tokenizer's files, "
+                             "or a hub id such as Qwen/Qwen3-0.6B)")
+    return path
 
 
 def load_tokenizer(path: Path):
