@@ -80,6 +80,9 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.timeout, self.memory_bytes = timeout, memory_bytes
         self.workers, self.spares, self.patience = workers, spares, patience
+        # the wait for a child counts against the limit: a server's requests; not an offline
+        # batch's, which waits for all of its grammars anyway (LLM turns it off)
+        self.wait_counts = True
         self._vocabulary: tuple | None = None  # (eos, tokens), read on the first compile
         self._vocabulary_lock = threading.Lock()
         self._idle: list[CompileWorker] = []
@@ -156,7 +159,7 @@ class GrammarCompiler:
         with self._lock:
             while not self._closed:
                 now = time.monotonic()
-                expiry = self._expire(now)
+                expiry = self._expire(now) if self.wait_counts else None
                 owner, wait = self._next_owner(now)
                 if owner is None:
                     if expiry is not None:
@@ -175,7 +178,8 @@ class GrammarCompiler:
                 self._running[regex] = now
                 self._owners_running[owner] += 1
                 self._served[owner] = next(self._turns)
-                waited = now - self._queued.pop(regex)
+                queued = self._queued.pop(regex)
+                waited = now - queued if self.wait_counts else 0.0
                 try:
                     threading.Thread(target=self._run, args=(regex, owner, waited), name="grammar",
                                      daemon=True).start()

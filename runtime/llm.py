@@ -24,6 +24,7 @@ class LLM:
         startup.reset()  # a server's start-up cut short in this process does not stop this one
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+        self.engine.grammar.wait_counts = False  # a batch's grammars all compile, however many wait
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

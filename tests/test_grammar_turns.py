@@ -298,3 +298,22 @@ def test_a_grammar_two_owners_wait_for_expires_from_both_queues(gated):
     with pytest.raises(CompilerBusy):
         shared.result(timeout=10)
     assert not c._waiting and not c._queued and "shared" not in c._inflight
+
+
+def test_an_offline_batch_s_grammars_wait_without_a_limit(gated, tiny_model_dir):
+    """LLM's compiler: a grammar queued past the limit still compiles, with the whole limit."""
+    c = gated(workers=1, spares=0, timeout=1.0)
+    c.wait_counts = False
+    c.submit("first", "A")
+    _until(lambda: _GatedWorker.started == ["first"])
+    queued = c.submit("second", "A")
+    time.sleep(1.5)
+    assert not queued.done()
+    _open("first")
+    _open("second")
+    assert queued.result(timeout=10) is not None and _GatedWorker.limits["second"] == 1.0
+
+    from pageserve.runtime import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=0.01, swap_space=0)
+    assert llm.engine.grammar.wait_counts is False
