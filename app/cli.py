@@ -92,7 +92,7 @@ def _add_bench(sub) -> None:
         b.set_defaults(func=lambda ns, m=module: getattr(m, "exit_code", lambda result: 0)(m.main(ns)))
 
 
-def _add_serve(sub) -> None:
+def _add_serve(sub) -> argparse.ArgumentParser:
     from pageserve.app import serve
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API", formatter_class=HelpFormatter,
@@ -100,20 +100,36 @@ def _add_serve(sub) -> None:
                                    "Every flag, at more length: docs/serving.md.")
     serve.add_args(p)
     p.set_defaults(func=serve.run)
+    return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config: str | None = None) -> argparse.ArgumentParser:
+    """`config`: serve's --config file, whose values become serve's defaults."""
     parser = argparse.ArgumentParser(prog="pageserve", description="LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
+    serve_parser = _add_serve(sub)
+    if config is not None:
+        from pageserve.app.config_file import apply_config
+
+        apply_config(config, serve_parser)
     _add_generate(sub)
     _add_bench(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pageserve.app.config_file import ConfigFileError, config_path
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config = None
+    try:
+        if argv[:1] == ["serve"]:
+            config, argv = config_path(argv)
+        parser = build_parser(config)
+    except ConfigFileError as e:
+        print(f"pageserve serve: error: {e}", file=sys.stderr)
+        return 2
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         from pageserve.app.vllm_flags import explain

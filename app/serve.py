@@ -50,6 +50,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds that requests in flight may take before they are stopped with an "
                         "error; new requests are refused meanwhile")
     g.add_argument("--disable-frontend", action="store_true", help="do not serve the chat page at /")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML file of these flags, as vLLM's (port: 8001, api-key: [KEY1, KEY2], ...); a flag on "
+                        "the command line too takes the command line's value")
     g.add_argument("--headless", action="store_true",
                    help="with --nnodes above 1, on nodes 1..: run only this node's ranks, no engine and no API; "
                         "give the same model and engine flags as node 0")

@@ -21,7 +21,6 @@ NOT_TAKEN = {
     "--max-logprobs": "logprobs and top_logprobs go up to 20, as in OpenAI's API",
     "--enable-sleep-mode": "the weights and the KV pool stay on the device while the server runs",
     "--root-path": "serve behind a proxy that strips the path prefix",
-    "--config": "flags are read from the command line only, not from a YAML file",
     "--tool-parser-plugin": "the tool-call parsers are built in (--tool-call-parser)",
 }
 
