@@ -4,6 +4,10 @@ arguments"; docs/serving.md's table of them is made from this one."""
 
 from __future__ import annotations
 
+_EVERY_MODEL_EMBEDS = ("every model serves /v1/embeddings, /score and /rerank beside generation, pooled as its "
+                       "sentence-transformers files say or as --pooler-config sets; classification and reward "
+                       "heads are not served")
+
 NOT_TAKEN = {
     "--trust-remote-code": "pageserve runs its own code for the architectures it knows (docs/models.md), never "
                            "code from a checkpoint: leave the flag out",
@@ -22,6 +26,9 @@ NOT_TAKEN = {
     "--enable-sleep-mode": "the weights and the KV pool stay on the device while the server runs",
     "--root-path": "serve behind a proxy that strips the path prefix",
     "--tool-parser-plugin": "the tool-call parsers are built in (--tool-call-parser)",
+    "--task": _EVERY_MODEL_EMBEDS,
+    "--runner": _EVERY_MODEL_EMBEDS,
+    "--convert": _EVERY_MODEL_EMBEDS,
 }
 
 
