@@ -522,15 +522,16 @@ def test_weights_move_into_one_huge_page_buffer():
     assert model[2](model[0](torch.tensor([1, 2]))).shape == (2, 128)
 
 
-def _qwen2_on_c_linears(tmp_path, native, monkeypatch, **overrides) -> Path:
-    """A tiny Qwen2 (q/k/v biases) whose every linear runs the C kernel, as the stack needs."""
+def _qwen2_on_c_linears(tmp_path, native, monkeypatch, arch: str = "qwen2", **overrides) -> Path:
+    """A tiny Qwen2 (q/k/v biases; Qwen3: q/k norms) whose every linear runs the C kernel, as
+    the stack needs."""
     if not native.vectorized:
         pytest.skip("built without AVX2: the layer-by-layer path keeps torch's small ops")
 
     def everywhere(self, weights, reps=3):
         self.use_kernel = [True] * len(linear_plan.ROW_BUCKETS)
     monkeypatch.setattr(linear_plan.LinearPlan, "measure", everywhere)
-    return build_tiny_model(tmp_path / "qwen2", arch="qwen2", **overrides)
+    return build_tiny_model(tmp_path / arch, arch=arch, **overrides)
 
 
 def _record_stack(monkeypatch) -> list[tuple[int, int, int, bool]]:
@@ -548,16 +549,17 @@ def _record_stack(monkeypatch) -> list[tuple[int, int, int, bool]]:
 
 
 @pytest.mark.engine
-def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, monkeypatch, arch):
     """Decode steps and steps of short prompts of a Llama-style model run the decoder stack in
     one C call (Kernels.decoder_stack), each prompt token as a decode of its own position: the
     same logprobs, to the bit, as the layers one by one, at one and at several rows a step,
-    with q/k/v biases, for whole prompts and for the chunks after a prompt's first; a step past
-    STACK_PROMPT_ROWS tokens keeps the layers."""
+    with q/k/v biases (Qwen2) or q/k norms (Qwen3), for whole prompts and for the chunks after
+    a prompt's first; a step past STACK_PROMPT_ROWS tokens keeps the layers."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
-    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch)
+    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch, arch)
     monkeypatch.setattr(kernels, "STACK_PROMPT_ROWS", 128)
     prompts = random_prompts(384)[:5] + [random_prompts(384, seed=1)[9]]  # 5 to 48 tokens, and 160
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -583,20 +585,20 @@ def test_decoder_stack_is_the_layer_by_layer_path_bit_for_bit(tmp_path, native, 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompts_beside_decodes_and_after_cached_blocks_run_the_stack(tmp_path, native, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,arch", [("float32", "qwen2"), ("bfloat16", "qwen2"), ("bfloat16", "qwen3")])
+def test_prompts_beside_decodes_and_after_cached_blocks_run_the_stack(tmp_path, native, monkeypatch, dtype, arch):
     """Prompts that arrive while another request decodes, one of them after the prefix cache's
     blocks of another's prompt: the steps that mix a decode with a prompt of more than 17 tokens,
     and the chunk after the cached positions, run the stack, their attention taking each
     chunk's rows as the layers' prompt attention takes them. Every request's logprobs are those
     of the layers one by one, in float32 and in bfloat16 arithmetic (heads of 32 floats: AMX
-    tiles where the CPU has them)."""
+    tiles where the CPU has them), with Qwen3's q/k norms too."""
     from pageserve.runtime import SamplingParams
     from pageserve.runtime import kernels
 
     if dtype == "bfloat16" and not native.has_bf16_dot:
         pytest.skip("no AVX512-BF16: --dtype bfloat16 is torch's bfloat16 here, with no C kernels")
-    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch, hidden_size=192, num_attention_heads=6,
+    model_dir = _qwen2_on_c_linears(tmp_path, native, monkeypatch, arch, hidden_size=192, num_attention_heads=6,
                                     num_key_value_heads=2)
     a, b = random_prompts(384, seed=2)[2], random_prompts(384, seed=3)[3]  # 17 and 31 tokens
     c = a + random_prompts(384, seed=4)[4][:40]  # a's first block cached, then 41 more
@@ -629,12 +631,12 @@ def test_prompts_beside_decodes_and_after_cached_blocks_run_the_stack(tmp_path, 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("arch,stacked", [("llama", True), ("phi3", True), ("qwen3", False), ("gemma2", False),
+@pytest.mark.parametrize("arch,stacked", [("llama", True), ("phi3", True), ("qwen3", True), ("gemma2", False),
                                           ("mistral", False), ("mixtral", False)])
 def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
-    """q/k norms (Qwen3), Gemma's layers, sliding windows (Mistral's tiny model has one) and
-    experts keep the layer-by-layer path; a plain Llama (Phi-3 too) is one stack, until a layer
-    takes another attention scale."""
+    """Gemma's layers, sliding windows (Mistral's tiny model has one) and experts keep the
+    layer-by-layer path; a plain Llama (Phi-3, and Qwen3 with its q/k norms, too) is one stack,
+    until a layer takes another attention scale."""
     llm = LLM(str(build_tiny_model(tmp_path / arch, arch=arch)), dtype="float32", kv_cache_memory=0.01)
     model = llm.engine.runner.model
     assert (model.stack_weights() is not None) == stacked

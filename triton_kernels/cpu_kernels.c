@@ -17,25 +17,28 @@
    rsqrt(mean(res_out^2) + eps). out may alias x, res_out may alias residual (each element
    is read before it is written); the decoder stack below relies on the second. r16: res_out,
    the normed value and out each rounded to bfloat16, as torch_ops.rms_norm rounds in bfloat16. */
+/* One row of pageserve_rms_norm (rr and orow may be xr: each value is read before it is written). */
+static inline void rms_row(const float *xr, const float *resrow, const float *w, float eps, long H, float *orow,
+                           float *rr, int r16) {
+    float ss = 0.0f;
+    for (long i = 0; i < H; i++) {
+        float v = resrow ? xr[i] + resrow[i] : xr[i];
+        if (r16) v = round_bf16(v);
+        rr[i] = v;
+        ss += v * v;
+    }
+    float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    if (r16)
+        for (long i = 0; i < H; i++) orow[i] = round_bf16(w[i] * round_bf16(rr[i] * inv));
+    else
+        for (long i = 0; i < H; i++) orow[i] = w[i] * (rr[i] * inv);
+}
+
 void pageserve_rms_norm(const float *x, long ldx, const float *residual, long ldr, const float *w,
                         float eps, long T, long H, float *out, float *res_out, long ldo, int r16) {
 #pragma omp parallel for if (T >= PAR_ROWS) schedule(static)
-    for (long t = 0; t < T; t++) {
-        const float *xr = x + t * ldx;
-        float *rr = res_out + t * ldo, *orow = out + t * ldo;
-        float ss = 0.0f;
-        for (long i = 0; i < H; i++) {
-            float v = residual ? xr[i] + residual[t * ldr + i] : xr[i];
-            if (r16) v = round_bf16(v);
-            rr[i] = v;
-            ss += v * v;
-        }
-        float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        if (r16)
-            for (long i = 0; i < H; i++) orow[i] = round_bf16(w[i] * round_bf16(rr[i] * inv));
-        else
-            for (long i = 0; i < H; i++) orow[i] = w[i] * (rr[i] * inv);
-    }
+    for (long t = 0; t < T; t++)
+        rms_row(x + t * ldx, residual ? residual + t * ldr : NULL, w, eps, H, out + t * ldo, res_out + t * ldo, r16);
 }
 
 /* Neox-style RoPE in place on the first R values of each head of x: [T, heads, >= R], token
@@ -249,14 +252,24 @@ void pageserve_lora(const float *x, long ldx, long K, float *out, long ldo, long
 
 /* ---- a decode-only step's whole decoder stack in one call (Llama-style layers) ---- */
 
+/* Each head's RMSNorm in place on x: [T, heads, D], token rows ld_t apart (Qwen3's q/k norms,
+   in the fused qkv rows), as pageserve_rms_norm on the heads as rows. */
+static void head_norms(float *x, long T, long heads, long ld_t, long D, const float *w, float eps, int r16) {
+#pragma omp parallel for if (T * heads >= 16 * PAR_ROWS) schedule(static)
+    for (long r = 0; r < T * heads; r++) {
+        float *row = x + r / heads * ld_t + r % heads * D;
+        rms_row(row, NULL, w, eps, D, row, row, r16);
+    }
+}
+
 /* The layers of a model whose every layer is: RMSNorm (with the residual), fused q/k/v
-   (+ bias), Neox RoPE, paged attention, o_proj, RMSNorm (with the residual), fused gate/up,
+   (+ bias), each head's RMSNorm of q and k (Qwen3; optional), Neox RoPE, paged attention, o_proj, RMSNorm (with the residual), fused gate/up,
    SiLU-and-mul, down; then the final RMSNorm. Each piece is the function above that the
    layer-by-layer path calls, in the same order on the same values, so the output is the
    same to the bit; what goes is the interpreter's time between them.
    x: [T, Hd] the embeddings (T decode tokens, one per request); out: [T, Hd] the final normed
-   hidden states. w: per layer 7 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
-   post-attention norm, gate_up, down), the norms and the bias float32; wtypes: per layer the
+   hidden states. w: per layer 9 pointers (input norm, qkv weight, qkv bias or NULL, o_proj,
+   post-attention norm, gate_up, down, q norm and k norm or NULLs), the norms and the bias float32; wtypes: per layer the
    formats of the four matrices (contiguous rows); packed: per layer the four matrices laid out
    by pageserve_pack_amx (or NULL), or NULL; kv: per layer the K and V caches (kv_format:
    0 float32, 1 bfloat16, 2 float8 e4m3fn); cs: [T, D]
@@ -275,7 +288,7 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
           *gu = attn + T * H * D, *act = gu + T * 2 * I;
     int failed = 0, r16 = (wtypes[0] & W_DOT16) != 0; /* bfloat16 arithmetic: every output rounded */
     for (long l = 0; l < L && !failed; l++) {
-        const void *const *lw = w + 7 * l;
+        const void *const *lw = w + 9 * l;
         const int *ft = wtypes + 4 * l;
         const void *const none[4] = {NULL, NULL, NULL, NULL}, *const *lp = packed ? packed + 4 * l : none;
         if (l == 0)
@@ -285,6 +298,10 @@ int pageserve_decode_layers(const float *x, long T, long Hd, long L, const void 
         if ((failed = pageserve_linear_packed(h, T, Hd, Hd, lw[1], ft[0], QKV, row_stride(ft[0], Hd), lp[0], lw[2], qkv,
                                               QKV)))
             break;
+        if (lw[7]) {
+            head_norms(qkv, T, H, QKV, D, lw[7], eps, r16);
+            head_norms(qkv + H * D, T, Hkv, QKV, D, lw[8], eps, r16);
+        }
         pageserve_rotary(qkv, T, H, QKV, D, D, cs, ld_cs, r16);
         pageserve_rotary(qkv + H * D, T, Hkv, QKV, D, D, cs, ld_cs, r16);
         failed = pageserve_paged_decode(qkv, QKV, qkv + H * D, qkv + (H + Hkv) * D, QKV, kv[2 * l], kv[2 * l + 1],

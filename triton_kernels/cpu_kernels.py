@@ -313,9 +313,10 @@ class CpuKernels:
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "DecodeStack":
         """The decoder stack of a Llama-style model for `decode_layers`: per layer its input
         norm, qkv weight, qkv bias (or None), o_proj, post-attention norm, gate_up and down
-        weights (contiguous; the norms and the bias float32, each matrix in any `weight_format`),
-        and its K/V caches, held by address only: a stack is for the caches it was built with
-        (TorchKernels.decoder_stack keys it on them)."""
+        weights, and optionally the q and k norms of each head (Qwen3) (contiguous; the norms and
+        the bias float32, each matrix in any `weight_format`), and its K/V caches, held by address
+        only: a stack is for the caches it was built with (TorchKernels.decoder_stack keys it on them)."""
+        layers = [tuple(lw) + (None,) * (9 - len(lw)) for lw in layers]  # no q/k norms
         first = layers[0]
         mats = (1, 3, 5, 6)  # the matrices' places in a layer's tuple
 
@@ -337,7 +338,9 @@ class CpuKernels:
         heads = qkv // head_dim - 2 * hkv
         if qkv % head_dim or heads <= 0 or heads % hkv or heads // hkv > 64 or shapes[1][1] != hidden \
                 or shapes[3] != (hidden, heads * head_dim) or shapes[5] != (2 * inter, hidden) \
-                or shapes[6] != (hidden, inter) or (first[2] is not None and shapes[2] != (qkv,)):
+                or shapes[6] != (hidden, inter) or (first[2] is not None and shapes[2] != (qkv,)) \
+                or (first[7] is None) != (first[8] is None) or shapes[7] not in (None, (head_dim,)) \
+                or shapes[8] not in (None, (head_dim,)):
             raise ValueError(f"decode_stack: {heads} query heads over {hkv} KV heads of {head_dim}, "
                              f"weights {shapes}")
         formats = []
@@ -351,7 +354,7 @@ class CpuKernels:
         if not (final_norm.dtype == torch.float32 and final_norm.is_contiguous() and final_norm.numel() == hidden):
             raise ValueError("decode_stack: the final norm")
         ptr = ctypes.c_void_p
-        weights = (ptr * (7 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
+        weights = (ptr * (9 * len(layers)))(*(None if t is None else t.data_ptr() for lw in layers for t in lw))
         packed = [self.packed(lw[j]) for lw in layers for j in mats]  # AMX layouts: the stack keeps them alive
         kv = (ptr * len(caches))(*(c.data_ptr() for c in caches))
         formats = (ctypes.c_int * len(formats))(*(f | self._dot for f in formats))

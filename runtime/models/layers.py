@@ -273,8 +273,8 @@ class CausalLM(nn.Module):
 
     def stack_weights(self) -> list[tuple] | None:
         """Per layer (input norm, qkv weight, qkv bias or None, o_proj, post-attention norm,
-        gate_up, down), where every layer is exactly this file's DecoderLayer with a GatedMLP,
-        no q/k norm, window, soft cap, o_proj or MLP bias, KV-cache scales, partial rotary or other
+        gate_up, down, q norm and k norm or Nones), where every layer is exactly this file's
+        DecoderLayer with a GatedMLP, no window, soft cap, o_proj or MLP bias, KV-cache scales, partial rotary or other
         attention scale than head_dim ** -0.5, on one rank, and the model runs this class's forward:
         the layers a backend may run as one decoder stack (Kernels.decoder_stack). Else None."""
         if type(self).forward is not CausalLM.forward or self.cfg.tp_size != 1 or self.cfg.pp_size != 1 \
@@ -284,12 +284,13 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(layer) is not DecoderLayer or type(mlp) is not GatedMLP or type(attn) is not Attention \
-                    or attn.q_norm is not None or attn.sliding_window or attn.softcap or attn.kv_scales is not None \
+                    or attn.sliding_window or attn.softcap or attn.kv_scales is not None \
                     or attn.scale != self.cfg.head_dim ** -0.5 \
                     or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None:
                 return None
+            heads = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
             out.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight, *heads))
         return out
 
     def embed(self, input_ids: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
