@@ -129,12 +129,30 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _refused(name: str, why: str):
+    """A validator that refuses a vLLM field when it is set: dropped unseen, it would change the
+    output."""
+    def check(cls, value):
+        if value:
+            raise ValueError(why)
+        return value
+    return field_validator(name)(classmethod(check))
+
+
+NO_GRAMMAR = "EBNF grammars are not supported: give a JSON schema, a regex or a choice"
+
+
 class StructuredOutputsFields(_Body):
     """vLLM's `structured_outputs` object: one of these."""
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
     json_object: bool | None = None
+    grammar: Any = None  # refused by name, as structural tags are
+    structural_tag: Any = None
+    _no_grammar = _refused("grammar", NO_GRAMMAR)
+    _no_structural_tag = _refused("structural_tag", "structural tags are not supported: give a JSON schema, a "
+                                                    "regex or a choice, or tools")
 
 
 # a function's name as every tool format here writes it; 128 as Anthropic takes (OpenAI: 64), for MCP names
@@ -162,17 +180,27 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
-def _refused(name: str, why: str):
-    """A validator that refuses a vLLM field when it is set: dropped unseen, it would change the
-    output."""
-    def check(cls, value):
-        if value:
-            raise ValueError(why)
-        return value
-    return field_validator(name)(classmethod(check))
+class TokenFields(_Body):
+    """vLLM's sampling fields that bound or bend which tokens are drawn: chat, completions and
+    the Responses API take them all."""
+    stop_token_ids: Annotated[TokenIds, Field(max_length=256)] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: integer(ge=0) = 0
+    skip_special_tokens: bool = True
+    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
+                         Field(max_length=MAX_STOP)] | None = None
+    # refused by name, not ignored: each would change what is written
+    use_beam_search: bool = False
+    logits_processors: list | None = None
+    _no_beam_search = _refused("use_beam_search", "beam search is not supported: ask for n sequences with "
+                                                  "logprobs and pick")
+    _no_logits_processors = _refused("logits_processors", "custom logits processors are not run: the server "
+                                                          "applies only its own sampling fields")
 
 
-class SamplingFields(_Body):
+class SamplingFields(TokenFields):
     """Sampling fields shared by chat and completions."""
 
     model: str | None = None
@@ -184,18 +212,10 @@ class SamplingFields(_Body):
     seed: integer(ge=0, lt=2 ** 63) | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_LEN)] | Annotated[
         list[Annotated[str, Field(max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[TokenIds, Field(max_length=256)] | None = None
-    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: integer(ge=0) = 0
-    skip_special_tokens: bool = True
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    logit_bias: Annotated[dict[str, float], Field(max_length=1024)] | None = None
-    allowed_token_ids: Annotated[TokenIds, Field(min_length=1, max_length=MAX_ALLOWED_TOKENS)] | None = None
-    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
-                         Field(max_length=MAX_STOP)] | None = None
     prompt_logprobs: integer(ge=0, le=20) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -209,15 +229,10 @@ class SamplingFields(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Any = None
+    _no_guided_grammar = _refused("guided_grammar", NO_GRAMMAR)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids too
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob entries name tokens "token_id:N"
-    # vLLM fields refused by name, not ignored: each would change what is written
-    use_beam_search: bool = False
-    logits_processors: list | None = None
-    _no_beam_search = _refused("use_beam_search", "beam search is not supported: ask for n sequences with "
-                                                  "logprobs and pick")
-    _no_logits_processors = _refused("logits_processors", "custom logits processors are not run: the server "
-                                                          "applies only its own sampling fields")
 
 
 def _not_both_prompts(cls, data):

@@ -8,7 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from pageserve.app.protocol import MAX_STOP, MAX_STOP_LEN, TOOL_NAME, PromptText, _Body, integer
+from pageserve.app.protocol import MAX_STOP, MAX_STOP_LEN, TOOL_NAME, PromptText, TokenFields, _Body, integer
+
+_TEXT_FORMAT = "is chat's and completions' field: the Responses API takes the output's format as text.format"
 
 
 def _only(kind: str, allowed: tuple[str, ...]):
@@ -149,8 +151,15 @@ IncludeValue = Literal["message.output_text.logprobs", "reasoning.encrypted_cont
                        "computer_call_output.output.image_url", "file_search_call.results"]  # OpenAI's
 
 
-class ResponsesRequest(_Body):
+def _chat_format(value, name: str):
+    if value is not None:
+        raise ValueError(f"{name} {_TEXT_FORMAT}")
+    return value
+
+
+class ResponsesRequest(TokenFields):
     """OpenAI's Responses API request; the sampling fields vLLM accepts beyond OpenAI's too."""
+
 
     model: str | None = None
     input: PromptText | Annotated[list[InputItem], Field(min_length=1, max_length=4096),
@@ -186,3 +195,13 @@ class ResponsesRequest(_Body):
     cache_salt: str | None = Field(None, min_length=1)
     priority: integer(ge=-2 ** 63, lt=2 ** 63) = 0
     chat_template_kwargs: dict[str, Any] | None = None
+    # chat's and completions' ways to constrain the output: refused by name, not dropped unseen
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    _no_chat_formats = field_validator(
+        "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")(
+        classmethod(lambda cls, value, info: _chat_format(value, info.field_name)))

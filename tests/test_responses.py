@@ -258,6 +258,11 @@ def test_store_get_delete_and_input_items(srv, client):
      "text.format"),
     ({"input": "hi", "max_output_tokens": 100_000}, None),
     ({"input": []}, "input"),
+    ({"input": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "hi", "guided_regex": "[ab]+"}, "guided_regex"),
+    ({"input": "hi", "structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
+    ({"input": "hi", "use_beam_search": True}, "use_beam_search"),
+    ({"input": "hi", "min_tokens": 3, "allowed_token_ids": [2]}, None),
 ])
 def test_bad_input_is_a_400_naming_the_field(srv, body, param):
     r = httpx.post(f"{srv.url}/v1/responses", json={"model": srv.model, **body}, timeout=30)
@@ -269,6 +274,29 @@ def test_bad_input_is_a_400_naming_the_field(srv, body, param):
     ok = httpx.post(f"{srv.url}/v1/responses", json={"model": srv.model, "input": "hi", "max_output_tokens": 2},
                     timeout=30)
     assert ok.status_code == 200
+
+
+def test_vllm_s_token_fields_bend_the_output_as_on_chat(srv):
+    """allowed_token_ids, logit_bias, bad_words, stop_token_ids and min_tokens are taken, as chat
+    and completions take them (they were dropped unseen)."""
+    def answer(**extra) -> tuple[str, int]:
+        r = httpx.post(f"{srv.url}/v1/responses", timeout=30, json={
+            "model": srv.model, "input": "Say something", "max_output_tokens": 6, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        text = "".join(part["text"] for item in body["output"] for part in item["content"])
+        return text, body["usage"]["output_tokens"]
+
+    a, b = (httpx.post(f"{srv.url}/tokenize", json={"model": srv.model, "prompt": c, "add_special_tokens": False},
+                       timeout=30).json()["tokens"][-1] for c in "ab")
+    text, _ = answer(allowed_token_ids=[a, b])
+    assert text and set(text) <= {"a", "b"}, text
+    assert answer(allowed_token_ids=[a, b], logit_bias={str(a): 100}) == ("aaaaaa", 6)
+    text, n = answer(allowed_token_ids=[a, b], logit_bias={str(a): 100}, bad_words=["a"])
+    assert n == 6 and set(text) == {"b"}, text
+    assert answer(allowed_token_ids=[a, b], logit_bias={str(a): 100}, stop_token_ids=[a]) == ("", 1)
+    text, n = answer(allowed_token_ids=[a, b], logit_bias={str(a): 100}, stop_token_ids=[a], min_tokens=4)
+    assert (text, n) == ("bbbb", 5), text  # the stop token held back for 4 tokens, then taken
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event_then_failed(srv):

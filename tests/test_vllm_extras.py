@@ -165,6 +165,7 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_end(server):
     ("completions", "use_beam_search", True), ("chat/completions", "use_beam_search", True),
     ("completions", "logits_processors", ["my.module:Processor"]),
     ("chat/completions", "chat_template", "{{ messages }}"),
+    ("completions", "guided_grammar", "root ::= 'a'"), ("chat/completions", "guided_grammar", "root ::= 'a'"),
 ])
 def test_what_would_change_the_output_unseen_is_refused_by_name(server, route, field, value):
     body = {"prompt": "hi"} if route == "completions" else {"messages": MESSAGES}
@@ -173,6 +174,14 @@ def test_what_would_change_the_output_unseen_is_refused_by_name(server, route, f
     unset = False if value is True else None
     assert httpx.post(f"{server.url}/v1/{route}", json={**body, "max_tokens": 2, field: unset},
                       timeout=60).status_code == 200
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("key", ["grammar", "structural_tag"])
+def test_grammars_and_structural_tags_are_refused_by_name(server, key):
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "prompt": "hi", "max_tokens": 2, "structured_outputs": {key: "root ::= 'a'"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"structured_outputs.{key}", r.text
 
 
 @pytest.mark.unit
