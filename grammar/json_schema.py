@@ -291,6 +291,12 @@ def ascii_digits(regex: str) -> str:
 _LOOKAROUND = re.compile(r"\(\?(?:[=!]|<[=!])|\\[1-9]|\\[bBAzZ]")
 
 
+# the positions a client's regex may spell out through its counted repetitions ({m,n}, nested ones
+# multiplying): its automaton grows with them, and its compile with them times the vocabulary (the
+# default model's: a{4000} 1.7 s, ((a{1,30}){1,30}){1,30} 58 s, a{99999} past the 60 s limit)
+MAX_REPEAT_POSITIONS = 20_000
+
+
 def check_pattern(pattern, what: str) -> None:
     if not isinstance(pattern, str):
         raise UnsupportedSchema(f"{what} must be a string")
@@ -299,8 +305,37 @@ def check_pattern(pattern, what: str) -> None:
                                 f"boundaries, which structured output cannot enforce")
     try:
         re.compile(pattern)
+        parsed = re._parser.parse(pattern)  # the tree re.compile built (cached by pattern, not kept)
     except re.error as e:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
+    if _positions(parsed) > MAX_REPEAT_POSITIONS:
+        raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) spells out more than {MAX_REPEAT_POSITIONS:,} "
+                                f"positions through its counted repetitions ({{m,n}}), too many to compile; "
+                                f"use smaller counts")
+
+
+_REPEATS = {re._constants.MAX_REPEAT, re._constants.MIN_REPEAT, re._constants.POSSESSIVE_REPEAT}
+
+
+def _positions(items) -> int:
+    """The positions a parsed regex spells out: each repetition its body times its upper count
+    (an unbounded one: its lower count + 1), stopping past MAX_REPEAT_POSITIONS."""
+    total = 0
+    for op, av in items:
+        if op in _REPEATS:
+            lo, hi, body = av
+            total += (lo + 1 if hi == re._constants.MAXREPEAT else max(hi, 1)) * _positions(body)
+        elif op is re._constants.SUBPATTERN:
+            total += _positions(av[-1])
+        elif op is re._constants.ATOMIC_GROUP:
+            total += _positions(av)
+        elif op is re._constants.BRANCH:
+            total += sum(_positions(branch) for branch in av[1])
+        else:
+            total += 1
+        if total > MAX_REPEAT_POSITIONS:
+            break
+    return total
 
 
 PATTERN_CHECK_SECONDS = 0.1  # a schema's enums' values against their patterns (maybe on the event loop)

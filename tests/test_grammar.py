@@ -107,11 +107,16 @@ def test_bounds_with_enum_and_unused_defs():
     (r"^\d{4}$", "[0-9]{4}"), (r"\Ayes|no\z", "yes|no"), (r"a\$", r"a\$"),
     ("(abc)*", "matches the empty string"), ("(yes|no)?", "matches the empty string"),
     ("a(?=b)", "look-around"), ("(unclosed", "not a valid regex"),
+    ("a{20000}", "a{20000}"), ("(ab|cd){500}x+", "(ab|cd){500}x+"),
+    ("a{20001}", "more than 20,000 positions"), ("a{1,99999}", "more than 20,000 positions"),
+    ("((a{1,30}){1,30}){1,30}", "more than 20,000 positions"), ("(?:x|(y{200}){200})z*", "20,000 positions"),
 ])
 def test_client_regexes(regex, result):
+    """Counted repetitions whose positions pass the bound are refused at once (nested counts
+    multiply), not after the compile's time limit."""
     from pageserve.grammar.compiler import regex_for
 
-    if "empty" in result or "look" in result or "valid" in result:
+    if "empty" in result or "look" in result or "valid" in result or "positions" in result:
         with pytest.raises(UnsupportedSchema, match=result):
             regex_for(StructuredOutputsParams(regex=regex))
     else:
@@ -130,6 +135,7 @@ def _nested(schema: dict, key: str, levels: int) -> dict:
     ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not' (at #/properties/a)"),
     ({"type": "string", "format": "hostname"}, "format 'hostname'"),
     ({"type": "string", "pattern": "(?=x)y"}, "look-around"),
+    ({"type": "string", "pattern": "a{99999}"}, "the pattern at # ('a{99999}') spells out more than 20,000"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "leave no integer"),
     ({"type": "integer", "minimum": 1234567891}, "integers that may end at 1234567891"),
     ({"type": "number", "exclusiveMinimum": 1e12}, "integers that may end at 1000000000001"),
