@@ -112,6 +112,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
                              + (": of the float8 formats only e4m3 is" if self.kv_cache_dtype.startswith("fp8") else ""))
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise ValueError("--tokenizer-revision is the revision of --tokenizer's hub id: give --tokenizer too "
+                             "(the model's own tokenizer comes at --revision)")
         PreemptionMode(self.preemption_mode)  # their own checks, before anything loads
         SchedulingPolicy(self.scheduling_policy)
         self.parallel_config()

@@ -263,6 +263,9 @@ def test_tokenizer_flag_takes_another_folder_s_tokenizer_and_chat_template(tmp_p
     assert loader.tokenizer_path("tok-org/tok", tiny_model_dir) == snap
     assert loader.tokenizer_path(None, tiny_model_dir) == tiny_model_dir
     assert "*.safetensors" not in loader._TOKENIZER_FILES and "tokenizer*" in loader._TOKENIZER_FILES
+    # the snapshot a tokenizer's fetch left holds no weights: as a model it is not in the cache
+    with pytest.raises(ModelLoadError, match="model tok-org/tok is not in the Hugging Face cache"):
+        resolve_model("tok-org/tok")
 
 
 def test_a_tokenizer_that_is_not_the_model_s_is_refused(tmp_path, tiny_model_dir):
@@ -281,6 +284,8 @@ def test_a_tokenizer_that_is_not_the_model_s_is_refused(tmp_path, tiny_model_dir
                                              rf"model's vocabulary of {rows}"):
         build(EngineArgs(model=str(tiny_model_dir), tokenizer=str(tmp_path / "bigger"), dtype="float32",
                          kv_cache_memory=0.01))
+    with pytest.raises(ValueError, match="--tokenizer-revision is the revision of --tokenizer's hub id"):
+        EngineArgs(model=str(tiny_model_dir), tokenizer_revision="v2")
     with pytest.raises(ModelLoadError, match="tokenizer not found"):
         build(EngineArgs(model=str(tiny_model_dir), tokenizer=str(tmp_path / "none"), dtype="float32",
                          kv_cache_memory=0.01))

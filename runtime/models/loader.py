@@ -67,7 +67,10 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
     kw = dict(repo_id=repo_id, revision=revision, cache_dir=cache, allow_patterns=files,
               ignore_patterns=["consolidated*.safetensors"])  # Mistral's own layout of the same weights
     try:
-        return Path(snapshot_download(local_files_only=True, **kw))
+        local = Path(snapshot_download(local_files_only=True, **kw))
+        # a tokenizer's fetch (--tokenizer) leaves a snapshot without weights: not the model's
+        if files is _TOKENIZER_FILES or list(local.glob("*.safetensors")):
+            return local
     except LocalEntryNotFoundError:
         pass
     where = cache or "~/.cache/huggingface/hub"
