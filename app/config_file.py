@@ -15,17 +15,25 @@ class ConfigFileError(ValueError):
 
 
 def config_path(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(--config's file, the arguments without it); (None, argv) without the flag."""
-    for i, arg in enumerate(argv):
+    """(--config's file, the arguments without it); (None, argv) without the flag. One file at most."""
+    found, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
         if arg == "--":
+            rest += argv[i:]
             break
-        if arg == "--config":
-            if i + 1 == len(argv):
-                raise ConfigFileError("--config needs a file")
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return None, argv
+        if arg == "--config" or arg.startswith("--config="):
+            if found is not None:
+                raise ConfigFileError("--config is given twice: give one file")
+            if arg == "--config":
+                if i + 1 == len(argv):
+                    raise ConfigFileError("--config needs a file")
+                i += 1
+            found = argv[i] if arg == "--config" else arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return found, rest
 
 
 def apply_config(path: str, parser: argparse.ArgumentParser) -> None:
@@ -57,7 +65,10 @@ def config_args(path: str, parser: argparse.ArgumentParser) -> list[str]:
         flag = "--" + str(key).removeprefix("--").replace("_", "-")
         action = flags.get(flag)
         if action is None or flag == "--config" or flag == "--help":
-            raise ConfigFileError(f"--config {path}: {key!r} is not a flag of pageserve serve")
+            from pageserve.app.vllm_flags import NOT_TAKEN
+
+            why = f"is vLLM's: {NOT_TAKEN[flag]}" if flag in NOT_TAKEN else "is not a flag of pageserve serve"
+            raise ConfigFileError(f"--config {path}: {key!r} {why}")
         try:
             args += _arguments(flag, action, value)
         except ConfigFileError as e:
@@ -66,9 +77,10 @@ def config_args(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _arguments(flag: str, action: argparse.Action, value) -> list[str]:
-    if isinstance(action, argparse.BooleanOptionalAction):
+    if isinstance(action, argparse.BooleanOptionalAction):  # the key may be its --no- form
         _check(isinstance(value, bool), "true or false")
-        return [flag if value else "--no-" + flag[2:]]
+        positive = action.option_strings[0]
+        return [positive if value == (flag == positive) else "--no-" + positive[2:]]
     if action.nargs == 0:  # an on-switch
         _check(isinstance(value, bool), "true or false")
         return [flag] if value else []
@@ -78,15 +90,17 @@ def _arguments(flag: str, action: argparse.Action, value) -> list[str]:
     _check(bool(items), "at least one value")
     texts = [_text(v) for v in items]
     if isinstance(action, argparse._AppendAction):
-        return [part for text in texts for part in (flag, text)]
+        return [f"{flag}={text}" for text in texts]
+    if not many:  # one value, which may start with "-"
+        return [f"{flag}={texts[0]}"]
     return [flag, *texts]
 
 
 def _text(value) -> str:
     if isinstance(value, (dict, list)):  # a JSON flag's value (--speculative-config, --limit-mm-per-prompt)
         return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
+    _check(not isinstance(value, bool), "a value, not true or false (YAML reads yes, no, on and off as those: "
+                                        "quote them)")
     _check(value is not None, "a value")
     return str(value)
 

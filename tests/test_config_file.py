@@ -25,6 +25,9 @@ def test_the_file_s_flags_under_the_command_line_s(tmp_path):
     assert ns.api_key == ["k1", "k2", "k3"] and ns.served_model_name == ["a", "b"]
     assert ns.enable_prefix_caching is False and ns.disable_frontend is True
     assert json.loads(ns.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    (tmp_path / "no.yaml").write_text("no-enable-prefix-caching: true\nno_enable_chunked_prefill: false\n")
+    ns = parse(["serve", "--config", str(tmp_path / "no.yaml")])
+    assert ns.enable_prefix_caching is False and ns.enable_chunked_prefill is True
     ns = parse(["serve", f"--config={tmp_path / 'c.yaml'}", "--no-enable-prefix-caching", "--served-model-name", "z"])
     assert ns.port == 8301 and ns.served_model_name == ["z"]
     assert parse(["serve"]).port == 8000  # the file's values are one parser's, not the next one's
@@ -34,7 +37,7 @@ def test_the_file_s_flags_under_the_command_line_s(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("prot: 1\n", "--config {f}: 'prot' is not a flag of pageserve serve"),
-    ("trust-remote-code: true\n", "--config {f}: 'trust-remote-code' is not a flag of pageserve serve"),
+    ("trust-remote-code: true\n", "--config {f}: 'trust-remote-code' is vLLM's: pageserve runs its own code"),
     ("config: other.yaml\n", "--config {f}: 'config' is not a flag of pageserve serve"),
     ("- port\n", "--config {f}: the file must be a mapping of flag names to values, not a list"),
     ("port: [1, 2]\n", "--config {f}: port: wants one value, not a list"),
@@ -76,3 +79,17 @@ def test_the_docs_yaml_examples_are_flags_serve_takes(tmp_path):
         (tmp_path / f"{i}.yaml").write_text(text)
         args = config_args(str(tmp_path / f"{i}.yaml"), serve_parser())
         serve_parser().parse_args(args)
+
+
+def test_values_that_look_like_flags_or_booleans_and_two_files(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("api-key: '-k3y'\nchat-template: '-x'\n")
+    ns = parse(["serve", "--config", str(tmp_path / "c.yaml")])
+    assert ns.api_key == ["-k3y"] and ns.chat_template == "-x"
+    (tmp_path / "host.yaml").write_text("host: no\n")
+    assert main(["serve", "--config", str(tmp_path / "host.yaml")]) == 2
+    assert "host: wants a value, not true or false" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "c.yaml"), f"--config={tmp_path / 'c.yaml'}"]) == 2
+    assert "--config is given twice" in capsys.readouterr().err
+    (tmp_path / "vllm.yaml").write_text("tokenizer-mode: auto\n")
+    assert main(["serve", "--config", str(tmp_path / "vllm.yaml")]) == 2
+    assert "'tokenizer-mode' is vLLM's: the tokenizer loads through" in capsys.readouterr().err
