@@ -20,6 +20,7 @@ import regex as timed_re  # a search with a timeout: a client's pattern may back
 from outlines_core.json_schema import build_regex_from_schema
 
 from pageserve.grammar.numeric_ranges import MAX_BOUND_DIGITS, MAX_UPPER_DIGITS, TooCostly, range_regex
+from pageserve.grammar.patterns import MAX_REGEX_WEIGHT, BackReference, regex_weight
 
 # between JSON tokens: at most one space. Unbounded whitespace lets a small model loop on
 # newlines forever; none at all makes it write unusual text
@@ -291,16 +292,6 @@ def ascii_digits(regex: str) -> str:
 _LOOKAROUND = re.compile(r"\(\?(?:[=!]|<[=!])|\\[1-9]|\\[bBAzZ]")
 
 
-# what a client's regex may spell out through its counted repetitions ({m,n}, nested ones
-# multiplying), a position weighted by how much of the vocabulary it takes (a literal 1, a class
-# of up to 16 characters 1, of up to 64 4, a broad one such as . [^"] \w 16): its automaton and
-# the compile's walk over the vocabulary grow with both. With SmolLM2's vocabulary, alone on a
-# Xeon: a{2000} 0.9 s, [^"]{1,2000} 12.6 s, .{1,10000} and a{99999} past the 60 s limit, and
-# ((a{1,30}){1,30}){1,30} 58 s (nested counts cost more than their expansion)
-MAX_REGEX_WEIGHT = 10_000
-_NARROW, _MEDIUM = 16, 64  # a class's characters for weights 1 and 4
-
-
 def check_pattern(pattern, what: str) -> None:
     if not isinstance(pattern, str):
         raise UnsupportedSchema(f"{what} must be a string")
@@ -314,61 +305,14 @@ def check_pattern(pattern, what: str) -> None:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is not a valid regex: {e}") from None
     limit = max(MAX_REGEX_WEIGHT, 16 * len(pattern))  # without counted repetitions a regex never reaches it
     try:
-        weight = _weight(parsed, limit)
-    except _BackReference:
+        weight = regex_weight(parsed, limit)
+    except BackReference:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) uses back-references, which structured output "
                                 f"cannot enforce") from None
     if weight > limit:
         raise UnsupportedSchema(f"{what} ({pattern[:100]!r}) is too large to compile: its counted repetitions "
                                 f"({{m,n}}) spell out more than {limit:,} characters' worth (one of a "
                                 f"broad class such as . or [^\"] counts 16); use smaller counts")
-
-
-class _BackReference(Exception):
-    pass
-
-
-_C = re._constants
-_REPEATS = {_C.MAX_REPEAT, _C.MIN_REPEAT, _C.POSSESSIVE_REPEAT}
-_CATEGORY_CHARS = {_C.CATEGORY_DIGIT: 10, _C.CATEGORY_SPACE: 6}  # the rest (\w, \D, \S, \W): broad
-
-
-def _weight(items, limit: int) -> int:
-    """What a parsed regex spells out: each repetition its body times its upper count (an
-    unbounded one: its lower count + 1), each position weighted by its breadth (_class_weight);
-    stops past `limit`. _BackReference for a back-reference."""
-    total = 0
-    for op, av in items:
-        if op in _REPEATS:
-            lo, hi, body = av
-            total += (lo + 1 if hi == _C.MAXREPEAT else max(hi, 1)) * _weight(body, limit)
-        elif op is _C.SUBPATTERN:
-            total += _weight(av[-1], limit)
-        elif op is _C.ATOMIC_GROUP:
-            total += _weight(av, limit)
-        elif op is _C.BRANCH:
-            total += sum(_weight(branch, limit) for branch in av[1])
-        elif op in (_C.GROUPREF, _C.GROUPREF_EXISTS):
-            raise _BackReference
-        elif op is _C.IN:
-            total += _class_weight(av)
-        elif op in (_C.ANY, _C.NOT_LITERAL):
-            total += 16
-        elif op is not _C.AT:
-            total += 1
-        if total > limit:
-            break
-    return total
-
-
-def _class_weight(members) -> int:
-    chars = 0
-    for op, av in members:
-        if op is _C.NEGATE:
-            return 16
-        chars += av[1] - av[0] + 1 if op is _C.RANGE else _CATEGORY_CHARS.get(av, 1 << 16) \
-            if op is _C.CATEGORY else 1
-    return 1 if chars <= _NARROW else 4 if chars <= _MEDIUM else 16
 
 
 PATTERN_CHECK_SECONDS = 0.1  # a schema's enums' values against their patterns (maybe on the event loop)
