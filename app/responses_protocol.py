@@ -160,7 +160,6 @@ def _chat_format(value, name: str):
 class ResponsesRequest(TokenFields):
     """OpenAI's Responses API request; the sampling fields vLLM accepts beyond OpenAI's too."""
 
-
     model: str | None = None
     input: PromptText | Annotated[list[InputItem], Field(min_length=1, max_length=4096),
                                   BeforeValidator(_typed_items)]
