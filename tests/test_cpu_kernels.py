@@ -642,6 +642,13 @@ def test_decoder_stack_only_for_plain_layers(tmp_path, arch, stacked):
     assert (model.stack_weights() is not None) == stacked
     if stacked:
         assert len(model.stack_weights()) == 2
+        if arch == "qwen3":  # a q norm without its k norm never reaches C
+            lib, caches = llm.engine.runner.kernels.cpu_lib, llm.engine.runner.kv_caches
+            layers = model.stack_weights()
+            if lib is not None:
+                lib.decode_stack(layers, model.norm.weight, 1e-6, caches)
+                with pytest.raises(ValueError, match="decode_stack: "):
+                    lib.decode_stack([layers[0][:8] + (None,), layers[1]], model.norm.weight, 1e-6, caches)
         model.layers[1].self_attn.scale *= 2
         assert model.stack_weights() is None
 
