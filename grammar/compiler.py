@@ -5,9 +5,8 @@ handler turns that into a 400). The Index, the slow part (a DFA over the whole v
 from milliseconds to seconds), is compiled off the event loop and the engine thread, in child
 processes with time and memory limits (grammar/worker.py), two at once in turn across API keys,
 within one time limit from the request's arrival (the wait for a child counts), and kept in an
-LRU cache, so the same schema is compiled once; one that failed is not tried
-again. A request whose grammar is still compiling waits in the scheduler without holding up the
-others."""
+LRU cache, so the same schema is compiled once; one that failed is not tried again. A request
+whose grammar is still compiling waits in the scheduler without holding up the others."""
 
 from __future__ import annotations
 
@@ -46,6 +45,10 @@ def regex_for(spec: StructuredOutputsParams) -> str:
 class CompilerBusy(RuntimeError):
     """A grammar's time limit ran out while other grammars held the compiler: nothing is known
     against the grammar, and the request may be sent again (a 503)."""
+
+    def __init__(self, waited: float, what: str):
+        super().__init__(f"the grammar compiler is busy with other grammars: this one waited {waited:.1f} s "
+                         f"{what}; send the request again")
 
 
 class _LRU(OrderedDict):
@@ -203,9 +206,7 @@ class GrammarCompiler:
                     queue.remove(regex)
                     if not queue:
                         del self._waiting[owner]
-            self._inflight.pop(regex).set_exception(CompilerBusy(
-                f"the grammar compiler is busy with other grammars: this one waited {now - since:.1f} s "
-                f"(the limit is {self.timeout:g} s); send the request again"))
+            self._inflight.pop(regex).set_exception(CompilerBusy(now - since, f"(the limit is {self.timeout:g} s)"))
         return first
 
     def _next_owner(self, now: float) -> tuple[str | None, float | None]:
@@ -257,9 +258,8 @@ class GrammarCompiler:
                 raise self._failure(regex, e) from None
             logger.warning("a grammar did not compile in the %.1f s left after waiting %.1f s for the "
                            "compiler", self.timeout - waited, waited)
-            raise CompilerBusy(f"the grammar compiler is busy with other grammars: this one waited {waited:.1f} s "
-                               f"and did not compile in the {self.timeout - waited:.1f} s left of the "
-                               f"{self.timeout:g} s limit; send the request again") from None
+            raise CompilerBusy(waited, f"and did not compile in the {self.timeout - waited:.1f} s left of the "
+                                       f"{self.timeout:g} s limit") from None
         except CompileError as e:
             raise self._failure(regex, e) from None
         finally:
